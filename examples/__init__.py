@@ -1,0 +1,1 @@
+"""The mokv command line and its pipelines."""

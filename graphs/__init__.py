@@ -1,0 +1,1 @@
+"""Model graphs built on mokv's graph-side cache API."""
