@@ -1,0 +1,1 @@
+"""Mojo kernels of mokv: KV cache layouts and the custom ops that use them."""

@@ -1,0 +1,103 @@
+"""Binding graph tensors to cache collections, with the bounds checks that keep
+a bad page id or slot from ever becoming an out-of-bounds write."""
+
+from extensibility import InputTensor, _MutableInputTensor
+
+from .cache import (
+    CacheGeometry,
+    ContinuousBatchingKVCacheCollection,
+    KVCacheT,
+    PagedKVCacheCollection,
+    U32Ptr,
+)
+
+
+def _geometry[dtype: DType](
+    blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
+    cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
+    lookup_table_ptr: U32Ptr,
+) -> CacheGeometry:
+    return CacheGeometry(
+        blocks.unsafe_ptr().unsafe_bitcast[UInt8]().unsafe_origin_cast[MutUntrackedOrigin](),
+        blocks.dim_size(0),
+        blocks.dim_size(2),
+        blocks.dim_size(3),
+        blocks.dim_size(4),
+        blocks.dim_size(5),
+        cache_lengths.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        lookup_table_ptr,
+    )
+
+
+def paged_collection[dtype: DType](
+    blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
+    cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
+    lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],
+) raises -> PagedKVCacheCollection[dtype]:
+    """A paged collection over `blocks` for the batch described by
+    `cache_lengths` `[batch]` and `lookup_table` `[batch, max_pages]`."""
+    if lookup_table.dim_size(0) != cache_lengths.dim_size(0):
+        raise Error(
+            t"lookup_table has {lookup_table.dim_size(0)} rows but"
+            t" cache_lengths has {cache_lengths.dim_size(0)}"
+        )
+    var lut = lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    return PagedKVCacheCollection[dtype](
+        _geometry(blocks, cache_lengths, lut), lookup_table.dim_size(1)
+    )
+
+
+def continuous_collection[dtype: DType](
+    blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
+    cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
+    lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
+) raises -> ContinuousBatchingKVCacheCollection[dtype]:
+    """A continuous-batching collection over `blocks` for the batch described
+    by `cache_lengths` `[batch]` and `lookup_table` `[batch]` (row -> slot)."""
+    if lookup_table.dim_size(0) != cache_lengths.dim_size(0):
+        raise Error(
+            t"lookup_table has {lookup_table.dim_size(0)} rows but"
+            t" cache_lengths has {cache_lengths.dim_size(0)}"
+        )
+    var lut = lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    return ContinuousBatchingKVCacheCollection[dtype](
+        _geometry(blocks, cache_lengths, lut)
+    )
+
+
+def check_layer(layer: Int, num_layers: Int) raises:
+    if layer < 0 or layer >= num_layers:
+        raise Error(t"layer_idx {layer} out of range for {num_layers} layers")
+
+
+def check_token_range[cache_t: KVCacheT](
+    cache: cache_t, bs: Int, start: Int, end: Int
+) raises:
+    """Raises unless tokens `start..end` of row `bs` map to valid blocks."""
+    if end > cache.max_tokens():
+        raise Error(
+            t"row {bs}: token {end - 1} is past the {cache.max_tokens()}"
+            t" tokens its lookup-table row can address"
+        )
+    var tok = start
+    while tok < end:
+        var block = cache.block_index(bs, tok)
+        if block < 0 or block >= cache.num_blocks():
+            raise Error(
+                t"row {bs}: block id {block} for token {tok} is outside the"
+                t" block tensor ({cache.num_blocks()} blocks)"
+            )
+        tok += cache.contiguous_tokens(tok)
+
+
+def check_rows[cache_t: KVCacheT](
+    cache: cache_t,
+    rows: InputTensor[dtype=cache_t.dtype, rank=3, ...],
+    name: StaticString,
+) raises:
+    """Raises unless `rows` is `[tokens, n_kv_heads, head_dim]` of the cache."""
+    if rows.dim_size(1) != cache.num_heads() or rows.dim_size(2) != cache.head_dim():
+        raise Error(
+            t"{name} has shape [*, {rows.dim_size(1)}, {rows.dim_size(2)}] but"
+            t" the cache rows are [*, {cache.num_heads()}, {cache.head_dim()}]"
+        )

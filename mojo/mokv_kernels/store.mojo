@@ -1,0 +1,195 @@
+"""Writing a ragged batch's new keys/values into the cache, and reading token
+rows back out (for tests, host offload and the inspector)."""
+
+import extensibility
+from extensibility import InputTensor, OutputTensor, _MutableInputTensor
+from max.gpu.host import DeviceContext
+from max.gpu.host.info import is_cpu
+from std.memory import unsafe_memcpy
+
+from .bind import (
+    check_layer,
+    check_rows,
+    check_token_range,
+    continuous_collection,
+    paged_collection,
+)
+from .cache import KVCacheT, KVCollectionT, U32Ptr
+
+
+def store_rows[cache_t: KVCacheT](
+    cache: cache_t,
+    new_rows: InputTensor[dtype=cache_t.dtype, rank=3, ...],
+    row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+) raises:
+    """Copies each row's new tokens to positions `cache_length ..
+    cache_length + n` of its sequence, one contiguous run per page."""
+    check_rows(cache, new_rows, "new rows")
+    var batch = row_offsets.dim_size(0) - 1
+    var offsets = row_offsets.unsafe_ptr()
+    for bs in range(batch):
+        var start = Int(offsets[unsafe_offset=bs])
+        var end = Int(offsets[unsafe_offset=bs + 1])
+        var tok = cache.cache_length(bs)
+        check_token_range(cache, bs, tok, tok + end - start)
+    if new_rows.dim_size(0) != Int(offsets[unsafe_offset=batch]):
+        raise Error(
+            t"new rows have {new_rows.dim_size(0)} tokens but input_row_offsets"
+            t" ends at {offsets[unsafe_offset=batch]}"
+        )
+
+    var row = cache.num_heads() * cache.head_dim()
+    var src = new_rows.unsafe_ptr()
+    for bs in range(batch):
+        var start = Int(offsets[unsafe_offset=bs])
+        var n = Int(offsets[unsafe_offset=bs + 1]) - start
+        var tok = cache.cache_length(bs)
+        var done = 0
+        while done < n:
+            var run = min(n - done, cache.contiguous_tokens(tok + done))
+            unsafe_memcpy(
+                dest=cache.row_ptr(bs, tok + done),
+                src=src.unsafe_offset((start + done) * row),
+                count=run * row,
+            )
+            done += run
+
+
+def gather_rows[cache_t: KVCacheT](
+    cache: cache_t,
+    dest: OutputTensor[dtype=cache_t.dtype, rank=3, ...],
+    batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
+    positions: InputTensor[dtype=DType.uint32, rank=1, ...],
+) raises:
+    """Copies token row `positions[i]` of batch row `batch_rows[i]` to
+    `dest[i]`, for every i."""
+    var row = cache.num_heads() * cache.head_dim()
+    var n = dest.dim_size(0)
+    var rows = batch_rows.unsafe_ptr()
+    var pos = positions.unsafe_ptr()
+    for i in range(n):
+        var bs = Int(rows[unsafe_offset=i])
+        var tok = Int(pos[unsafe_offset=i])
+        check_token_range(cache, bs, tok, tok + 1)
+    var dst = dest.unsafe_ptr()
+    for i in range(n):
+        unsafe_memcpy(
+            dest=dst.unsafe_offset(i * row),
+            src=cache.row_ptr(
+                Int(rows[unsafe_offset=i]), Int(pos[unsafe_offset=i])
+            ),
+            count=row,
+        )
+
+
+def store_kv_into[collection_t: KVCollectionT](
+    collection: collection_t,
+    layer_idx: UInt32,
+    keys: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    values: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+) raises:
+    var layer = Int(layer_idx)
+    check_layer(layer, collection.num_layers())
+    store_rows(collection.get_cache(layer, 0), keys, row_offsets)
+    store_rows(collection.get_cache(layer, 1), values, row_offsets)
+
+
+@extensibility.register("mokv.store_kv.paged")
+struct StoreKVPaged:
+    """Stores a ragged batch's new K and V of one layer into a paged cache."""
+
+    @staticmethod
+    def execute[dtype: DType, target: StaticString](
+        blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
+        keys: InputTensor[dtype=dtype, rank=3, ...],
+        values: InputTensor[dtype=dtype, rank=3, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],
+        layer_idx: UInt32,
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_cpu[target](), "mokv's store op runs on CPU only"
+        var collection = paged_collection(blocks, cache_lengths, lookup_table)
+        store_kv_into(collection, layer_idx, keys, values, input_row_offsets)
+
+
+@extensibility.register("mokv.store_kv.continuous")
+struct StoreKVContinuous:
+    """Stores a ragged batch's new K and V of one layer into a
+    continuous-batching cache."""
+
+    @staticmethod
+    def execute[dtype: DType, target: StaticString](
+        blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
+        keys: InputTensor[dtype=dtype, rank=3, ...],
+        values: InputTensor[dtype=dtype, rank=3, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
+        layer_idx: UInt32,
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_cpu[target](), "mokv's store op runs on CPU only"
+        var collection = continuous_collection(blocks, cache_lengths, lookup_table)
+        store_kv_into(collection, layer_idx, keys, values, input_row_offsets)
+
+
+def gather_from[collection_t: KVCollectionT](
+    collection: collection_t,
+    dest: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    layer_idx: UInt32,
+    kv_idx: UInt32,
+    batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
+    positions: InputTensor[dtype=DType.uint32, rank=1, ...],
+) raises:
+    var layer = Int(layer_idx)
+    check_layer(layer, collection.num_layers())
+    if kv_idx > 1:
+        raise Error(t"kv_idx must be 0 (keys) or 1 (values), got {kv_idx}")
+    gather_rows(collection.get_cache(layer, Int(kv_idx)), dest, batch_rows, positions)
+
+
+@extensibility.register("mokv.gather.paged")
+struct GatherPaged:
+    """Reads token rows `(batch_rows[i], positions[i])` of one layer's K or V
+    out of a paged cache into a dense `[n, n_kv_heads, head_dim]` tensor."""
+
+    @staticmethod
+    def execute[dtype: DType, target: StaticString](
+        dest: OutputTensor[dtype=dtype, rank=3, ...],
+        blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],
+        batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
+        positions: InputTensor[dtype=DType.uint32, rank=1, ...],
+        layer_idx: UInt32,
+        kv_idx: UInt32,
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_cpu[target](), "mokv's gather op runs on CPU only"
+        var collection = paged_collection(blocks, cache_lengths, lookup_table)
+        gather_from(collection, dest, layer_idx, kv_idx, batch_rows, positions)
+
+
+@extensibility.register("mokv.gather.continuous")
+struct GatherContinuous:
+    """Reads token rows of one layer's K or V out of a continuous-batching
+    cache into a dense `[n, n_kv_heads, head_dim]` tensor."""
+
+    @staticmethod
+    def execute[dtype: DType, target: StaticString](
+        dest: OutputTensor[dtype=dtype, rank=3, ...],
+        blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
+        batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
+        positions: InputTensor[dtype=DType.uint32, rank=1, ...],
+        layer_idx: UInt32,
+        kv_idx: UInt32,
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_cpu[target](), "mokv's gather op runs on CPU only"
+        var collection = continuous_collection(blocks, cache_lengths, lookup_table)
+        gather_from(collection, dest, layer_idx, kv_idx, batch_rows, positions)

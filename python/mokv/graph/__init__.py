@@ -1,0 +1,20 @@
+"""Graph side of mokv: input types, cache values and op wrappers for model builders."""
+
+from .cache_values import (
+    CacheLayout,
+    ContinuousCacheValues,
+    PagedCacheValues,
+    continuous_input_types,
+    paged_input_types,
+)
+from .ops import gather_kv, store_kv
+
+__all__ = [
+    "CacheLayout",
+    "ContinuousCacheValues",
+    "PagedCacheValues",
+    "continuous_input_types",
+    "gather_kv",
+    "paged_input_types",
+    "store_kv",
+]
