@@ -21,7 +21,7 @@ from mokv.graph import (
     paged_input_types,
     store_kv,
 )
-from tests.reference import cache as ref
+from mokv_reference import cache as ref
 
 CPU_REF = DeviceRef.CPU()
 N_KV_HEADS, HEAD_DIM, NUM_LAYERS = 3, 16, 3
