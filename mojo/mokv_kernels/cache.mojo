@@ -214,3 +214,24 @@ struct ContinuousBatchingKVCacheCollection[dtype: DType](KVCollectionT):
 
     def num_layers(self) -> Int:
         return self.geometry.num_layers
+
+
+@fieldwise_init
+struct OpaqueContinuousCollection(TrivialRegisterPassable):
+    """A continuous-batching collection carried through a graph as one opaque
+    value. MAX 26.7 cannot put a DType parameter on an opaque graph type, so the
+    dtype travels as a field and `typed` checks it against the consumer's."""
+
+    var geometry: CacheGeometry
+    var dtype: DType
+    var is_cache_empty: Bool
+
+    def typed[dtype: DType](
+        self,
+    ) raises -> ContinuousBatchingKVCacheCollection[dtype]:
+        if self.dtype != dtype:
+            raise Error(
+                t"the cache collection holds {self.dtype} but the op was given"
+                t" {dtype} tensors"
+            )
+        return ContinuousBatchingKVCacheCollection[dtype](self.geometry)

@@ -102,11 +102,11 @@ struct StoreKVPaged:
     @staticmethod
     def execute[dtype: DType, target: StaticString](
         blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],
         keys: InputTensor[dtype=dtype, rank=3, ...],
         values: InputTensor[dtype=dtype, rank=3, ...],
         input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
-        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
-        lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],
         layer_idx: UInt32,
         ctx: DeviceContext,
     ) raises:
@@ -123,11 +123,11 @@ struct StoreKVContinuous:
     @staticmethod
     def execute[dtype: DType, target: StaticString](
         blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
         keys: InputTensor[dtype=dtype, rank=3, ...],
         values: InputTensor[dtype=dtype, rank=3, ...],
         input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
-        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
-        lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
         layer_idx: UInt32,
         ctx: DeviceContext,
     ) raises:

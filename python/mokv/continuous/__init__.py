@@ -1,0 +1,5 @@
+"""Continuous-batching KV cache: one fixed slot per sequence."""
+
+from .manager import ContinuousBatchingKVCacheManager
+
+__all__ = ["ContinuousBatchingKVCacheManager"]

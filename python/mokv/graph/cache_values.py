@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol, Sequence
 
 from max.dtype import DType
-from max.graph import BufferType, BufferValue, DeviceRef, TensorType, TensorValue, Value
+from max.graph import BufferType, BufferValue, DeviceRef, Dim, TensorType, TensorValue, Value
 
 
 class CacheShape(Protocol):
@@ -24,16 +24,42 @@ class CacheShape(Protocol):
 
 
 class CacheLayout(Protocol):
-    """What every cache value offers the op wrappers."""
+    """What every cache value offers the op wrappers: which op variant to call
+    and the operands that stand for the cache in it."""
 
     layout: ClassVar[str]
+
+    @property
+    def device(self) -> DeviceRef: ...
+
+    def operands(self) -> list[Value]: ...
+
+    def row_type(self, rows: int | str | Dim) -> TensorType:
+        """The type of `rows` token rows `[rows, kv_heads, head_dim]` of this cache."""
+        ...
+
+
+class _ComponentCache:
+    """Shared by the caches passed as their component tensors."""
+
     blocks: BufferValue
     cache_lengths: TensorValue
     lookup_table: TensorValue
 
+    @property
+    def device(self) -> DeviceRef:
+        return self.blocks.device
+
+    def operands(self) -> list[Value]:
+        return [self.blocks, self.cache_lengths, self.lookup_table]
+
+    def row_type(self, rows: int | str | Dim) -> TensorType:
+        shape = self.blocks.shape
+        return TensorType(self.blocks.dtype, [rows, shape[4], shape[5]], self.blocks.device)
+
 
 @dataclass(frozen=True)
-class PagedCacheValues:
+class PagedCacheValues(_ComponentCache):
     """A paged cache inside a graph, in the order `runtime_inputs` produces it.
 
     `blocks` `[total_pages + 1, 2, layers, page_size, kv_heads, head_dim]`,
@@ -57,7 +83,7 @@ class PagedCacheValues:
 
 
 @dataclass(frozen=True)
-class ContinuousCacheValues:
+class ContinuousCacheValues(_ComponentCache):
     """A continuous-batching cache inside a graph.
 
     `blocks` `[slots, 2, layers, max_seq_len, kv_heads, head_dim]`,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from max.dtype import DType
-from max.graph import DeviceRef, TensorType, TensorValue, ops
+from max.graph import DeviceRef, TensorValue, ops
 
 from .cache_values import CacheLayout
 
@@ -29,16 +29,8 @@ def store_kv(
     sequences."""
     ops.inplace_custom(
         f"mokv.store_kv.{cache.layout}",
-        device=cache.blocks.device,
-        values=[
-            cache.blocks,
-            keys,
-            values,
-            input_row_offsets,
-            cache.cache_lengths,
-            cache.lookup_table,
-            _scalar(layer_idx),
-        ],
+        device=cache.device,
+        values=[*cache.operands(), keys, values, input_row_offsets, _scalar(layer_idx)],
     )
 
 
@@ -52,22 +44,10 @@ def gather_kv(
     """Reads token `positions[i]` of batch row `batch_rows[i]` (both uint32
     `[n]`) from layer `layer_idx`'s keys (`kv_idx` 0) or values (1) as a dense
     `[n, kv_heads, head_dim]` tensor."""
-    blocks = cache.blocks
-    out_type = TensorType(
-        blocks.dtype, [positions.shape[0], blocks.shape[4], blocks.shape[5]], blocks.device
-    )
     (rows,) = ops.inplace_custom(
         f"mokv.gather.{cache.layout}",
-        device=blocks.device,
-        values=[
-            blocks,
-            cache.cache_lengths,
-            cache.lookup_table,
-            batch_rows,
-            positions,
-            _scalar(layer_idx),
-            _scalar(kv_idx),
-        ],
-        out_types=[out_type],
+        device=cache.device,
+        values=[*cache.operands(), batch_rows, positions, _scalar(layer_idx), _scalar(kv_idx)],
+        out_types=[cache.row_type(positions.shape[0])],
     )
     return rows.tensor

@@ -1,0 +1,68 @@
+"""The opaque continuous-batching collection: built once per graph from the four
+fetched tensors, then handed to every store/gather op as a single operand."""
+
+import extensibility
+from extensibility import InputTensor, OutputTensor, _MutableInputTensor
+from max.gpu.host import DeviceContext
+from max.gpu.host.info import is_cpu
+
+from .bind import continuous_collection
+from .cache import OpaqueContinuousCollection
+from .store import gather_from, store_kv_into
+
+
+@extensibility.register("mokv.collection.continuous")
+struct FetchContinuousCollection:
+    """Turns (blocks, cache_lengths, lookup_table, is_cache_empty) into the
+    opaque collection value."""
+
+    @staticmethod
+    def execute[dtype: DType, target: StaticString](
+        blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
+        is_cache_empty: Bool,
+        ctx: DeviceContext,
+    ) raises -> OpaqueContinuousCollection:
+        comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
+        var typed = continuous_collection(blocks, cache_lengths, lookup_table)
+        return OpaqueContinuousCollection(typed.geometry, dtype, is_cache_empty)
+
+
+@extensibility.register("mokv.store_kv.continuous_collection")
+struct StoreKVContinuousCollection:
+    """`mokv.store_kv.continuous` taking the opaque collection."""
+
+    @staticmethod
+    def execute[dtype: DType, target: StaticString](
+        collection: OpaqueContinuousCollection,
+        keys: InputTensor[dtype=dtype, rank=3, ...],
+        values: InputTensor[dtype=dtype, rank=3, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        layer_idx: UInt32,
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
+        store_kv_into(
+            collection.typed[dtype](), layer_idx, keys, values, input_row_offsets
+        )
+
+
+@extensibility.register("mokv.gather.continuous_collection")
+struct GatherContinuousCollection:
+    """`mokv.gather.continuous` taking the opaque collection."""
+
+    @staticmethod
+    def execute[dtype: DType, target: StaticString](
+        dest: OutputTensor[dtype=dtype, rank=3, ...],
+        collection: OpaqueContinuousCollection,
+        batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
+        positions: InputTensor[dtype=DType.uint32, rank=1, ...],
+        layer_idx: UInt32,
+        kv_idx: UInt32,
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
+        gather_from(
+            collection.typed[dtype](), dest, layer_idx, kv_idx, batch_rows, positions
+        )
