@@ -21,12 +21,14 @@ struct FetchContinuousCollection:
         blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
-        is_cache_empty: Bool,
+        is_cache_empty: Scalar[DType.bool],
         ctx: DeviceContext,
     ) raises -> OpaqueContinuousCollection:
         comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
         var typed = continuous_collection(blocks, cache_lengths, lookup_table)
-        return OpaqueContinuousCollection(typed.geometry, dtype, is_cache_empty)
+        return OpaqueContinuousCollection(
+            typed.geometry, dtype, Bool(is_cache_empty)
+        )
 
 
 @extensibility.register("mokv.store_kv.continuous_collection")

@@ -7,10 +7,18 @@ from .cache_values import (
     continuous_input_types,
     paged_input_types,
 )
+from .continuous_collection import (
+    ContinuousBatchingKVCacheCollection,
+    ContinuousBatchingKVCacheCollectionType,
+    FetchContinuousBatchingKVCacheCollection,
+)
 from .ops import gather_kv, store_kv
 
 __all__ = [
     "CacheLayout",
+    "ContinuousBatchingKVCacheCollection",
+    "ContinuousBatchingKVCacheCollectionType",
+    "FetchContinuousBatchingKVCacheCollection",
     "ContinuousCacheValues",
     "PagedCacheValues",
     "continuous_input_types",

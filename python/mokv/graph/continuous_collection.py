@@ -5,7 +5,6 @@ store/gather op takes as a single operand."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar
 
 from max.graph import DeviceRef, Dim, TensorType, TensorValue, Value, _OpaqueType, _OpaqueValue, ops
@@ -13,11 +12,9 @@ from max.graph import DeviceRef, Dim, TensorType, TensorValue, Value, _OpaqueTyp
 from .cache_values import CacheShape
 
 
-@dataclass
-class ContinuousBatchingKVCacheCollectionType(_OpaqueType):
+def ContinuousBatchingKVCacheCollectionType() -> _OpaqueType:
     """Graph type of the collection; names the Mojo struct that carries it."""
-
-    name: str = "OpaqueContinuousCollection"
+    return _OpaqueType("OpaqueContinuousCollection")
 
 
 class ContinuousBatchingKVCacheCollection(_OpaqueValue):
