@@ -1,0 +1,26 @@
+"""mokv: a Mojo- and MAX-graph-native KV cache for LLM inference."""
+
+from .buffer import KVCacheBuffer, KVCacheMemory, ReplicatedKVCacheMemory
+from .context import TextContext
+from .metrics import KVCacheMetrics
+from .paged import (
+    BatchCharacteristics,
+    InsufficientBlocksError,
+    PagedCacheInputs,
+    PagedKVCacheManager,
+)
+from .params import KVCacheParams, KVCacheStrategy
+
+__all__ = [
+    "BatchCharacteristics",
+    "InsufficientBlocksError",
+    "KVCacheBuffer",
+    "KVCacheMemory",
+    "KVCacheMetrics",
+    "KVCacheParams",
+    "KVCacheStrategy",
+    "PagedCacheInputs",
+    "PagedKVCacheManager",
+    "ReplicatedKVCacheMemory",
+    "TextContext",
+]

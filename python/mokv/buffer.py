@@ -1,0 +1,172 @@
+"""The memory behind one data-parallel replica's KV cache.
+
+`KVCacheBuffer` holds one block tensor per tensor-parallel shard (plus optional
+quantization scales). `to_memory()` re-views every tensor as raw pages,
+`[num_pages, bytes_per_page]` uint8, so code that moves pages between tiers
+(the host tier, a transfer engine) never needs to know dtypes or layouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from max.driver import Buffer
+from max.dtype import DType
+from max.graph import DeviceRef
+
+from .params import KVCacheParams
+
+
+def _check_page_view(buffer: Buffer, what: str) -> None:
+    if buffer.dtype != DType.uint8 or buffer.rank != 2:
+        raise ValueError(
+            f"{what} must be a 2-D uint8 [num_pages, bytes_per_page] buffer, "
+            f"got {buffer.dtype} with shape {tuple(buffer.shape)}"
+        )
+
+
+def _as_pages(buffer: Buffer) -> Buffer:
+    """Views `buffer` as `[num_pages, bytes_per_page]` uint8 (dim 0 = pages)."""
+    num_pages = buffer.shape[0]
+    page_bytes = buffer.num_elements * buffer.dtype.size_in_bytes // num_pages
+    return buffer.view(DType.uint8, [num_pages, page_bytes])
+
+
+@dataclass(frozen=True)
+class KVCacheMemory:
+    """One tensor's pages as raw bytes: `[num_pages, bytes_per_page]` uint8."""
+
+    buffer: Buffer
+
+    def __post_init__(self) -> None:
+        _check_page_view(self.buffer, "KVCacheMemory.buffer")
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the tensor (null page included)."""
+        return self.buffer.shape[0]
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes of one page."""
+        return self.buffer.shape[1]
+
+    @property
+    def copies(self) -> list[Buffer]:
+        """Every buffer a restored page must be written to."""
+        return [self.buffer]
+
+
+@dataclass(frozen=True)
+class ReplicatedKVCacheMemory(KVCacheMemory):
+    """Identical TP shards kept as one unit: read `buffer`, write all `copies`."""
+
+    peers: list[Buffer] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.peers:
+            raise ValueError("ReplicatedKVCacheMemory needs at least one peer buffer")
+        for i, peer in enumerate(self.peers):
+            _check_page_view(peer, f"peer {i}")
+            if peer.shape != self.buffer.shape:
+                raise ValueError(
+                    f"peer {i} has shape {tuple(peer.shape)}, "
+                    f"the root has {tuple(self.buffer.shape)}"
+                )
+
+    @property
+    def copies(self) -> list[Buffer]:
+        """The root and every peer."""
+        return [self.buffer, *self.peers]
+
+
+def _check_uniform(buffers: Sequence[Buffer], what: str) -> None:
+    dtypes = {b.dtype for b in buffers}
+    if len(dtypes) > 1:
+        raise ValueError(f"all {what} must share a dtype, got {sorted(map(str, dtypes))}")
+    shapes = {tuple(b.shape) for b in buffers}
+    if len(shapes) > 1:
+        raise ValueError(f"all {what} must share a shape, got {sorted(shapes)}")
+    for i, b in enumerate(buffers):
+        if b.rank < 1 or not b.is_contiguous:
+            raise ValueError(f"{what}[{i}] must be a contiguous buffer with a page dimension")
+
+
+@dataclass
+class KVCacheBuffer:
+    """The KV buffers of one data-parallel replica, one per TP shard.
+
+    Args:
+        replicates_kv_across_tp: True when every shard holds the same bytes
+            (MLA-style), False when shards split the KV heads.
+        values: One block tensor per TP shard; dim 0 indexes pages.
+        scales: Optional per-shard quantization scales, paged like `values`.
+    """
+
+    replicates_kv_across_tp: bool
+    values: list[Buffer]
+    scales: list[Buffer] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.values:
+            raise ValueError("values must hold at least one buffer")
+        if self.replicates_kv_across_tp and len(self.values) < 2:
+            raise ValueError(
+                f"replicates_kv_across_tp=True needs at least 2 TP shards, got {len(self.values)}"
+            )
+        _check_uniform(self.values, "values")
+        if self.scales is None:
+            return
+        if len(self.scales) != len(self.values):
+            raise ValueError(
+                f"scales has {len(self.scales)} buffers, values has {len(self.values)}"
+            )
+        _check_uniform(self.scales, "scales")
+        if self.scales[0].shape[0] != self.values[0].shape[0]:
+            raise ValueError(
+                f"scales have {self.scales[0].shape[0]} pages, "
+                f"values have {self.values[0].shape[0]}"
+            )
+        for i, (value, scale) in enumerate(zip(self.values, self.scales, strict=True)):
+            if value.device != scale.device:
+                raise ValueError(f"shard {i}: values on {value.device}, scales on {scale.device}")
+
+    @classmethod
+    def allocate(
+        cls, params: KVCacheParams, num_pages: int, devices: Sequence[DeviceRef]
+    ) -> KVCacheBuffer:
+        """Zero-filled block tensors of `num_pages` pages, one per device in `devices`."""
+        values = [
+            Buffer.zeros(params.block_shape(num_pages), params.dtype, device=ref.to_device())
+            for ref in devices
+        ]
+        return cls(replicates_kv_across_tp=False, values=values)
+
+    @property
+    def all_buffers(self) -> list[Buffer]:
+        """Every value buffer, then every scale buffer."""
+        return [*self.values, *(self.scales or [])]
+
+    @property
+    def total_num_pages(self) -> int:
+        """Pages in each buffer (values and scales agree; null page included)."""
+        return self.values[0].shape[0]
+
+    def to_memory(self) -> list[KVCacheMemory]:
+        """Offload-ready units: per kind (values, scales) and per TP group.
+
+        Sharded buffers give one `KVCacheMemory` per shard; replicated shards
+        give one `ReplicatedKVCacheMemory` whose peers are the other shards.
+        """
+        units: list[KVCacheMemory] = []
+        for kind in (self.values, self.scales):
+            if kind is None:
+                continue
+            pages = [_as_pages(b) for b in kind]
+            if self.replicates_kv_across_tp:
+                units.append(ReplicatedKVCacheMemory(pages[0], peers=pages[1:]))
+            else:
+                units.extend(KVCacheMemory(p) for p in pages)
+        return units

@@ -1,0 +1,41 @@
+"""Counters a KV cache manager keeps so callers can see how well the cache works."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class KVCacheMetrics:
+    """Token and transfer counters of one replica (or, summed, of a manager)."""
+
+    input_tokens: int = 0
+    """Tokens the model had to compute (cache misses), counted at each `alloc`."""
+
+    cache_tokens: int = 0
+    """Prompt tokens served from the prefix cache (device or host tier)."""
+
+    h2d_blocks_copied: int = 0
+    """Blocks copied back from the host tier to serve a prefix hit."""
+
+    d2h_blocks_copied: int = 0
+    """Evicted device blocks copied to the host tier."""
+
+    @property
+    def prompt_tokens(self) -> int:
+        """All tokens asked for: computed plus served from cache."""
+        return self.input_tokens + self.cache_tokens
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Share of `prompt_tokens` served from cache (0.0 when nothing ran)."""
+        total = self.prompt_tokens
+        return self.cache_tokens / total if total else 0.0
+
+    def __add__(self, other: KVCacheMetrics) -> KVCacheMetrics:
+        """Field-wise sum, used to aggregate replicas."""
+        if not isinstance(other, KVCacheMetrics):
+            return NotImplemented
+        return KVCacheMetrics(
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        )
