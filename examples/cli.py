@@ -13,3 +13,8 @@ def main() -> None:
 @main.group()
 def bench() -> None:
     """Benchmarks that compare mokv with MAX's own KV cache side by side."""
+
+
+from mokv_examples.bench_manager import manager as _bench_manager
+
+bench.add_command(_bench_manager)

@@ -1,0 +1,132 @@
+"""mokv's manager and MAX 26.7's own `PagedKVCacheManager`, in lockstep.
+
+Both implement the same policy (vLLM v1 style: LRU free queue, tail-first
+release, commit on step, dedup), so on the same workload they must hand out the
+very same block ids, keep the same number of blocks free, fail the same
+allocations, count the same tokens and build the same lookup tables.
+
+Two deliberate differences are kept out of the comparison: MAX counts a failed
+allocation's tokens as computed input, and a failed admission in MAX takes its
+prefix hits out of the free queue and puts them back at the end (mokv leaves
+both untouched). So admissions here only happen when they must fit, and MAX's
+input tokens are compared net of its failed allocations.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("max.pipelines.kv_cache")
+
+from mokv_examples.bench_manager import MaxBackend, MokvBackend  # noqa: E402
+
+
+class Lockstep:
+    """Applies every operation to both managers and compares what they report."""
+
+    def __init__(self, page_size: int, total_num_pages: int, max_batch_size: int) -> None:
+        self.ours = MokvBackend(page_size, total_num_pages, max_batch_size)
+        self.theirs = MaxBackend(page_size, total_num_pages, max_batch_size)
+        self.live: dict[str, tuple[object, object]] = {}
+        self.max_failed_input_tokens = 0
+
+    def check(self) -> None:
+        assert self.ours.num_free_blocks() == self.theirs.num_free_blocks()
+        for rid, (a, b) in self.live.items():
+            assert self.ours.blocks(a) == self.theirs.blocks(b), rid
+            assert a.processed_length == b.tokens.processed_length, rid
+
+    def admit(self, rid: str, prompt: np.ndarray) -> None:
+        """claim + alloc on both."""
+        pair = (self.ours.new_context(rid, prompt), self.theirs.new_context(rid, prompt))
+        self.ours.claim(pair[0])
+        self.theirs.claim(pair[1])
+        self.live[rid] = pair
+        assert self.alloc(rid)
+
+    def alloc(self, rid: str) -> bool:
+        """alloc on both; both must succeed or both fail."""
+        max_input_before = self.theirs.manager.get_metrics_aggregated().input_tokens
+        outcomes = []
+        for backend, c in zip((self.ours, self.theirs), self.live[rid], strict=True):
+            try:
+                backend.alloc(c)
+                outcomes.append(True)
+            except Exception as e:  # MAX raises its own InsufficientBlocksError class
+                assert "block" in str(e).lower() or "pages" in str(e).lower(), e
+                outcomes.append(False)
+        assert outcomes[0] == outcomes[1], f"{rid}: mokv ok={outcomes[0]}, MAX ok={outcomes[1]}"
+        if not outcomes[0]:
+            max_input = self.theirs.manager.get_metrics_aggregated().input_tokens
+            self.max_failed_input_tokens += max_input - max_input_before
+        self.check()
+        return outcomes[0]
+
+    def decode(self, token_of: dict[str, int]) -> None:
+        """One model step for every live request: runtime inputs, update, step."""
+        ours = [a for a, _ in self.live.values()]
+        theirs = [b for _, b in self.live.values()]
+        (mine,) = self.ours.runtime_inputs(ours)
+        (ref,) = self.theirs.runtime_inputs(theirs)
+        compare_inputs(mine, ref, self.ours.manager.total_num_pages)
+        for rid, (a, b) in self.live.items():
+            a.update(token_of[rid])
+            b.update(token_of[rid])
+        self.ours.step(ours)
+        self.theirs.step(theirs)
+        self.check()
+
+    def release(self, rid: str) -> None:
+        a, b = self.live.pop(rid)
+        self.ours.release(a)
+        self.theirs.release(b)
+        self.check()
+
+
+def compare_inputs(mine, ref, null_page: int) -> None:
+    """MAX pads its lookup table to a SIMD-friendly width; the rest must match."""
+    table = mine.lookup_table.to_numpy()
+    ref_table = ref.lookup_table.to_numpy()
+    width = table.shape[1]
+    np.testing.assert_array_equal(table, ref_table[:, :width])
+    assert (ref_table[:, width:] == null_page).all()
+    np.testing.assert_array_equal(mine.cache_lengths.to_numpy(), ref.cache_lengths.to_numpy())
+    max_new, max_context = mine.max_lengths.to_numpy()[0]
+    assert max_new == ref.max_prompt_length.to_numpy()[0]
+    assert max_context == ref.max_cache_length.to_numpy()[0]
+
+
+@pytest.mark.parametrize(
+    ("page_size", "total_num_pages", "prompt_scale"),
+    [(1, 150, 1), (3, 50, 1), (16, 20, 4), (128, 10, 24)],
+)
+def test_random_workload_matches_max(
+    page_size: int, total_num_pages: int, prompt_scale: int
+) -> None:
+    rng = np.random.default_rng(page_size)
+    run = Lockstep(page_size, total_num_pages, max_batch_size=8)
+    prefixes = [rng.integers(0, 4, size=prompt_scale * rng.integers(4, 40)) for _ in range(3)]
+    failures = 0
+    for i in range(120):
+        suffix = rng.integers(0, 4, size=prompt_scale * rng.integers(1, 8))
+        prompt = np.concatenate([prefixes[rng.integers(3)], suffix])
+        fits = -(-len(prompt) // page_size) <= run.ours.num_free_blocks()
+        roll = rng.random()
+        if run.live and (roll < 0.15 or len(run.live) >= 8):
+            run.release(list(run.live)[rng.integers(len(run.live))])
+        elif run.live and (roll < 0.6 or not fits):
+            run.decode({rid: int(rng.integers(0, 4)) for rid in run.live})
+            for rid in list(run.live):
+                if not run.alloc(rid):
+                    run.release(rid)
+                    failures += 1
+        else:
+            run.admit(f"r{i}", prompt)
+    for rid in list(run.live):
+        run.release(rid)
+    ours = run.ours.manager.get_metrics_aggregated()
+    theirs = run.theirs.manager.get_metrics_aggregated()
+    assert ours.cache_tokens == theirs.cache_tokens > 0
+    assert ours.input_tokens == theirs.input_tokens - run.max_failed_input_tokens
+    assert failures > 0  # the workload ran out of blocks
