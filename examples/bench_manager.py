@@ -25,8 +25,8 @@ import numpy as np
 from max.driver import CPU
 from max.dtype import DType
 from max.engine import InferenceSession
-from max.graph import DeviceRef
 from mokv import KVCacheParams, PagedKVCacheManager, TextContext
+from mokv_reference.max_manager import MaxBackend
 
 OPS = ("claim", "alloc", "runtime_inputs", "step", "release")
 _VOCAB = 32000
@@ -122,67 +122,6 @@ class MokvBackend:
 
     def num_free_blocks(self) -> int:
         return self.manager.num_free_blocks(0)
-
-    def hit_rate(self) -> float:
-        return self.manager.get_metrics_aggregated().cache_hit_rate
-
-
-class MaxBackend:
-    """MAX 26.7's own `PagedKVCacheManager` (needs `max[serve]`), the reference."""
-
-    def __init__(self, page_size: int, total_num_pages: int, max_batch_size: int) -> None:
-        from max.nn.kv_cache import MHAKVCacheParams
-        from max.pipelines.kv_cache import PagedKVCacheManager as MaxManager
-
-        params = MHAKVCacheParams(
-            dtype=DType.float32,
-            n_kv_heads=1,
-            head_dim=8,
-            num_layers=1,
-            page_size=page_size,
-            devices=[DeviceRef.CPU()],
-            enable_prefix_caching=True,
-        )
-        self.manager = MaxManager(
-            params=params,
-            session=InferenceSession(devices=[CPU()]),
-            total_num_pages=total_num_pages,
-            max_batch_size=max_batch_size,
-        )
-
-    def new_context(self, request_id: str, tokens: np.ndarray) -> Any:
-        from max.pipelines.context import TextContext as MaxContext
-        from max.pipelines.context import TokenBuffer
-        from max.pipelines.modeling.types import RequestID
-
-        return MaxContext(
-            request_id=RequestID(request_id),
-            max_length=1 << 20,
-            tokens=TokenBuffer(tokens.copy()),
-        )
-
-    def claim(self, ctx: Any) -> None:
-        self.manager.claim(ctx, 0)
-
-    def alloc(self, ctx: Any) -> None:
-        self.manager.alloc(ctx)
-
-    def runtime_inputs(self, batch: list[Any]) -> Any:
-        return self.manager.runtime_inputs([batch])
-
-    def step(self, batch: list[Any]) -> None:
-        for ctx in batch:  # MAX 26.7 commits one request per call
-            self.manager.step(ctx)
-
-    def release(self, ctx: Any) -> None:
-        self.manager.release(ctx)
-
-    def blocks(self, ctx: Any) -> list[int]:
-        (blocks,) = self.manager.get_req_blocks_per_leaf(ctx).values()
-        return blocks
-
-    def num_free_blocks(self) -> int:
-        return self.manager.block_count(0).free
 
     def hit_rate(self) -> float:
         return self.manager.get_metrics_aggregated().cache_hit_rate
