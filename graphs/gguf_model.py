@@ -1,0 +1,185 @@
+"""Llama hyper-parameters and float32 weights from a GGUF file, cached as ``.npy`` files.
+
+Reading SmolLM2's GGUF costs ~5 s (the ``gguf`` reader parses 49k vocabulary strings one by
+one) and dequantizing its Q4_1/Q8_0 tensors another ~2.5 s, so the first load writes every
+dequantized tensor to ``<cache>/models/<gguf stem>.<bytes>.f32-v1/`` as one ``.npy`` each, plus
+``config.json``. Later loads memory-map those files read-only (milliseconds; pages come in as
+the graph or the numpy reference touches them, and are shared between processes).
+
+Weight naming and layout: tensors keep their GGUF names (``token_embd.weight``,
+``blk.{i}.attn_q.weight``, ``output_norm.weight``, ...) and their numpy shape from
+``gguf.quants.dequantize``, which for matrices is ``[out_features, in_features]`` (so a
+projection is ``x @ w.T``, as in PyTorch and ``max.nn.Linear``).
+
+RoPE layout: llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` inside every head
+so that its RoPE can rotate adjacent pairs ``(2i, 2i+1)``. We undo that permutation here, so
+the weights are in the Hugging Face order and the graph uses the *half-split* RoPE form
+(rotate ``x[i]`` with ``x[i + head_dim/2]``). Every consumer of :func:`load_llama` gets
+half-split weights; the numpy reference re-applies the permutation on its own to check this.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from mokv_graphs.model_files import derived_cache_path, smollm2_gguf_path
+
+# Bump the version when the cached file layout or the transformation of the weights changes.
+_CACHE_KIND = "f32-v1"
+_CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The hyper-parameters a Llama decoder graph needs, read from GGUF metadata."""
+
+    n_layers: int
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    rope_base: float
+    rms_norm_eps: float
+    vocab_size: int
+    context_length: int
+    tied_embeddings: bool
+
+    def __post_init__(self) -> None:
+        if self.n_heads * self.head_dim != self.hidden_size:
+            raise ValueError(
+                f"n_heads * head_dim must equal hidden_size: {self.n_heads} * {self.head_dim} "
+                f"!= {self.hidden_size}"
+            )
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+
+    @property
+    def lm_head_name(self) -> str:
+        """Name of the LM-head weight: the embedding itself when embeddings are tied."""
+        return "token_embd.weight" if self.tied_embeddings else "output.weight"
+
+
+@dataclass(frozen=True)
+class LlamaCheckpoint:
+    """A config with its float32 weights (GGUF names, half-split RoPE row order)."""
+
+    config: LlamaConfig
+    weights: Mapping[str, np.ndarray]
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> object:
+    field = reader.get_field(key)
+    if field is None:
+        raise KeyError(f"GGUF metadata has no {key!r}")
+    return field.contents()
+
+
+def config_from_gguf(reader: gguf.GGUFReader) -> LlamaConfig:
+    """Build a :class:`LlamaConfig` from the ``llama.*`` metadata of an open GGUF."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"expected a llama GGUF, got general.architecture={arch!r}")
+    n_heads = int(_field(reader, "llama.attention.head_count"))
+    hidden = int(_field(reader, "llama.embedding_length"))
+    head_dim = hidden // n_heads
+    if reader.get_field("llama.attention.key_length") is not None:
+        head_dim = int(_field(reader, "llama.attention.key_length"))
+    rope_dims = int(_field(reader, "llama.rope.dimension_count"))
+    if rope_dims != head_dim:
+        raise ValueError(
+            f"partial RoPE is not supported: rope.dimension_count={rope_dims}, head_dim={head_dim}"
+        )
+    tensor_names = {t.name for t in reader.tensors}
+    return LlamaConfig(
+        n_layers=int(_field(reader, "llama.block_count")),
+        hidden_size=hidden,
+        n_heads=n_heads,
+        n_kv_heads=int(_field(reader, "llama.attention.head_count_kv")),
+        head_dim=head_dim,
+        ffn_hidden_size=int(_field(reader, "llama.feed_forward_length")),
+        rope_base=float(_field(reader, "llama.rope.freq_base")),
+        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        vocab_size=int(_field(reader, "llama.vocab_size")),
+        context_length=int(_field(reader, "llama.context_length")),
+        tied_embeddings="output.weight" not in tensor_names,
+    )
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row permutation of a Q or K projection ``[out, in]``.
+
+    The converter maps Hugging Face row ``s * half + j`` of each head (``s`` in {0, 1}) to GGUF
+    row ``2 * j + s``; this is the inverse, giving rows that suit half-split RoPE.
+    """
+    if w.shape[0] % (2 * n_heads) != 0:
+        raise ValueError(f"cannot split {w.shape[0]} rows into {n_heads} heads of pairs")
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantize_gguf(reader: gguf.GGUFReader, config: LlamaConfig) -> dict[str, np.ndarray]:
+    """All tensors as float32 ``[out, in]`` arrays, Q/K rows reordered for half-split RoPE."""
+    weights: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        w = np.ascontiguousarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+        if tensor.name.endswith("attn_q.weight"):
+            w = unpermute_rope_rows(w, config.n_heads)
+        elif tensor.name.endswith("attn_k.weight"):
+            w = unpermute_rope_rows(w, config.n_kv_heads)
+        weights[tensor.name] = w
+    return weights
+
+
+def _read_cache(cache_dir: Path) -> LlamaCheckpoint | None:
+    config_file = cache_dir / _CONFIG_FILE
+    if not config_file.exists():
+        return None
+    meta = json.loads(config_file.read_text())
+    weights = {name: np.load(cache_dir / f"{name}.npy", mmap_mode="r") for name in meta["tensors"]}
+    return LlamaCheckpoint(LlamaConfig(**meta["config"]), weights)
+
+
+def _write_cache(cache_dir: Path, checkpoint: LlamaCheckpoint) -> None:
+    """Write into a private temporary folder and rename it into place, so readers never see
+    a half-written cache (``config.json``, which marks it complete, is written last)."""
+    tmp = cache_dir.with_name(f"{cache_dir.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name, w in checkpoint.weights.items():
+        np.save(tmp / f"{name}.npy", w)
+    meta = {"config": asdict(checkpoint.config), "tensors": sorted(checkpoint.weights)}
+    (tmp / _CONFIG_FILE).write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    tmp.rename(cache_dir)
+
+
+def load_llama(gguf_path: Path | None = None) -> LlamaCheckpoint:
+    """Config and float32 weights of a llama GGUF (default: SmolLM2-135M-Instruct).
+
+    The first call per GGUF dequantizes and writes the ``.npy`` cache; later calls memory-map
+    it. The returned arrays are read-only.
+    """
+    path = Path(gguf_path) if gguf_path is not None else smollm2_gguf_path()
+    cache_dir = derived_cache_path(path, _CACHE_KIND)
+    cached = _read_cache(cache_dir)
+    if cached is not None:
+        return cached
+    reader = gguf.GGUFReader(path)
+    config = config_from_gguf(reader)
+    _write_cache(cache_dir, LlamaCheckpoint(config, dequantize_gguf(reader, config)))
+    cached = _read_cache(cache_dir)
+    assert cached is not None, f"cache just written to {cache_dir} did not read back"
+    return cached
