@@ -1,0 +1,1 @@
+"""Independent references every test compares against."""
