@@ -162,8 +162,11 @@ def _write_cache(cache_dir: Path, checkpoint: LlamaCheckpoint) -> None:
         np.save(tmp / f"{name}.npy", w)
     meta = {"config": asdict(checkpoint.config), "tensors": sorted(checkpoint.weights)}
     (tmp / _CONFIG_FILE).write_text(json.dumps(meta, indent=1))
-    shutil.rmtree(cache_dir, ignore_errors=True)
-    tmp.rename(cache_dir)
+    shutil.rmtree(cache_dir, ignore_errors=True)  # only a damaged cache (no config.json) is here
+    try:
+        tmp.rename(cache_dir)
+    except OSError:  # another process renamed the same cache into place first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_llama(gguf_path: Path | None = None) -> LlamaCheckpoint:
@@ -180,6 +183,9 @@ def load_llama(gguf_path: Path | None = None) -> LlamaCheckpoint:
     reader = gguf.GGUFReader(path)
     config = config_from_gguf(reader)
     _write_cache(cache_dir, LlamaCheckpoint(config, dequantize_gguf(reader, config)))
+    # Read back rather than return the arrays just built: every caller then gets the same
+    # read-only memory maps, and the 540 MB of freshly dequantized arrays are freed.
     cached = _read_cache(cache_dir)
-    assert cached is not None, f"cache just written to {cache_dir} did not read back"
+    if cached is None:
+        raise RuntimeError(f"weight cache {cache_dir} has no {_CONFIG_FILE} right after being written")
     return cached

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import gguf
@@ -163,6 +163,6 @@ def load_tokenizer(gguf_path: Path | None = None) -> GGUFTokenizer:
     spec = _spec_from_gguf(path)
     tokenizer = _build_tokenizer(spec)
     tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"spec": spec.__dict__, "tokenizer": tokenizer.to_str()}))
+    tmp.write_text(json.dumps({"spec": asdict(spec), "tokenizer": tokenizer.to_str()}))
     tmp.replace(cache)
     return GGUFTokenizer(spec, tokenizer)
