@@ -101,3 +101,31 @@ def check_rows[cache_t: KVCacheT](
             t"{name} has shape [*, {rows.dim_size(1)}, {rows.dim_size(2)}] but"
             t" the cache rows are [*, {cache.num_heads()}, {cache.head_dim()}]"
         )
+
+
+def check_row_offsets(
+    row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+    batch: Int,
+    total_tokens: Int,
+) raises:
+    """Raises unless `row_offsets` is `[batch + 1]`, starts at 0, never
+    decreases and ends at `total_tokens`."""
+    if row_offsets.dim_size(0) != batch + 1:
+        raise Error(
+            t"input_row_offsets has {row_offsets.dim_size(0)} entries but the"
+            t" cache describes {batch} rows (expected {batch + 1})"
+        )
+    var offsets = row_offsets.unsafe_ptr()
+    if offsets[unsafe_offset=0] != 0:
+        raise Error(t"input_row_offsets starts at {offsets[unsafe_offset=0]}, not 0")
+    for b in range(batch):
+        if offsets[unsafe_offset=b + 1] < offsets[unsafe_offset=b]:
+            raise Error(
+                t"input_row_offsets decreases at row {b}:"
+                t" {offsets[unsafe_offset=b]} then {offsets[unsafe_offset=b + 1]}"
+            )
+    if Int(offsets[unsafe_offset=batch]) != total_tokens:
+        raise Error(
+            t"input_row_offsets ends at {offsets[unsafe_offset=batch]} but there"
+            t" are {total_tokens} new tokens"
+        )

@@ -12,7 +12,7 @@ from .continuous_collection import (
     ContinuousBatchingKVCacheCollectionType,
     FetchContinuousBatchingKVCacheCollection,
 )
-from .ops import gather_kv, store_kv
+from .ops import attention, gather_kv, store_kv
 
 __all__ = [
     "CacheLayout",
@@ -21,6 +21,7 @@ __all__ = [
     "FetchContinuousBatchingKVCacheCollection",
     "ContinuousCacheValues",
     "PagedCacheValues",
+    "attention",
     "continuous_input_types",
     "gather_kv",
     "paged_input_types",

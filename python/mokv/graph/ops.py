@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from max.dtype import DType
-from max.graph import DeviceRef, TensorValue, ops
+from max.graph import DeviceRef, TensorType, TensorValue, ops
 
 from .cache_values import CacheLayout
 
 
-def _scalar(value: int | TensorValue) -> TensorValue:
-    """A uint32 scalar operand: a Python int becomes a graph constant; a graph
-    value (a runtime layer index, say) passes through."""
+def _scalar(value: float | TensorValue, dtype: DType = DType.uint32) -> TensorValue:
+    """A scalar operand (uint32 unless told): a Python number becomes a graph
+    constant; a graph value (a runtime layer index, say) passes through."""
     if isinstance(value, TensorValue):
         return value
-    return ops.constant(value, DType.uint32, device=DeviceRef.CPU())
+    return ops.constant(value, dtype, device=DeviceRef.CPU())
 
 
 def store_kv(
@@ -51,3 +51,40 @@ def gather_kv(
         out_types=[cache.row_type(positions.shape[0])],
     )
     return rows.tensor
+
+
+def attention(
+    cache: CacheLayout,
+    layer_idx: int | TensorValue,
+    q: TensorValue,
+    input_row_offsets: TensorValue,
+    scale: float | TensorValue,
+    sliding_window: int | TensorValue = 0,
+) -> TensorValue:
+    """Flash attention of a ragged batch's queries over layer `layer_idx` of the cache.
+
+    `q` `[total_new_tokens, n_q_heads, head_dim]` has the cache's dtype, with
+    `n_q_heads` a multiple of the cache's KV heads (query head h reads KV head
+    `h // (n_q_heads // n_kv_heads)`); `input_row_offsets` uint32 `[batch + 1]`
+    delimits the sequences. New token i of sequence b sits at position
+    `cache_lengths[b] + i`, its key and value already stored (`store_kv`), and
+    attends to positions `0 ..= cache_lengths[b] + i`, or with `sliding_window`
+    W > 0 to the last W of them. `scale` multiplies the scores (a float32 scalar,
+    typically `1 / sqrt(head_dim)`); `sliding_window` is a uint32 scalar, 0 for
+    none. Returns `[total_new_tokens, n_q_heads, head_dim]` in q's dtype,
+    computed in float32.
+    """
+    (out,) = ops.inplace_custom(
+        f"mokv.attention.{cache.layout}",
+        device=cache.device,
+        values=[
+            *cache.operands(),
+            q,
+            input_row_offsets,
+            _scalar(layer_idx),
+            _scalar(scale, DType.float32),
+            _scalar(sliding_window),
+        ],
+        out_types=[TensorType(q.dtype, q.shape, cache.device)],
+    )
+    return out.tensor

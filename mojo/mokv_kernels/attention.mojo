@@ -1,0 +1,964 @@
+"""Flash attention of a ragged batch over the cache (CPU).
+
+Token i of batch row b sits at position `cache_lengths[b] + i` and attends to
+positions `0 ..= cache_lengths[b] + i` of its own sequence (with a sliding
+window W > 0, only the last W of them); its own key and value were stored
+before the op runs. Query head h reads KV head `h // (n_q_heads // n_kv_heads)`.
+
+The score matrix is never materialised: context tokens are visited in tiles of
+`TILE`, and every query row keeps an online softmax (running max `m`, running
+sum `l`, unnormalised output `acc`), all in float32 whatever the storage dtype.
+Scores are kept in base 2: queries are pre-multiplied by `scale * log2(e)`.
+
+Scores of a tile are stored token-major (`[TILE, rows]`), so the softmax
+bookkeeping runs across query rows in full vectors. Two kinds of work item
+share this tile loop (`TileWalk`), reading pages in place:
+
+- decode rows (one new token) walk each context token's whole
+  `[n_kv_heads, head_dim]` row in memory order, with all query heads of a KV
+  head updated per loaded key/value vector (GQA reuse). Decode is bound by
+  memory traffic, and this is the access pattern that streams. Long contexts
+  are split over several items (split-K) whose partial softmax states are
+  merged afterwards, so a small batch still keeps every core busy.
+- prefill rows (several new tokens) are cut into blocks of query tokens per KV
+  head. Queries are transposed once per item, so both products are
+  register-blocked broadcast-FMA loops with no horizontal sums and no copy of
+  float32 keys or values (bfloat16 tiles are converted to float32 scratch).
+
+CPU only: the ops assert `is_cpu[target]()`.
+"""
+
+import extensibility
+from extensibility import InputTensor, OutputTensor, _MutableInputTensor
+from max.algorithm import sync_parallelize
+from max.gpu.host import DeviceContext
+from max.gpu.host.info import is_cpu
+from max.runtime.asyncrt import parallelism_level
+from std.math import ceildiv, exp2
+from std.memory import bitcast
+from std.sys import prefetch, simd_width_of, size_of
+from std.utils.numerics import neg_inf
+
+from .bind import (
+    check_layer,
+    check_row_offsets,
+    check_token_range,
+    continuous_collection,
+    paged_collection,
+)
+from .cache import CachePtr, KVCacheT, KVCollectionT, U32Ptr
+
+comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
+comptime W = simd_width_of[DType.float32]()
+"""Float32 lanes per vector: head_dim must be a multiple of it."""
+comptime Vec = SIMD[DType.float32, W]
+comptime TILE = 32
+"""Context tokens per tile."""
+comptime QK_VECS = 4 if W >= 16 else 2
+"""Vectors of query rows per register block of the prefill score product."""
+comptime QK_TOKENS = 4
+"""Context tokens per register block of the prefill score product."""
+comptime PV_ROWS = 4
+"""Query rows per register block of the prefill value product."""
+comptime PV_VECS = 4 if W >= 16 else 2
+"""Vectors of head_dim per register block of the prefill value product."""
+comptime PREFILL_ROWS = 128
+"""Target query rows (tokens x heads of one KV head) per prefill item; a
+multiple of `QK_VECS * W`."""
+comptime MIN_SPLIT = 512
+"""Fewest context tokens worth a decode split of their own."""
+comptime SPLITS_PER_WORKER = 4
+comptime LOG2E: Float32 = 1.4426950408889634
+comptime NEG_INF = neg_inf[DType.float32]()
+
+
+struct Arena(Movable):
+    """Float32 scratch of one work item, carved into zero-filled pieces. A
+    List underneath, so it frees itself; pieces must not outlive it."""
+
+    var storage: List[Float32]
+    var used: Int
+
+    def __init__(out self, capacity: Int):
+        self.storage = List[Float32](length=capacity, fill=0)
+        self.used = 0
+
+    def take(mut self, count: Int, fill: Float32 = 0) -> F32Ptr:
+        var p = self.storage.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_offset(self.used)
+        for i in range(count):
+            p[unsafe_offset=i] = fill
+        self.used += count
+        return p
+
+
+def _round_up(n: Int, multiple: Int) -> Int:
+    return ceildiv(n, multiple) * multiple
+
+
+@fieldwise_init
+struct RaggedQueries[dtype: DType](TrivialRegisterPassable):
+    """The step's queries `[tokens, n_q_heads, head_dim]`, where their outputs
+    go, and the attention parameters."""
+
+    var q: CachePtr[Self.dtype]
+    var out: CachePtr[Self.dtype]
+    var row_offsets: U32Ptr
+    var n_q_heads: Int
+    var group: Int
+    var head_dim: Int
+    var scale_log2: Float32
+    var window: Int
+
+    def token(self, row: Int, index: Int) -> Int:
+        """Index into `q`/`out` of new token `index` of batch row `row`."""
+        return Int(self.row_offsets[unsafe_offset=row]) + index
+
+    def visible_start(self, position: Int) -> Int:
+        """First position that the token at `position` attends to."""
+        if self.window > 0:
+            return max(0, position + 1 - self.window)
+        return 0
+
+    def load_rows(
+        self, dest: F32Ptr, token: Int, first_head: Int, count: Int
+    ):
+        """Copies `count` query heads from `first_head` on of `token` to
+        `dest` as float32, scaled into base-2 score units."""
+        var src = self.q.unsafe_offset(
+            (token * self.n_q_heads + first_head) * self.head_dim
+        )
+        for i in range(0, count * self.head_dim, W):
+            dest.unsafe_store(
+                i, src.unsafe_load[width=W](i).cast[DType.float32]() * self.scale_log2
+            )
+
+    def store_row(self, token: Int, head: Int, acc: F32Ptr, inv_sum: Float32):
+        """Writes `acc * inv_sum` as the output of query head `head`."""
+        var dst = self.out.unsafe_offset(
+            (token * self.n_q_heads + head) * self.head_dim
+        )
+        for i in range(0, self.head_dim, W):
+            dst.unsafe_store(i, (acc.unsafe_load[width=W](i) * inv_sum).cast[Self.dtype]())
+
+
+@fieldwise_init
+struct WorkItem(TrivialRegisterPassable):
+    """New tokens `first_token ..< first_token + num_tokens` of batch row `row`
+    against context positions `ctx_start ..< ctx_end`.
+
+    `kv_head` is -1 for a decode item (every head); `split` is -1 when the item
+    covers the whole context and writes the output, else its slot among the
+    partial states merged by `_merge_splits`."""
+
+    var row: Int
+    var first_token: Int
+    var num_tokens: Int
+    var kv_head: Int
+    var ctx_start: Int
+    var ctx_end: Int
+    var split: Int
+
+
+@fieldwise_init
+struct SplitRow(TrivialRegisterPassable):
+    """A decode row whose context was split over `count` items, with partial
+    states in slots `first_split ..< first_split + count`."""
+
+    var row: Int
+    var first_split: Int
+    var count: Int
+
+
+@fieldwise_init
+struct SoftmaxState(TrivialRegisterPassable):
+    """Online-softmax state of `rows` query rows (a multiple of `W`): the
+    current tile's scores, token-major `[TILE, rows]` so that the softmax runs
+    across rows in full vectors (and turns them into probabilities in place),
+    the running max and sum per row, and the unnormalised output
+    `[rows, head_dim]`."""
+
+    var scores: F32Ptr
+    var row_max: F32Ptr
+    var row_sum: F32Ptr
+    var alpha: F32Ptr
+    var acc: F32Ptr
+    var rows: Int
+    var head_dim: Int
+
+    @staticmethod
+    def floats(rows: Int, head_dim: Int) -> Int:
+        """Scratch floats that `take` carves out of an arena."""
+        return rows * (TILE + 3 + head_dim)
+
+    @staticmethod
+    def take(mut arena: Arena, rows: Int, head_dim: Int) -> Self:
+        var scores = arena.take(rows * TILE)
+        var row_max = arena.take(rows, NEG_INF)
+        var row_sum = arena.take(rows)
+        var alpha = arena.take(rows)
+        return Self(scores, row_max, row_sum, alpha, arena.take(rows * head_dim), rows, head_dim)
+
+    def column(self, j: Int) -> F32Ptr:
+        """Scores (then probabilities) of tile token `j`, one per row."""
+        return self.scores.unsafe_offset(j * self.rows)
+
+    def acc_row(self, r: Int) -> F32Ptr:
+        return self.acc.unsafe_offset(r * self.head_dim)
+
+    def update(self, n: Int):
+        """Folds the scores of tile tokens `0 ..< n` into the running state,
+        leaving their probabilities (relative to the new max) in place, and
+        rescales the outputs of rows whose max moved."""
+        for r in range(0, self.rows, W):
+            var tile_max = Vec(NEG_INF)
+            for j in range(n):
+                tile_max = max(tile_max, self.column(j).unsafe_load[width=W](r))
+            var old_max = self.row_max.unsafe_load[width=W](r)
+            var new_max = max(old_max, tile_max)
+            # A row that has seen nothing yet keeps max -inf: subtract 0 so
+            # its probabilities come out exp2(-inf) = 0 rather than NaN.
+            var shift = new_max.eq(Vec(NEG_INF)).select(Vec(0), new_max)
+            var total = Vec(0)
+            for j in range(n):
+                var p = exp2(self.column(j).unsafe_load[width=W](r) - shift)
+                self.column(j).unsafe_store(r, p)
+                total += p
+            var alpha = exp2(old_max - shift)
+            self.row_sum.unsafe_store(r, self.row_sum.unsafe_load[width=W](r) * alpha + total)
+            self.row_max.unsafe_store(r, new_max)
+            self.alpha.unsafe_store(r, alpha)
+        for r in range(self.rows):
+            var alpha = self.alpha[unsafe_offset=r]
+            if alpha != 1:
+                var acc = self.acc_row(r)
+                for i in range(0, self.head_dim, W):
+                    acc.unsafe_store(i, acc.unsafe_load[width=W](i) * alpha)
+
+
+comptime RowPtrs[dtype: DType] = Array[CachePtr[dtype], TILE]
+
+
+def _tile_rows[cache_t: KVCacheT](
+    cache: cache_t, row: Int, start: Int, count: Int, mut rows: RowPtrs[cache_t.dtype]
+):
+    """Pointers to the token rows `start ..< start + count` of batch row `row`,
+    one page lookup per contiguous run."""
+    var row_elems = cache.num_heads() * cache.head_dim()
+    var j = 0
+    while j < count:
+        var run = min(count - j, cache.contiguous_tokens(start + j))
+        var p = cache.row_ptr(row, start + j)
+        for i in range(run):
+            rows[j + i] = p.unsafe_offset(i * row_elems)
+        j += run
+
+
+struct TileWalk[cache_t: KVCacheT]:
+    """Walks context positions `start ..< end` of batch row `row` tile by
+    tile, holding the K and V row pointers of the current tile (`pos`, `n`)
+    and already those of the next (`next_n` rows).
+
+    A prefill item reads one head's segment of each row: pieces a row apart
+    (4 KB for 8 heads of 128 floats) that the hardware prefetcher does not
+    follow, so the item prefetches the next tile's segments with
+    `prefetch_next`, a row at a time spread over its compute (issued all at
+    once, the prefetches themselves stall on the line fill buffers).
+    Decode items read whole rows in blocks of a few, and prefetch the rows of
+    the block after (`k_ahead`, `v_ahead`) as they go."""
+
+    var k_cache: Self.cache_t
+    var v_cache: Self.cache_t
+    var row: Int
+    var end: Int
+    var pos: Int
+    var n: Int
+    var next_n: Int
+    var k_rows: RowPtrs[Self.cache_t.dtype]
+    var v_rows: RowPtrs[Self.cache_t.dtype]
+    var next_k: RowPtrs[Self.cache_t.dtype]
+    var next_v: RowPtrs[Self.cache_t.dtype]
+
+    def __init__(
+        out self,
+        k_cache: Self.cache_t,
+        v_cache: Self.cache_t,
+        row: Int,
+        start: Int,
+        end: Int,
+    ):
+        self.k_cache = k_cache
+        self.v_cache = v_cache
+        self.row = row
+        self.end = end
+        self.pos = start
+        self.n = 0
+        self.next_n = 0
+        var any_row = k_cache.row_ptr(row, start)
+        self.k_rows = RowPtrs[Self.cache_t.dtype](fill=any_row)
+        self.v_rows = RowPtrs[Self.cache_t.dtype](fill=any_row)
+        self.next_k = RowPtrs[Self.cache_t.dtype](fill=any_row)
+        self.next_v = RowPtrs[Self.cache_t.dtype](fill=any_row)
+        self._fetch(start)
+
+    def _fetch(mut self, start: Int):
+        """Looks up the rows of the tile at `start`, if any."""
+        self.next_n = max(0, min(TILE, self.end - start))
+        if self.next_n > 0:
+            _tile_rows(self.k_cache, self.row, start, self.next_n, self.next_k)
+            _tile_rows(self.v_cache, self.row, start, self.next_n, self.next_v)
+
+    def prefetch_next(self, j: Int, start: Int, length: Int):
+        """Prefetches elements `start ..< start + length` of the K and V rows
+        `j` of the next tile, if it has one."""
+        if j >= self.next_n:
+            return
+        comptime line = 64 // size_of[Scalar[Self.cache_t.dtype]]()
+        var k = self.next_k[j].unsafe_offset(start)
+        var v = self.next_v[j].unsafe_offset(start)
+        for i in range(0, length, line):
+            prefetch(k.unsafe_offset(i))
+            prefetch(v.unsafe_offset(i))
+
+    def k_ahead(self, j: Int) -> CachePtr[Self.cache_t.dtype]:
+        """Key row `j` counted from the current tile's start, reaching into
+        the next tile (the last row once past both): a prefetch target."""
+        if j < self.n:
+            return self.k_rows[j]
+        if j - self.n < self.next_n:
+            return self.next_k[j - self.n]
+        return self.k_rows[self.n - 1]
+
+    def v_ahead(self, j: Int) -> CachePtr[Self.cache_t.dtype]:
+        """Value row `j` as `k_ahead` finds key rows."""
+        if j < self.n:
+            return self.v_rows[j]
+        if j - self.n < self.next_n:
+            return self.next_v[j - self.n]
+        return self.v_rows[self.n - 1]
+
+    def advance(mut self) -> Bool:
+        """Moves to the next tile; False once the context is exhausted."""
+        self.pos += self.n
+        if self.pos >= self.end:
+            return False
+        self.n = min(TILE, self.end - self.pos)
+        self.k_rows = self.next_k.copy()
+        self.v_rows = self.next_v.copy()
+        for j in range(self.n, TILE):  # blocks may run past a partial tile's end
+            self.k_rows[j] = self.k_rows[self.n - 1]
+            self.v_rows[j] = self.v_rows[self.n - 1]
+        self._fetch(self.pos + self.n)
+        return True
+
+
+# ===----------------------------------------------------------------------=== #
+# Decode: one new token, rows walked in place
+# ===----------------------------------------------------------------------=== #
+
+
+def _ceil_log2(n: Int) -> Int:
+    var k = 0
+    while (1 << k) < n:
+        k += 1
+    return k
+
+
+def _pair_sums(a: Vec, b: Vec) -> Vec:
+    """Sums of adjacent lanes: lane k < W/2 holds a[2k] + a[2k+1], lane
+    W/2 + k holds b[2k] + b[2k+1]."""
+    var evens, odds = a.join(b).deinterleave()
+    return rebind[Vec](evens + odds)
+
+
+def _lane_sums[N: Int](values: Array[Vec, N]) -> Vec:
+    """Lane k holds the sum of all lanes of `values[k]` (k < N): a tree of
+    pairwise sums, a few instructions per vector where N separate
+    horizontal reductions would cost a shuffle ladder each."""
+    comptime assert N <= W, "more vectors than lanes to sum them into"
+    comptime LEVELS = _ceil_log2(N)
+    var level = Array[Vec, 1 << LEVELS](fill=Vec(0))
+    comptime for k in range(N):
+        level[k] = values[k]
+    comptime for l in range(LEVELS):
+        comptime for k in range((1 << LEVELS) >> (l + 1)):
+            level[k] = _pair_sums(level[2 * k], level[2 * k + 1])
+    # Fewer vectors than lanes: each sum is still spread over W / 2^LEVELS lanes.
+    comptime for _ in range(_ceil_log2(W) - LEVELS):
+        level[0] = _pair_sums(level[0], level[0])
+    return level[0]
+
+
+def _decode_tokens(group_block: Int) -> Int:
+    """Context tokens per register block of a decode item: as many as the
+    vector registers hold accumulators for (`group_block` query heads each)."""
+    if W >= 16:
+        return 4 if group_block <= 4 else 2
+    return 2 if group_block <= 4 else 1
+
+
+def _paired(dtype: DType) -> Bool:
+    """Whether a decode item reads `dtype` rows as bfloat16 pairs."""
+    return dtype == DType.bfloat16
+
+
+def _load_row_chunk[dtype: DType, PAIRED: Bool](row: CachePtr[dtype], i: Int) -> Array[Vec, 2 if PAIRED else 1]:
+    """Elements `i ..` of a cache row as float32 vectors. Unpaired: one vector
+    of `W`. Paired (bfloat16): `2W` elements from one load of `W` 32-bit
+    words, split by two bit operations into the even elements (low halves
+    shifted up) and the odd ones (high halves masked), half the work of
+    widening each element; the vectors holding the other operand must be
+    permuted alike (`_to_pairs`)."""
+    var out = Array[Vec, 2 if PAIRED else 1](fill=Vec(0))
+    comptime if PAIRED:
+        var words = row.unsafe_bitcast[UInt32]().unsafe_load[width=W](i // 2)
+        out[0] = bitcast[DType.float32, W](words << 16)
+        out[1] = bitcast[DType.float32, W](words & 0xFFFF0000)
+    else:
+        out[0] = row.unsafe_load[width=W](i).cast[DType.float32]()
+    return out^
+
+
+def _to_pairs(rows: F32Ptr, count: Int):
+    """Permutes every `2W` floats at `rows` to [even elements, odd elements],
+    the lane order of paired row chunks."""
+    for c in range(0, count, 2 * W):
+        var evens, odds = rows.unsafe_load[width=2 * W](c).deinterleave()
+        rows.unsafe_store(c, evens)
+        rows.unsafe_store(c + W, odds)
+
+
+def _from_pairs(rows: F32Ptr, count: Int):
+    """Undoes `_to_pairs`."""
+    for c in range(0, count, 2 * W):
+        rows.unsafe_store(c, rows.unsafe_load[width=W](c).interleave(rows.unsafe_load[width=W](c + W)))
+
+
+def _decode_item[cache_t: KVCacheT, GB: Int, PAIRED: Bool](
+    k_cache: cache_t,
+    v_cache: cache_t,
+    queries: RaggedQueries[cache_t.dtype],
+    item: WorkItem,
+    partials: F32Ptr,
+):
+    """Runs a decode item. Query heads of a KV head are processed `GB` at a
+    time (padded with zero rows up to a multiple of `GB`) against `JB` context
+    tokens at a time, so every loaded key or value vector feeds `GB` FMAs and
+    every output vector stays in a register across `JB` tokens. With
+    `PAIRED`, rows are read as bfloat16 pairs and the queries and outputs
+    live in paired lane order until the end."""
+    comptime JB = _decode_tokens(GB)
+    comptime CHUNK = 2 * W if PAIRED else W  # row elements per step
+    comptime LINE = 64 // size_of[Scalar[cache_t.dtype]]()  # elements per cache line
+    var n_kv = k_cache.num_heads()
+    var d = queries.head_dim
+    var group = queries.group
+    var padded = _round_up(group, GB)
+    var rows = _round_up(n_kv * padded, W)
+    var token = queries.token(item.row, item.first_token)
+
+    var arena = Arena(rows * d + SoftmaxState.floats(rows, d))
+    var q = arena.take(rows * d)
+    for h in range(n_kv):
+        queries.load_rows(q.unsafe_offset(h * padded * d), token, h * group, group)
+    comptime if PAIRED:
+        _to_pairs(q, rows * d)
+    var state = SoftmaxState.take(arena, rows, d)
+    var walk = TileWalk(k_cache, v_cache, item.row, item.ctx_start, item.ctx_end)
+    while walk.advance():
+        var n = walk.n
+        for j0 in range(0, n, JB):
+            for h in range(n_kv):
+                var k = Array[CachePtr[cache_t.dtype], JB](fill=walk.k_rows[j0])
+                var k_next = Array[CachePtr[cache_t.dtype], JB](fill=walk.k_rows[j0])
+                comptime for t in range(JB):
+                    k[t] = walk.k_rows[j0 + t].unsafe_offset(h * d)
+                    k_next[t] = walk.k_ahead(j0 + JB + t).unsafe_offset(h * d)
+                for g0 in range(0, padded, GB):
+                    var base = h * padded + g0
+                    var q_g = q.unsafe_offset(base * d)
+                    var dots = Array[Vec, GB * JB](fill=Vec(0))
+                    for i in range(0, d, CHUNK):
+                        if g0 == 0 and i % LINE == 0:
+                            comptime for t in range(JB):
+                                prefetch(k_next[t].unsafe_offset(i))
+                        comptime for t in range(JB):
+                            var keys = _load_row_chunk[cache_t.dtype, PAIRED](k[t], i)
+                            comptime for g in range(GB):
+                                comptime for half in range(2 if PAIRED else 1):
+                                    var qv = q_g.unsafe_load[width=W](g * d + i + half * W)
+                                    dots[g * JB + t] = qv.fma(keys[half], dots[g * JB + t])
+                    var sums = _lane_sums(dots)
+                    comptime for t in range(JB):
+                        comptime for g in range(GB):
+                            state.column(j0 + t)[unsafe_offset=base + g] = sums[g * JB + t]
+        state.update(n)
+        for j in range(n, _round_up(n, JB)):  # padding tokens of the last block weigh nothing
+            for r in range(0, rows, W):
+                state.column(j).unsafe_store(r, Vec(0))
+
+        for j0 in range(0, n, JB):
+            for h in range(n_kv):
+                var v = Array[CachePtr[cache_t.dtype], JB](fill=walk.v_rows[j0])
+                var v_next = Array[CachePtr[cache_t.dtype], JB](fill=walk.v_rows[j0])
+                comptime for t in range(JB):
+                    v[t] = walk.v_rows[j0 + t].unsafe_offset(h * d)
+                    v_next[t] = walk.v_ahead(j0 + JB + t).unsafe_offset(h * d)
+                for g0 in range(0, padded, GB):
+                    var base = h * padded + g0
+                    var probs = Array[Vec, GB * JB](fill=Vec(0))
+                    comptime for t in range(JB):
+                        comptime for g in range(GB):
+                            probs[g * JB + t] = Vec(state.column(j0 + t)[unsafe_offset=base + g])
+                    for i in range(0, d, CHUNK):
+                        if g0 == 0 and i % LINE == 0:
+                            comptime for t in range(JB):
+                                prefetch(v_next[t].unsafe_offset(i))
+                        comptime for half in range(2 if PAIRED else 1):
+                            var vals = Array[Vec, JB](fill=Vec(0))
+                            comptime for t in range(JB):
+                                vals[t] = _load_row_chunk[cache_t.dtype, PAIRED](v[t], i)[half]
+                            comptime for g in range(GB):
+                                var acc = state.acc_row(base + g).unsafe_offset(i + half * W)
+                                var out = acc.unsafe_load[width=W](0)
+                                comptime for t in range(JB):
+                                    out = probs[g * JB + t].fma(vals[t], out)
+                                acc.unsafe_store(0, out)
+
+    comptime if PAIRED:
+        _from_pairs(state.acc, rows * d)
+    for h in range(n_kv):
+        for g in range(group):
+            var r = h * padded + g
+            var head = h * group + g
+            if item.split < 0:
+                queries.store_row(token, head, state.acc_row(r), 1 / state.row_sum[unsafe_offset=r])
+            else:
+                var slot = _SplitSlot(partials, item.split, queries.n_q_heads, d)
+                slot.row_max()[unsafe_offset=head] = state.row_max[unsafe_offset=r]
+                slot.row_sum()[unsafe_offset=head] = state.row_sum[unsafe_offset=r]
+                var dst = slot.acc(head)
+                var src = state.acc_row(r)
+                for i in range(0, d, W):
+                    dst.unsafe_store(i, src.unsafe_load[width=W](i))
+    _ = arena^
+
+
+struct _SplitSlot(TrivialRegisterPassable):
+    """One decode split's partial state in the shared partials buffer:
+    `acc [n_q_heads, head_dim]`, then `row_max [n_q_heads]`, `row_sum [n_q_heads]`."""
+
+    var base: F32Ptr
+    var n_q_heads: Int
+    var head_dim: Int
+
+    def __init__(out self, partials: F32Ptr, split: Int, n_q_heads: Int, head_dim: Int):
+        self.base = partials.unsafe_offset(split * Self.floats(n_q_heads, head_dim))
+        self.n_q_heads = n_q_heads
+        self.head_dim = head_dim
+
+    @staticmethod
+    def floats(n_q_heads: Int, head_dim: Int) -> Int:
+        return n_q_heads * (head_dim + 2)
+
+    def acc(self, head: Int) -> F32Ptr:
+        return self.base.unsafe_offset(head * self.head_dim)
+
+    def row_max(self) -> F32Ptr:
+        return self.base.unsafe_offset(self.n_q_heads * self.head_dim)
+
+    def row_sum(self) -> F32Ptr:
+        return self.base.unsafe_offset(self.n_q_heads * (self.head_dim + 1))
+
+
+def _merge_splits[dtype: DType](
+    queries: RaggedQueries[dtype], split_row: SplitRow, partials: F32Ptr
+):
+    """Combines the partial softmax states of a split decode row and writes
+    its output: each split's sum and output are rescaled to the global max."""
+    var d = queries.head_dim
+    var token = queries.token(split_row.row, 0)
+    var arena = Arena(d)
+    var acc = arena.take(d)
+    for head in range(queries.n_q_heads):
+        var global_max = NEG_INF
+        for s in range(split_row.count):
+            var slot = _SplitSlot(partials, split_row.first_split + s, queries.n_q_heads, d)
+            global_max = max(global_max, slot.row_max()[unsafe_offset=head])
+        var total: Float32 = 0
+        for i in range(0, d, W):
+            acc.unsafe_store(i, Vec(0))
+        for s in range(split_row.count):
+            var slot = _SplitSlot(partials, split_row.first_split + s, queries.n_q_heads, d)
+            var weight = exp2(slot.row_max()[unsafe_offset=head] - global_max)
+            total += slot.row_sum()[unsafe_offset=head] * weight
+            var src = slot.acc(head)
+            for i in range(0, d, W):
+                acc.unsafe_store(i, acc.unsafe_load[width=W](i) + src.unsafe_load[width=W](i) * weight)
+        queries.store_row(token, head, acc, 1 / total)
+    _ = arena^
+
+
+# ===----------------------------------------------------------------------=== #
+# Prefill: blocks of new tokens per KV head
+# ===----------------------------------------------------------------------=== #
+
+
+comptime F32Rows = Array[F32Ptr, TILE]
+
+
+def _qk_block(
+    q_t: F32Ptr, keys: F32Rows, j0: Int, state: SoftmaxState, r0: Int, head_dim: Int
+):
+    """Scores of rows `r0 ..< r0 + QK_VECS*W` against tile tokens `j0 ..<
+    j0 + QK_TOKENS`: per head_dim element, one broadcast key element times one
+    vector of transposed queries `q_t [head_dim, rows]` per FMA."""
+    var acc = Array[Vec, QK_TOKENS * QK_VECS](fill=Vec(0))
+    for i in range(head_dim):
+        var q = Array[Vec, QK_VECS](fill=Vec(0))
+        comptime for v in range(QK_VECS):
+            q[v] = q_t.unsafe_load[width=W](i * state.rows + r0 + v * W)
+        comptime for t in range(QK_TOKENS):
+            var k = Vec(keys[j0 + t][unsafe_offset=i])
+            comptime for v in range(QK_VECS):
+                acc[t * QK_VECS + v] = k.fma(q[v], acc[t * QK_VECS + v])
+    comptime for t in range(QK_TOKENS):
+        comptime for v in range(QK_VECS):
+            state.column(j0 + t).unsafe_store(r0 + v * W, acc[t * QK_VECS + v])
+
+
+def _pv_block[NV: Int](
+    state: SoftmaxState, r0: Int, values: F32Rows, col: Int, n: Int
+):
+    """Adds probabilities `[rows r0 ..< r0 + PV_ROWS, tokens 0 ..< n]` times
+    value columns `col ..< col + NV*W` to those rows' outputs, held in
+    registers across the tile."""
+    var out = Array[Vec, PV_ROWS * NV](fill=Vec(0))
+    comptime for r in range(PV_ROWS):
+        comptime for v in range(NV):
+            out[r * NV + v] = state.acc_row(r0 + r).unsafe_load[width=W](col + v * W)
+    for j in range(n):
+        var vals = Array[Vec, NV](fill=Vec(0))
+        comptime for v in range(NV):
+            vals[v] = values[j].unsafe_load[width=W](col + v * W)
+        var probs = state.column(j).unsafe_offset(r0)
+        comptime for r in range(PV_ROWS):
+            var p = Vec(probs[unsafe_offset=r])
+            comptime for v in range(NV):
+                out[r * NV + v] = p.fma(vals[v], out[r * NV + v])
+    comptime for r in range(PV_ROWS):
+        comptime for v in range(NV):
+            state.acc_row(r0 + r).unsafe_store(col + v * W, out[r * NV + v])
+
+
+def _stage_tile[dtype: DType](
+    rows: RowPtrs[dtype], offset: Int, n: Int, head_dim: Int, staging: F32Ptr
+) -> F32Rows:
+    """Float32 views of one head (`offset ..< offset + head_dim`) of the
+    tile's rows: in place for float32 storage, else converted into `staging`
+    `[TILE, head_dim]`. Rows past `n` repeat the last one, so blocks may run
+    over the end of a partial tile."""
+    var out = F32Rows(fill=staging)
+    for j in range(n):
+        comptime if dtype == DType.float32:
+            out[j] = rows[j].unsafe_offset(offset).unsafe_bitcast[Float32]()
+        else:
+            var src = rows[j].unsafe_offset(offset)
+            var dst = staging.unsafe_offset(j * head_dim)
+            for i in range(0, head_dim, W):
+                dst.unsafe_store(i, src.unsafe_load[width=W](i).cast[DType.float32]())
+            out[j] = dst
+    for j in range(n, TILE):
+        out[j] = out[n - 1]
+    return out^
+
+
+def _prefill_item[cache_t: KVCacheT](
+    k_cache: cache_t,
+    v_cache: cache_t,
+    queries: RaggedQueries[cache_t.dtype],
+    item: WorkItem,
+):
+    """Runs a prefill item: query rows are (token, head of the KV head's
+    group) pairs, token-major, padded with zero rows to the register blocks;
+    masks apply only to tiles on the causal diagonal or the window's edge."""
+    var d = queries.head_dim
+    var group = queries.group
+    var h = item.kv_head
+    var rows = item.num_tokens * group
+    var padded = _round_up(rows, QK_VECS * W)
+    var first_position = k_cache.cache_length(item.row) + item.first_token
+
+    var arena = Arena(d * (padded + group) + SoftmaxState.floats(padded, d) + 2 * TILE * d)
+    var q_t = arena.take(d * padded)
+    var scratch = arena.take(d * group)
+    for t in range(item.num_tokens):
+        queries.load_rows(scratch, queries.token(item.row, item.first_token + t), h * group, group)
+        for g in range(group):
+            for i in range(d):
+                q_t[unsafe_offset=i * padded + t * group + g] = scratch[unsafe_offset=g * d + i]
+    var state = SoftmaxState.take(arena, padded, d)
+    var k_staging = arena.take(TILE * d)
+    var v_staging = arena.take(TILE * d)
+    # Visible positions `lo ..< hi` per row; padding rows see everything.
+    var bounds = List[Int32](length=2 * padded, fill=0)
+    var lo = bounds.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var hi = lo.unsafe_offset(padded)
+    for r in range(padded):
+        var position = first_position + r // group
+        lo[unsafe_offset=r] = Int32(queries.visible_start(position)) if r < rows else 0
+        hi[unsafe_offset=r] = Int32(position + 1) if r < rows else Int32.MAX
+    var last_position = first_position + item.num_tokens - 1
+    var all_see_from = queries.visible_start(last_position)  # max over rows of lo
+
+    var walk = TileWalk(k_cache, v_cache, item.row, item.ctx_start, item.ctx_end)
+    var prefetch_rows = ceildiv(TILE, padded // PV_ROWS)  # next-tile rows per value block
+    while walk.advance():
+        var pos = walk.pos
+        var n = walk.n
+        var keys = _stage_tile(walk.k_rows, h * d, n, d, k_staging)
+        var values = _stage_tile(walk.v_rows, h * d, n, d, v_staging)
+        for r0 in range(0, padded, QK_VECS * W):
+            for j0 in range(0, n, QK_TOKENS):
+                _qk_block(q_t, keys, j0, state, r0, d)
+        if pos < all_see_from or pos + n > first_position + 1:
+            for j in range(n):
+                var p = SIMD[DType.int32, W](Int32(pos + j))
+                var column = state.column(j)
+                for r in range(0, padded, W):
+                    var seen = p.ge(lo.unsafe_load[width=W](r)) & p.lt(hi.unsafe_load[width=W](r))
+                    column.unsafe_store(r, seen.select(column.unsafe_load[width=W](r), Vec(NEG_INF)))
+        state.update(n)
+        for r0 in range(0, padded, PV_ROWS):
+            for j in range(r0 // PV_ROWS * prefetch_rows, (r0 // PV_ROWS + 1) * prefetch_rows):
+                walk.prefetch_next(j, h * d, d)
+            var col = 0
+            while col + PV_VECS * W <= d:
+                _pv_block[PV_VECS](state, r0, values, col, n)
+                col += PV_VECS * W
+            while col < d:
+                _pv_block[1](state, r0, values, col, n)
+                col += W
+
+    for t in range(item.num_tokens):
+        var token = queries.token(item.row, item.first_token + t)
+        for g in range(group):
+            var r = t * group + g
+            queries.store_row(token, h * group + g, state.acc_row(r), 1 / state.row_sum[unsafe_offset=r])
+    _ = bounds^
+    _ = arena^
+
+
+# ===----------------------------------------------------------------------=== #
+# Planning and the ops
+# ===----------------------------------------------------------------------=== #
+
+
+def _decode_any_group[cache_t: KVCacheT](
+    k_cache: cache_t,
+    v_cache: cache_t,
+    queries: RaggedQueries[cache_t.dtype],
+    item: WorkItem,
+    partials: F32Ptr,
+):
+    """Picks the query-head block that wastes the fewest padded rows for the
+    GQA ratio (ratios above 8 run in blocks of 8), and bfloat16 pairs where
+    head_dim allows."""
+    comptime if _paired(cache_t.dtype):
+        if queries.head_dim % (2 * W) == 0:
+            _decode_paired_or_not[cache_t, True](k_cache, v_cache, queries, item, partials)
+            return
+    _decode_paired_or_not[cache_t, False](k_cache, v_cache, queries, item, partials)
+
+
+def _decode_paired_or_not[cache_t: KVCacheT, PAIRED: Bool](
+    k_cache: cache_t,
+    v_cache: cache_t,
+    queries: RaggedQueries[cache_t.dtype],
+    item: WorkItem,
+    partials: F32Ptr,
+):
+    if queries.group == 1:
+        _decode_item[cache_t, 1, PAIRED](k_cache, v_cache, queries, item, partials)
+    elif queries.group == 2:
+        _decode_item[cache_t, 2, PAIRED](k_cache, v_cache, queries, item, partials)
+    elif queries.group == 3:
+        _decode_item[cache_t, 3, PAIRED](k_cache, v_cache, queries, item, partials)
+    elif queries.group == 4:
+        _decode_item[cache_t, 4, PAIRED](k_cache, v_cache, queries, item, partials)
+    else:
+        _decode_item[cache_t, 8, PAIRED](k_cache, v_cache, queries, item, partials)
+
+
+def _plan[cache_t: KVCacheT](
+    cache: cache_t,
+    queries: RaggedQueries[cache_t.dtype],
+    batch: Int,
+    workers: Int,
+    mut items: List[WorkItem],
+    mut split_rows: List[SplitRow],
+) -> Int:
+    """Cuts the batch into work items (prefill blocks first: they are the
+    largest) and returns the number of decode split slots.
+
+    Decode contexts are split once they exceed an even share of the batch's
+    decode tokens over `SPLITS_PER_WORKER` items per worker (and `MIN_SPLIT`),
+    so one long sequence no longer runs on a single core."""
+    var decode_tokens = 0
+    for b in range(batch):
+        if queries.token(b + 1, 0) - queries.token(b, 0) == 1:
+            var position = cache.cache_length(b)
+            decode_tokens += position + 1 - queries.visible_start(position)
+    var split_len = max(MIN_SPLIT, ceildiv(decode_tokens, workers * SPLITS_PER_WORKER))
+    var block_tokens = ceildiv(PREFILL_ROWS, queries.group)
+
+    var decode_items = List[WorkItem]()
+    var slots = 0
+    for b in range(batch):
+        var new_tokens = queries.token(b + 1, 0) - queries.token(b, 0)
+        var cache_length = cache.cache_length(b)
+        if new_tokens == 1:
+            var start = queries.visible_start(cache_length)
+            var end = cache_length + 1
+            var chunk = ceildiv(end - start, ceildiv(end - start, split_len))
+            var count = ceildiv(end - start, chunk)
+            if count == 1:
+                decode_items.append(WorkItem(b, 0, 1, -1, start, end, -1))
+                continue
+            split_rows.append(SplitRow(b, slots, count))
+            for s in range(count):
+                var first = start + s * chunk
+                decode_items.append(
+                    WorkItem(b, 0, 1, -1, first, min(end, first + chunk), slots + s)
+                )
+            slots += count
+        elif new_tokens > 1:
+            for t0 in range(0, new_tokens, block_tokens):
+                var count = min(block_tokens, new_tokens - t0)
+                var start = queries.visible_start(cache_length + t0)
+                var end = cache_length + t0 + count
+                for h in range(cache.num_heads()):
+                    items.append(WorkItem(b, t0, count, h, start, end, -1))
+    items.extend(decode_items^)
+    return slots
+
+
+def attention_over[collection_t: KVCollectionT](
+    collection: collection_t,
+    output: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    q: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+    batch: Int,
+    layer_idx: UInt32,
+    scale: Float32,
+    sliding_window: UInt32,
+) raises:
+    """Checks every input against the cache, then runs the batch's work
+    items in parallel and merges the split decode rows."""
+    comptime dtype = collection_t.CacheType.dtype
+    var layer = Int(layer_idx)
+    check_layer(layer, collection.num_layers())
+    var k_cache = collection.get_cache(layer, 0)
+    var v_cache = collection.get_cache(layer, 1)
+    var n_kv = k_cache.num_heads()
+    var d = k_cache.head_dim()
+    var n_q = q.dim_size(1)
+    if q.dim_size(2) != d:
+        raise Error(t"q has head_dim {q.dim_size(2)} but the cache rows have {d}")
+    if n_q == 0 or n_q % n_kv != 0:
+        raise Error(t"q has {n_q} heads, not a positive multiple of the cache's {n_kv} KV heads")
+    if d % W != 0:
+        raise Error(t"head_dim {d} is not a multiple of {W} (the float32 SIMD width)")
+    check_row_offsets(row_offsets, batch, q.dim_size(0))
+
+    var queries = RaggedQueries[dtype](
+        q.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        row_offsets.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        n_q,
+        n_q // n_kv,
+        d,
+        scale * LOG2E,
+        Int(sliding_window),
+    )
+    for b in range(batch):
+        var new_tokens = queries.token(b + 1, 0) - queries.token(b, 0)
+        if new_tokens > 0:
+            var cache_length = k_cache.cache_length(b)
+            check_token_range(
+                k_cache, b, queries.visible_start(cache_length), cache_length + new_tokens
+            )
+
+    var items = List[WorkItem]()
+    var split_rows = List[SplitRow]()
+    var slots = _plan(k_cache, queries, batch, parallelism_level(None), items, split_rows)
+    var partials_arena = Arena(slots * _SplitSlot.floats(n_q, d))
+    var partials = partials_arena.take(slots * _SplitSlot.floats(n_q, d))
+    var item_list = items.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var split_list = split_rows.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+
+    def run_item(i: Int) {var k_cache, var v_cache, var queries, var item_list, var partials}:
+        var item = item_list[unsafe_offset=i]
+        if item.kv_head >= 0:
+            _prefill_item(k_cache, v_cache, queries, item)
+        else:
+            _decode_any_group(k_cache, v_cache, queries, item, partials)
+
+    def merge_row(i: Int) {var queries, var split_list, var partials}:
+        _merge_splits(queries, split_list[unsafe_offset=i], partials)
+
+    sync_parallelize(run_item, len(items))
+    sync_parallelize(merge_row, len(split_rows))
+    _ = partials_arena^
+    _ = items^
+    _ = split_rows^
+
+
+@extensibility.register("mokv.attention.paged")
+struct AttentionPaged:
+    """Flash attention of a ragged batch over one layer of a paged cache."""
+
+    @staticmethod
+    def execute[dtype: DType, target: StaticString](
+        output: OutputTensor[dtype=dtype, rank=3, ...],
+        blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],
+        q: InputTensor[dtype=dtype, rank=3, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        layer_idx: UInt32,
+        scale: Float32,
+        sliding_window: UInt32,
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_cpu[target](), "mokv's attention op runs on CPU only"
+        var collection = paged_collection(blocks, cache_lengths, lookup_table)
+        attention_over(
+            collection, output, q, input_row_offsets, cache_lengths.dim_size(0),
+            layer_idx, scale, sliding_window,
+        )
+
+
+@extensibility.register("mokv.attention.continuous")
+struct AttentionContinuous:
+    """Flash attention of a ragged batch over one layer of a
+    continuous-batching cache."""
+
+    @staticmethod
+    def execute[dtype: DType, target: StaticString](
+        output: OutputTensor[dtype=dtype, rank=3, ...],
+        blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
+        q: InputTensor[dtype=dtype, rank=3, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        layer_idx: UInt32,
+        scale: Float32,
+        sliding_window: UInt32,
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_cpu[target](), "mokv's attention op runs on CPU only"
+        var collection = continuous_collection(blocks, cache_lengths, lookup_table)
+        attention_over(
+            collection, output, q, input_row_offsets, cache_lengths.dim_size(0),
+            layer_idx, scale, sliding_window,
+        )
