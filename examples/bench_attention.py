@@ -1,0 +1,381 @@
+"""`mokv bench attention`: mokv's paged flash attention against MAX 26.7's own.
+
+Both kernels read the very same block tensor, lookup table and queries in the
+same process, timed alternately call by call (the cores are shared, so only
+side-by-side ratios are trustworthy). Shapes follow FlashInfer's decode
+benchmark scaled to a 2-core CPU: Llama-style 32 query / 8 KV heads of 128 and
+SmolLM2's 9 / 3 heads of 64, pages of 16 and 128 tokens, batch 1..64 at contexts
+of 512..8192; plus prefill chunks of 128..2048 tokens on a cached prefix.
+
+Each row reports the median seconds per `execute` of both kernels, KV bytes
+read per second by each (one pass over every sequence's context: the figure of
+merit for decode, incidental for compute-bound prefill), new tokens per
+second, the read rate of a plain 1 GiB `np.copyto` measured next to the case as
+the machine's memory yardstick, and the largest difference between the two
+kernels' outputs. bfloat16 decode rows also time mokv on the same values
+stored as float32, in the same rounds, for the bfloat16/float32 tokens/s ratio.
+MAX's kernel is compiled per (dtype, heads, head_dim, page size): a full run
+compiles 8 of its graphs (~1.5-3 minutes each on 2 cores) before timing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+import numpy as np
+from max.driver import CPU, Buffer
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+from max.graph import DeviceRef, Graph, TensorType
+from mokv import graph as mokv_graph
+from mokv.kernels import kernel_package
+from mokv_reference import bfloat16
+from mokv_reference.max_attention import MaxAttentionShape, MaxPagedAttention
+
+NUM_LAYERS = 1
+LLAMA = (32, 8, 128)  # query heads, KV heads, head_dim
+SMOLLM2 = (9, 3, 64)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One timed configuration: `batch` sequences of `context` tokens each,
+    the last `new_tokens` of which are this step's queries."""
+
+    phase: str  # "decode" or "prefill"
+    dtype: DType
+    heads: tuple[int, int, int]
+    page_size: int
+    batch: int
+    context: int
+    new_tokens: int = 1
+
+    @property
+    def name(self) -> str:
+        hq, hkv, d = self.heads
+        shape = f"b{self.batch}-ctx{self.context}" + (f"-new{self.new_tokens}" if self.phase == "prefill" else "")
+        return f"{self.phase}-{self.dtype.name}-{hq}x{hkv}x{d}-page{self.page_size}-{shape}"
+
+    def max_shape(self) -> MaxAttentionShape:
+        hq, hkv, d = self.heads
+        return MaxAttentionShape(self.dtype, NUM_LAYERS, hq, hkv, d, self.page_size, 1 / math.sqrt(d))
+
+    @property
+    def kv_bytes(self) -> int:
+        """K and V bytes one call must read: every sequence's whole context."""
+        _, hkv, d = self.heads
+        return self.batch * self.context * 2 * hkv * d * self.dtype.size_in_bytes
+
+
+def full_cases() -> list[Case]:
+    decode_shapes = [(1, 512), (1, 8192), (4, 8192), (16, 512), (16, 2048), (64, 512), (64, 2048)]
+    cases = [
+        Case("decode", dtype, heads, page, batch, context)
+        for dtype in (DType.float32, DType.bfloat16)
+        for heads in (LLAMA, SMOLLM2)
+        for page in (16, 128)
+        for batch, context in decode_shapes
+    ]
+    prefill_shapes = [(0, 2048), (2048, 512), (4096, 128)]  # (cached prefix, chunk)
+    cases += [
+        Case("prefill", dtype, heads, 128, 1, cached + chunk, chunk)
+        for dtype in (DType.float32, DType.bfloat16)
+        for heads in (LLAMA, SMOLLM2)
+        for cached, chunk in prefill_shapes
+    ]
+    return cases
+
+
+def quick_cases() -> list[Case]:
+    """One MAX graph per dtype (Llama heads, page 128): MAX's compile dominates."""
+    return [
+        Case("decode", DType.float32, LLAMA, 128, 16, 2048),
+        Case("decode", DType.bfloat16, LLAMA, 128, 16, 2048),
+        Case("decode", DType.float32, LLAMA, 128, 1, 8192),
+        Case("prefill", DType.float32, LLAMA, 128, 1, 2048 + 512, 512),
+    ]
+
+
+@dataclass
+class SymbolicCache:
+    """A one-layer cache whose head count and head size stay symbolic."""
+
+    dtype: DType
+    num_layers: int = NUM_LAYERS
+    n_kv_heads: int | str = "n_kv_heads"
+    head_dim: int | str = "head_dim"
+
+
+def build_mokv_graph(dtype: DType) -> Graph:
+    """mokv's attention over a one-layer paged cache, every size symbolic, so
+    one compile per dtype serves every case."""
+    cpu = DeviceRef.CPU()
+    inputs = [
+        *mokv_graph.paged_input_types(SymbolicCache(dtype)),
+        TensorType(dtype, ["total_new_tokens", "n_q_heads", "head_dim"], cpu),
+        TensorType(DType.uint32, ["batch_plus_one"], cpu),
+        TensorType(DType.float32, [], cpu),
+    ]
+    with Graph(f"bench_attention_{dtype.name}", input_types=inputs, custom_extensions=[kernel_package()]) as g:
+        cache = mokv_graph.PagedCacheValues.from_inputs(g.inputs[:4])
+        q, offsets, scale = (v.tensor for v in g.inputs[4:])
+        g.output(mokv_graph.attention(cache, 0, q, offsets, scale))
+    return g
+
+
+def _fill(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Random-looking N(0, 1) float32 data of any size, fast: one random block
+    tiled, rounded to values bfloat16 holds exactly so both dtypes see the same
+    numbers."""
+    size = math.prod(shape)
+    pattern = bfloat16.from_bits(bfloat16.to_bits(rng.standard_normal(min(size, 1 << 20), dtype=np.float32)))
+    return np.resize(pattern, size).reshape(shape)
+
+
+def _buffer(values: np.ndarray, dtype: DType) -> Buffer:
+    if dtype == DType.bfloat16:
+        return Buffer.from_numpy(bfloat16.to_bits(values)).view(DType.bfloat16)
+    return Buffer.from_numpy(values)
+
+
+def _to_float(out: Buffer, dtype: DType) -> np.ndarray:
+    if dtype == DType.bfloat16:
+        return bfloat16.from_bits(out.view(DType.uint16).to_numpy())
+    return out.to_numpy()
+
+
+@dataclass
+class Inputs:
+    """One case's data in one storage dtype, shared by both kernels."""
+
+    blocks: Buffer
+    q: Buffer
+    cache_lengths: np.ndarray
+    lookup_table: np.ndarray
+    row_offsets: np.ndarray
+
+    def mokv_args(self, scale: float) -> list[Buffer]:
+        """mokv's graph inputs: the paged cache, then q, offsets and scale."""
+        return [
+            self.blocks,
+            Buffer.from_numpy(self.cache_lengths),
+            Buffer.from_numpy(self.lookup_table),
+            Buffer.from_numpy(np.zeros((1, 2), np.uint32)),  # max_lengths: unused by attention
+            self.q,
+            Buffer.from_numpy(self.row_offsets),
+            Buffer.from_numpy(np.array(scale, np.float32)),
+        ]
+
+
+def make_inputs(case: Case, rng: np.random.Generator, dtypes: tuple[DType, ...]) -> dict[DType, Inputs]:
+    """The case's cache and queries in each of `dtypes` (same values). Every
+    sequence's pages are drawn at random from a shared pool (MAX's null page
+    last), so consecutive pages of a sequence are not adjacent in memory."""
+    hq, hkv, d = case.heads
+    pages_per_seq = -(-case.context // case.page_size)
+    num_pages = case.batch * pages_per_seq
+    lookup = rng.permutation(num_pages).astype(np.uint32).reshape(case.batch, pages_per_seq)
+    blocks = _fill((num_pages + 1, 2, NUM_LAYERS, case.page_size, hkv, d), rng)
+    q = _fill((case.batch * case.new_tokens, hq, d), rng)
+    cache_lengths = np.full(case.batch, case.context - case.new_tokens, np.uint32)
+    row_offsets = (np.arange(case.batch + 1) * case.new_tokens).astype(np.uint32)
+    return {
+        dtype: Inputs(_buffer(blocks, dtype), _buffer(q, dtype), cache_lengths, lookup, row_offsets)
+        for dtype in dtypes
+    }
+
+
+def time_alternately(calls: dict[str, Callable[[], Any]], min_runs: int, budget_s: float) -> dict[str, float]:
+    """Median seconds per call of each callable, run in turn (so load from
+    other processes hits all of them alike) after one warm-up each, at least
+    `min_runs` rounds (3 when one round alone outlasts `budget_s`: MAX's
+    bfloat16 kernel takes seconds per call) and until `budget_s` is spent, at
+    most 50 rounds."""
+    start = time.perf_counter()
+    for call in calls.values():
+        call()
+    if time.perf_counter() - start > budget_s:
+        min_runs = min(min_runs, 3)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < min_runs or (time.perf_counter() - start < budget_s and rounds < 50):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t0)
+        rounds += 1
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+class CopyProbe:
+    """The memory yardstick: `np.copyto` between two 1 GiB float32 arrays,
+    kept for the whole run and re-measured next to every case."""
+
+    def __init__(self) -> None:
+        self.src = np.ones(1 << 28, np.float32)
+        self.dst = np.empty_like(self.src)
+        np.copyto(self.dst, self.src)
+
+    def gbps(self, runs: int = 3) -> float:
+        """Bytes read per second (median of `runs` copies), in GB/s."""
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            np.copyto(self.dst, self.src)
+            times.append(time.perf_counter() - t0)
+        return self.src.nbytes / statistics.median(times) / 1e9
+
+
+class Kernels:
+    """Compiled graphs, built on first use: mokv's per dtype, MAX's per shape."""
+
+    def __init__(self, session: InferenceSession) -> None:
+        self.session = session
+        self.mokv: dict[DType, Model] = {}
+        self.max: dict[MaxAttentionShape, MaxPagedAttention] = {}
+
+    def mokv_model(self, dtype: DType) -> Model:
+        if dtype not in self.mokv:
+            self.mokv[dtype] = self.session.load(build_mokv_graph(dtype))
+        return self.mokv[dtype]
+
+    def max_kernel(self, shape: MaxAttentionShape) -> MaxPagedAttention:
+        if shape not in self.max:
+            self.max[shape] = MaxPagedAttention.compile(self.session, shape)
+        return self.max[shape]
+
+
+def run_case(case: Case, kernels: Kernels, copy: CopyProbe, budget_s: float) -> dict[str, Any]:
+    """Times one case. A bfloat16 decode case also times mokv on the same
+    values stored as float32, in the same rounds, for the tokens/s ratio."""
+    hq, hkv, d = case.heads
+    scale = 1 / math.sqrt(d)
+    with_f32 = case.dtype == DType.bfloat16 and case.phase == "decode"
+    data = make_inputs(case, np.random.default_rng(0), (case.dtype, DType.float32) if with_f32 else (case.dtype,))
+    mine = data[case.dtype]
+    mokv = kernels.mokv_model(case.dtype)
+    mokv_args = mine.mokv_args(scale)
+    max_kernel = kernels.max_kernel(case.max_shape())
+    max_args = max_kernel.inputs(mine.blocks, mine.cache_lengths, mine.lookup_table, mine.row_offsets, mine.q, 0)
+    calls: dict[str, Callable[[], Any]] = {
+        "mokv": lambda: mokv.execute(*mokv_args),
+        "max": lambda: max_kernel(max_args),
+    }
+    if with_f32:
+        mokv_f32 = kernels.mokv_model(DType.float32)
+        f32_args = data[DType.float32].mokv_args(scale)
+        calls["mokv_float32"] = lambda: mokv_f32.execute(*f32_args)
+
+    diff = np.abs(_to_float(mokv.execute(*mokv_args)[0], case.dtype) - _to_float(max_kernel(max_args), case.dtype))
+    copy_rate = copy.gbps()
+    times = time_alternately(calls, min_runs=5, budget_s=budget_s)
+    row = {
+        "case": case.name,
+        "phase": case.phase,
+        "dtype": case.dtype.name,
+        "n_q_heads": hq,
+        "n_kv_heads": hkv,
+        "head_dim": d,
+        "page_size": case.page_size,
+        "batch": case.batch,
+        "context": case.context,
+        "new_tokens": case.new_tokens,
+        "mokv_s": times["mokv"],
+        "max_s": times["max"],
+        "speedup": times["max"] / times["mokv"],
+        "kv_gbps": case.kv_bytes / times["mokv"] / 1e9,
+        "max_kv_gbps": case.kv_bytes / times["max"] / 1e9,
+        "copy_gbps": copy_rate,
+        "tokens_per_s": case.batch * case.new_tokens / times["mokv"],
+        "max_abs_diff": float(diff.max()),
+    }
+    if with_f32:
+        row["mokv_float32_s"] = times["mokv_float32"]
+        row["bf16_over_f32"] = times["mokv_float32"] / times["mokv"]
+    return row
+
+
+def summary(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per target: the range of each ratio over the cases it covers."""
+
+    def span(values: list[float]) -> str:
+        if not values:
+            return "no cases"
+        cases = f"{len(values)} case" + ("s" if len(values) > 1 else "")
+        return f"min {min(values):.2f}, median {statistics.median(values):.2f}, max {max(values):.2f} ({cases})"
+
+    long_decode = [r for r in rows if r["phase"] == "decode" and r["context"] >= 2048]
+    return [
+        f"- decode at 2k+ context, speedup over MAX (target >= 3): {span([r['speedup'] for r in long_decode])}",
+        "- decode at 2k+ context, KV read rate / np.copyto read rate (target >= 1):"
+        f" {span([r['kv_gbps'] / r['copy_gbps'] for r in long_decode])}",
+        "- decode, bfloat16 tokens/s over float32 tokens/s, same values, timed side by side (target >= 1.6):"
+        f" {span([r['bf16_over_f32'] for r in rows if 'bf16_over_f32' in r])}",
+        f"- prefill, speedup over MAX (target >= 1.5): {span([r['speedup'] for r in rows if r['phase'] == 'prefill'])}",
+    ]
+
+
+def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
+    lines = [
+        header,
+        "",
+        *summary(rows),
+        "",
+        "| case | mokv ms | MAX ms | speedup | mokv KV GB/s | MAX KV GB/s | copy GB/s | tokens/s | bf16/f32 | max abs diff |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ratio = f"{r['bf16_over_f32']:.2f}x" if "bf16_over_f32" in r else ""
+        lines.append(
+            f"| {r['case']} | {r['mokv_s'] * 1e3:.3f} | {r['max_s'] * 1e3:.3f} | {r['speedup']:.2f}x"
+            f" | {r['kv_gbps']:.1f} | {r['max_kv_gbps']:.1f} | {r['copy_gbps']:.1f}"
+            f" | {r['tokens_per_s']:.0f} | {ratio} | {r['max_abs_diff']:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+@click.command("attention")
+@click.option("--quick", is_flag=True, help="A representative subset (under five minutes, MAX's compiles included).")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("bench-results"),
+    show_default=True,
+    help="Where attention.json/.md go.",
+)
+def attention(quick: bool, out_dir: Path) -> None:
+    """Paged flash attention: mokv's kernel against MAX's built-in, decode and prefill."""
+    cases = quick_cases() if quick else full_cases()
+    kernels = Kernels(InferenceSession(devices=[CPU()]))
+    copy = CopyProbe()
+    rows = []
+    for case in cases:
+        click.echo(f"{case.name} ...", err=True)
+        row = run_case(case, kernels, copy, budget_s=0.5 if quick else 1.5)
+        rows.append(row)
+        click.echo(
+            f"  mokv {row['mokv_s'] * 1e3:.3f} ms, MAX {row['max_s'] * 1e3:.3f} ms, {row['speedup']:.2f}x,"
+            f" {row['kv_gbps']:.1f} GB/s (copy {row['copy_gbps']:.1f})",
+            err=True,
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "attention.json").write_text(json.dumps(rows, indent=2) + "\n")
+    header = (
+        f"## Paged attention, mokv vs MAX 26.7 ({platform.machine()}, {os.cpu_count()} cores"
+        f"{', quick' if quick else ''}): median seconds per call, timed alternately;"
+        " copy = np.copyto of 1 GiB measured next to each case"
+    )
+    markdown = to_markdown(rows, header)
+    (out_dir / "attention.md").write_text(markdown)
+    click.echo(markdown)
