@@ -87,11 +87,14 @@ def full_cases() -> list[Case]:
     ]
     prefill_shapes = [(0, 2048), (2048, 512), (4096, 128)]  # (cached prefix, chunk)
     cases += [
-        Case("prefill", dtype, heads, 128, 1, cached + chunk, chunk)
-        for dtype in (DType.float32, DType.bfloat16)
+        Case("prefill", DType.float32, heads, 128, 1, cached + chunk, chunk)
         for heads in (LLAMA, SMOLLM2)
         for cached, chunk in prefill_shapes
     ]
+    # MAX's bfloat16 kernel takes ~50 us per (query token, context token) pair
+    # with Llama's 32 heads on this machine (about 15 s per call for a 128-token
+    # chunk, an hour for a 2048-token prompt), so bfloat16 prefill gets one chunk.
+    cases += [Case("prefill", DType.bfloat16, heads, 128, 1, 2048 + 128, 128) for heads in (LLAMA, SMOLLM2)]
     return cases
 
 

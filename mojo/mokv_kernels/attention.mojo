@@ -239,17 +239,21 @@ comptime RowPtrs[dtype: DType] = Array[CachePtr[dtype], TILE]
 
 
 def _tile_rows[cache_t: KVCacheT](
-    cache: cache_t, row: Int, start: Int, count: Int, mut rows: RowPtrs[cache_t.dtype]
+    cache: cache_t,
+    row: Int,
+    start: Int,
+    count: Int,
+    rows: Pointer[CachePtr[cache_t.dtype], MutUntrackedOrigin],
 ):
-    """Pointers to the token rows `start ..< start + count` of batch row `row`,
-    one page lookup per contiguous run."""
+    """Writes pointers to the token rows `start ..< start + count` of batch
+    row `row` to `rows`, one page lookup per contiguous run."""
     var row_elems = cache.num_heads() * cache.head_dim()
     var j = 0
     while j < count:
         var run = min(count - j, cache.contiguous_tokens(start + j))
         var p = cache.row_ptr(row, start + j)
         for i in range(run):
-            rows[j + i] = p.unsafe_offset(i * row_elems)
+            rows[unsafe_offset=j + i] = p.unsafe_offset(i * row_elems)
         j += run
 
 
@@ -304,8 +308,14 @@ struct TileWalk[cache_t: KVCacheT]:
         """Looks up the rows of the tile at `start`, if any."""
         self.next_n = max(0, min(TILE, self.end - start))
         if self.next_n > 0:
-            _tile_rows(self.k_cache, self.row, start, self.next_n, self.next_k)
-            _tile_rows(self.v_cache, self.row, start, self.next_n, self.next_v)
+            _tile_rows(
+                self.k_cache, self.row, start, self.next_n,
+                self.next_k.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            )
+            _tile_rows(
+                self.v_cache, self.row, start, self.next_n,
+                self.next_v.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            )
 
     def prefetch_next(self, j: Int, start: Int, length: Int):
         """Prefetches elements `start ..< start + length` of the K and V rows
@@ -809,7 +819,8 @@ def _plan[cache_t: KVCacheT](
             var position = cache.cache_length(b)
             decode_tokens += position + 1 - queries.visible_start(position)
     var split_len = max(MIN_SPLIT, ceildiv(decode_tokens, workers * SPLITS_PER_WORKER))
-    var block_tokens = ceildiv(PREFILL_ROWS, queries.group)
+    # Whole tokens per block without spilling into another register block of rows.
+    var block_tokens = max(1, PREFILL_ROWS // queries.group)
 
     var decode_items = List[WorkItem]()
     var slots = 0
