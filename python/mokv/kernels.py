@@ -53,10 +53,14 @@ def kernel_package() -> Path:
     # runs never see a half-written package.
     staging = out.parents[1] / f"building-{os.getpid()}"
     staging.mkdir(parents=True, exist_ok=True)
+    # Importing MAX's Python bindings sets PYTHONEXECUTABLE and PYTHONPATH at
+    # the C level, which sends the `mojo` launcher script to the wrong Python;
+    # os.environ still holds the environment this process started with.
     result = subprocess.run(
         [_mojo_binary(), "precompile", str(KERNEL_SOURCE_DIR), "-o", str(staging / out.name)],
         capture_output=True,
         text=True,
+        env=dict(os.environ),
     )
     if result.returncode != 0:
         shutil.rmtree(staging, ignore_errors=True)
