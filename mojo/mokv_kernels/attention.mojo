@@ -858,7 +858,6 @@ def attention_over[collection_t: KVCollectionT](
     output: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
     q: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
     row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
-    batch: Int,
     layer_idx: UInt32,
     scale: Float32,
     sliding_window: UInt32,
@@ -870,6 +869,7 @@ def attention_over[collection_t: KVCollectionT](
     check_layer(layer, collection.num_layers())
     var k_cache = collection.get_cache(layer, 0)
     var v_cache = collection.get_cache(layer, 1)
+    var batch = k_cache.batch_size()
     var n_kv = k_cache.num_heads()
     var d = k_cache.head_dim()
     var n_q = q.dim_size(1)
@@ -944,8 +944,8 @@ struct AttentionPaged:
         comptime assert is_cpu[target](), "mokv's attention op runs on CPU only"
         var collection = paged_collection(blocks, cache_lengths, lookup_table)
         attention_over(
-            collection, output, q, input_row_offsets, cache_lengths.dim_size(0),
-            layer_idx, scale, sliding_window,
+            collection, output, q, input_row_offsets, layer_idx, scale,
+            sliding_window,
         )
 
 
@@ -970,6 +970,7 @@ struct AttentionContinuous:
         comptime assert is_cpu[target](), "mokv's attention op runs on CPU only"
         var collection = continuous_collection(blocks, cache_lengths, lookup_table)
         attention_over(
-            collection, output, q, input_row_offsets, cache_lengths.dim_size(0),
-            layer_idx, scale, sliding_window,
+            collection, output, q, input_row_offsets, layer_idx, scale,
+            sliding_window,
         )
+

@@ -24,6 +24,7 @@ def _geometry[dtype: DType](
         blocks.dim_size(3),
         blocks.dim_size(4),
         blocks.dim_size(5),
+        cache_lengths.dim_size(0),
         cache_lengths.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
         lookup_table_ptr,
     )
@@ -73,7 +74,10 @@ def check_layer(layer: Int, num_layers: Int) raises:
 def check_token_range[cache_t: KVCacheT](
     cache: cache_t, bs: Int, start: Int, end: Int
 ) raises:
-    """Raises unless tokens `start..end` of row `bs` map to valid blocks."""
+    """Raises unless `bs` is a row of the batch and tokens `start..end` of it
+    map to valid blocks."""
+    if bs < 0 or bs >= cache.batch_size():
+        raise Error(t"batch row {bs} out of range for {cache.batch_size()} rows")
     if end > cache.max_tokens():
         raise Error(
             t"row {bs}: token {end - 1} is past the {cache.max_tokens()}"

@@ -21,6 +21,10 @@ trait KVCacheT(TrivialRegisterPassable):
 
     comptime dtype: DType
 
+    def batch_size(self) -> Int:
+        """Rows of the batch (entries of `cache_lengths`)."""
+        ...
+
     def cache_length(self, bs: Int) -> Int:
         """Tokens already cached for batch row `bs`, excluding this step's."""
         ...
@@ -66,6 +70,7 @@ struct CacheGeometry(TrivialRegisterPassable):
     var block_len: Int
     var n_kv_heads: Int
     var head_dim: Int
+    var batch_size: Int
     var cache_lengths: U32Ptr
     var lookup_table: U32Ptr
 
@@ -93,6 +98,9 @@ struct PagedKVCache[dtype_: DType](KVCacheT):
     var max_pages_per_seq: Int
     var layer: Int
     var kv_idx: Int
+
+    def batch_size(self) -> Int:
+        return self.geometry.batch_size
 
     def cache_length(self, bs: Int) -> Int:
         return self.geometry.cache_length(bs)
@@ -141,6 +149,9 @@ struct ContinuousBatchingKVCache[dtype_: DType](KVCacheT):
     var geometry: CacheGeometry
     var layer: Int
     var kv_idx: Int
+
+    def batch_size(self) -> Int:
+        return self.geometry.batch_size
 
     def cache_length(self, bs: Int) -> Int:
         return self.geometry.cache_length(bs)

@@ -1,11 +1,13 @@
 """The opaque continuous-batching collection: built once per graph from the four
-fetched tensors, then handed to every store/gather op as a single operand."""
+fetched tensors, then handed to every store/gather/attention op as a single
+operand."""
 
 import extensibility
 from extensibility import InputTensor, OutputTensor, _MutableInputTensor
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 
+from .attention import attention_over
 from .bind import continuous_collection
 from .cache import OpaqueContinuousCollection
 from .store import gather_from, store_kv_into
@@ -67,4 +69,26 @@ struct GatherContinuousCollection:
         comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
         gather_from(
             collection.typed[dtype](), dest, layer_idx, kv_idx, batch_rows, positions
+        )
+
+
+@extensibility.register("mokv.attention.continuous_collection")
+struct AttentionContinuousCollection:
+    """`mokv.attention.continuous` taking the opaque collection."""
+
+    @staticmethod
+    def execute[dtype: DType, target: StaticString](
+        output: OutputTensor[dtype=dtype, rank=3, ...],
+        collection: OpaqueContinuousCollection,
+        q: InputTensor[dtype=dtype, rank=3, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        layer_idx: UInt32,
+        scale: Float32,
+        sliding_window: UInt32,
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_cpu[target](), "mokv's attention op runs on CPU only"
+        attention_over(
+            collection.typed[dtype](), output, q, input_row_offsets, layer_idx,
+            scale, sliding_window,
         )

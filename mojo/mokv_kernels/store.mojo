@@ -9,6 +9,7 @@ from std.memory import unsafe_memcpy
 
 from .bind import (
     check_layer,
+    check_row_offsets,
     check_rows,
     check_token_range,
     continuous_collection,
@@ -25,18 +26,14 @@ def store_rows[cache_t: KVCacheT](
     """Copies each row's new tokens to positions `cache_length ..
     cache_length + n` of its sequence, one contiguous run per page."""
     check_rows(cache, new_rows, "new rows")
-    var batch = row_offsets.dim_size(0) - 1
+    var batch = cache.batch_size()
+    check_row_offsets(row_offsets, batch, new_rows.dim_size(0))
     var offsets = row_offsets.unsafe_ptr()
     for bs in range(batch):
         var start = Int(offsets[unsafe_offset=bs])
         var end = Int(offsets[unsafe_offset=bs + 1])
         var tok = cache.cache_length(bs)
         check_token_range(cache, bs, tok, tok + end - start)
-    if new_rows.dim_size(0) != Int(offsets[unsafe_offset=batch]):
-        raise Error(
-            t"new rows have {new_rows.dim_size(0)} tokens but input_row_offsets"
-            t" ends at {offsets[unsafe_offset=batch]}"
-        )
 
     var row = cache.num_heads() * cache.head_dim()
     var src = new_rows.unsafe_ptr()

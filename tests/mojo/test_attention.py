@@ -20,74 +20,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
 from max.driver import Buffer
 from max.dtype import DType
 from max.engine import InferenceSession, Model
-from max.graph import DeviceRef, Graph, TensorType
 
-from mokv.graph import (
-    ContinuousCacheValues,
-    PagedCacheValues,
-    attention,
-    continuous_input_types,
-    paged_input_types,
-)
 from mokv_reference import bfloat16
 from mokv_reference.attention import attention as reference_attention
 from mokv_reference.max_attention import MaxAttentionShape, MaxPagedAttention
+from tests.attention_graph import NUM_LAYERS
 
-CPU_REF = DeviceRef.CPU()
-NUM_LAYERS = 2
 TOLERANCE = {DType.float32: (2e-5, 2e-5), DType.bfloat16: (1e-3, 8e-3)}  # (atol, rtol)
 MAX_TOLERANCE = {DType.float32: TOLERANCE[DType.float32], DType.bfloat16: (0.1, 0.05)}
-
-
-@dataclass
-class SymbolicShape:
-    """Cache parameters with every size symbolic: one graph per (layout, dtype)
-    serves all head counts, head sizes and page sizes."""
-
-    dtype: DType
-    num_layers: int = NUM_LAYERS
-    n_kv_heads: int | str = "n_kv_heads"
-    head_dim: int | str = "head_dim"
-
-
-def build_attention_graph(layout: str, dtype: DType, kernels: Path) -> Graph:
-    """`(cache..., q, input_row_offsets, layer, scale, window) -> attention`."""
-    shape = SymbolicShape(dtype)
-    cache_types = paged_input_types(shape) if layout == "paged" else continuous_input_types(shape)
-    inputs = [
-        *cache_types,
-        TensorType(dtype, ["total_new_tokens", "n_q_heads", "head_dim"], CPU_REF),
-        TensorType(DType.uint32, ["batch_plus_one"], CPU_REF),
-        TensorType(DType.uint32, [], CPU_REF),
-        TensorType(DType.float32, [], CPU_REF),
-        TensorType(DType.uint32, [], CPU_REF),
-    ]
-    with Graph(f"attention_{layout}_{dtype}", input_types=inputs, custom_extensions=[kernels]) as g:
-        values = PagedCacheValues if layout == "paged" else ContinuousCacheValues
-        cache = values.from_inputs(g.inputs[:4])
-        q, offsets, layer, scale, window = (v.tensor for v in g.inputs[4:])
-        g.output(attention(cache, layer, q, offsets, scale, window))
-    return g
-
-
-@pytest.fixture(scope="session")
-def attention_graph(session: InferenceSession, kernels: Path):
-    """One compiled graph per (layout, dtype) for the whole session, built on first use."""
-    models: dict[tuple[str, DType], Model] = {}
-
-    def get(layout: str, dtype: DType) -> Model:
-        if (layout, dtype) not in models:
-            models[layout, dtype] = session.load(build_attention_graph(layout, dtype, kernels))
-        return models[layout, dtype]
-
-    return get
 
 
 @dataclass

@@ -240,3 +240,22 @@ def test_gather_rejects_position_past_lookup_row(store_gather):
     past_end = np.array([b.lookup_table.shape[1] * 16], np.uint32)
     with pytest.raises(ValueError, match=f"token {past_end[0]} is past"):
         run(store_gather("paged", DType.float32), b, "paged", DType.float32, 0, rows, past_end)
+
+
+def test_gather_rejects_row_outside_batch(store_gather):
+    b = _batch_with_new_tokens("continuous", 13)
+    rows = np.array([len(b.cache_lengths)], np.uint32)
+    with pytest.raises(ValueError, match=f"batch row {len(b.cache_lengths)} out of range"):
+        run(store_gather("continuous", DType.float32), b, "continuous", DType.float32, 0, rows, np.zeros(1, np.uint32))
+
+
+def test_store_rejects_row_offsets_longer_than_batch(store_gather):
+    """Row offsets describing more sequences than the cache has rows would read
+    cache lengths past the end of the batch."""
+    b = _batch_with_new_tokens("paged", 17)
+    positions = written_positions(b)
+    b.row_offsets = np.append(b.row_offsets, b.row_offsets[-1])
+    before = b.blocks.copy()
+    with pytest.raises(ValueError, match="input_row_offsets has .* entries but the cache describes"):
+        run(store_gather("paged", DType.float32), b, "paged", DType.float32, 0, *positions)
+    np.testing.assert_array_equal(b.blocks, before)

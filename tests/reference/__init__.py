@@ -1,1 +1,0 @@
-"""Independent references every test compares against."""
