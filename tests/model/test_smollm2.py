@@ -1,5 +1,5 @@
 """SmolLM2-135M-Instruct end to end: files, tokenizer, and the dense MAX graph against the
-independent numpy forward (tests/reference/numpy_llama.py)."""
+independent numpy forward (reference/numpy_llama.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from mokv_graphs import model_files
 from mokv_graphs.gguf_model import LlamaCheckpoint, unpermute_rope_rows
 from mokv_graphs.llama import ragged_batch
 from mokv_graphs.tokenizer import GGUFTokenizer
-from tests.reference.numpy_llama import llama_cpp_permute, numpy_llama_logits
+from mokv_reference.numpy_llama import llama_cpp_permute, numpy_llama_logits
 
 # float32 graph vs float64 reference through 30 layers: measured max |diff| 2e-6..7e-6 of the
 # largest |logit| (~25). 1e-4 leaves >10x margin and still catches real mistakes: a mask that
