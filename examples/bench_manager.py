@@ -25,6 +25,7 @@ import numpy as np
 from max.driver import CPU
 from max.dtype import DType
 from max.engine import InferenceSession
+
 from mokv import KVCacheParams, PagedKVCacheManager, TextContext
 from mokv_reference.max_manager import MaxBackend
 

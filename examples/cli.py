@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import click
 
+from mokv_examples.bench_attention import attention as bench_attention
+from mokv_examples.bench_e2e import e2e as bench_e2e
+from mokv_examples.bench_manager import manager as bench_manager
+from mokv_examples.chat import chat
+from mokv_examples.generate import generate
+from mokv_examples.inspect_cache import inspect_cache
+
 
 @click.group()
 def main() -> None:
@@ -15,6 +22,7 @@ def bench() -> None:
     """Benchmarks that compare mokv with MAX's own KV cache side by side."""
 
 
-from mokv_examples.bench_manager import manager as _bench_manager
-
-bench.add_command(_bench_manager)
+for command in (generate, chat, inspect_cache):
+    main.add_command(command)
+for command in (bench_manager, bench_attention, bench_e2e):
+    bench.add_command(command)

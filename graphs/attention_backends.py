@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 from max.dtype import DType
@@ -34,6 +35,11 @@ class AttentionBackend(Protocol):
     * ``graph_inputs``: the graph values of :meth:`input_types`, in that order.
     * returns ``[T, n_heads, head_dim]`` float32: each token's attention output.
     """
+
+    @property
+    def custom_extensions(self) -> list[Path]:
+        """Kernel packages the graph must load for this backend's custom ops."""
+        ...
 
     def input_types(self) -> list[TensorType | BufferType]:
         """Extra graph inputs this backend needs, appended after the model's own inputs."""
@@ -91,6 +97,10 @@ class DenseCausalAttention:
     total tokens (one ``[n_heads, T, T]`` score tensor per layer, masked block-diagonally), which
     is the price of being simple enough to serve as the reference for cached backends.
     """
+
+    @property
+    def custom_extensions(self) -> list[Path]:
+        return []
 
     def input_types(self) -> list[TensorType | BufferType]:
         return []

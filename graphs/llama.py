@@ -85,7 +85,7 @@ def build_llama_graph(config: LlamaConfig, attention: AttentionBackend, name: st
     """The Llama decoder graph of ``config`` with ``attention`` (see the module contract)."""
     c = config
     input_types = [*llama_input_types(), *attention.input_types()]
-    with Graph(name, input_types=input_types) as graph:
+    with Graph(name, input_types=input_types, custom_extensions=attention.custom_extensions) as graph:
         tokens, row_offsets, positions, *backend_inputs = graph.inputs
         tokens, row_offsets, positions = tokens.tensor, row_offsets.tensor, positions.tensor
         total = tokens.shape[0]

@@ -1,0 +1,117 @@
+"""`mokv inspect`: a picture of the paged cache at its fullest moment: which
+pages each request holds, and which of them it shares with others through the
+prefix cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import numpy as np
+
+from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
+from mokv_examples.scheduler import Scheduler
+
+SYSTEM_PROMPT = (
+    "You are a concise assistant for a systems engineering team. Answer in one or two "
+    "sentences, prefer concrete numbers, and say so when you are unsure."
+)
+QUESTIONS = (
+    "What is a page table?",
+    "Why do LLM servers cache keys and values?",
+    "What does prefix caching save?",
+    "What is continuous batching?",
+    "Name one way to reduce memory use during inference.",
+)
+
+
+@dataclass
+class PageSnapshot:
+    """Which pages each running request held at one step."""
+
+    step: int
+    request_ids: list[str]
+    blocks: list[list[int]]
+
+    @classmethod
+    def take(cls, scheduler: Scheduler) -> PageSnapshot:
+        ids = [r.request_id for r in scheduler.running]
+        return cls(scheduler.stats.steps, ids, [scheduler.manager.get_req_blocks(i) for i in ids])
+
+    @property
+    def num_pages_held(self) -> int:
+        return len({b for blocks in self.blocks for b in blocks})
+
+    def sharing(self) -> dict[int, int]:
+        """Page id -> number of requests holding it."""
+        ids, counts = np.unique(np.concatenate([np.asarray(b, int) for b in self.blocks]), return_counts=True)
+        return dict(zip(ids.tolist(), counts.tolist()))
+
+
+def draw(snapshot: PageSnapshot, path: Path) -> None:
+    """Page-occupancy grid (requests x pages; shared pages stand out) and a bar
+    chart of shared vs private pages per request."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sharing = snapshot.sharing()
+    pages = sorted(sharing)
+    column = {page: i for i, page in enumerate(pages)}
+    grid = np.zeros((len(snapshot.request_ids), len(pages)))
+    for row, blocks in enumerate(snapshot.blocks):
+        for b in blocks:
+            grid[row, column[b]] = 2 if sharing[b] > 1 else 1
+    fig, (ax_grid, ax_bars) = plt.subplots(1, 2, figsize=(13, 0.5 * len(snapshot.request_ids) + 2.5),
+                                           gridspec_kw={"width_ratios": [3, 1]})
+    cmap = matplotlib.colors.ListedColormap(["#f4f4f4", "#7fa7d6", "#e4572e"])
+    ax_grid.imshow(grid, aspect="auto", cmap=cmap, vmin=0, vmax=2, interpolation="nearest")
+    ax_grid.set_yticks(range(len(snapshot.request_ids)), snapshot.request_ids)
+    step = max(1, len(pages) // 16)
+    ax_grid.set_xticks(range(0, len(pages), step), [pages[i] for i in range(0, len(pages), step)])
+    ax_grid.set_xlabel("page id (held pages only)")
+    ax_grid.set_title(f"pages held at step {snapshot.step}: blue private, red shared via prefix cache")
+    shared = [sum(sharing[b] > 1 for b in blocks) for blocks in snapshot.blocks]
+    private = [len(blocks) - s for blocks, s in zip(snapshot.blocks, shared)]
+    y = np.arange(len(snapshot.request_ids))
+    ax_bars.barh(y, shared, color="#e4572e", label="shared")
+    ax_bars.barh(y, private, left=shared, color="#7fa7d6", label="private")
+    ax_bars.set_yticks(y, [])
+    ax_bars.invert_yaxis()
+    ax_bars.set_xlabel("pages")
+    ax_bars.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@click.command("inspect")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-results/cache.png"), show_default=True)
+@click.option("--page-size", default=16, show_default=True)
+@click.option("--max-new-tokens", default=24, show_default=True)
+def inspect_cache(out: Path, page_size: int, max_new_tokens: int) -> None:
+    """Run a shared-system-prompt workload and draw the cache at its fullest."""
+    model = SmolLM2()
+    prompts = [
+        model.tokenizer.encode_chat([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}])
+        for q in QUESTIONS
+    ]
+    fullest: list[PageSnapshot] = []
+
+    def keep_fullest(scheduler: Scheduler) -> None:
+        snapshot = PageSnapshot.take(scheduler)
+        if not fullest or snapshot.num_pages_held > fullest[0].num_pages_held:
+            fullest[:] = [snapshot]
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, page_size=page_size, num_pages=256)
+    _, _, manager = generate(model, prompts, config, on_step=keep_fullest)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    draw(fullest[0], out)
+    sharing = fullest[0].sharing()
+    click.echo(
+        f"step {fullest[0].step}: {len(fullest[0].request_ids)} requests hold {len(sharing)} distinct pages, "
+        f"{sum(c > 1 for c in sharing.values())} of them shared; prefix hit rate "
+        f"{manager.get_metrics_aggregated().cache_hit_rate:.1%}; wrote {out}"
+    )

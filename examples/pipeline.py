@@ -1,0 +1,178 @@
+"""SmolLM2 on mokv's paged cache: the model graph, the manager and the scheduler
+wired together, so the CLI commands and the tests drive one thing."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+from max.driver import CPU, Buffer
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+
+from mokv import KVCacheParams, PagedCacheInputs, PagedKVCacheManager
+from mokv_examples.scheduler import Request, Sampler, Scheduler, StepStats
+from mokv_graphs.gguf_model import LlamaCheckpoint, load_llama
+from mokv_graphs.llama import load_llama_model
+from mokv_graphs.paged_attention import PagedCacheAttention
+from mokv_graphs.tokenizer import GGUFTokenizer, load_tokenizer
+
+
+@dataclass
+class Completion:
+    """One request's outcome."""
+
+    prompt: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    preemptions: int
+
+
+@dataclass
+class GenerationReport:
+    """A run's completions and statistics."""
+
+    completions: list[Completion]
+    stats: StepStats
+    prefix_hit_rate: float
+    wall_seconds: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, float]:
+        s = self.stats
+        return {
+            "requests": len(self.completions),
+            "prefill_tokens": s.prefill_tokens,
+            "decode_tokens": s.decode_tokens,
+            "prefill_tokens_per_s": s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else 0.0,
+            "decode_tokens_per_s": s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0,
+            "steps": s.steps,
+            "preemptions": s.preemptions,
+            "peak_pages_used": s.peak_pages_used,
+            "prefix_hit_rate": self.prefix_hit_rate,
+            "wall_seconds": self.wall_seconds,
+            **self.extra,
+        }
+
+
+class SmolLM2:
+    """The compiled SmolLM2 graph over a paged cache. The graph leaves the page
+    size symbolic, so one compiled model serves caches of any page size."""
+
+    def __init__(self, session: InferenceSession | None = None, log: Callable[[str], None] | None = None) -> None:
+        log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.session = session or InferenceSession(devices=[CPU()])
+        started = time.perf_counter()
+        self.checkpoint: LlamaCheckpoint = load_llama()
+        self.tokenizer: GGUFTokenizer = load_tokenizer()
+        c = self.checkpoint.config
+        self.cache_shape = KVCacheParams(
+            dtype=DType.float32, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, num_layers=c.n_layers
+        )
+        log(f"loaded SmolLM2 weights and tokenizer in {time.perf_counter() - started:.1f} s; compiling the graph...")
+        started = time.perf_counter()
+        self.model: Model = load_llama_model(self.session, self.checkpoint, PagedCacheAttention(self.cache_shape))
+        log(f"graph ready in {time.perf_counter() - started:.1f} s")
+
+    def cache_params(self, page_size: int, enable_prefix_caching: bool) -> KVCacheParams:
+        c = self.checkpoint.config
+        return KVCacheParams(
+            dtype=DType.float32,
+            n_kv_heads=c.n_kv_heads,
+            head_dim=c.head_dim,
+            num_layers=c.n_layers,
+            page_size=page_size,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+
+    def step(
+        self,
+        tokens: npt.NDArray[np.int64],
+        row_offsets: npt.NDArray[np.uint32],
+        positions: npt.NDArray[np.int64],
+        cache: PagedCacheInputs,
+    ) -> npt.NDArray[np.float32]:
+        """One ragged step: stores the tokens' K/V and returns last-token logits."""
+        (logits,) = self.model.execute(
+            Buffer.from_numpy(tokens), Buffer.from_numpy(row_offsets), Buffer.from_numpy(positions), *cache.flatten()
+        )
+        return logits.to_numpy()
+
+    def encode(self, prompt: str, chat: bool) -> npt.NDArray[np.int64]:
+        if chat:
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+
+@dataclass
+class GenerationConfig:
+    """How one `generate` run uses the cache and the scheduler."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    seed: int = 0
+    page_size: int = 16
+    num_pages: int = 512
+    enable_prefix_caching: bool = True
+    max_batch_size: int = 16
+    token_budget: int = 512
+
+
+def generate(
+    model: SmolLM2,
+    prompt_token_ids: Sequence[npt.NDArray[np.int64]],
+    config: GenerationConfig,
+    on_token: Callable[[Request, int], None] | None = None,
+    on_step: Callable[[Scheduler], None] | None = None,
+    manager: PagedKVCacheManager | None = None,
+) -> tuple[list[Request], StepStats, PagedKVCacheManager]:
+    """Runs every prompt to completion with continuous batching, on `manager`
+    if given (a chat keeps one across turns so its history stays cached)."""
+    params = model.cache_params(config.page_size, config.enable_prefix_caching)
+    manager = manager or PagedKVCacheManager(
+        params, model.session, config.num_pages, max_batch_size=config.max_batch_size
+    )
+    scheduler = Scheduler(
+        manager,
+        model.step,
+        token_budget=config.token_budget,
+        max_batch_size=config.max_batch_size,
+        sampler=Sampler(config.temperature, config.seed),
+        stop_token_ids=model.tokenizer.stop_token_ids,
+    )
+    requests = [Request(f"req-{i}", ids, config.max_new_tokens) for i, ids in enumerate(prompt_token_ids)]
+    for request in requests:
+        scheduler.add(request)
+    stats = scheduler.run(on_token, on_step)
+    return requests, stats, manager
+
+
+def run_prompts(
+    model: SmolLM2,
+    prompts: Sequence[str],
+    config: GenerationConfig,
+    chat: bool = True,
+    on_token: Callable[[Request, int], None] | None = None,
+) -> GenerationReport:
+    """Tokenizes, generates and decodes: the whole `mokv generate` job."""
+    ids = [model.encode(p, chat) for p in prompts]
+    started = time.perf_counter()
+    requests, stats, manager = generate(model, ids, config, on_token)
+    wall = time.perf_counter() - started
+    metrics = manager.get_metrics_aggregated()
+    completions = [
+        Completion(
+            prompt=p,
+            prompt_token_ids=r.prompt.tolist(),
+            token_ids=list(r.generated),
+            text=model.tokenizer.decode(r.generated, skip_special_tokens=True),
+            preemptions=r.preemptions,
+        )
+        for p, r in zip(prompts, requests)
+    ]
+    return GenerationReport(completions, stats, metrics.cache_hit_rate, wall)

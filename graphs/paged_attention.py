@@ -1,0 +1,45 @@
+"""The attention backend that runs on mokv's paged cache: each layer stores its
+new K/V through the page table, then attends over the cache with mokv's flash
+kernel. It declares the cache's graph inputs with the page size left symbolic,
+so one compiled model serves caches of every page size."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from max.graph import BufferType, TensorType, TensorValue, Value
+
+from mokv.graph import PagedCacheValues, attention, paged_input_types, store_kv
+from mokv.graph.cache_values import CacheShape
+from mokv.kernels import kernel_package
+
+
+class PagedCacheAttention:
+    """`AttentionBackend` over a `PagedKVCacheManager`'s runtime inputs (blocks,
+    cache_lengths, lookup_table, max_lengths), appended after the model's inputs."""
+
+    def __init__(self, cache_shape: CacheShape) -> None:
+        self.cache_shape = cache_shape
+
+    @property
+    def custom_extensions(self) -> list[Path]:
+        return [kernel_package()]
+
+    def input_types(self) -> list[TensorType | BufferType]:
+        return paged_input_types(self.cache_shape)
+
+    def __call__(
+        self,
+        layer_idx: int,
+        q: TensorValue,
+        k: TensorValue,
+        v: TensorValue,
+        input_row_offsets: TensorValue,
+        graph_inputs: Sequence[Value],
+    ) -> TensorValue:
+        cache = PagedCacheValues.from_inputs(graph_inputs)
+        store_kv(cache, layer_idx, k, v, input_row_offsets)
+        scale = 1.0 / math.sqrt(int(q.shape[-1]))
+        return attention(cache, layer_idx, q, input_row_offsets, scale)
