@@ -7,6 +7,7 @@ import pytest
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.graph import DeviceRef
+
 from mokv import KVCacheBuffer, KVCacheMemory, KVCacheParams, ReplicatedKVCacheMemory
 
 

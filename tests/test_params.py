@@ -6,6 +6,7 @@ import pytest
 from max.dtype import DType
 from max.graph import DeviceRef
 from max.nn.kv_cache import MHAKVCacheParams
+
 from mokv import KVCacheParams, KVCacheStrategy
 
 CPU = DeviceRef.CPU()

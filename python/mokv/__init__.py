@@ -2,6 +2,7 @@
 
 from .buffer import KVCacheBuffer, KVCacheMemory, ReplicatedKVCacheMemory
 from .context import TextContext
+from .continuous import ContinuousBatchingKVCacheManager
 from .metrics import KVCacheMetrics
 from .paged import (
     BatchCharacteristics,
@@ -13,6 +14,7 @@ from .params import KVCacheParams, KVCacheStrategy
 
 __all__ = [
     "BatchCharacteristics",
+    "ContinuousBatchingKVCacheManager",
     "InsufficientBlocksError",
     "KVCacheBuffer",
     "KVCacheMemory",

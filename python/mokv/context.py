@@ -25,7 +25,7 @@ class TextContext:
         max_length: Most tokens the request may ever hold, or None for no limit.
     """
 
-    __slots__ = ("request_id", "max_length", "_buf", "_length", "_processed")
+    __slots__ = ("_buf", "_length", "_processed", "max_length", "request_id")
 
     def __init__(
         self,

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from max.dtype import DType
 from max.graph import DeviceRef
+
 from mokv import KVCacheParams, PagedKVCacheManager, TextContext
 
 MakeManager = Callable[..., PagedKVCacheManager]

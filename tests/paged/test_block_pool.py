@@ -6,6 +6,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+
 from mokv.paged.block_pool import NO_UID, BlockPool, PageIndex
 from mokv.paged.hashing import BlockHasher
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from mokv.paged.hashing import ROOT, BlockHasher
 
 _MASK = (1 << 64) - 1

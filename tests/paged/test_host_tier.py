@@ -4,6 +4,7 @@ bytes intact, with the copies counted in the metrics."""
 from __future__ import annotations
 
 import numpy as np
+
 from mokv import PagedKVCacheManager, TextContext
 
 from .conftest import MakeManager, ctx

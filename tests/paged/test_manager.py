@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from mokv import InsufficientBlocksError, PagedKVCacheManager, TextContext
 
 from .conftest import MakeManager, ctx

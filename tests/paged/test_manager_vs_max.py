@@ -19,8 +19,8 @@ import pytest
 
 pytest.importorskip("max.pipelines.kv_cache")
 
-from mokv_examples.bench_manager import MokvBackend  # noqa: E402
-from mokv_reference.max_manager import MaxBackend  # noqa: E402
+from mokv_examples.bench_manager import MokvBackend
+from mokv_reference.max_manager import MaxBackend
 
 
 class Lockstep:

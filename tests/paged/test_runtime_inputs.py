@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from mokv.paged.runtime_inputs import BlockTable
 
 NULL = 99

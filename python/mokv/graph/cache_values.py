@@ -7,11 +7,20 @@ width, multi-step rows) are symbolic, so one compiled graph serves every batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, Sequence
+from typing import ClassVar, Protocol
 
 from max.dtype import DType
-from max.graph import BufferType, BufferValue, DeviceRef, Dim, TensorType, TensorValue, Value
+from max.graph import (
+    BufferType,
+    BufferValue,
+    DeviceRef,
+    Dim,
+    TensorType,
+    TensorValue,
+    Value,
+)
 
 
 class CacheShape(Protocol):

@@ -7,7 +7,16 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from max.graph import DeviceRef, Dim, TensorType, TensorValue, Value, _OpaqueType, _OpaqueValue, ops
+from max.graph import (
+    DeviceRef,
+    Dim,
+    TensorType,
+    TensorValue,
+    Value,
+    _OpaqueType,
+    _OpaqueValue,
+    ops,
+)
 
 from .cache_values import CacheShape
 
