@@ -22,12 +22,6 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="session")
-def paged_smollm2(session) -> SmolLM2:
-    """The SmolLM2 graph on mokv's paged cache, compiled once (symbolic page size)."""
-    return SmolLM2(session, log=lambda _: None)
-
-
-@pytest.fixture(scope="session")
 def prompts(smollm2_tokenizer) -> list[np.ndarray]:
     """Three chat prompts of different lengths sharing a system prompt."""
     return [
@@ -36,30 +30,9 @@ def prompts(smollm2_tokenizer) -> list[np.ndarray]:
     ]
 
 
-_DENSE: dict[tuple[int, ...], list[int]] = {}
-
-
-def dense_greedy(dense_model, smollm2, stop_ids, prompt: np.ndarray) -> list[int]:
-    """Greedy tokens recomputing the whole sequence every step, no cache (memoised:
-    several tests compare against the same prompts)."""
-    key = tuple(prompt.tolist())
-    if key not in _DENSE:
-        tokens, out = list(prompt), []
-        for _ in range(NEW_TOKENS):
-            batch = ragged_batch([np.array(tokens)], context_length=smollm2.config.context_length)
-            (logits,) = dense_model.execute(*(Buffer.from_numpy(a) for a in batch.inputs()))
-            token = int(np.argmax(logits.to_numpy()[0]))
-            out.append(token)
-            tokens.append(token)
-            if token in stop_ids:
-                break
-        _DENSE[key] = out
-    return _DENSE[key]
-
-
 @pytest.fixture
-def reference(dense_smollm2, smollm2, smollm2_tokenizer):
-    return lambda prompt: dense_greedy(dense_smollm2, smollm2, smollm2_tokenizer.stop_token_ids, prompt)
+def reference(dense_greedy):
+    return lambda prompt: dense_greedy(prompt, NEW_TOKENS)
 
 
 def _generate(model: SmolLM2, prompts, **config) -> list[list[int]]:

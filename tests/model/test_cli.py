@@ -1,0 +1,74 @@
+"""The `mokv generate` and `mokv inspect` commands end to end on the session's compiled
+SmolLM2 (patched in, so the CLI does not compile the graph a second time): what they
+write must agree with the tokenizer and with a no-cache greedy recomputation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from mokv_examples import generate as generate_module
+from mokv_examples import inspect_cache
+from mokv_examples.cli import main
+
+PROMPTS = ["What is the capital of France?", "Name a prime number."]
+NEW_TOKENS = 8
+
+
+@pytest.fixture
+def cli(monkeypatch, paged_smollm2):
+    for module in (generate_module, inspect_cache):
+        monkeypatch.setattr(module, "SmolLM2", lambda: paged_smollm2)
+    return CliRunner()
+
+
+def test_generate_json_matches_tokenizer_and_greedy_reference(cli, tmp_path, smollm2_tokenizer, dense_greedy):
+    out = tmp_path / "run.json"
+    result = cli.invoke(
+        main, ["generate", *PROMPTS, "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0", "--json", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    run = json.loads(out.read_text())
+    assert [r["prompt"] for r in run["requests"]] == PROMPTS
+    for prompt, request in zip(PROMPTS, run["requests"]):
+        ids = smollm2_tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        assert request["prompt_token_ids"] == ids.tolist()
+        assert request["token_ids"] == dense_greedy(ids, NEW_TOKENS)
+        assert request["text"] == smollm2_tokenizer.decode(request["token_ids"], skip_special_tokens=True)
+        assert request["text"].strip() in result.output
+    stats = run["stats"]
+    generated = sum(len(r["token_ids"]) for r in run["requests"])
+    # Each request's first token comes out of its prefill step; the rest are decodes.
+    assert stats["decode_tokens"] == generated - len(PROMPTS)
+    assert stats["prefill_tokens"] == sum(len(r["prompt_token_ids"]) for r in run["requests"])
+    assert stats["prefill_tokens_per_s"] > 0 and stats["decode_tokens_per_s"] > 0
+
+
+def test_inspect_snapshot_shares_the_system_prompt_pages(paged_smollm2):
+    snapshot, hit_rate = inspect_cache.fullest_snapshot(paged_smollm2, page_size=16, max_new_tokens=2)
+    prompts = [
+        paged_smollm2.tokenizer.encode_chat(
+            [{"role": "system", "content": inspect_cache.SYSTEM_PROMPT}, {"role": "user", "content": q}]
+        )
+        for q in inspect_cache.QUESTIONS
+    ]
+    shortest = min(len(p) for p in prompts)
+    common = int(np.argmax(np.any(np.stack([p[:shortest] for p in prompts]) != prompts[0][:shortest], axis=0)))
+    full_pages = common // 16
+    assert full_pages > 0 and len(snapshot.request_ids) == len(prompts) - 1
+    heads = {tuple(blocks[:full_pages]) for blocks in snapshot.blocks}
+    assert len(heads) == 1, "every request should map the shared prefix to the same pages"
+    sharing = snapshot.sharing()
+    assert all(sharing[b] == len(snapshot.request_ids) for b in next(iter(heads)))
+    assert 0 < hit_rate < 1
+
+
+def test_inspect_writes_a_png(cli, tmp_path):
+    out = tmp_path / "cache.png"
+    result = cli.invoke(main, ["inspect", "--out", str(out), "--max-new-tokens", "2"])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "of them shared" in result.output
