@@ -246,3 +246,16 @@ struct OpaqueContinuousCollection(TrivialRegisterPassable):
                 t" {dtype} tensors"
             )
         return ContinuousBatchingKVCacheCollection[dtype](self.geometry)
+
+
+@fieldwise_init
+struct OpaqueContinuousCache(TrivialRegisterPassable):
+    """One layer's keys or values of an opaque continuous-batching collection,
+    itself carried through a graph as one opaque value."""
+
+    var collection: OpaqueContinuousCollection
+    var layer: Int
+    var kv_idx: Int
+
+    def typed[dtype: DType](self) raises -> ContinuousBatchingKVCache[dtype]:
+        return self.collection.typed[dtype]().get_cache(self.layer, self.kv_idx)

@@ -1,6 +1,7 @@
 """The opaque continuous-batching collection: built once per graph from the four
 fetched tensors, then handed to every store/gather/attention op as a single
-operand."""
+operand; and the opaque per-layer cache (one layer's keys or values) that
+`get_cache` takes out of it."""
 
 import extensibility
 from extensibility import InputTensor, OutputTensor, _MutableInputTensor
@@ -8,9 +9,9 @@ from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 
 from .attention import attention_over
-from .bind import continuous_collection
-from .cache import OpaqueContinuousCollection
-from .store import gather_from, store_kv_into
+from .bind import check_layer, continuous_collection
+from .cache import OpaqueContinuousCache, OpaqueContinuousCollection
+from .store import gather_from, gather_rows, store_kv_into
 
 
 @extensibility.register("mokv.collection.continuous")
@@ -92,3 +93,38 @@ struct AttentionContinuousCollection:
             collection.typed[dtype](), output, q, input_row_offsets, layer_idx,
             scale, sliding_window,
         )
+
+
+@extensibility.register("mokv.collection.continuous.get_cache")
+struct GetContinuousCache:
+    """Layer `layer_idx`'s keys (`kv_idx` 0) or values (1) of the collection,
+    as an opaque per-layer cache value."""
+
+    @staticmethod
+    def execute[target: StaticString](
+        collection: OpaqueContinuousCollection,
+        layer_idx: UInt32,
+        kv_idx: UInt32,
+        ctx: DeviceContext,
+    ) raises -> OpaqueContinuousCache:
+        comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
+        check_layer(Int(layer_idx), collection.geometry.num_layers)
+        if kv_idx > 1:
+            raise Error(t"kv_idx must be 0 (keys) or 1 (values), got {kv_idx}")
+        return OpaqueContinuousCache(collection, Int(layer_idx), Int(kv_idx))
+
+
+@extensibility.register("mokv.gather.continuous_cache")
+struct GatherContinuousCache:
+    """`mokv.gather.continuous` reading one opaque per-layer cache."""
+
+    @staticmethod
+    def execute[dtype: DType, target: StaticString](
+        dest: OutputTensor[dtype=dtype, rank=3, ...],
+        cache: OpaqueContinuousCache,
+        batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
+        positions: InputTensor[dtype=DType.uint32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
+        gather_rows(cache.typed[dtype](), dest, batch_rows, positions)

@@ -61,6 +61,7 @@ def kernel_package() -> Path:
         capture_output=True,
         text=True,
         env=dict(os.environ),
+        check=False,
     )
     if result.returncode != 0:
         shutil.rmtree(staging, ignore_errors=True)

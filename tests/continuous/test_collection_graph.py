@@ -29,8 +29,8 @@ PAGE_SIZE = 8
 @pytest.fixture(scope="module")
 def collection_model(session, kernels):
     """Compiled once: (fetched cache, new K/V, row offsets, gather rows/positions,
-    queries) -> gathered (K, V) and attention after storing into layer LAYER,
-    all through the opaque collection."""
+    queries) -> gathered (K, V), attention, and (K, V) gathered again through the
+    per-layer caches, after storing into layer LAYER through the opaque collection."""
     manager = ContinuousBatchingKVCacheManager(PARAMS, 4, MAX_SEQ_LEN, 2, [CPU()], session)
     cpu = DeviceRef.CPU()
     rows = TensorType(DType.float32, ["new_tokens", 3, 8], cpu)
@@ -43,7 +43,9 @@ def collection_model(session, kernels):
         keys, values, row_offsets, batch_rows, positions, q = (v.tensor for v in g.inputs[4:])
         store_kv(collection, LAYER, keys, values, row_offsets)
         gathered = (gather_kv(collection, LAYER, kv, batch_rows, positions) for kv in (0, 1))
-        g.output(*gathered, attention(collection, LAYER, q, row_offsets, SCALE))
+        # The same rows again through the per-layer opaque caches.
+        per_layer = (collection.get_cache(LAYER, kv).gather(batch_rows, positions) for kv in (0, 1))
+        g.output(*gathered, attention(collection, LAYER, q, row_offsets, SCALE), *per_layer)
     return session.load(g)
 
 
@@ -104,13 +106,15 @@ def test_multistep_store_and_attention_match_numpy_and_paged(collection_model, a
         for s, n in zip(order, new_counts):
             lengths[s] += int(n)
         rows, positions = _all_cached(lengths, order)
-        got_k, got_v, got_attention = collection_model.execute(
+        got_k, got_v, got_attention, layer_k, layer_v = collection_model.execute(
             *inputs[0], Buffer.from_numpy(keys), Buffer.from_numpy(values), Buffer.from_numpy(offsets),
             Buffer.from_numpy(rows), Buffer.from_numpy(positions), Buffer.from_numpy(q),
         )
         np.testing.assert_array_equal(manager.blocks[0].to_numpy(), expected)
         np.testing.assert_array_equal(got_k.to_numpy(), ref.gather(expected, LAYER, 0, slots, rows, positions))
         np.testing.assert_array_equal(got_v.to_numpy(), ref.gather(expected, LAYER, 1, slots, rows, positions))
+        np.testing.assert_array_equal(layer_k.to_numpy(), got_k.to_numpy())
+        np.testing.assert_array_equal(layer_v.to_numpy(), got_v.to_numpy())
         want = reference_attention(expected, LAYER, q, offsets, cache_lengths, slots, SCALE)
         np.testing.assert_allclose(got_attention.to_numpy(), want, atol=2e-5, rtol=2e-5)
         paged, lookup = _paged_copy(expected, order, [lengths[s] for s in order], rng)
@@ -133,7 +137,7 @@ def test_reused_slot_starts_empty(collection_model, session):
         offsets = np.array([0, n], np.uint32)
         rows, positions = np.zeros(n, np.uint32), np.arange(n, dtype=np.uint32)
         queries = np.zeros((n, N_Q_HEADS, 8), np.float32)
-        got_k, _, _ = collection_model.execute(
+        got_k, *_ = collection_model.execute(
             *manager.fetch([seq])[0], Buffer.from_numpy(keys), Buffer.from_numpy(keys),
             Buffer.from_numpy(offsets), Buffer.from_numpy(rows), Buffer.from_numpy(positions),
             Buffer.from_numpy(queries),

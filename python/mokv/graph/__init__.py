@@ -8,16 +8,20 @@ from .cache_values import (
     paged_input_types,
 )
 from .continuous_collection import (
+    ContinuousBatchingKVCache,
     ContinuousBatchingKVCacheCollection,
     ContinuousBatchingKVCacheCollectionType,
+    ContinuousBatchingKVCacheType,
     FetchContinuousBatchingKVCacheCollection,
 )
 from .ops import attention, gather_kv, store_kv
 
 __all__ = [
     "CacheLayout",
+    "ContinuousBatchingKVCache",
     "ContinuousBatchingKVCacheCollection",
     "ContinuousBatchingKVCacheCollectionType",
+    "ContinuousBatchingKVCacheType",
     "ContinuousCacheValues",
     "FetchContinuousBatchingKVCacheCollection",
     "PagedCacheValues",

@@ -1,12 +1,15 @@
 """The continuous-batching cache as one opaque graph value (MAX's `mo.opaque`
 pattern): `FetchContinuousBatchingKVCacheCollection` turns the four tensors that
 `ContinuousBatchingKVCacheManager.fetch` returns into a collection that every
-store/gather op takes as a single operand."""
+store/gather/attention op takes as a single operand, and
+`ContinuousBatchingKVCacheCollection.get_cache` takes one layer's keys or values
+out of it as a `ContinuousBatchingKVCache`."""
 
 from __future__ import annotations
 
 from typing import ClassVar
 
+from max.dtype import DType
 from max.graph import (
     DeviceRef,
     Dim,
@@ -24,6 +27,33 @@ from .cache_values import CacheShape
 def ContinuousBatchingKVCacheCollectionType() -> _OpaqueType:
     """Graph type of the collection; names the Mojo struct that carries it."""
     return _OpaqueType("OpaqueContinuousCollection")
+
+
+def ContinuousBatchingKVCacheType() -> _OpaqueType:
+    """Graph type of one layer's keys or values; names the Mojo struct."""
+    return _OpaqueType("OpaqueContinuousCache")
+
+
+class ContinuousBatchingKVCache(_OpaqueValue):
+    """One layer's keys or values of a batch's continuous-batching cache."""
+
+    def __init__(self, value: Value, params: CacheShape, layer_idx: int, kv_idx: int) -> None:
+        super().__init__(value)
+        self.params = params
+        self.layer_idx = layer_idx
+        self.kv_idx = kv_idx
+
+    def gather(self, batch_rows: TensorValue, positions: TensorValue) -> TensorValue:
+        """Token `positions[i]` of batch row `batch_rows[i]` (both uint32 `[n]`)
+        as a dense `[n, n_kv_heads, head_dim]` tensor."""
+        p = self.params
+        (rows,) = ops.inplace_custom(
+            "mokv.gather.continuous_cache",
+            device=DeviceRef.CPU(),
+            values=[self, batch_rows, positions],
+            out_types=[TensorType(p.dtype, [positions.shape[0], p.n_kv_heads, p.head_dim], DeviceRef.CPU())],
+        )
+        return rows.tensor
 
 
 class ContinuousBatchingKVCacheCollection(_OpaqueValue):
@@ -45,6 +75,20 @@ class ContinuousBatchingKVCacheCollection(_OpaqueValue):
     def row_type(self, rows: int | str | Dim) -> TensorType:
         p = self.params
         return TensorType(p.dtype, [rows, p.n_kv_heads, p.head_dim], self.device)
+
+    def get_cache(self, layer_idx: int, kv_idx: int) -> ContinuousBatchingKVCache:
+        """Layer `layer_idx`'s keys (`kv_idx` 0) or values (1)."""
+        (cache,) = ops.inplace_custom(
+            "mokv.collection.continuous.get_cache",
+            device=self.device,
+            values=[
+                self,
+                ops.constant(layer_idx, DType.uint32, device=self.device),
+                ops.constant(kv_idx, DType.uint32, device=self.device),
+            ],
+            out_types=[ContinuousBatchingKVCacheType()],
+        )
+        return ContinuousBatchingKVCache(cache, self.params, layer_idx, kv_idx)
 
 
 class FetchContinuousBatchingKVCacheCollection:
