@@ -34,6 +34,7 @@ test: model
 bench: model
 	$(BIN)/mokv bench manager --quick
 	$(BIN)/mokv bench attention --quick
+	$(BIN)/mokv bench e2e --quick
 
 build: setup
 	$(BIN)/python -c "from mokv.kernels import kernel_package; print(kernel_package())"

@@ -1,5 +1,11 @@
 """`mokv bench e2e`: SmolLM2 throughput on mokv's paged cache at several batch
-sizes, with and without prefix caching, on a shared-system-prompt workload."""
+sizes, with and without prefix caching, on a shared-system-prompt workload.
+
+Each case first answers one untimed request with the same system prompt on the
+same cache, as a server would have before the batch arrives: with prefix
+caching on, the batch then finds the system prompt's pages already computed.
+(Requests admitted in the same step cannot share pages: a page is committed to
+the prefix cache only once its step has computed it.)"""
 
 from __future__ import annotations
 
@@ -14,12 +20,13 @@ from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
 
 
 def workload(model: SmolLM2, n: int) -> list:
-    """`n` chat prompts sharing one system prompt, each with its own question."""
+    """`n` chat prompts sharing one system prompt, each with its own question,
+    after one warm-up prompt (index 0) with the same system prompt."""
     return [
         model.tokenizer.encode_chat(
             [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (#{i})"}]
         )
-        for i in range(n)
+        for i in range(n + 1)
     ]
 
 
@@ -56,14 +63,16 @@ def e2e(quick: bool, out: Path, page_size: int) -> None:
     model = SmolLM2()
     rows = []
     for batch in batches:
-        prompts = workload(model, batch)
+        warm_up, *prompts = workload(model, batch)
         for prefix in (True, False):
             config = GenerationConfig(
                 max_new_tokens=max_new_tokens, page_size=page_size, num_pages=1024,
                 enable_prefix_caching=prefix, max_batch_size=batch, token_budget=2048,
             )
+            _, _, manager = generate(model, [warm_up], config)
+            manager.reset_metrics()
             started = time.perf_counter()
-            requests, stats, manager = generate(model, prompts, config)
+            requests, stats, manager = generate(model, prompts, config, manager=manager)
             wall = time.perf_counter() - started
             row = {
                 "case": f"batch{batch}-{'prefix' if prefix else 'noprefix'}",

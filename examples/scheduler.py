@@ -196,7 +196,7 @@ class Scheduler:
         started = time.perf_counter()
         logits = self.model_step(tokens, row_offsets, positions, cache_inputs)
         elapsed = time.perf_counter() - started
-        self._account(contexts, chunks, elapsed)
+        self._account(batch, chunks, elapsed)
         return self._advance(batch, chunks, logits)
 
     def _budget_left(self, requests: list[Request]) -> int:
@@ -217,8 +217,10 @@ class Scheduler:
             budget -= n
         return batch, chunks
 
-    def _account(self, contexts: list[TextContext], chunks: list[int], elapsed: float) -> None:
-        decode = sum(1 for c, n in zip(contexts, chunks) if c.active_length == 1)
+    def _account(self, batch: list[Request], chunks: list[int], elapsed: float) -> None:
+        # A decode extends a generation by its last sampled token; a 1-token
+        # prompt remainder at the end of a chunked prefill is still prefill.
+        decode = sum(1 for r in batch if r.generated and r.context.active_length == 1)  # type: ignore[union-attr]
         prefill = sum(chunks) - decode
         self.stats.steps += 1
         self.stats.decode_tokens += decode

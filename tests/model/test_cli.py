@@ -1,4 +1,4 @@
-"""The `mokv generate` and `mokv inspect` commands end to end on the session's compiled
+"""The `mokv generate`, `chat` and `inspect` commands end to end on the session's compiled
 SmolLM2 (patched in, so the CLI does not compile the graph a second time): what they
 write must agree with the tokenizer and with a no-cache greedy recomputation."""
 
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from mokv_examples import chat as chat_module
 from mokv_examples import generate as generate_module
 from mokv_examples import inspect_cache
 from mokv_examples.cli import main
@@ -20,7 +21,7 @@ NEW_TOKENS = 8
 
 @pytest.fixture
 def cli(monkeypatch, paged_smollm2):
-    for module in (generate_module, inspect_cache):
+    for module in (chat_module, generate_module, inspect_cache):
         monkeypatch.setattr(module, "SmolLM2", lambda: paged_smollm2)
     return CliRunner()
 
@@ -72,3 +73,15 @@ def test_inspect_writes_a_png(cli, tmp_path):
     assert result.exit_code == 0, result.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "of them shared" in result.output
+
+
+def test_chat_second_turn_reuses_the_first_from_the_cache(cli):
+    result = cli.invoke(main, ["chat", "--max-new-tokens", "6"], input="Hi there!\nAnd again?\n\n")
+    assert result.exit_code == 0, result.output
+    reuse = [line for line in result.output.splitlines() if "prompt tokens came from the cache" in line]
+    assert len(reuse) == 2, result.output
+    first_reused, second_reused = (int(line.split("[")[1].split()[0]) for line in reuse)
+    first_prompt = int(reuse[0].split(" of ")[1].split()[0])
+    assert first_reused == 0
+    # Every full page of the first turn's prompt is found again in the second.
+    assert second_reused >= first_prompt // 16 * 16 > 0
