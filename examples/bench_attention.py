@@ -20,7 +20,6 @@ compiles 8 of its graphs (~1.5-3 minutes each on 2 cores) before timing.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -40,6 +39,7 @@ from max.graph import DeviceRef, Graph, TensorType
 
 from mokv import graph as mokv_graph
 from mokv.kernels import kernel_package
+from mokv_examples.bench_results import out_dir_option, write_results
 from mokv_reference import bfloat16
 from mokv_reference.max_attention import MaxAttentionShape, MaxPagedAttention
 
@@ -351,14 +351,7 @@ def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
 
 @click.command("attention")
 @click.option("--quick", is_flag=True, help="A representative subset (under five minutes, MAX's compiles included).")
-@click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("bench-results"),
-    show_default=True,
-    help="Where attention.json/.md go.",
-)
+@out_dir_option("attention")
 def attention(quick: bool, out_dir: Path) -> None:
     """Paged flash attention: mokv's kernel against MAX's built-in, decode and prefill."""
     cases = quick_cases() if quick else full_cases()
@@ -374,13 +367,10 @@ def attention(quick: bool, out_dir: Path) -> None:
             f" {row['kv_gbps']:.1f} GB/s (copy {row['copy_gbps']:.1f})",
             err=True,
         )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "attention.json").write_text(json.dumps(rows, indent=2) + "\n")
     header = (
         f"## Paged attention, mokv vs MAX 26.7 ({platform.machine()}, {os.cpu_count()} cores"
         f"{', quick' if quick else ''}): median seconds per call, timed alternately;"
         " copy = np.copyto of 1 GiB measured next to each case"
     )
     markdown = to_markdown(rows, header)
-    (out_dir / "attention.md").write_text(markdown)
-    click.echo(markdown)
+    write_results(out_dir, "attention", rows, markdown)

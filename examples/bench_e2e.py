@@ -9,12 +9,12 @@ the prefix cache only once its step has computed it.)"""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import click
 
+from mokv_examples.bench_results import out_dir_option, write_results
 from mokv_examples.inspect_cache import QUESTIONS, SYSTEM_PROMPT
 from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
 
@@ -54,9 +54,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 @click.command("e2e")
 @click.option("--quick", is_flag=True, help="Batches 1, 4 and 16 with fewer new tokens.")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-results"), show_default=True)
+@out_dir_option("e2e")
 @click.option("--page-size", default=16, show_default=True)
-def e2e(quick: bool, out: Path, page_size: int) -> None:
+def e2e(quick: bool, out_dir: Path, page_size: int) -> None:
     """Throughput at batch 1, 4, 16, 64 with and without prefix caching."""
     batches = (1, 4, 16) if quick else (1, 4, 16, 64)
     max_new_tokens = 16 if quick else 32
@@ -92,14 +92,12 @@ def e2e(quick: bool, out: Path, page_size: int) -> None:
                 f"decode {row['decode_tokens_per_s']:6.1f} tok/s, hit rate {row['prefix_hit_rate']:.0%}, {wall:.1f} s",
                 err=True,
             )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "e2e.json").write_text(json.dumps(rows, indent=1))
     header = "| case | prompt tokens | prefilled | prefill tok/s | decode tok/s | hit rate | wall s |\n|---|---|---|---|---|---|---|\n"
     lines = [
         f"| {r['case']} | {r['prompt_tokens']} | {r['prefill_tokens']} | {r['prefill_tokens_per_s']:.0f} | "
         f"{r['decode_tokens_per_s']:.1f} | {r['prefix_hit_rate']:.0%} | {r['wall_seconds']:.1f} |"
         for r in rows
     ]
-    (out / "e2e.md").write_text(header + "\n".join(lines) + "\n")
-    plot(rows, out / "e2e.png")
-    click.echo(f"wrote {out / 'e2e.json'}, {out / 'e2e.md'}, {out / 'e2e.png'}", err=True)
+    write_results(out_dir, "e2e", rows, header + "\n".join(lines) + "\n")
+    plot(rows, out_dir / "e2e.png")
+    click.echo(f"wrote {out_dir / 'e2e.png'}", err=True)

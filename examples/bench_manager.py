@@ -12,7 +12,6 @@ same allocation and eviction policy.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import platform
 import time
@@ -27,6 +26,7 @@ from max.dtype import DType
 from max.engine import InferenceSession
 
 from mokv import KVCacheParams, PagedKVCacheManager, TextContext
+from mokv_examples.bench_results import out_dir_option, write_results
 from mokv_reference.max_manager import MaxBackend
 
 OPS = ("claim", "alloc", "runtime_inputs", "step", "release")
@@ -244,14 +244,7 @@ def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
 
 @click.command("manager")
 @click.option("--quick", is_flag=True, help="Fewer batches per case (well under five minutes).")
-@click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("bench-results"),
-    show_default=True,
-    help="Where manager.json/.md go.",
-)
+@out_dir_option("manager")
 def manager(quick: bool, out_dir: Path) -> None:
     """mokv's PagedKVCacheManager vs MAX 26.7's on the same request trace."""
     num_batches = 4 if quick else 16
@@ -260,8 +253,6 @@ def manager(quick: bool, out_dir: Path) -> None:
     for case in cases:
         click.echo(f"{case.name}: {num_batches} batches of {case.batch_size} ...", err=True)
         rows += run_case(case)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "manager.json").write_text(json.dumps(rows, indent=2) + "\n")
     header = (
         "# mokv vs MAX PagedKVCacheManager\n\n"
         f"{num_batches} batches of 32 requests per case; 512-token prompts (`shared`: one of 4 "
@@ -272,5 +263,4 @@ def manager(quick: bool, out_dir: Path) -> None:
         f"Host: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}."
     )
     markdown = to_markdown(rows, header)
-    (out_dir / "manager.md").write_text(markdown)
-    click.echo(markdown)
+    write_results(out_dir, "manager", rows, markdown)

@@ -11,11 +11,11 @@ os.environ.setdefault("MODULAR_CACHE_DIR", str(_REPO / ".cache" / "modular"))
 
 import pytest
 from max.driver import CPU
-from max.dtype import DType
-from max.engine import InferenceSession, Model
+from max.engine import InferenceSession
 
 from mokv.kernels import kernel_package
 from tests.attention_graph import build_attention_graph
+from tests.compile_once import compiled_per_key
 
 
 @pytest.fixture(scope="session")
@@ -32,12 +32,5 @@ def kernels() -> Path:
 
 @pytest.fixture(scope="session")
 def attention_graph(session: InferenceSession, kernels: Path):
-    """One compiled graph per (layout, dtype) for the whole session, built on first use."""
-    models: dict[tuple[str, DType], Model] = {}
-
-    def get(layout: str, dtype: DType) -> Model:
-        if (layout, dtype) not in models:
-            models[layout, dtype] = session.load(build_attention_graph(layout, dtype, kernels))
-        return models[layout, dtype]
-
-    return get
+    """`get(layout, dtype)`: the attention graph, compiled once per session on first use."""
+    return compiled_per_key(session, lambda layout, dtype: build_attention_graph(layout, dtype, kernels))

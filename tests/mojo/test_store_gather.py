@@ -22,6 +22,7 @@ from mokv.graph import (
     store_kv,
 )
 from mokv_reference import cache as ref
+from tests.compile_once import compiled_per_key
 
 CPU_REF = DeviceRef.CPU()
 N_KV_HEADS, HEAD_DIM, NUM_LAYERS = 3, 16, 3
@@ -69,15 +70,8 @@ def build_store_gather_graph(layout: str, dtype: DType, kernels: Path) -> Graph:
 
 @pytest.fixture(scope="session")
 def store_gather(session: InferenceSession, kernels: Path):
-    """One compiled graph per (layout, dtype) for the whole session, built on first use."""
-    models: dict[tuple[str, DType], Model] = {}
-
-    def get(layout: str, dtype: DType) -> Model:
-        if (layout, dtype) not in models:
-            models[layout, dtype] = session.load(build_store_gather_graph(layout, dtype, kernels))
-        return models[layout, dtype]
-
-    return get
+    """`get(layout, dtype)`: the store/gather graph, compiled once per session on first use."""
+    return compiled_per_key(session, lambda layout, dtype: build_store_gather_graph(layout, dtype, kernels))
 
 
 @dataclass

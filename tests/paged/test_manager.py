@@ -325,9 +325,8 @@ def test_reserve_releases_on_exit_and_on_error(make_manager: MakeManager) -> Non
         assert m.get_req_blocks("a") == [0, 1, 2] and m.get_req_blocks("b") == [3, 4]
         m.runtime_inputs([[a, b]])
     assert not m.contains("a") and not m.contains("b") and m.num_free_blocks() == 16
-    with pytest.raises(InsufficientBlocksError):
-        with m.reserve([[ctx("c", range(40)), ctx("d", range(40))]]):
-            pass  # pragma: no cover - d does not fit
+    with pytest.raises(InsufficientBlocksError), m.reserve([[ctx("c", range(40)), ctx("d", range(40))]]):
+        pass  # pragma: no cover - d does not fit
     assert not m.contains("c") and not m.contains("d") and m.num_free_blocks() == 16
 
 
