@@ -19,34 +19,50 @@ from .cache import KVCacheT, KVCollectionT, U32Ptr
 
 
 def store_rows[cache_t: KVCacheT](
-    cache: cache_t,
-    new_rows: InputTensor[dtype=cache_t.dtype, rank=3, ...],
+    k_cache: cache_t,
+    v_cache: cache_t,
+    keys: InputTensor[dtype=cache_t.dtype, rank=3, ...],
+    values: InputTensor[dtype=cache_t.dtype, rank=3, ...],
     row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
 ) raises:
-    """Copies each row's new tokens to positions `cache_length ..
-    cache_length + n` of its sequence, one contiguous run per page."""
-    check_rows(cache, new_rows, "new rows")
-    var batch = cache.batch_size()
-    check_row_offsets(row_offsets, batch, new_rows.dim_size(0))
+    """Copies each row's new keys and values to positions `cache_length ..
+    cache_length + n` of its sequence in one pass over the new tokens: for
+    each contiguous run (to the end of a page or slot), the keys and then
+    the values. Every check runs before the first write."""
+    check_rows(k_cache, keys, "keys")
+    check_rows(v_cache, values, "values")
+    var batch = k_cache.batch_size()
+    check_row_offsets(row_offsets, batch, keys.dim_size(0))
+    if values.dim_size(0) != keys.dim_size(0):
+        raise Error(
+            t"values have {values.dim_size(0)} tokens but keys have {keys.dim_size(0)}"
+        )
     var offsets = row_offsets.unsafe_ptr()
     for bs in range(batch):
         var start = Int(offsets[unsafe_offset=bs])
         var end = Int(offsets[unsafe_offset=bs + 1])
-        var tok = cache.cache_length(bs)
-        check_token_range(cache, bs, tok, tok + end - start)
+        var tok = k_cache.cache_length(bs)
+        check_token_range(k_cache, bs, tok, tok + end - start)
 
-    var row = cache.num_heads() * cache.head_dim()
-    var src = new_rows.unsafe_ptr()
+    var row = k_cache.num_heads() * k_cache.head_dim()
+    var k_src = keys.unsafe_ptr()
+    var v_src = values.unsafe_ptr()
     for bs in range(batch):
         var start = Int(offsets[unsafe_offset=bs])
         var n = Int(offsets[unsafe_offset=bs + 1]) - start
-        var tok = cache.cache_length(bs)
+        var tok = k_cache.cache_length(bs)
         var done = 0
         while done < n:
-            var run = min(n - done, cache.contiguous_tokens(tok + done))
+            var run = min(n - done, k_cache.contiguous_tokens(tok + done))
+            var src_offset = (start + done) * row
             unsafe_memcpy(
-                dest=cache.row_ptr(bs, tok + done),
-                src=src.unsafe_offset((start + done) * row),
+                dest=k_cache.row_ptr(bs, tok + done),
+                src=k_src.unsafe_offset(src_offset),
+                count=run * row,
+            )
+            unsafe_memcpy(
+                dest=v_cache.row_ptr(bs, tok + done),
+                src=v_src.unsafe_offset(src_offset),
                 count=run * row,
             )
             done += run
@@ -88,8 +104,13 @@ def store_kv_into[collection_t: KVCollectionT](
 ) raises:
     var layer = Int(layer_idx)
     check_layer(layer, collection.num_layers())
-    store_rows(collection.get_cache(layer, 0), keys, row_offsets)
-    store_rows(collection.get_cache(layer, 1), values, row_offsets)
+    store_rows(
+        collection.get_cache(layer, 0),
+        collection.get_cache(layer, 1),
+        keys,
+        values,
+        row_offsets,
+    )
 
 
 @extensibility.register("mokv.store_kv.paged")
