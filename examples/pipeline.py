@@ -74,7 +74,10 @@ class SmolLM2:
         self.cache_shape = KVCacheParams(
             dtype=DType.float32, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, num_layers=c.n_layers
         )
-        log(f"loaded SmolLM2 weights and tokenizer in {time.perf_counter() - started:.1f} s; compiling the graph...")
+        log(
+            f"loaded SmolLM2 weights and tokenizer in {time.perf_counter() - started:.1f} s; compiling the graph "
+            "(minutes the first time, then loaded from the compile cache)..."
+        )
         started = time.perf_counter()
         self.model: Model = load_llama_model(self.session, self.checkpoint, PagedCacheAttention(self.cache_shape))
         log(f"graph ready in {time.perf_counter() - started:.1f} s")
