@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
+from mokv.kernels import cache_dir
+
+# Compiled graphs are cached beside the precompiled kernels (the checkout's
+# .cache/ unless MOKV_CACHE_DIR says otherwise), as under `make`, so every way
+# of running `mokv` reuses them. Set before MAX is imported.
+os.environ.setdefault("MODULAR_CACHE_DIR", str(cache_dir() / "modular"))
+
 import click
 
 from mokv_examples.bench_attention import attention as bench_attention
