@@ -81,8 +81,8 @@ def e2e(quick: bool, out_dir: Path, page_size: int) -> None:
                 "prompt_tokens": sum(len(r.prompt) for r in requests),
                 "prefill_tokens": stats.prefill_tokens,
                 "decode_tokens": stats.decode_tokens,
-                "prefill_tokens_per_s": stats.prefill_tokens / stats.prefill_seconds if stats.prefill_seconds else 0.0,
-                "decode_tokens_per_s": stats.decode_tokens / stats.decode_seconds if stats.decode_seconds else 0.0,
+                "prefill_tokens_per_s": stats.prefill_tokens_per_s,
+                "decode_tokens_per_s": stats.decode_tokens_per_s,
                 "prefix_hit_rate": manager.get_metrics_aggregated().cache_hit_rate,
                 "wall_seconds": wall,
             }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -41,7 +41,6 @@ class GenerationReport:
     stats: StepStats
     prefix_hit_rate: float
     wall_seconds: float
-    extra: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> dict[str, float]:
         s = self.stats
@@ -49,14 +48,13 @@ class GenerationReport:
             "requests": len(self.completions),
             "prefill_tokens": s.prefill_tokens,
             "decode_tokens": s.decode_tokens,
-            "prefill_tokens_per_s": s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else 0.0,
-            "decode_tokens_per_s": s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0,
+            "prefill_tokens_per_s": s.prefill_tokens_per_s,
+            "decode_tokens_per_s": s.decode_tokens_per_s,
             "steps": s.steps,
             "preemptions": s.preemptions,
             "peak_pages_used": s.peak_pages_used,
             "prefix_hit_rate": self.prefix_hit_rate,
             "wall_seconds": self.wall_seconds,
-            **self.extra,
         }
 
 
@@ -70,19 +68,17 @@ class SmolLM2:
         started = time.perf_counter()
         self.checkpoint: LlamaCheckpoint = load_llama()
         self.tokenizer: GGUFTokenizer = load_tokenizer()
-        c = self.checkpoint.config
-        self.cache_shape = KVCacheParams(
-            dtype=DType.float32, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, num_layers=c.n_layers
-        )
         log(
             f"loaded SmolLM2 weights and tokenizer in {time.perf_counter() - started:.1f} s; compiling the graph "
             "(minutes the first time, then loaded from the compile cache)..."
         )
         started = time.perf_counter()
-        self.model: Model = load_llama_model(self.session, self.checkpoint, PagedCacheAttention(self.cache_shape))
+        self.model: Model = load_llama_model(self.session, self.checkpoint, PagedCacheAttention(self.cache_params()))
         log(f"graph ready in {time.perf_counter() - started:.1f} s")
 
-    def cache_params(self, page_size: int, enable_prefix_caching: bool) -> KVCacheParams:
+    def cache_params(self, page_size: int = 16, enable_prefix_caching: bool = False) -> KVCacheParams:
+        """The model's cache geometry (the graph only reads the shape: its page
+        size is symbolic) with this run's page size and prefix caching."""
         c = self.checkpoint.config
         return KVCacheParams(
             dtype=DType.float32,

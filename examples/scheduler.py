@@ -67,6 +67,14 @@ class StepStats:
     preemptions: int = 0
     peak_pages_used: int = 0
 
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
 
 class Sampler:
     """Greedy at temperature 0, else softmax sampling with a seeded generator."""

@@ -37,21 +37,20 @@ def ContinuousBatchingKVCacheType() -> _OpaqueType:
 class ContinuousBatchingKVCache(_OpaqueValue):
     """One layer's keys or values of a batch's continuous-batching cache."""
 
-    def __init__(self, value: Value, params: CacheShape, layer_idx: int, kv_idx: int) -> None:
+    def __init__(self, value: Value, collection: ContinuousBatchingKVCacheCollection, layer_idx: int, kv_idx: int) -> None:
         super().__init__(value)
-        self.params = params
+        self.collection = collection
         self.layer_idx = layer_idx
         self.kv_idx = kv_idx
 
     def gather(self, batch_rows: TensorValue, positions: TensorValue) -> TensorValue:
         """Token `positions[i]` of batch row `batch_rows[i]` (both uint32 `[n]`)
         as a dense `[n, n_kv_heads, head_dim]` tensor."""
-        p = self.params
         (rows,) = ops.inplace_custom(
             "mokv.gather.continuous_cache",
-            device=DeviceRef.CPU(),
+            device=self.collection.device,
             values=[self, batch_rows, positions],
-            out_types=[TensorType(p.dtype, [positions.shape[0], p.n_kv_heads, p.head_dim], DeviceRef.CPU())],
+            out_types=[self.collection.row_type(positions.shape[0])],
         )
         return rows.tensor
 
@@ -88,7 +87,7 @@ class ContinuousBatchingKVCacheCollection(_OpaqueValue):
             ],
             out_types=[ContinuousBatchingKVCacheType()],
         )
-        return ContinuousBatchingKVCache(cache, self.params, layer_idx, kv_idx)
+        return ContinuousBatchingKVCache(cache, self, layer_idx, kv_idx)
 
 
 class FetchContinuousBatchingKVCacheCollection:
