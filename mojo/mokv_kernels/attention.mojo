@@ -458,7 +458,7 @@ def _decode_item[cache_t: KVCacheT, GB: Int, PAIRED: Bool](
     live in paired lane order until the end."""
     comptime JB = _decode_tokens(GB)
     comptime CHUNK = 2 * W if PAIRED else W  # row elements per step
-    comptime LINE = 64 // size_of[Scalar[cache_t.dtype]]()  # elements per cache line
+    comptime AHEAD = 8  # tokens between the rows read and the rows prefetched
     var n_kv = k_cache.num_heads()
     var d = queries.head_dim
     var group = queries.group
@@ -482,21 +482,22 @@ def _decode_item[cache_t: KVCacheT, GB: Int, PAIRED: Bool](
                 var k_next = Array[CachePtr[cache_t.dtype], JB](fill=walk.k_rows[j0])
                 comptime for t in range(JB):
                     k[t] = walk.k_rows[j0 + t].unsafe_offset(h * d)
-                    k_next[t] = walk.k_ahead(j0 + JB + t).unsafe_offset(h * d)
+                    k_next[t] = walk.k_ahead(j0 + AHEAD + t).unsafe_offset(h * d)
                 for g0 in range(0, padded, GB):
                     var base = h * padded + g0
                     var q_g = q.unsafe_offset(base * d)
                     var dots = Array[Vec, GB * JB](fill=Vec(0))
-                    for i in range(0, d, CHUNK):
-                        if g0 == 0 and i % LINE == 0:
-                            comptime for t in range(JB):
-                                prefetch(k_next[t].unsafe_offset(i))
+                    var i = 0
+                    while i < d:
+                        comptime for t in range(JB):
+                            prefetch(k_next[t].unsafe_offset(i))
                         comptime for t in range(JB):
                             var keys = _load_row_chunk[cache_t.dtype, PAIRED](k[t], i)
                             comptime for g in range(GB):
                                 comptime for half in range(2 if PAIRED else 1):
                                     var qv = q_g.unsafe_load[width=W](g * d + i + half * W)
                                     dots[g * JB + t] = qv.fma(keys[half], dots[g * JB + t])
+                        i += CHUNK
                     var sums = _lane_sums(dots)
                     comptime for t in range(JB):
                         comptime for g in range(GB):
@@ -512,17 +513,17 @@ def _decode_item[cache_t: KVCacheT, GB: Int, PAIRED: Bool](
                 var v_next = Array[CachePtr[cache_t.dtype], JB](fill=walk.v_rows[j0])
                 comptime for t in range(JB):
                     v[t] = walk.v_rows[j0 + t].unsafe_offset(h * d)
-                    v_next[t] = walk.v_ahead(j0 + JB + t).unsafe_offset(h * d)
+                    v_next[t] = walk.v_ahead(j0 + AHEAD + t).unsafe_offset(h * d)
                 for g0 in range(0, padded, GB):
                     var base = h * padded + g0
                     var probs = Array[Vec, GB * JB](fill=Vec(0))
                     comptime for t in range(JB):
                         comptime for g in range(GB):
                             probs[g * JB + t] = Vec(state.column(j0 + t)[unsafe_offset=base + g])
-                    for i in range(0, d, CHUNK):
-                        if g0 == 0 and i % LINE == 0:
-                            comptime for t in range(JB):
-                                prefetch(v_next[t].unsafe_offset(i))
+                    var i = 0
+                    while i < d:
+                        comptime for t in range(JB):
+                            prefetch(v_next[t].unsafe_offset(i))
                         comptime for half in range(2 if PAIRED else 1):
                             var vals = Array[Vec, JB](fill=Vec(0))
                             comptime for t in range(JB):
@@ -533,6 +534,7 @@ def _decode_item[cache_t: KVCacheT, GB: Int, PAIRED: Bool](
                                 comptime for t in range(JB):
                                     out = probs[g * JB + t].fma(vals[t], out)
                                 acc.unsafe_store(0, out)
+                        i += CHUNK
 
     comptime if PAIRED:
         _from_pairs(state.acc, rows * d)
