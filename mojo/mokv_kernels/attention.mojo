@@ -65,6 +65,10 @@ comptime PV_VECS = 4 if W >= 16 else 2
 comptime PREFILL_ROWS = 128
 """Target query rows (tokens x heads of one KV head) per prefill item; a
 multiple of `QK_VECS * W`."""
+comptime SKEW = 16
+"""Floats added to the row stride of scratch matrices. Power-of-two strides
+(128 floats = 512 B) put a tile's rows into a few L1 sets, where they evict one
+another between register blocks; one more cache line per row spreads them."""
 comptime MIN_SPLIT = 512
 """Fewest context tokens worth a decode split of their own."""
 comptime SPLITS_PER_WORKER = 4
@@ -175,7 +179,7 @@ struct SoftmaxState(TrivialRegisterPassable):
     current tile's scores, token-major `[TILE, rows]` so that the softmax runs
     across rows in full vectors (and turns them into probabilities in place),
     the running max and sum per row, and the unnormalised output
-    `[rows, head_dim]`."""
+    `[rows, head_dim]`. Score columns lie `rows + SKEW` floats apart."""
 
     var scores: F32Ptr
     var row_max: F32Ptr
@@ -188,11 +192,11 @@ struct SoftmaxState(TrivialRegisterPassable):
     @staticmethod
     def floats(rows: Int, head_dim: Int) -> Int:
         """Scratch floats that `take` carves out of an arena."""
-        return rows * (TILE + 3 + head_dim)
+        return (rows + SKEW) * TILE + rows * (3 + head_dim)
 
     @staticmethod
     def take(mut arena: Arena, rows: Int, head_dim: Int) -> Self:
-        var scores = arena.take(rows * TILE)
+        var scores = arena.take((rows + SKEW) * TILE)
         var row_max = arena.take(rows, NEG_INF)
         var row_sum = arena.take(rows)
         var alpha = arena.take(rows)
@@ -200,7 +204,7 @@ struct SoftmaxState(TrivialRegisterPassable):
 
     def column(self, j: Int) -> F32Ptr:
         """Scores (then probabilities) of tile token `j`, one per row."""
-        return self.scores.unsafe_offset(j * self.rows)
+        return self.scores.unsafe_offset(j * (self.rows + SKEW))
 
     def acc_row(self, r: Int) -> F32Ptr:
         return self.acc.unsafe_offset(r * self.head_dim)
@@ -619,16 +623,17 @@ comptime F32Rows = Array[F32Ptr, TILE]
 
 
 def _qk_block(
-    q_t: F32Ptr, keys: F32Rows, j0: Int, state: SoftmaxState, r0: Int, head_dim: Int
+    q_t: F32Ptr, q_stride: Int, keys: F32Rows, j0: Int, state: SoftmaxState, r0: Int, head_dim: Int
 ):
     """Scores of rows `r0 ..< r0 + QK_VECS*W` against tile tokens `j0 ..<
     j0 + QK_TOKENS`: per head_dim element, one broadcast key element times one
-    vector of transposed queries `q_t [head_dim, rows]` per FMA."""
+    vector of transposed queries `q_t [head_dim, rows]` (rows `q_stride`
+    floats apart) per FMA."""
     var acc = Array[Vec, QK_TOKENS * QK_VECS](fill=Vec(0))
     for i in range(head_dim):
         var q = Array[Vec, QK_VECS](fill=Vec(0))
         comptime for v in range(QK_VECS):
-            q[v] = q_t.unsafe_load[width=W](i * state.rows + r0 + v * W)
+            q[v] = q_t.unsafe_load[width=W](i * q_stride + r0 + v * W)
         comptime for t in range(QK_TOKENS):
             var k = Vec(keys[j0 + t][unsafe_offset=i])
             comptime for v in range(QK_VECS):
@@ -648,10 +653,11 @@ def _pv_block[NV: Int](
     comptime for r in range(PV_ROWS):
         comptime for v in range(NV):
             out[r * NV + v] = state.acc_row(r0 + r).unsafe_load[width=W](col + v * W)
+    var value_rows = values.unsafe_ptr()  # unchecked: a bounds check per token spills registers
     for j in range(n):
         var vals = Array[Vec, NV](fill=Vec(0))
         comptime for v in range(NV):
-            vals[v] = values[j].unsafe_load[width=W](col + v * W)
+            vals[v] = value_rows[unsafe_offset=j].unsafe_load[width=W](col + v * W)
         var probs = state.column(j).unsafe_offset(r0)
         comptime for r in range(PV_ROWS):
             var p = Vec(probs[unsafe_offset=r])
@@ -663,22 +669,22 @@ def _pv_block[NV: Int](
 
 
 def _stage_tile[dtype: DType](
-    rows: RowPtrs[dtype], offset: Int, n: Int, head_dim: Int, staging: F32Ptr
+    rows: RowPtrs[dtype], offset: Int, n: Int, head_dim: Int, staging: F32Ptr, stride: Int
 ) -> F32Rows:
-    """Float32 views of one head (`offset ..< offset + head_dim`) of the
-    tile's rows: in place for float32 storage, else converted into `staging`
-    `[TILE, head_dim]`. Rows past `n` repeat the last one, so blocks may run
-    over the end of a partial tile."""
+    """Copies one head (`offset ..< offset + head_dim`) of the tile's rows
+    into `staging` (`TILE` rows `stride` floats apart) as float32 and returns
+    the copied rows.
+    Copied even for float32 storage: cache rows of 8 heads x 128 floats lie
+    4 KB apart, so a tile's segments would all fall into the same L1 sets and
+    evict each other between register blocks. Rows past `n` repeat the last
+    one, so blocks may run over the end of a partial tile."""
     var out = F32Rows(fill=staging)
     for j in range(n):
-        comptime if dtype == DType.float32:
-            out[j] = rows[j].unsafe_offset(offset).unsafe_bitcast[Float32]()
-        else:
-            var src = rows[j].unsafe_offset(offset)
-            var dst = staging.unsafe_offset(j * head_dim)
-            for i in range(0, head_dim, W):
-                dst.unsafe_store(i, src.unsafe_load[width=W](i).cast[DType.float32]())
-            out[j] = dst
+        var src = rows[j].unsafe_offset(offset)
+        var dst = staging.unsafe_offset(j * stride)
+        for i in range(0, head_dim, W):
+            dst.unsafe_store(i, src.unsafe_load[width=W](i).cast[DType.float32]())
+        out[j] = dst
     for j in range(n, TILE):
         out[j] = out[n - 1]
     return out^
@@ -700,17 +706,19 @@ def _prefill_item[cache_t: KVCacheT](
     var padded = _round_up(rows, QK_VECS * W)
     var first_position = k_cache.cache_length(item.row) + item.first_token
 
-    var arena = Arena(d * (padded + group) + SoftmaxState.floats(padded, d) + 2 * TILE * d)
-    var q_t = arena.take(d * padded)
+    var q_stride = padded + SKEW
+    var tile_stride = d + SKEW  # of the staged K and V tiles
+    var arena = Arena(d * (q_stride + group) + SoftmaxState.floats(padded, d) + 2 * TILE * tile_stride)
+    var q_t = arena.take(d * q_stride)
     var scratch = arena.take(d * group)
     for t in range(item.num_tokens):
         queries.load_rows(scratch, queries.token(item.row, item.first_token + t), h * group, group)
         for g in range(group):
             for i in range(d):
-                q_t[unsafe_offset=i * padded + t * group + g] = scratch[unsafe_offset=g * d + i]
+                q_t[unsafe_offset=i * q_stride + t * group + g] = scratch[unsafe_offset=g * d + i]
     var state = SoftmaxState.take(arena, padded, d)
-    var k_staging = arena.take(TILE * d)
-    var v_staging = arena.take(TILE * d)
+    var k_staging = arena.take(TILE * tile_stride)
+    var v_staging = arena.take(TILE * tile_stride)
     # Visible positions `lo ..< hi` per row; padding rows see everything.
     var bounds = List[Int32](length=2 * padded, fill=0)
     var lo = bounds.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
@@ -727,11 +735,11 @@ def _prefill_item[cache_t: KVCacheT](
     while walk.advance():
         var pos = walk.pos
         var n = walk.n
-        var keys = _stage_tile(walk.k_rows, h * d, n, d, k_staging)
-        var values = _stage_tile(walk.v_rows, h * d, n, d, v_staging)
+        var keys = _stage_tile(walk.k_rows, h * d, n, d, k_staging, tile_stride)
+        var values = _stage_tile(walk.v_rows, h * d, n, d, v_staging, tile_stride)
         for r0 in range(0, padded, QK_VECS * W):
             for j0 in range(0, n, QK_TOKENS):
-                _qk_block(q_t, keys, j0, state, r0, d)
+                _qk_block(q_t, q_stride, keys, j0, state, r0, d)
         if pos < all_see_from or pos + n > first_position + 1:
             for j in range(n):
                 var p = SIMD[DType.int32, W](Int32(pos + j))
