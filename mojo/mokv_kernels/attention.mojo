@@ -240,6 +240,7 @@ struct SoftmaxState(TrivialRegisterPassable):
 
 
 comptime RowPtrs[dtype: DType] = Array[CachePtr[dtype], TILE]
+comptime RowBlock[dtype: DType, size: Int] = Array[CachePtr[dtype], size]
 
 
 def _tile_rows[cache_t: KVCacheT](
@@ -271,8 +272,9 @@ struct TileWalk[cache_t: KVCacheT]:
     follow, so the item prefetches the next tile's segments with
     `prefetch_next`, a row at a time spread over its compute (issued all at
     once, the prefetches themselves stall on the line fill buffers).
-    Decode items read whole rows in blocks of a few, and prefetch the rows of
-    the block after (`k_ahead`, `v_ahead`) as they go."""
+    Decode items read whole rows in blocks of a few, and prefetch the rows a
+    fixed distance ahead (`k_ahead`, `v_ahead`) as they go: a block ahead is
+    too close to hide the memory latency."""
 
     var k_cache: Self.cache_t
     var v_cache: Self.cache_t
@@ -333,22 +335,31 @@ struct TileWalk[cache_t: KVCacheT]:
             prefetch(k.unsafe_offset(i))
             prefetch(v.unsafe_offset(i))
 
+    def k_row(self, j: Int) -> CachePtr[Self.cache_t.dtype]:
+        """Key row `j < TILE` of the current tile, unchecked: a checked index
+        makes LLVM keep an abort path's arguments alive in the hot loop."""
+        return self.k_rows.unsafe_ptr()[unsafe_offset=j]
+
+    def v_row(self, j: Int) -> CachePtr[Self.cache_t.dtype]:
+        """Value row `j < TILE` of the current tile, unchecked."""
+        return self.v_rows.unsafe_ptr()[unsafe_offset=j]
+
     def k_ahead(self, j: Int) -> CachePtr[Self.cache_t.dtype]:
         """Key row `j` counted from the current tile's start, reaching into
         the next tile (the last row once past both): a prefetch target."""
         if j < self.n:
-            return self.k_rows[j]
+            return self.k_row(j)
         if j - self.n < self.next_n:
-            return self.next_k[j - self.n]
-        return self.k_rows[self.n - 1]
+            return self.next_k.unsafe_ptr()[unsafe_offset=j - self.n]
+        return self.k_row(self.n - 1)
 
     def v_ahead(self, j: Int) -> CachePtr[Self.cache_t.dtype]:
         """Value row `j` as `k_ahead` finds key rows."""
         if j < self.n:
-            return self.v_rows[j]
+            return self.v_row(j)
         if j - self.n < self.next_n:
-            return self.next_v[j - self.n]
-        return self.v_rows[self.n - 1]
+            return self.next_v.unsafe_ptr()[unsafe_offset=j - self.n]
+        return self.v_row(self.n - 1)
 
     def advance(mut self) -> Bool:
         """Moves to the next tile; False once the context is exhausted."""
@@ -404,9 +415,13 @@ def _lane_sums[N: Int](values: Array[Vec, N]) -> Vec:
 
 def _decode_tokens(group_block: Int) -> Int:
     """Context tokens per register block of a decode item: as many as the
-    vector registers hold accumulators for (`group_block` query heads each)."""
+    vector registers hold accumulators for (`group_block` query heads each),
+    and at least 8 accumulators where they fit, since each FMA chain waits
+    ~4 cycles for the last and two FMAs issue per cycle. A divisor of `TILE`."""
     if W >= 16:
         return 4 if group_block <= 4 else 2
+    if group_block <= 3:
+        return 4
     return 2 if group_block <= 4 else 1
 
 
@@ -461,7 +476,8 @@ def _decode_item[cache_t: KVCacheT, GB: Int, PAIRED: Bool](
     `PAIRED`, rows are read as bfloat16 pairs and the queries and outputs
     live in paired lane order until the end."""
     comptime JB = _decode_tokens(GB)
-    comptime CHUNK = 2 * W if PAIRED else W  # row elements per step
+    comptime HALVES = 2 if PAIRED else 1  # float32 vectors per row chunk
+    comptime CHUNK = HALVES * W  # row elements per step
     comptime AHEAD = 8  # tokens between the rows read and the rows prefetched
     var n_kv = k_cache.num_heads()
     var d = queries.head_dim
@@ -481,12 +497,17 @@ def _decode_item[cache_t: KVCacheT, GB: Int, PAIRED: Bool](
     while walk.advance():
         var n = walk.n
         for j0 in range(0, n, JB):
+            var k_block = RowBlock[cache_t.dtype, JB](fill=walk.k_row(j0))
+            var k_later = RowBlock[cache_t.dtype, JB](fill=walk.k_row(j0))
+            comptime for t in range(JB):
+                k_block[t] = walk.k_row(j0 + t)
+                k_later[t] = walk.k_ahead(j0 + AHEAD + t)
             for h in range(n_kv):
-                var k = Array[CachePtr[cache_t.dtype], JB](fill=walk.k_rows[j0])
-                var k_next = Array[CachePtr[cache_t.dtype], JB](fill=walk.k_rows[j0])
+                var k = RowBlock[cache_t.dtype, JB](fill=k_block[0])
+                var k_next = RowBlock[cache_t.dtype, JB](fill=k_block[0])
                 comptime for t in range(JB):
-                    k[t] = walk.k_rows[j0 + t].unsafe_offset(h * d)
-                    k_next[t] = walk.k_ahead(j0 + AHEAD + t).unsafe_offset(h * d)
+                    k[t] = k_block[t].unsafe_offset(h * d)
+                    k_next[t] = k_later[t].unsafe_offset(h * d)
                 for g0 in range(0, padded, GB):
                     var base = h * padded + g0
                     var q_g = q.unsafe_offset(base * d)
@@ -498,26 +519,37 @@ def _decode_item[cache_t: KVCacheT, GB: Int, PAIRED: Bool](
                         comptime for t in range(JB):
                             var keys = _load_row_chunk[cache_t.dtype, PAIRED](k[t], i)
                             comptime for g in range(GB):
-                                comptime for half in range(2 if PAIRED else 1):
+                                comptime for half in range(HALVES):
                                     var qv = q_g.unsafe_load[width=W](g * d + i + half * W)
                                     dots[g * JB + t] = qv.fma(keys[half], dots[g * JB + t])
                         i += CHUNK
-                    var sums = _lane_sums(dots)
-                    comptime for t in range(JB):
-                        comptime for g in range(GB):
-                            state.column(j0 + t)[unsafe_offset=base + g] = sums[g * JB + t]
+                    comptime for first_dot in range(0, GB * JB, W):  # W dot products per reduction
+                        comptime COUNT = min(W, GB * JB - first_dot)
+                        var part = Array[Vec, COUNT](fill=Vec(0))
+                        comptime for k in range(COUNT):
+                            part[k] = dots[first_dot + k]
+                        var sums = _lane_sums(part)
+                        comptime for k in range(COUNT):
+                            comptime g = (first_dot + k) // JB
+                            comptime t = (first_dot + k) % JB
+                            state.column(j0 + t)[unsafe_offset=base + g] = sums[k]
         state.update(n)
         for j in range(n, _round_up(n, JB)):  # padding tokens of the last block weigh nothing
             for r in range(0, rows, W):
                 state.column(j).unsafe_store(r, Vec(0))
 
         for j0 in range(0, n, JB):
+            var v_block = RowBlock[cache_t.dtype, JB](fill=walk.v_row(j0))
+            var v_later = RowBlock[cache_t.dtype, JB](fill=walk.v_row(j0))
+            comptime for t in range(JB):
+                v_block[t] = walk.v_row(j0 + t)
+                v_later[t] = walk.v_ahead(j0 + AHEAD + t)
             for h in range(n_kv):
-                var v = Array[CachePtr[cache_t.dtype], JB](fill=walk.v_rows[j0])
-                var v_next = Array[CachePtr[cache_t.dtype], JB](fill=walk.v_rows[j0])
+                var v = RowBlock[cache_t.dtype, JB](fill=v_block[0])
+                var v_next = RowBlock[cache_t.dtype, JB](fill=v_block[0])
                 comptime for t in range(JB):
-                    v[t] = walk.v_rows[j0 + t].unsafe_offset(h * d)
-                    v_next[t] = walk.v_ahead(j0 + AHEAD + t).unsafe_offset(h * d)
+                    v[t] = v_block[t].unsafe_offset(h * d)
+                    v_next[t] = v_later[t].unsafe_offset(h * d)
                 for g0 in range(0, padded, GB):
                     var base = h * padded + g0
                     var probs = Array[Vec, GB * JB](fill=Vec(0))
@@ -528,15 +560,18 @@ def _decode_item[cache_t: KVCacheT, GB: Int, PAIRED: Bool](
                     while i < d:
                         comptime for t in range(JB):
                             prefetch(v_next[t].unsafe_offset(i))
-                        comptime for half in range(2 if PAIRED else 1):
-                            var vals = Array[Vec, JB](fill=Vec(0))
-                            comptime for t in range(JB):
-                                vals[t] = _load_row_chunk[cache_t.dtype, PAIRED](v[t], i)[half]
+                        # Loaded before any output is stored, which might alias them.
+                        var vals = Array[Vec, JB * HALVES](fill=Vec(0))
+                        comptime for t in range(JB):
+                            var chunk = _load_row_chunk[cache_t.dtype, PAIRED](v[t], i)
+                            comptime for half in range(HALVES):
+                                vals[t * HALVES + half] = chunk[half]
+                        comptime for half in range(HALVES):
                             comptime for g in range(GB):
                                 var acc = state.acc_row(base + g).unsafe_offset(i + half * W)
                                 var out = acc.unsafe_load[width=W](0)
                                 comptime for t in range(JB):
-                                    out = probs[g * JB + t].fma(vals[t], out)
+                                    out = probs[g * JB + t].fma(vals[t * HALVES + half], out)
                                 acc.unsafe_store(0, out)
                         i += CHUNK
 
