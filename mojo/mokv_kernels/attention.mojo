@@ -22,8 +22,9 @@ share this tile loop (`TileWalk`), reading pages in place:
   merged afterwards, so a small batch still keeps every core busy.
 - prefill rows (several new tokens) are cut into blocks of query tokens per KV
   head. Queries are transposed once per item, so both products are
-  register-blocked broadcast-FMA loops with no horizontal sums and no copy of
-  float32 keys or values (bfloat16 tiles are converted to float32 scratch).
+  register-blocked broadcast-FMA loops with no horizontal sums; each tile's
+  head segment of K and V is copied (as float32) into scratch whose rows,
+  unlike the cache's, do not all share a few L1 sets.
 
 CPU only: the ops assert `is_cpu[target]()`.
 """
