@@ -866,7 +866,7 @@ def _plan[cache_t: KVCacheT](
             decode_tokens += position + 1 - queries.visible_start(position)
     var split_len = max(MIN_SPLIT, ceildiv(decode_tokens, workers * SPLITS_PER_WORKER))
     # Whole tokens per block without spilling into another register block of rows.
-    var block_tokens = max(1, PREFILL_ROWS // queries.group)
+    var max_block_tokens = max(1, PREFILL_ROWS // queries.group)
 
     var decode_items = List[WorkItem]()
     var slots = 0
@@ -889,6 +889,8 @@ def _plan[cache_t: KVCacheT](
                 )
             slots += count
         elif new_tokens > 1:
+            # Blocks of even size: a short remainder block would leave a core idle.
+            var block_tokens = ceildiv(new_tokens, ceildiv(new_tokens, max_block_tokens))
             for t0 in range(0, new_tokens, block_tokens):
                 var count = min(block_tokens, new_tokens - t0)
                 var start = queries.visible_start(cache_length + t0)
