@@ -244,6 +244,14 @@ comptime RowPtrs[dtype: DType] = Array[CachePtr[dtype], TILE]
 comptime RowBlock[dtype: DType, size: Int] = Array[CachePtr[dtype], size]
 
 
+def _offset_rows[dtype: DType, size: Int](rows: RowBlock[dtype, size], offset: Int) -> RowBlock[dtype, size]:
+    """The same rows, each `offset` elements on: one head's segment of each."""
+    var out = RowBlock[dtype, size](fill=rows[0])
+    comptime for t in range(size):
+        out[t] = rows[t].unsafe_offset(offset)
+    return out^
+
+
 def _tile_rows[cache_t: KVCacheT](
     cache: cache_t,
     row: Int,
@@ -504,11 +512,8 @@ def _decode_item[cache_t: KVCacheT, GB: Int, PAIRED: Bool](
                 k_block[t] = walk.k_row(j0 + t)
                 k_later[t] = walk.k_ahead(j0 + AHEAD + t)
             for h in range(n_kv):
-                var k = RowBlock[cache_t.dtype, JB](fill=k_block[0])
-                var k_next = RowBlock[cache_t.dtype, JB](fill=k_block[0])
-                comptime for t in range(JB):
-                    k[t] = k_block[t].unsafe_offset(h * d)
-                    k_next[t] = k_later[t].unsafe_offset(h * d)
+                var k = _offset_rows(k_block, h * d)
+                var k_next = _offset_rows(k_later, h * d)
                 for g0 in range(0, padded, GB):
                     var base = h * padded + g0
                     var q_g = q.unsafe_offset(base * d)
@@ -546,11 +551,8 @@ def _decode_item[cache_t: KVCacheT, GB: Int, PAIRED: Bool](
                 v_block[t] = walk.v_row(j0 + t)
                 v_later[t] = walk.v_ahead(j0 + AHEAD + t)
             for h in range(n_kv):
-                var v = RowBlock[cache_t.dtype, JB](fill=v_block[0])
-                var v_next = RowBlock[cache_t.dtype, JB](fill=v_block[0])
-                comptime for t in range(JB):
-                    v[t] = v_block[t].unsafe_offset(h * d)
-                    v_next[t] = v_later[t].unsafe_offset(h * d)
+                var v = _offset_rows(v_block, h * d)
+                var v_next = _offset_rows(v_later, h * d)
                 for g0 in range(0, padded, GB):
                     var base = h * padded + g0
                     var probs = Array[Vec, GB * JB](fill=Vec(0))
