@@ -87,7 +87,9 @@ def full_cases() -> list[Case]:
         for page in (16, 128)
         for batch, context in decode_shapes
     ]
-    prefill_shapes = [(0, 2048), (2048, 512), (4096, 128)]  # (cached prefix, chunk)
+    # (cached prefix, chunk); the 16-token chunk (a speculative-decoding
+    # verify step) makes few, long work items that only split-K spreads out.
+    prefill_shapes = [(0, 2048), (2048, 512), (4096, 128), (4096, 16)]
     cases += [
         Case("prefill", DType.float32, heads, 128, 1, cached + chunk, chunk)
         for heads in (LLAMA, SMOLLM2)

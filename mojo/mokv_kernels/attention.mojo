@@ -17,14 +17,17 @@ share this tile loop (`TileWalk`), reading pages in place:
 - decode rows (one new token) walk each context token's whole
   `[n_kv_heads, head_dim]` row in memory order, with all query heads of a KV
   head updated per loaded key/value vector (GQA reuse). Decode is bound by
-  memory traffic, and this is the access pattern that streams. Long contexts
-  are split over several items (split-K) whose partial softmax states are
-  merged afterwards, so a small batch still keeps every core busy.
+  memory traffic, and this is the access pattern that streams.
 - prefill rows (several new tokens) are cut into blocks of query tokens per KV
   head. Queries are transposed once per item, so both products are
   register-blocked broadcast-FMA loops with no horizontal sums; each tile's
   head segment of K and V is copied (as float32) into scratch whose rows,
   unlike the cache's, do not all share a few L1 sets.
+
+An item of either kind that holds more than its share of the batch's work is
+split over its context (split-K); the partial softmax states are merged
+afterwards, so a few long decode rows, or a short chunk on a long prefix,
+still keep every core busy.
 
 CPU only: the ops assert `is_cpu[target]()`.
 """
@@ -71,7 +74,7 @@ comptime SKEW = 16
 (128 floats = 512 B) put a tile's rows into a few L1 sets, where they evict one
 another between register blocks; one more cache line per row spreads them."""
 comptime MIN_SPLIT = 512
-"""Fewest context tokens worth a decode split of their own."""
+"""Fewest context tokens worth a split of their own."""
 comptime SPLITS_PER_WORKER = 4
 comptime LOG2E: Float32 = 1.4426950408889634
 comptime NEG_INF = neg_inf[DType.float32]()
@@ -152,8 +155,8 @@ struct WorkItem(TrivialRegisterPassable):
     against context positions `ctx_start ..< ctx_end`.
 
     `kv_head` is -1 for a decode item (every head); `split` is -1 when the item
-    covers the whole context and writes the output, else its slot among the
-    partial states merged by `_merge_splits`."""
+    covers the whole context and writes the output, else the offset of its
+    `PartialState` in the partials buffer, merged by `_merge_splits`."""
 
     var row: Int
     var first_token: Int
@@ -165,13 +168,65 @@ struct WorkItem(TrivialRegisterPassable):
 
 
 @fieldwise_init
-struct SplitRow(TrivialRegisterPassable):
-    """A decode row whose context was split over `count` items, with partial
-    states in slots `first_split ..< first_split + count`."""
+struct SplitGroup(TrivialRegisterPassable):
+    """Output rows whose context was split over `count` items: query heads
+    `first_head ..< first_head + num_heads` of new tokens `first_token ..<
+    first_token + num_tokens` of batch row `row`, with the items' partial
+    states one after another from offset `first_state` on."""
 
     var row: Int
-    var first_split: Int
+    var first_token: Int
+    var num_tokens: Int
+    var first_head: Int
+    var num_heads: Int
+    var first_state: Int
     var count: Int
+
+    def rows(self) -> Int:
+        """Output rows, token-major: row `t * num_heads + g` is head
+        `first_head + g` of token `first_token + t`."""
+        return self.num_tokens * self.num_heads
+
+    def state(self, partials: F32Ptr, split: Int, head_dim: Int) -> PartialState:
+        """The partial state of split `split < count`."""
+        var floats = PartialState.floats(self.rows(), head_dim)
+        return PartialState(partials.unsafe_offset(self.first_state + split * floats), self.rows(), head_dim)
+
+
+struct PartialState(TrivialRegisterPassable):
+    """A split item's softmax state in the shared partials buffer, for `rows`
+    output rows: `acc [rows, head_dim]`, then `row_max [rows]`, `row_sum [rows]`."""
+
+    var base: F32Ptr
+    var rows: Int
+    var head_dim: Int
+
+    def __init__(out self, base: F32Ptr, rows: Int, head_dim: Int):
+        self.base = base
+        self.rows = rows
+        self.head_dim = head_dim
+
+    @staticmethod
+    def floats(rows: Int, head_dim: Int) -> Int:
+        return rows * (head_dim + 2)
+
+    def acc(self, r: Int) -> F32Ptr:
+        return self.base.unsafe_offset(r * self.head_dim)
+
+    def row_max(self) -> F32Ptr:
+        return self.base.unsafe_offset(self.rows * self.head_dim)
+
+    def row_sum(self) -> F32Ptr:
+        return self.base.unsafe_offset(self.rows * (self.head_dim + 1))
+
+    def save(self, r: Int, state: SoftmaxState, state_row: Int):
+        """Copies row `state_row` of an item's softmax state to row `r`."""
+        self.row_max()[unsafe_offset=r] = state.row_max[unsafe_offset=state_row]
+        self.row_sum()[unsafe_offset=r] = state.row_sum[unsafe_offset=state_row]
+        var dst = self.acc(r)
+        var src = state.acc_row(state_row)
+        for i in range(0, self.head_dim, W):
+            dst.unsafe_store(i, src.unsafe_load[width=W](i))
 
 
 @fieldwise_init
@@ -587,68 +642,7 @@ def _decode_item[cache_t: KVCacheT, GB: Int, PAIRED: Bool](
             if item.split < 0:
                 queries.store_row(token, head, state.acc_row(r), 1 / state.row_sum[unsafe_offset=r])
             else:
-                var slot = _SplitSlot(partials, item.split, queries.n_q_heads, d)
-                slot.row_max()[unsafe_offset=head] = state.row_max[unsafe_offset=r]
-                slot.row_sum()[unsafe_offset=head] = state.row_sum[unsafe_offset=r]
-                var dst = slot.acc(head)
-                var src = state.acc_row(r)
-                for i in range(0, d, W):
-                    dst.unsafe_store(i, src.unsafe_load[width=W](i))
-    _ = arena^
-
-
-struct _SplitSlot(TrivialRegisterPassable):
-    """One decode split's partial state in the shared partials buffer:
-    `acc [n_q_heads, head_dim]`, then `row_max [n_q_heads]`, `row_sum [n_q_heads]`."""
-
-    var base: F32Ptr
-    var n_q_heads: Int
-    var head_dim: Int
-
-    def __init__(out self, partials: F32Ptr, split: Int, n_q_heads: Int, head_dim: Int):
-        self.base = partials.unsafe_offset(split * Self.floats(n_q_heads, head_dim))
-        self.n_q_heads = n_q_heads
-        self.head_dim = head_dim
-
-    @staticmethod
-    def floats(n_q_heads: Int, head_dim: Int) -> Int:
-        return n_q_heads * (head_dim + 2)
-
-    def acc(self, head: Int) -> F32Ptr:
-        return self.base.unsafe_offset(head * self.head_dim)
-
-    def row_max(self) -> F32Ptr:
-        return self.base.unsafe_offset(self.n_q_heads * self.head_dim)
-
-    def row_sum(self) -> F32Ptr:
-        return self.base.unsafe_offset(self.n_q_heads * (self.head_dim + 1))
-
-
-def _merge_splits[dtype: DType](
-    queries: RaggedQueries[dtype], split_row: SplitRow, partials: F32Ptr
-):
-    """Combines the partial softmax states of a split decode row and writes
-    its output: each split's sum and output are rescaled to the global max."""
-    var d = queries.head_dim
-    var token = queries.token(split_row.row, 0)
-    var arena = Arena(d)
-    var acc = arena.take(d)
-    for head in range(queries.n_q_heads):
-        var global_max = NEG_INF
-        for s in range(split_row.count):
-            var slot = _SplitSlot(partials, split_row.first_split + s, queries.n_q_heads, d)
-            global_max = max(global_max, slot.row_max()[unsafe_offset=head])
-        var total: Float32 = 0
-        for i in range(0, d, W):
-            acc.unsafe_store(i, Vec(0))
-        for s in range(split_row.count):
-            var slot = _SplitSlot(partials, split_row.first_split + s, queries.n_q_heads, d)
-            var weight = exp2(slot.row_max()[unsafe_offset=head] - global_max)
-            total += slot.row_sum()[unsafe_offset=head] * weight
-            var src = slot.acc(head)
-            for i in range(0, d, W):
-                acc.unsafe_store(i, acc.unsafe_load[width=W](i) + src.unsafe_load[width=W](i) * weight)
-        queries.store_row(token, head, acc, 1 / total)
+                PartialState(partials.unsafe_offset(item.split), queries.n_q_heads, d).save(head, state, r)
     _ = arena^
 
 
@@ -733,6 +727,7 @@ def _prefill_item[cache_t: KVCacheT](
     v_cache: cache_t,
     queries: RaggedQueries[cache_t.dtype],
     item: WorkItem,
+    partials: F32Ptr,
 ):
     """Runs a prefill item: query rows are (token, head of the KV head's
     group) pairs, token-major, padded with zero rows to the register blocks;
@@ -801,8 +796,44 @@ def _prefill_item[cache_t: KVCacheT](
         var token = queries.token(item.row, item.first_token + t)
         for g in range(group):
             var r = t * group + g
-            queries.store_row(token, h * group + g, state.acc_row(r), 1 / state.row_sum[unsafe_offset=r])
+            if item.split < 0:
+                queries.store_row(token, h * group + g, state.acc_row(r), 1 / state.row_sum[unsafe_offset=r])
+            else:
+                PartialState(partials.unsafe_offset(item.split), rows, d).save(r, state, r)
     _ = bounds^
+    _ = arena^
+
+
+# ===----------------------------------------------------------------------=== #
+# Split-K: merging the partial states of a split context
+# ===----------------------------------------------------------------------=== #
+
+
+def _merge_splits[dtype: DType](
+    queries: RaggedQueries[dtype], group: SplitGroup, partials: F32Ptr
+):
+    """Combines the partial softmax states of a split group and writes its
+    outputs: each split's sum and output are rescaled to the global max. A
+    split that saw none of a row's positions holds max -inf and weighs 0."""
+    var d = queries.head_dim
+    var arena = Arena(d)
+    var acc = arena.take(d)
+    for r in range(group.rows()):
+        var global_max = NEG_INF
+        for s in range(group.count):
+            global_max = max(global_max, group.state(partials, s, d).row_max()[unsafe_offset=r])
+        var total: Float32 = 0
+        for i in range(0, d, W):
+            acc.unsafe_store(i, Vec(0))
+        for s in range(group.count):
+            var state = group.state(partials, s, d)
+            var weight = exp2(state.row_max()[unsafe_offset=r] - global_max)
+            total += state.row_sum()[unsafe_offset=r] * weight
+            var src = state.acc(r)
+            for i in range(0, d, W):
+                acc.unsafe_store(i, acc.unsafe_load[width=W](i) + src.unsafe_load[width=W](i) * weight)
+        var token = queries.token(group.row, group.first_token + r // group.num_heads)
+        queries.store_row(token, group.first_head + r % group.num_heads, acc, 1 / total)
     _ = arena^
 
 
@@ -847,60 +878,75 @@ def _decode_paired_or_not[cache_t: KVCacheT, PAIRED: Bool](
         _decode_item[cache_t, 8, PAIRED](k_cache, v_cache, queries, item, partials)
 
 
+def _output_heads(item: WorkItem, n_q_heads: Int, group: Int) -> Tuple[Int, Int]:
+    """First query head and number of heads that `item` computes per token."""
+    if item.kv_head < 0:
+        return (0, n_q_heads)
+    return (item.kv_head * group, group)
+
+
 def _plan[cache_t: KVCacheT](
     cache: cache_t,
     queries: RaggedQueries[cache_t.dtype],
     batch: Int,
     workers: Int,
     mut items: List[WorkItem],
-    mut split_rows: List[SplitRow],
+    mut groups: List[SplitGroup],
 ) -> Int:
-    """Cuts the batch into work items (prefill blocks first: they are the
-    largest) and returns the number of decode split slots.
+    """Cuts the batch into work items and returns the floats of partial state
+    that the split ones need.
 
-    Decode contexts are split once they exceed an even share of the batch's
-    decode tokens over `SPLITS_PER_WORKER` items per worker (and `MIN_SPLIT`),
-    so one long sequence no longer runs on a single core."""
-    var decode_tokens = 0
-    for b in range(batch):
-        if queries.token(b + 1, 0) - queries.token(b, 0) == 1:
-            var position = cache.cache_length(b)
-            decode_tokens += position + 1 - queries.visible_start(position)
-    var split_len = max(MIN_SPLIT, ceildiv(decode_tokens, workers * SPLITS_PER_WORKER))
+    Prefill rows are cut into blocks of new tokens per KV head (first: they
+    are the largest), decode rows make one item each. An item holding more
+    than an even share of the batch's work (query rows x context tokens, over
+    `SPLITS_PER_WORKER` items per worker) is then split over its context
+    (split-K) into pieces of at least `MIN_SPLIT` tokens, so a few long
+    sequences, or a short chunk on a long prefix, still keep every core busy."""
     # Whole tokens per block without spilling into another register block of rows.
     var max_block_tokens = max(1, PREFILL_ROWS // queries.group)
-
-    var decode_items = List[WorkItem]()
-    var slots = 0
+    var whole = List[WorkItem]()
+    var decode = List[WorkItem]()
     for b in range(batch):
         var new_tokens = queries.token(b + 1, 0) - queries.token(b, 0)
         var cache_length = cache.cache_length(b)
         if new_tokens == 1:
-            var start = queries.visible_start(cache_length)
-            var end = cache_length + 1
-            var chunk = ceildiv(end - start, ceildiv(end - start, split_len))
-            var count = ceildiv(end - start, chunk)
-            if count == 1:
-                decode_items.append(WorkItem(b, 0, 1, -1, start, end, -1))
-                continue
-            split_rows.append(SplitRow(b, slots, count))
-            for s in range(count):
-                var first = start + s * chunk
-                decode_items.append(
-                    WorkItem(b, 0, 1, -1, first, min(end, first + chunk), slots + s)
-                )
-            slots += count
+            decode.append(WorkItem(b, 0, 1, -1, queries.visible_start(cache_length), cache_length + 1, -1))
         elif new_tokens > 1:
             # Blocks of even size: a short remainder block would leave a core idle.
             var block_tokens = ceildiv(new_tokens, ceildiv(new_tokens, max_block_tokens))
             for t0 in range(0, new_tokens, block_tokens):
                 var count = min(block_tokens, new_tokens - t0)
                 var start = queries.visible_start(cache_length + t0)
-                var end = cache_length + t0 + count
                 for h in range(cache.num_heads()):
-                    items.append(WorkItem(b, t0, count, h, start, end, -1))
-    items.extend(decode_items^)
-    return slots
+                    whole.append(WorkItem(b, t0, count, h, start, cache_length + t0 + count, -1))
+    whole.extend(decode^)
+
+    var total_work = 0
+    for item in whole:
+        var heads = _output_heads(item, queries.n_q_heads, queries.group)
+        total_work += item.num_tokens * heads[1] * (item.ctx_end - item.ctx_start)
+    var share = max(1, ceildiv(total_work, workers * SPLITS_PER_WORKER))
+    var partial_floats = 0
+    for item in whole:
+        var heads = _output_heads(item, queries.n_q_heads, queries.group)
+        var length = item.ctx_end - item.ctx_start
+        var pieces = min(ceildiv(item.num_tokens * heads[1] * length, share), ceildiv(length, MIN_SPLIT))
+        if pieces <= 1:
+            items.append(item)
+            continue
+        var chunk = ceildiv(length, pieces)
+        var group = SplitGroup(
+            item.row, item.first_token, item.num_tokens, heads[0], heads[1], partial_floats, ceildiv(length, chunk)
+        )
+        for s in range(group.count):
+            var first = item.ctx_start + s * chunk
+            var state = partial_floats + s * PartialState.floats(group.rows(), queries.head_dim)
+            items.append(
+                WorkItem(item.row, item.first_token, item.num_tokens, item.kv_head, first, min(item.ctx_end, first + chunk), state)
+            )
+        partial_floats += group.count * PartialState.floats(group.rows(), queries.head_dim)
+        groups.append(group)
+    return partial_floats
 
 
 def attention_over[collection_t: KVCollectionT](
@@ -913,7 +959,7 @@ def attention_over[collection_t: KVCollectionT](
     sliding_window: UInt32,
 ) raises:
     """Checks every input against the cache, then runs the batch's work
-    items in parallel and merges the split decode rows."""
+    items in parallel and merges the split ones."""
     comptime dtype = collection_t.CacheType.dtype
     var layer = Int(layer_idx)
     check_layer(layer, collection.num_layers())
@@ -950,28 +996,28 @@ def attention_over[collection_t: KVCollectionT](
             )
 
     var items = List[WorkItem]()
-    var split_rows = List[SplitRow]()
-    var slots = _plan(k_cache, queries, batch, parallelism_level(None), items, split_rows)
-    var partials_arena = Arena(slots * _SplitSlot.floats(n_q, d))
-    var partials = partials_arena.take(slots * _SplitSlot.floats(n_q, d))
+    var groups = List[SplitGroup]()
+    var partial_floats = _plan(k_cache, queries, batch, parallelism_level(None), items, groups)
+    var partials_arena = Arena(partial_floats)
+    var partials = partials_arena.take(partial_floats)
     var item_list = items.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    var split_list = split_rows.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var group_list = groups.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
 
     def run_item(i: Int) {var k_cache, var v_cache, var queries, var item_list, var partials}:
         var item = item_list[unsafe_offset=i]
         if item.kv_head >= 0:
-            _prefill_item(k_cache, v_cache, queries, item)
+            _prefill_item(k_cache, v_cache, queries, item, partials)
         else:
             _decode_any_group(k_cache, v_cache, queries, item, partials)
 
-    def merge_row(i: Int) {var queries, var split_list, var partials}:
-        _merge_splits(queries, split_list[unsafe_offset=i], partials)
+    def merge_group(i: Int) {var queries, var group_list, var partials}:
+        _merge_splits(queries, group_list[unsafe_offset=i], partials)
 
     sync_parallelize(run_item, len(items))
-    sync_parallelize(merge_row, len(split_rows))
+    sync_parallelize(merge_group, len(groups))
     _ = partials_arena^
     _ = items^
-    _ = split_rows^
+    _ = groups^
 
 
 @extensibility.register("mokv.attention.paged")

@@ -185,6 +185,24 @@ def test_long_decode_split_over_workers(rows, dtype, attention_graph):
     assert_close(out, expected(b, 1, scale), dtype)
 
 
+@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16])
+@pytest.mark.parametrize(
+    ("rows", "window"),
+    [([(6000, 5), (2500, 1)], 0), ([(6000, 5), (2500, 1)], 700), ([(3000, 40), (5000, 3), (20, 1)], 0)],
+    ids=["chunk5", "chunk5-window", "chunk40-mixed"],
+)
+def test_short_chunks_on_long_prefix_split_over_workers(rows, window, dtype, attention_graph):
+    """A short chunk on a long cached prefix makes one large prefill item per
+    KV head: those items are split over their context and merged, beside
+    unsplit prefill and decode items in the same batch. (With 1 to 16 workers
+    the first chunk's items each hold over a quarter of the batch's work.)"""
+    rng = np.random.default_rng(len(rows) + window)
+    b = make_batch(rng, "paged", dtype, rows, 9, 3, 64, 16)
+    scale = 0.125
+    out = run_mokv(attention_graph("paged", dtype), b, 0, scale, window)
+    assert_close(out, expected(b, 0, scale, window), dtype)
+
+
 def test_long_prefill_chunk_on_cached_prefix(attention_graph):
     rng = np.random.default_rng(5)
     b = make_batch(rng, "paged", DType.float32, [(2500, 150), (0, 300)], 9, 3, 64, 128)
