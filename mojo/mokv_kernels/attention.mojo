@@ -938,13 +938,16 @@ def _plan[cache_t: KVCacheT](
         var group = SplitGroup(
             item.row, item.first_token, item.num_tokens, heads[0], heads[1], partial_floats, ceildiv(length, chunk)
         )
+        var state_floats = PartialState.floats(group.rows(), queries.head_dim)
         for s in range(group.count):
             var first = item.ctx_start + s * chunk
-            var state = partial_floats + s * PartialState.floats(group.rows(), queries.head_dim)
             items.append(
-                WorkItem(item.row, item.first_token, item.num_tokens, item.kv_head, first, min(item.ctx_end, first + chunk), state)
+                WorkItem(
+                    item.row, item.first_token, item.num_tokens, item.kv_head,
+                    first, min(item.ctx_end, first + chunk), partial_floats + s * state_floats,
+                )
             )
-        partial_floats += group.count * PartialState.floats(group.rows(), queries.head_dim)
+        partial_floats += group.count * state_floats
         groups.append(group)
     return partial_floats
 
