@@ -39,7 +39,6 @@ from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 from max.runtime.asyncrt import parallelism_level
 from std.math import ceildiv, exp2
-from std.memory import bitcast
 from std.sys import prefetch, simd_width_of, size_of
 from std.utils.numerics import neg_inf
 
@@ -489,44 +488,7 @@ def _decode_tokens(group_block: Int) -> Int:
     return 2 if group_block <= 4 else 1
 
 
-def _paired(dtype: DType) -> Bool:
-    """Whether a decode item reads `dtype` rows as bfloat16 pairs."""
-    return dtype == DType.bfloat16
-
-
-def _load_row_chunk[dtype: DType, PAIRED: Bool](row: CachePtr[dtype], i: Int) -> Array[Vec, 2 if PAIRED else 1]:
-    """Elements `i ..` of a cache row as float32 vectors. Unpaired: one vector
-    of `W`. Paired (bfloat16): `2W` elements from one load of `W` 32-bit
-    words, split by two bit operations into the even elements (low halves
-    shifted up) and the odd ones (high halves masked), half the work of
-    widening each element; the vectors holding the other operand must be
-    permuted alike (`_to_pairs`)."""
-    var out = Array[Vec, 2 if PAIRED else 1](fill=Vec(0))
-    comptime if PAIRED:
-        var words = row.unsafe_bitcast[UInt32]().unsafe_load[width=W](i // 2)
-        out[0] = bitcast[DType.float32, W](words << 16)
-        out[1] = bitcast[DType.float32, W](words & 0xFFFF0000)
-    else:
-        out[0] = row.unsafe_load[width=W](i).cast[DType.float32]()
-    return out^
-
-
-def _to_pairs(rows: F32Ptr, count: Int):
-    """Permutes every `2W` floats at `rows` to [even elements, odd elements],
-    the lane order of paired row chunks."""
-    for c in range(0, count, 2 * W):
-        var evens, odds = rows.unsafe_load[width=2 * W](c).deinterleave()
-        rows.unsafe_store(c, evens)
-        rows.unsafe_store(c + W, odds)
-
-
-def _from_pairs(rows: F32Ptr, count: Int):
-    """Undoes `_to_pairs`."""
-    for c in range(0, count, 2 * W):
-        rows.unsafe_store(c, rows.unsafe_load[width=W](c).interleave(rows.unsafe_load[width=W](c + W)))
-
-
-def _decode_item[cache_t: KVCacheT, GB: Int, PAIRED: Bool](
+def _decode_item[cache_t: KVCacheT, GB: Int](
     k_cache: cache_t,
     v_cache: cache_t,
     queries: RaggedQueries[cache_t.dtype],
@@ -536,12 +498,9 @@ def _decode_item[cache_t: KVCacheT, GB: Int, PAIRED: Bool](
     """Runs a decode item. Query heads of a KV head are processed `GB` at a
     time (padded with zero rows up to a multiple of `GB`) against `JB` context
     tokens at a time, so every loaded key or value vector feeds `GB` FMAs and
-    every output vector stays in a register across `JB` tokens. With
-    `PAIRED`, rows are read as bfloat16 pairs and the queries and outputs
-    live in paired lane order until the end."""
+    every output vector stays in a register across `JB` tokens. bfloat16
+    rows are widened vector by vector as they are loaded."""
     comptime JB = _decode_tokens(GB)
-    comptime HALVES = 2 if PAIRED else 1  # float32 vectors per row chunk
-    comptime CHUNK = HALVES * W  # row elements per step
     comptime AHEAD = 8  # tokens between the rows read and the rows prefetched
     var n_kv = k_cache.num_heads()
     var d = queries.head_dim
@@ -554,8 +513,6 @@ def _decode_item[cache_t: KVCacheT, GB: Int, PAIRED: Bool](
     var q = arena.take(rows * d)
     for h in range(n_kv):
         queries.load_rows(q.unsafe_offset(h * padded * d), token, h * group, group)
-    comptime if PAIRED:
-        _to_pairs(q, rows * d)
     var state = SoftmaxState.take(arena, rows, d)
     var walk = TileWalk(k_cache, v_cache, item.row, item.ctx_start, item.ctx_end)
     while walk.advance():
@@ -578,12 +535,11 @@ def _decode_item[cache_t: KVCacheT, GB: Int, PAIRED: Bool](
                         comptime for t in range(JB):
                             prefetch(k_next[t].unsafe_offset(i))
                         comptime for t in range(JB):
-                            var keys = _load_row_chunk[cache_t.dtype, PAIRED](k[t], i)
+                            var key = k[t].unsafe_load[width=W](i).cast[DType.float32]()
                             comptime for g in range(GB):
-                                comptime for half in range(HALVES):
-                                    var qv = q_g.unsafe_load[width=W](g * d + i + half * W)
-                                    dots[g * JB + t] = qv.fma(keys[half], dots[g * JB + t])
-                        i += CHUNK
+                                var qv = q_g.unsafe_load[width=W](g * d + i)
+                                dots[g * JB + t] = qv.fma(key, dots[g * JB + t])
+                        i += W
                     comptime for first_dot in range(0, GB * JB, W):  # W dot products per reduction
                         comptime COUNT = min(W, GB * JB - first_dot)
                         var part = Array[Vec, COUNT](fill=Vec(0))
@@ -619,22 +575,17 @@ def _decode_item[cache_t: KVCacheT, GB: Int, PAIRED: Bool](
                         comptime for t in range(JB):
                             prefetch(v_next[t].unsafe_offset(i))
                         # Loaded before any output is stored, which might alias them.
-                        var vals = Array[Vec, JB * HALVES](fill=Vec(0))
+                        var vals = Array[Vec, JB](fill=Vec(0))
                         comptime for t in range(JB):
-                            var chunk = _load_row_chunk[cache_t.dtype, PAIRED](v[t], i)
-                            comptime for half in range(HALVES):
-                                vals[t * HALVES + half] = chunk[half]
-                        comptime for half in range(HALVES):
-                            comptime for g in range(GB):
-                                var acc = state.acc_row(base + g).unsafe_offset(i + half * W)
-                                var out = acc.unsafe_load[width=W](0)
-                                comptime for t in range(JB):
-                                    out = probs[g * JB + t].fma(vals[t * HALVES + half], out)
-                                acc.unsafe_store(0, out)
-                        i += CHUNK
+                            vals[t] = v[t].unsafe_load[width=W](i).cast[DType.float32]()
+                        comptime for g in range(GB):
+                            var acc = state.acc_row(base + g).unsafe_offset(i)
+                            var out = acc.unsafe_load[width=W](0)
+                            comptime for t in range(JB):
+                                out = probs[g * JB + t].fma(vals[t], out)
+                            acc.unsafe_store(0, out)
+                        i += W
 
-    comptime if PAIRED:
-        _from_pairs(state.acc, rows * d)
     for h in range(n_kv):
         for g in range(group):
             var r = h * padded + g
@@ -850,32 +801,17 @@ def _decode_any_group[cache_t: KVCacheT](
     partials: F32Ptr,
 ):
     """Picks the query-head block that wastes the fewest padded rows for the
-    GQA ratio (ratios above 8 run in blocks of 8), and bfloat16 pairs where
-    head_dim allows."""
-    comptime if _paired(cache_t.dtype):
-        if queries.head_dim % (2 * W) == 0:
-            _decode_paired_or_not[cache_t, True](k_cache, v_cache, queries, item, partials)
-            return
-    _decode_paired_or_not[cache_t, False](k_cache, v_cache, queries, item, partials)
-
-
-def _decode_paired_or_not[cache_t: KVCacheT, PAIRED: Bool](
-    k_cache: cache_t,
-    v_cache: cache_t,
-    queries: RaggedQueries[cache_t.dtype],
-    item: WorkItem,
-    partials: F32Ptr,
-):
+    GQA ratio (ratios above 8 run in blocks of 8)."""
     if queries.group == 1:
-        _decode_item[cache_t, 1, PAIRED](k_cache, v_cache, queries, item, partials)
+        _decode_item[cache_t, 1](k_cache, v_cache, queries, item, partials)
     elif queries.group == 2:
-        _decode_item[cache_t, 2, PAIRED](k_cache, v_cache, queries, item, partials)
+        _decode_item[cache_t, 2](k_cache, v_cache, queries, item, partials)
     elif queries.group == 3:
-        _decode_item[cache_t, 3, PAIRED](k_cache, v_cache, queries, item, partials)
+        _decode_item[cache_t, 3](k_cache, v_cache, queries, item, partials)
     elif queries.group == 4:
-        _decode_item[cache_t, 4, PAIRED](k_cache, v_cache, queries, item, partials)
+        _decode_item[cache_t, 4](k_cache, v_cache, queries, item, partials)
     else:
-        _decode_item[cache_t, 8, PAIRED](k_cache, v_cache, queries, item, partials)
+        _decode_item[cache_t, 8](k_cache, v_cache, queries, item, partials)
 
 
 def _output_heads(item: WorkItem, n_q_heads: Int, group: Int) -> Tuple[Int, Int]:
