@@ -602,23 +602,20 @@ def _decode_item[cache_t: KVCacheT, GB: Int](
 # ===----------------------------------------------------------------------=== #
 
 
-comptime F32Rows = Array[F32Ptr, TILE]
-
-
 def _qk_block(
-    q_t: F32Ptr, q_stride: Int, keys: F32Rows, j0: Int, state: SoftmaxState, r0: Int, head_dim: Int
+    q_t: F32Ptr, q_stride: Int, keys: F32Ptr, key_stride: Int, j0: Int, state: SoftmaxState, r0: Int, head_dim: Int
 ):
-    """Scores of rows `r0 ..< r0 + QK_VECS*W` against tile tokens `j0 ..<
-    j0 + QK_TOKENS`: per head_dim element, one broadcast key element times one
-    vector of transposed queries `q_t [head_dim, rows]` (rows `q_stride`
-    floats apart) per FMA."""
+    """Scores of rows `r0 ..< r0 + QK_VECS*W` against staged tile tokens `j0
+    ..< j0 + QK_TOKENS` (`key_stride` floats apart): per head_dim element, one
+    broadcast key element times one vector of transposed queries `q_t
+    [head_dim, rows]` (rows `q_stride` floats apart) per FMA."""
     var acc = Array[Vec, QK_TOKENS * QK_VECS](fill=Vec(0))
     for i in range(head_dim):
         var q = Array[Vec, QK_VECS](fill=Vec(0))
         comptime for v in range(QK_VECS):
             q[v] = q_t.unsafe_load[width=W](i * q_stride + r0 + v * W)
         comptime for t in range(QK_TOKENS):
-            var k = Vec(keys[j0 + t][unsafe_offset=i])
+            var k = Vec(keys[unsafe_offset=(j0 + t) * key_stride + i])
             comptime for v in range(QK_VECS):
                 acc[t * QK_VECS + v] = k.fma(q[v], acc[t * QK_VECS + v])
     comptime for t in range(QK_TOKENS):
@@ -627,20 +624,19 @@ def _qk_block(
 
 
 def _pv_block[NV: Int](
-    state: SoftmaxState, r0: Int, values: F32Rows, col: Int, n: Int
+    state: SoftmaxState, r0: Int, values: F32Ptr, value_stride: Int, col: Int, n: Int
 ):
     """Adds probabilities `[rows r0 ..< r0 + PV_ROWS, tokens 0 ..< n]` times
-    value columns `col ..< col + NV*W` to those rows' outputs, held in
-    registers across the tile."""
+    value columns `col ..< col + NV*W` of the staged tile (rows `value_stride`
+    floats apart) to those rows' outputs, held in registers across the tile."""
     var out = Array[Vec, PV_ROWS * NV](fill=Vec(0))
     comptime for r in range(PV_ROWS):
         comptime for v in range(NV):
             out[r * NV + v] = state.acc_row(r0 + r).unsafe_load[width=W](col + v * W)
-    var value_rows = values.unsafe_ptr()  # unchecked: a bounds check per token spills registers
     for j in range(n):
         var vals = Array[Vec, NV](fill=Vec(0))
         comptime for v in range(NV):
-            vals[v] = value_rows[unsafe_offset=j].unsafe_load[width=W](col + v * W)
+            vals[v] = values.unsafe_load[width=W](j * value_stride + col + v * W)
         var probs = state.column(j).unsafe_offset(r0)
         comptime for r in range(PV_ROWS):
             var p = Vec(probs[unsafe_offset=r])
@@ -653,24 +649,19 @@ def _pv_block[NV: Int](
 
 def _stage_tile[dtype: DType](
     rows: RowPtrs[dtype], offset: Int, n: Int, head_dim: Int, staging: F32Ptr, stride: Int
-) -> F32Rows:
-    """Copies one head (`offset ..< offset + head_dim`) of the tile's rows
-    into `staging` (`TILE` rows `stride` floats apart) as float32 and returns
-    the copied rows.
+):
+    """Copies one head (`offset ..< offset + head_dim`) of the tile's first
+    `n` rows into `staging` (`TILE` rows `stride` floats apart) as float32.
     Copied even for float32 storage: cache rows of 8 heads x 128 floats lie
     4 KB apart, so a tile's segments would all fall into the same L1 sets and
-    evict each other between register blocks. Rows past `n` repeat the last
-    one, so blocks may run over the end of a partial tile."""
-    var out = F32Rows(fill=staging)
+    evict each other between register blocks. Rows past `n` keep an earlier
+    tile's values (or zeros): score blocks that run over the end of a partial
+    tile compute columns that the softmax never reads."""
     for j in range(n):
         var src = rows[j].unsafe_offset(offset)
         var dst = staging.unsafe_offset(j * stride)
         for i in range(0, head_dim, W):
             dst.unsafe_store(i, src.unsafe_load[width=W](i).cast[DType.float32]())
-        out[j] = dst
-    for j in range(n, TILE):
-        out[j] = out[n - 1]
-    return out^
 
 
 def _prefill_item[cache_t: KVCacheT](
@@ -719,11 +710,11 @@ def _prefill_item[cache_t: KVCacheT](
     while walk.advance():
         var pos = walk.pos
         var n = walk.n
-        var keys = _stage_tile(walk.k_rows, h * d, n, d, k_staging, tile_stride)
-        var values = _stage_tile(walk.v_rows, h * d, n, d, v_staging, tile_stride)
+        _stage_tile(walk.k_rows, h * d, n, d, k_staging, tile_stride)
+        _stage_tile(walk.v_rows, h * d, n, d, v_staging, tile_stride)
         for r0 in range(0, padded, QK_VECS * W):
             for j0 in range(0, n, QK_TOKENS):
-                _qk_block(q_t, q_stride, keys, j0, state, r0, d)
+                _qk_block(q_t, q_stride, k_staging, tile_stride, j0, state, r0, d)
         if pos < all_see_from or pos + n > first_position + 1:
             for j in range(n):
                 var p = SIMD[DType.int32, W](Int32(pos + j))
@@ -737,10 +728,10 @@ def _prefill_item[cache_t: KVCacheT](
                 walk.prefetch_next(j, h * d, d)
             var col = 0
             while col + PV_VECS * W <= d:
-                _pv_block[PV_VECS](state, r0, values, col, n)
+                _pv_block[PV_VECS](state, r0, v_staging, tile_stride, col, n)
                 col += PV_VECS * W
             while col < d:
-                _pv_block[1](state, r0, values, col, n)
+                _pv_block[1](state, r0, v_staging, tile_stride, col, n)
                 col += W
 
     for t in range(item.num_tokens):
