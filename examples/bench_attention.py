@@ -122,9 +122,9 @@ class SymbolicCache:
     head_dim: int | str = "head_dim"
 
 
-def build_mokv_graph(dtype: DType) -> Graph:
-    """mokv's attention over a one-layer paged cache, every size symbolic, so
-    one compile per dtype serves every case."""
+def build_mokv_graph(dtype: DType, package: Path) -> Graph:
+    """mokv's attention (from the kernel `package`) over a one-layer paged
+    cache, every size symbolic, so one compile per dtype serves every case."""
     cpu = DeviceRef.CPU()
     inputs = [
         *mokv_graph.paged_input_types(SymbolicCache(dtype)),
@@ -132,7 +132,7 @@ def build_mokv_graph(dtype: DType) -> Graph:
         TensorType(DType.uint32, ["batch_plus_one"], cpu),
         TensorType(DType.float32, [], cpu),
     ]
-    with Graph(f"bench_attention_{dtype.name}", input_types=inputs, custom_extensions=[kernel_package()]) as g:
+    with Graph(f"bench_attention_{dtype.name}", input_types=inputs, custom_extensions=[package]) as g:
         cache = mokv_graph.PagedCacheValues.from_inputs(g.inputs[:4])
         q, offsets, scale = (v.tensor for v in g.inputs[4:])
         g.output(mokv_graph.attention(cache, 0, q, offsets, scale))
@@ -154,7 +154,8 @@ def _buffer(values: np.ndarray, dtype: DType) -> Buffer:
     return Buffer.from_numpy(values)
 
 
-def _to_float(out: Buffer, dtype: DType) -> np.ndarray:
+def to_float(out: Buffer, dtype: DType) -> np.ndarray:
+    """A kernel's output as numpy floats (bfloat16 as exact float32 values)."""
     if dtype == DType.bfloat16:
         return bfloat16.from_bits(out.view(DType.uint16).to_numpy())
     return out.to_numpy()
@@ -244,16 +245,18 @@ class CopyProbe:
 
 
 class Kernels:
-    """Compiled graphs, built on first use: mokv's per dtype, MAX's per shape."""
+    """Compiled graphs, built on first use: mokv's per dtype (from the kernel
+    `package`, by default this checkout's), MAX's per shape."""
 
-    def __init__(self, session: InferenceSession) -> None:
+    def __init__(self, session: InferenceSession, package: Path | None = None) -> None:
         self.session = session
+        self.package = package or kernel_package()
         self.mokv: dict[DType, Model] = {}
         self.max: dict[MaxAttentionShape, MaxPagedAttention] = {}
 
     def mokv_model(self, dtype: DType) -> Model:
         if dtype not in self.mokv:
-            self.mokv[dtype] = self.session.load(build_mokv_graph(dtype))
+            self.mokv[dtype] = self.session.load(build_mokv_graph(dtype, self.package))
         return self.mokv[dtype]
 
     def max_kernel(self, shape: MaxAttentionShape) -> MaxPagedAttention:
@@ -283,7 +286,7 @@ def run_case(case: Case, kernels: Kernels, copy: CopyProbe, budget_s: float) -> 
         f32_args = data[DType.float32].mokv_args(scale)
         calls["mokv_float32"] = lambda: mokv_f32.execute(*f32_args)
 
-    diff = np.abs(_to_float(mokv.execute(*mokv_args)[0], case.dtype) - _to_float(max_kernel(max_args), case.dtype))
+    diff = np.abs(to_float(mokv.execute(*mokv_args)[0], case.dtype) - to_float(max_kernel(max_args), case.dtype))
     copy_rate = copy.gbps()
     times = time_alternately(calls, min_runs=5, budget_s=budget_s)
     row = {

@@ -15,6 +15,7 @@ import click
 
 from mokv_examples.bench_attention import attention as bench_attention
 from mokv_examples.bench_e2e import e2e as bench_e2e
+from mokv_examples.bench_kernels import kernels as bench_kernels
 from mokv_examples.bench_manager import manager as bench_manager
 from mokv_examples.chat import chat
 from mokv_examples.generate import generate
@@ -28,10 +29,11 @@ def main() -> None:
 
 @main.group()
 def bench() -> None:
-    """Benchmarks that compare mokv with MAX's own KV cache side by side."""
+    """Benchmarks that run mokv side by side with MAX's own KV cache and
+    kernels, or with mokv's kernels at another git revision."""
 
 
 for command in (generate, chat, inspect_cache):
     main.add_command(command)
-for command in (bench_manager, bench_attention, bench_e2e):
+for command in (bench_manager, bench_attention, bench_e2e, bench_kernels):
     bench.add_command(command)

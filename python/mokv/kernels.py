@@ -43,10 +43,12 @@ def _mojo_binary() -> str:
 
 
 @cache
-def kernel_package() -> Path:
-    """Path of the precompiled kernel package, building it if the sources changed."""
+def kernel_package(source_dir: Path = KERNEL_SOURCE_DIR) -> Path:
+    """Path of the precompiled kernel package built from `source_dir` (mokv's
+    own kernels unless a benchmark compares another revision's), building it
+    if those sources changed."""
     # The file name is the Mojo module name, so the digest names the folder.
-    out = cache_dir() / "mojo" / _source_digest(KERNEL_SOURCE_DIR) / "mokv_kernels.mojoc"
+    out = cache_dir() / "mojo" / _source_digest(source_dir) / "mokv_kernels.mojoc"
     if out.exists():
         return out
     # Build in a private folder and rename it into place, so concurrent test
@@ -57,7 +59,7 @@ def kernel_package() -> Path:
     # the C level, which sends the `mojo` launcher script to the wrong Python;
     # os.environ still holds the environment this process started with.
     result = subprocess.run(
-        [_mojo_binary(), "precompile", str(KERNEL_SOURCE_DIR), "-o", str(staging / out.name)],
+        [_mojo_binary(), "precompile", str(source_dir), "-o", str(staging / out.name)],
         capture_output=True,
         text=True,
         env=dict(os.environ),
@@ -65,7 +67,7 @@ def kernel_package() -> Path:
     )
     if result.returncode != 0:
         shutil.rmtree(staging, ignore_errors=True)
-        raise RuntimeError(f"mojo precompile of {KERNEL_SOURCE_DIR} failed:\n{result.stderr}")
+        raise RuntimeError(f"mojo precompile of {source_dir} failed:\n{result.stderr}")
     try:
         staging.rename(out.parent)
     except OSError:  # another process finished first
