@@ -88,7 +88,15 @@ def test_host_pages_from_swap_space() -> None:
         ),
         (
             {"enable_prefix_caching": True, "enable_kvcache_swapping_to_host": True},
-            "needs host_kvcache_swap_space_gb > 0, got None",
+            "needs a finite host_kvcache_swap_space_gb > 0, got None",
+        ),
+        (
+            {
+                "enable_prefix_caching": True,
+                "enable_kvcache_swapping_to_host": True,
+                "host_kvcache_swap_space_gb": float("nan"),
+            },
+            "needs a finite host_kvcache_swap_space_gb > 0, got nan",
         ),
         (
             {"enable_kvcache_swapping_to_host": True, "host_kvcache_swap_space_gb": 1.0},

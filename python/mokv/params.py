@@ -1,20 +1,29 @@
 """KV cache parameters: the one description of a cache's shape and policy.
 
 Everything downstream (buffers, block pools, managers, graph input types) reads
-its sizes from a `KVCacheParams`, so validation happens here, once, with errors
-that name the offending value.
+its sizes from a `KVCacheParams` (one cache) or a `MultiKVCacheParams` (several
+caches sharing one page table, such as a target and a draft model), so
+validation happens here, once, with errors that name the offending value.
+MAX's own parameter objects are converted by `from_max`, which refuses what
+mokv does not support.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any, TypeAlias
 
 from max.dtype import DType
 from max.graph import DeviceRef
 
 _GIB = 1 << 30
+
+SINGLE_CACHE = "cache"
+"""The leaf name of a lone `KVCacheParams` in `leaves()`."""
 
 
 class KVCacheStrategy(str, Enum):
@@ -80,18 +89,7 @@ class KVCacheParams:
             )
         if self.enable_prefix_caching and strategy is not KVCacheStrategy.PAGED:
             raise ValueError(f"prefix caching needs the paged strategy, got {strategy.value}")
-        if self.enable_kvcache_swapping_to_host:
-            gb = self.host_kvcache_swap_space_gb
-            if gb is None or gb <= 0:
-                raise ValueError(
-                    "enable_kvcache_swapping_to_host needs host_kvcache_swap_space_gb > 0, "
-                    f"got {gb!r}"
-                )
-            if not self.enable_prefix_caching:
-                raise ValueError(
-                    "enable_kvcache_swapping_to_host only keeps prefix-cached blocks, "
-                    "so it needs enable_prefix_caching=True"
-                )
+        _check_swap_space(self)
 
     @property
     def tensor_parallel_degree(self) -> int:
@@ -129,8 +127,8 @@ class KVCacheParams:
         """Shape of a per-device block tensor holding `num_pages` pages.
 
         `[num_pages, 2, num_layers, page_size, n_kv_heads_per_device, head_dim]`;
-        index 0 of dim 1 holds keys, 1 holds values. The paged manager passes
-        `total_num_pages + 1` to make room for the null page.
+        index 0 of dim 1 holds keys, 1 holds values. A paged manager's tensor
+        has `num_physical_pages = total_num_pages + 1` pages (the null page).
         """
         return [
             num_pages,
@@ -147,8 +145,233 @@ class KVCacheParams:
 
         A host page holds one page of every TP shard of a replica.
         """
-        if not self.enable_kvcache_swapping_to_host:
-            return 0
-        assert self.host_kvcache_swap_space_gb is not None
-        host_page_bytes = self.bytes_per_page * self.tensor_parallel_degree
-        return int(self.host_kvcache_swap_space_gb * _GIB) // host_page_bytes
+        return _num_host_pages(self)
+
+    def leaves(self) -> dict[str, KVCacheParams]:
+        """The caches a manager allocates for these params: this one, named `SINGLE_CACHE`."""
+        return {SINGLE_CACHE: self}
+
+
+def _check_swap_space(params: KVCacheParams | MultiKVCacheParams) -> None:
+    if not params.enable_kvcache_swapping_to_host:
+        return
+    gb = params.host_kvcache_swap_space_gb
+    if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not math.isfinite(gb) or gb <= 0:
+        raise ValueError(
+            f"enable_kvcache_swapping_to_host needs a finite host_kvcache_swap_space_gb > 0, got {gb!r}"
+        )
+    if not params.enable_prefix_caching:
+        raise ValueError(
+            "enable_kvcache_swapping_to_host only keeps prefix-cached blocks, "
+            "so it needs enable_prefix_caching=True"
+        )
+
+
+def _num_host_pages(params: KVCacheParams | MultiKVCacheParams) -> int:
+    if not params.enable_kvcache_swapping_to_host:
+        return 0
+    assert params.host_kvcache_swap_space_gb is not None
+    host_page_bytes = params.bytes_per_page * params.tensor_parallel_degree
+    return int(params.host_kvcache_swap_space_gb * _GIB) // host_page_bytes
+
+
+@dataclass(frozen=True)
+class MultiKVCacheParams:
+    """Several paged caches behind one page table (for example a target model
+    and its draft model, or layer groups with different head counts).
+
+    One manager serves them all: a request is claimed once, a block id names
+    the same page in every cache's block tensor, and a prefix hit is a hit in
+    all of them. So the children must agree on everything that shapes the page
+    table: page size, devices and replicas, prefix caching and the host tier.
+    Children may themselves be `MultiKVCacheParams` (leaf names are then
+    dotted: `target.sliding`).
+    """
+
+    children: Mapping[str, KVCacheParams | MultiKVCacheParams]
+
+    def __post_init__(self) -> None:
+        children = dict(self.children)
+        object.__setattr__(self, "children", children)
+        if not children:
+            raise ValueError("MultiKVCacheParams needs at least one child cache")
+        for name, child in children.items():
+            if not isinstance(name, str) or not name or "." in name:
+                raise ValueError(f"child names must be non-empty strings without dots, got {name!r}")
+            if not isinstance(child, (KVCacheParams, MultiKVCacheParams)):
+                raise TypeError(
+                    f"child {name!r} must be a KVCacheParams or MultiKVCacheParams, got {type(child).__name__}"
+                )
+        first_name, first = next(iter(children.items()))
+        for field_name in _SHARED_FIELDS:
+            for name, child in children.items():
+                if getattr(child, field_name) != getattr(first, field_name):
+                    raise ValueError(
+                        f"child caches must share {field_name}: {first_name!r} has "
+                        f"{getattr(first, field_name)!r}, {name!r} has {getattr(child, field_name)!r}"
+                    )
+        if first.cache_strategy is not KVCacheStrategy.PAGED:
+            raise ValueError(f"MultiKVCacheParams needs paged caches, got {first.cache_strategy.value}")
+        _check_swap_space(self)
+
+    def _shared(self, name: str) -> Any:
+        return getattr(next(iter(self.children.values())), name)
+
+    @property
+    def page_size(self) -> int:
+        return self._shared("page_size")
+
+    @property
+    def cache_strategy(self) -> KVCacheStrategy:
+        return self._shared("cache_strategy")
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self._shared("enable_prefix_caching")
+
+    @property
+    def data_parallel_degree(self) -> int:
+        return self._shared("data_parallel_degree")
+
+    @property
+    def devices(self) -> tuple[DeviceRef, ...]:
+        return self._shared("devices")
+
+    @property
+    def enable_kvcache_swapping_to_host(self) -> bool:
+        return self._shared("enable_kvcache_swapping_to_host")
+
+    @property
+    def host_kvcache_swap_space_gb(self) -> float | None:
+        return self._shared("host_kvcache_swap_space_gb")
+
+    @property
+    def tensor_parallel_degree(self) -> int:
+        return self._shared("tensor_parallel_degree")
+
+    @property
+    def devices_per_replica(self) -> list[tuple[DeviceRef, ...]]:
+        return self._shared("devices_per_replica")
+
+    def leaves(self) -> dict[str, KVCacheParams]:
+        """Every leaf cache, in declaration order, by dotted name."""
+        out: dict[str, KVCacheParams] = {}
+        for name, child in self.children.items():
+            if isinstance(child, KVCacheParams):
+                out[name] = child
+            else:
+                out.update({f"{name}.{leaf}": p for leaf, p in child.leaves().items()})
+        return out
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes one block takes on one device, over every leaf cache."""
+        return sum(p.bytes_per_page for p in self.leaves().values())
+
+    @property
+    def num_host_pages(self) -> int:
+        """Host pages (one block of every leaf and TP shard) in the swap space."""
+        return _num_host_pages(self)
+
+
+_SHARED_FIELDS = (
+    "page_size",
+    "cache_strategy",
+    "enable_prefix_caching",
+    "data_parallel_degree",
+    "devices",
+    "enable_kvcache_swapping_to_host",
+    "host_kvcache_swap_space_gb",
+)
+"""What children of a `MultiKVCacheParams` must agree on: it shapes the one page table."""
+
+AnyKVCacheParams: TypeAlias = KVCacheParams | MultiKVCacheParams
+"""What the paged manager accepts (after `from_max` for MAX's own params)."""
+
+
+# ----------------------------------------------------------- MAX's own params
+
+_FROM_MAX = ("dtype", "head_dim", "num_layers", "devices", "page_size", "data_parallel_degree", "n_kv_heads")
+"""Fields of MAX's `MHAKVCacheParams` that become mokv fields of the same name."""
+
+_UNSUPPORTED_BECAUSE = {
+    "per_layer_buffers": "mokv keeps all layers in one block tensor per device",
+    "kv_hash_algo": "mokv hashes blocks with its own verified chained hash",
+    "kv_hash_seed": "mokv hashes blocks with its own verified chained hash",
+    "kv_connector_config": "mokv's host tier is configured by total_num_host_pages",
+    "slots_per_page": "mokv stores one slot per token",
+    "kvcache_quant_config": "mokv stores keys and values unquantized",
+    "speculative_method": "mokv reserves no speculative-decoding slack",
+    "num_draft_tokens": "mokv reserves no speculative-decoding slack",
+    "window_size": "mokv caches keep every token; pass the window to mokv.graph.attention",
+    "allow_kv_head_replication": "mokv splits KV heads evenly across TP devices",
+}
+"""Why each MAX field that mokv cannot honour is refused when set away from its default."""
+
+_HARMLESS = frozenset({"enable_dp_cross_replica_prefix_copy"})
+"""MAX fields that only permit something mokv never does, so any value is honoured."""
+
+
+def _max_field_is_default(params: Any, f: dataclasses.Field) -> bool:
+    value = getattr(params, f.name)
+    if f.name == "slots_per_page":  # MAX resolves None to page_size at construction
+        return value in (None, params.page_size)
+    if f.name == "kv_connector_config":
+        return str(getattr(value.type, "value", value.type)) == "null"
+    if f.name == "allow_kv_head_replication":  # only matters when heads do not divide evenly
+        return not value or params.n_kv_heads % params.tensor_parallel_degree == 0
+    if f.default is not dataclasses.MISSING:
+        return value == f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return value == f.default_factory()
+    return False
+
+
+def from_max(params: Any) -> AnyKVCacheParams:
+    """Converts MAX's own cache parameters to mokv's.
+
+    Accepts `max.nn.kv_cache.MHAKVCacheParams` (a leaf) and
+    `max.nn.kv_cache.MultiKVCacheParams` (a tree of them). Every field MAX sets
+    is either carried over (`dtype`, `head_dim`, `num_layers`, `n_kv_heads`,
+    `page_size`, `devices`, `data_parallel_degree`, `enable_prefix_caching`),
+    known to be harmless, or must hold its default.
+
+    Raises:
+        ValueError: A field mokv does not support is set; the message names it.
+        TypeError: `params` is no MAX parameter type mokv knows (MLA caches,
+            recurrent state).
+    """
+    from max.nn import kv_cache as max_kv
+
+    if isinstance(params, max_kv.MultiKVCacheParams):
+        return MultiKVCacheParams({name: from_max(child) for name, child in params.children.items()})
+    if not isinstance(params, max_kv.MHAKVCacheParams) or isinstance(params, max_kv.MLAKVCacheParams):
+        raise TypeError(
+            f"mokv converts MAX's MHAKVCacheParams and MultiKVCacheParams, got {type(params).__name__}"
+        )
+    for f in dataclasses.fields(params):
+        if f.name in _FROM_MAX or f.name == "enable_prefix_caching" or f.name in _HARMLESS:
+            continue
+        if not _max_field_is_default(params, f):
+            reason = _UNSUPPORTED_BECAUSE.get(f.name, "mokv does not implement it")
+            raise ValueError(f"MAX's {f.name}={getattr(params, f.name)!r} is not supported: {reason}")
+    return KVCacheParams(
+        **{name: getattr(params, name) for name in _FROM_MAX},
+        enable_prefix_caching=params.enable_prefix_caching,
+    )
+
+
+def resolve_params(params: object) -> AnyKVCacheParams:
+    """mokv params as they are; MAX's own params through `from_max`.
+
+    Raises:
+        TypeError: `params` is neither (the message names its type).
+    """
+    if isinstance(params, (KVCacheParams, MultiKVCacheParams)):
+        return params
+    if type(params).__module__.startswith("max."):
+        return from_max(params)
+    raise TypeError(
+        f"params must be a mokv KVCacheParams / MultiKVCacheParams or MAX's MHAKVCacheParams / "
+        f"MultiKVCacheParams, got {type(params).__module__}.{type(params).__qualname__}"
+    )
