@@ -1,23 +1,66 @@
 """A request's tokens and how many of them already have KV in the cache.
 
-`TextContext` is the small subset of MAX's `TextContext` that a KV cache
-manager and a simple generation loop need:
+Two things live here:
+
+* `CacheContext`, the protocol that says exactly what a KV cache manager reads
+  and writes of a request's context, and `cache_context()`, which adapts any
+  supported context type to it: mokv's own `TextContext` as it is, MAX's
+  `max.pipelines.context.TextContext` (token state on `ctx.tokens`, a
+  `TokenBuffer`) through `MaxTextContextAdapter`.
+* `TextContext`, mokv's small context for generation loops and tests:
 
     tokens:   [ processed (KV cached) | active (run this step) ]
               0          processed_length                current_length
 
-Tokens live in one growable int64 array so appending a generated token is O(1)
-amortised and `tokens` is a view, never a copy.
+  Tokens live in one growable int64 array so appending a generated token is
+  O(1) amortised and `tokens` is a view, never a copy.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 
+@runtime_checkable
+class CacheContext(Protocol):
+    """What a KV cache manager reads and writes of a request's context.
+
+    Reads: `request_id`; `tokens` (every token known so far: prompt, then
+    generated); `processed_length` (tokens whose KV is in the cache);
+    `active_length` (tokens the next step runs and writes KV for);
+    `current_length` (`processed_length + active_length`, the end of the
+    step's window). Writes, on a prefix-cache hit only: `skip_processing(n)`
+    moves the window's start past `n` cached tokens, and on a request's first
+    admission `cached_prefix_length` records how many prompt tokens the cache
+    served (0 on a miss), as MAX's own manager does.
+    """
+
+    @property
+    def request_id(self) -> Hashable: ...
+
+    @property
+    def tokens(self) -> npt.NDArray[np.int64]: ...
+
+    @property
+    def processed_length(self) -> int: ...
+
+    @property
+    def active_length(self) -> int: ...
+
+    @property
+    def current_length(self) -> int: ...
+
+    cached_prefix_length: int | None
+
+    def skip_processing(self, n: int) -> None: ...
+
+
 class TextContext:
-    """Token bookkeeping for one request.
+    """Token bookkeeping for one request (implements `CacheContext` itself).
 
     Args:
         request_id: Unique id the cache manager files the request under.
@@ -25,11 +68,11 @@ class TextContext:
         max_length: Most tokens the request may ever hold, or None for no limit.
     """
 
-    __slots__ = ("_buf", "_length", "_processed", "max_length", "request_id")
+    __slots__ = ("_buf", "_length", "_processed", "cached_prefix_length", "max_length", "request_id")
 
     def __init__(
         self,
-        request_id: str,
+        request_id: Hashable,
         tokens: npt.ArrayLike,
         max_length: int | None = None,
     ) -> None:
@@ -42,6 +85,8 @@ class TextContext:
             raise ValueError(f"prompt of {prompt.size} tokens exceeds max_length={max_length}")
         self.request_id = request_id
         self.max_length = max_length
+        self.cached_prefix_length: int | None = None
+        """Prompt tokens served from the prefix cache at first admission (set by the manager)."""
         self._buf = np.empty(max(16, 2 * prompt.size), dtype=np.int64)
         self._buf[: prompt.size] = prompt
         self._length = prompt.size
@@ -111,3 +156,89 @@ class TextContext:
                 f"{self.active_length} are active and at least 1 must stay active"
             )
         self._processed += n
+
+
+class MaxTextContextAdapter:
+    """MAX's own `TextContext` seen as a `CacheContext`.
+
+    MAX keeps token state on `ctx.tokens` (a `TokenBuffer`); its window may be
+    chunked, so `current_length` is the window's end (`processed + active`),
+    which can be shorter than `len(ctx.tokens)`.
+    """
+
+    __slots__ = ("context",)
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    @property
+    def request_id(self) -> Hashable:
+        return self.context.request_id
+
+    @property
+    def tokens(self) -> npt.NDArray[np.int64]:
+        return self.context.tokens.all
+
+    @property
+    def processed_length(self) -> int:
+        return self.context.tokens.processed_length
+
+    @property
+    def active_length(self) -> int:
+        return self.context.tokens.active_length
+
+    @property
+    def current_length(self) -> int:
+        return self.context.tokens.current_position
+
+    @property
+    def cached_prefix_length(self) -> int | None:
+        return self.context.cached_prefix_length
+
+    @cached_prefix_length.setter
+    def cached_prefix_length(self, value: int | None) -> None:
+        # MAX sets both on first admission; mokv has no external connector hits yet.
+        self.context.cached_prefix_length = value
+        self.context.cached_prefix_external_length = 0
+
+    def skip_processing(self, n: int) -> None:
+        self.context.tokens.skip_processing(n)
+
+
+def _as_is(context: Any) -> CacheContext:
+    return context
+
+
+_ADAPTERS: dict[type, Callable[[Any], CacheContext]] = {TextContext: _as_is, MaxTextContextAdapter: _as_is}
+"""How each context type becomes a `CacheContext`; adapting twice is harmless."""
+
+
+def _max_context_type() -> type | None:
+    """MAX's `TextContext` class, if `max.pipelines` (the `max[serve]` extra) is installed."""
+    try:
+        from max.pipelines.context import TextContext as MaxTextContext
+    except ImportError:
+        return None
+    return MaxTextContext
+
+
+def cache_context(context: object) -> CacheContext:
+    """`context` as a `CacheContext`: mokv's `TextContext` as it is, MAX's
+    `TextContext` (or a subclass) through `MaxTextContextAdapter`.
+
+    Raises:
+        TypeError: `context` is of no supported type.
+    """
+    adapt = _ADAPTERS.get(type(context))
+    if adapt is None:
+        max_type = _max_context_type()
+        if max_type is not None and isinstance(context, max_type):
+            adapt = _ADAPTERS[type(context)] = MaxTextContextAdapter
+        elif isinstance(context, TextContext):
+            adapt = _ADAPTERS[type(context)] = _as_is
+        else:
+            raise TypeError(
+                f"expected a mokv.TextContext or MAX's max.pipelines.context.TextContext, "
+                f"got {type(context).__module__}.{type(context).__qualname__}"
+            )
+    return adapt(context)
