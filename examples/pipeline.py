@@ -14,7 +14,7 @@ from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession, Model
 
-from mokv import KVCacheParams, PagedCacheInputs, PagedKVCacheManager
+from mokv import KVCacheInputs, KVCacheParams, PagedKVCacheManager
 from mokv_examples.scheduler import Request, Sampler, Scheduler, StepStats
 from mokv_graphs.gguf_model import LlamaCheckpoint, load_llama
 from mokv_graphs.llama import load_llama_model
@@ -94,7 +94,7 @@ class SmolLM2:
         tokens: npt.NDArray[np.int64],
         row_offsets: npt.NDArray[np.uint32],
         positions: npt.NDArray[np.int64],
-        cache: PagedCacheInputs,
+        cache: KVCacheInputs,
     ) -> npt.NDArray[np.float32]:
         """One ragged step: stores the tokens' K/V and returns last-token logits."""
         (logits,) = self.model.execute(

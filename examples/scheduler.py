@@ -20,13 +20,13 @@ import numpy.typing as npt
 
 from mokv import (
     InsufficientBlocksError,
-    PagedCacheInputs,
+    KVCacheInputs,
     PagedKVCacheManager,
     TextContext,
 )
 
 ModelStep = Callable[
-    [npt.NDArray[np.int64], npt.NDArray[np.uint32], npt.NDArray[np.int64], PagedCacheInputs],
+    [npt.NDArray[np.int64], npt.NDArray[np.uint32], npt.NDArray[np.int64], KVCacheInputs],
     npt.NDArray[np.float32],
 ]
 """(tokens, input_row_offsets, positions, cache inputs) -> last-token logits `[batch, vocab]`."""
@@ -194,7 +194,7 @@ class Scheduler:
         batch, chunks = self._plan_batch()
         contexts = [r.context for r in batch]
         assert all(c is not None for c in contexts)
-        (cache_inputs,) = self.manager.runtime_inputs([contexts])
+        cache_inputs = self.manager.runtime_inputs_for_leaf([contexts])
         processed = np.array([c.processed_length for c in contexts], np.int64)
         row_offsets = np.concatenate([[0], np.cumsum(chunks)]).astype(np.uint32)
         tokens = np.concatenate([c.next_tokens[:n] for c, n in zip(contexts, chunks)])

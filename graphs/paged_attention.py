@@ -12,7 +12,7 @@ from pathlib import Path
 from max.graph import BufferType, TensorType, TensorValue, Value
 
 from mokv.graph import PagedCacheValues, attention, paged_input_types, store_kv
-from mokv.graph.cache_values import CacheShape
+from mokv.contract import CacheShape
 from mokv.kernels import kernel_package
 
 

@@ -29,7 +29,7 @@ class SymbolicShape:
 
     dtype: DType
     num_layers: int = NUM_LAYERS
-    n_kv_heads: int | str = "n_kv_heads"
+    n_kv_heads_per_device: int | str = "n_kv_heads"
     head_dim: int | str = "head_dim"
 
 

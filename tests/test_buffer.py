@@ -22,7 +22,7 @@ def test_pages_are_raw_bytes_of_each_page() -> None:
     assert buf.all_buffers == [*values, *scales] and buf.total_num_pages == 3
     units = buf.to_memory()
     assert [type(u) for u in units] == [KVCacheMemory] * 4
-    assert [(u.num_pages, u.bytes_per_page) for u in units] == [(3, 2 * 4 * 2 * 8 * 4)] * 2 + [
+    assert [(u.num_physical_pages, u.bytes_per_page) for u in units] == [(3, 2 * 4 * 2 * 8 * 4)] * 2 + [
         (3, 16)
     ] * 2
     # The views alias the tensors: a page's bytes are that page's elements.
@@ -51,8 +51,11 @@ def test_allocate_follows_params() -> None:
         devices=[DeviceRef.CPU(), DeviceRef.CPU()],
     )
     buf = KVCacheBuffer.allocate(params, 5, params.devices)
-    assert len(buf.values) == 2 and list(buf.values[0].shape) == [5, 2, 2, 16, 2, 8]
+    assert len(buf.values) == 2 and list(buf.values[0].shape) == [6, 2, 2, 16, 2, 8]
+    assert (buf.total_num_pages, buf.num_physical_pages, buf.num_null_pages) == (5, 6, 1)
     assert not buf.values[1].to_numpy().any() and not buf.replicates_kv_across_tp
+    bare = KVCacheBuffer.allocate(params, 5, params.devices, null_page=False)
+    assert bare.total_num_pages == bare.num_physical_pages == 5
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,12 @@
 
 `KVCacheBuffer` holds one block tensor per tensor-parallel shard (plus optional
 quantization scales). `to_memory()` re-views every tensor as raw pages,
-`[num_pages, bytes_per_page]` uint8, so code that moves pages between tiers
-(the host tier, a transfer engine) never needs to know dtypes or layouts.
+`[num_physical_pages, bytes_per_page]` uint8, so code that moves pages between
+tiers (the host tier, a transfer engine) never needs to know dtypes or layouts.
+
+Page counts follow the contract (`mokv.contract`): `total_num_pages` counts
+the pages requests can hold; `num_physical_pages` counts every page of the
+tensor, the paged cache's trailing null page included.
 """
 
 from __future__ import annotations
@@ -21,13 +25,13 @@ from .params import KVCacheParams
 def _check_page_view(buffer: Buffer, what: str) -> None:
     if buffer.dtype != DType.uint8 or buffer.rank != 2:
         raise ValueError(
-            f"{what} must be a 2-D uint8 [num_pages, bytes_per_page] buffer, "
+            f"{what} must be a 2-D uint8 [num_physical_pages, bytes_per_page] buffer, "
             f"got {buffer.dtype} with shape {tuple(buffer.shape)}"
         )
 
 
 def _as_pages(buffer: Buffer) -> Buffer:
-    """Views `buffer` as `[num_pages, bytes_per_page]` uint8 (dim 0 = pages)."""
+    """Views `buffer` as `[num_physical_pages, bytes_per_page]` uint8 (dim 0 = pages)."""
     num_pages = buffer.shape[0]
     page_bytes = buffer.num_elements * buffer.dtype.size_in_bytes // num_pages
     return buffer.view(DType.uint8, [num_pages, page_bytes])
@@ -35,7 +39,7 @@ def _as_pages(buffer: Buffer) -> Buffer:
 
 @dataclass(frozen=True)
 class KVCacheMemory:
-    """One tensor's pages as raw bytes: `[num_pages, bytes_per_page]` uint8."""
+    """One tensor's pages as raw bytes: `[num_physical_pages, bytes_per_page]` uint8."""
 
     buffer: Buffer
 
@@ -43,8 +47,8 @@ class KVCacheMemory:
         _check_page_view(self.buffer, "KVCacheMemory.buffer")
 
     @property
-    def num_pages(self) -> int:
-        """Pages in the tensor (null page included)."""
+    def num_physical_pages(self) -> int:
+        """Pages in the tensor, a null page included."""
         return self.buffer.shape[0]
 
     @property
@@ -103,15 +107,23 @@ class KVCacheBuffer:
             (MLA-style), False when shards split the KV heads.
         values: One block tensor per TP shard; dim 0 indexes pages.
         scales: Optional per-shard quantization scales, paged like `values`.
+        num_null_pages: Trailing pages no request holds (the paged cache's
+            null page): `total_num_pages` leaves them out.
     """
 
     replicates_kv_across_tp: bool
     values: list[Buffer]
     scales: list[Buffer] | None = None
+    num_null_pages: int = 0
 
     def __post_init__(self) -> None:
         if not self.values:
             raise ValueError("values must hold at least one buffer")
+        if not 0 <= self.num_null_pages < self.values[0].shape[0]:
+            raise ValueError(
+                f"num_null_pages={self.num_null_pages} must leave at least one of the "
+                f"{self.values[0].shape[0]} pages to requests"
+            )
         if self.replicates_kv_across_tp and len(self.values) < 2:
             raise ValueError(
                 f"replicates_kv_across_tp=True needs at least 2 TP shards, got {len(self.values)}"
@@ -135,14 +147,19 @@ class KVCacheBuffer:
 
     @classmethod
     def allocate(
-        cls, params: KVCacheParams, num_pages: int, devices: Sequence[DeviceRef]
+        cls,
+        params: KVCacheParams,
+        total_num_pages: int,
+        devices: Sequence[DeviceRef],
+        *,
+        null_page: bool = True,
     ) -> KVCacheBuffer:
-        """Zero-filled block tensors of `num_pages` pages, one per device in `devices`."""
-        values = [
-            Buffer.zeros(params.block_shape(num_pages), params.dtype, device=ref.to_device())
-            for ref in devices
-        ]
-        return cls(replicates_kv_across_tp=False, values=values)
+        """Zero-filled block tensors, one per device in `devices`, with
+        `total_num_pages` pages for requests plus the null page (if asked)."""
+        num_null_pages = int(null_page)
+        shape = params.block_shape(total_num_pages + num_null_pages)
+        values = [Buffer.zeros(shape, params.dtype, device=ref.to_device()) for ref in devices]
+        return cls(replicates_kv_across_tp=False, values=values, num_null_pages=num_null_pages)
 
     @property
     def all_buffers(self) -> list[Buffer]:
@@ -150,9 +167,14 @@ class KVCacheBuffer:
         return [*self.values, *(self.scales or [])]
 
     @property
-    def total_num_pages(self) -> int:
-        """Pages in each buffer (values and scales agree; null page included)."""
+    def num_physical_pages(self) -> int:
+        """Pages in each buffer (values and scales agree), null pages included."""
         return self.values[0].shape[0]
+
+    @property
+    def total_num_pages(self) -> int:
+        """Pages requests can hold: `num_physical_pages` less the null pages."""
+        return self.num_physical_pages - self.num_null_pages
 
     def to_memory(self) -> list[KVCacheMemory]:
         """Offload-ready units: per kind (values, scales) and per TP group.

@@ -12,7 +12,7 @@ from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType
 
-from mokv import KVCacheParams
+from mokv import KVCacheParams, TextContext
 from mokv.continuous import ContinuousBatchingKVCacheManager
 from mokv.graph import FetchContinuousBatchingKVCacheCollection, attention, gather_kv, store_kv
 from mokv_reference import cache as ref
@@ -87,12 +87,15 @@ def test_multistep_store_and_attention_match_numpy_and_paged(collection_model, a
     rng = np.random.default_rng(0)
     paged_model = attention_graph("paged", DType.float32)
     manager = ContinuousBatchingKVCacheManager(PARAMS, 4, MAX_SEQ_LEN, 2, [CPU()], session)
-    seqs = manager.claim(3)
+    new_counts = np.array([5, 0, 3])  # a zero-new-token row in the prefill step
+    contexts = [TextContext(f"r{i}", np.zeros(max(n, 1), np.int64)) for i, n in enumerate(new_counts)]
+    seqs = [manager.claim(c.request_id) for c in contexts]
     order = [seqs[2], seqs[0], seqs[1]]
+    contexts = [contexts[2], contexts[0], contexts[1]]
+    new_counts = new_counts[[2, 0, 1]]
     slots = np.array(order, np.uint32)
     expected = manager.blocks[0].to_numpy().copy()
     lengths = {s: 0 for s in seqs}
-    new_counts = np.array([5, 0, 3])  # a zero-new-token row in the prefill step
     inputs = manager.fetch(order)
     assert inputs[0][3].item() is True
     for _ in range(4):
@@ -120,7 +123,11 @@ def test_multistep_store_and_attention_match_numpy_and_paged(collection_model, a
         paged, lookup = _paged_copy(expected, order, [lengths[s] for s in order], rng)
         paged_out = _paged_attention(paged_model, paged, cache_lengths, lookup, q, offsets)
         np.testing.assert_allclose(got_attention.to_numpy(), paged_out, atol=1e-6, rtol=1e-6)
-        manager.step(dict(zip(order, new_counts.tolist())))
+        for c, n in zip(contexts, new_counts):
+            if n:
+                c.update(0)
+        manager.step([contexts])
+        assert [manager.cache_length(c.request_id) for c in contexts] == [lengths[s] for s in order]
         # Decode: one new token per sequence; lengths advance on the graph side.
         inputs = manager.increment_cache_lengths(inputs, (None, Buffer.from_numpy(offsets)))
         assert inputs[0][3].item() is False
@@ -130,9 +137,10 @@ def test_multistep_store_and_attention_match_numpy_and_paged(collection_model, a
 def test_reused_slot_starts_empty(collection_model, session):
     rng = np.random.default_rng(1)
     manager = ContinuousBatchingKVCacheManager(PARAMS, 2, MAX_SEQ_LEN, 2, [CPU()], session)
-    old, other = manager.claim(2)
+    old, other = manager.claim("old"), manager.claim("other")
 
-    def prefill(seq: int, n: int) -> np.ndarray:
+    def prefill(request_id: str, n: int) -> np.ndarray:
+        seq = manager.slot_of(request_id)
         keys = rng.standard_normal((n, 3, 8)).astype(np.float32)
         offsets = np.array([0, n], np.uint32)
         rows, positions = np.zeros(n, np.uint32), np.arange(n, dtype=np.uint32)
@@ -142,15 +150,17 @@ def test_reused_slot_starts_empty(collection_model, session):
             Buffer.from_numpy(offsets), Buffer.from_numpy(rows), Buffer.from_numpy(positions),
             Buffer.from_numpy(queries),
         )
-        manager.step({seq: n})
+        ctx = TextContext(request_id, np.zeros(n, np.int64))
+        ctx.update(0)
+        manager.step([[ctx]])
         return got_k.to_numpy()
 
-    prefill(old, 9)
-    manager.release(old)
-    (new,) = manager.claim(1)
-    assert new == old and manager.cache_length(new) == 0
+    prefill("old", 9)
+    manager.release("old")
+    new = manager.claim("new")
+    assert new == old and manager.cache_length("new") == 0
     (_, lengths, _, empty), = manager.fetch([new, other])
     assert lengths.to_numpy().tolist() == [0, 0] and empty.item() is True
-    fresh = prefill(new, 4)
+    fresh = prefill("new", 4)
     # The new sequence's first tokens land at positions 0..3 of the reused slot.
     np.testing.assert_array_equal(manager.blocks[0].to_numpy()[new, 0, LAYER, :4], fresh)

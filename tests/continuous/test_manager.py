@@ -8,7 +8,7 @@ import pytest
 from max.driver import CPU, Buffer
 from max.dtype import DType
 
-from mokv import KVCacheParams
+from mokv import KVCacheParams, TextContext
 from mokv.continuous import ContinuousBatchingKVCacheManager
 
 PARAMS = KVCacheParams(dtype=DType.float32, n_kv_heads=3, head_dim=8, num_layers=2)
@@ -35,70 +35,111 @@ def test_estimated_memory_size_equals_allocation(dtype, session):
 
 
 def test_claim_release_reuses_lowest_slot(manager):
-    assert manager.claim(2) == [0, 1]
-    assert manager.claim(1) == [2]
-    manager.release(1)
-    assert manager.claim(2) == [1, 3]
-    assert manager.num_free_slots == 0
+    assert [manager.claim(r) for r in "ab"] == [0, 1]
+    assert manager.claim("c") == 2
+    manager.release("b")
+    assert [manager.claim(r) for r in "de"] == [1, 3]
+    assert manager.num_free_slots == 0 and manager.slot_of("e") == 3
 
 
 def test_claiming_more_than_free_raises(manager):
-    manager.claim(3)
-    with pytest.raises(ValueError, match="cannot claim 2 sequences: only 1 of 4 slots are free"):
-        manager.claim(2)
-    assert manager.num_free_slots == 1
+    for r in "abc":
+        manager.claim(r)
+    with pytest.raises(ValueError, match="request 'a' is already claimed \\(slot 0\\)"):
+        manager.claim("a")
+    manager.claim("d")
+    with pytest.raises(ValueError, match="cannot claim 'e': all 4 slots are taken"):
+        manager.claim("e")
+    assert manager.num_free_slots == 0
 
 
 def test_release_and_fetch_of_unknown_ids_raise(manager):
-    manager.claim(1)
-    with pytest.raises(ValueError, match="sequence id 3 is not claimed"):
-        manager.release(3)
+    manager.claim("a")
+    with pytest.raises(ValueError, match="request 'x' is not claimed"):
+        manager.release("x")
     with pytest.raises(ValueError, match="sequence id 2 is not claimed"):
         manager.fetch([0, 2])
     with pytest.raises(ValueError, match="sequence id 9 is not claimed"):
         manager.fetch([9])
+    with pytest.raises(ValueError, match="replica_idx=1 is out of range"):
+        manager.claim("b", 1)
+
+
+def _claim(manager, request_id, tokens):
+    ctx = TextContext(request_id, np.asarray(tokens, np.int64))
+    manager.claim(request_id)
+    manager.alloc(ctx)
+    return ctx
 
 
 def test_fetch_reports_lengths_slots_and_emptiness(manager):
-    a, b = manager.claim(2)
-    (blocks, lengths, lookup, empty), = manager.fetch([b, a])
+    a, b = _claim(manager, "a", range(5)), _claim(manager, "b", [7])
+    sa, sb = manager.slot_of("a"), manager.slot_of("b")
+    ((blocks, lengths, lookup, empty),) = manager.fetch([sb, sa])
     assert blocks is manager.blocks[0]
     assert lengths.to_numpy().tolist() == [0, 0]
-    assert lookup.to_numpy().tolist() == [b, a]
+    assert lookup.to_numpy().tolist() == [sb, sa]
     assert empty.item() is True
-    manager.step({a: 5})
-    (_, lengths, _, empty), = manager.fetch([b, a])
+    a.update(9)
+    manager.step([[a]])
+    ((_, lengths, _, empty),) = manager.fetch([sb, sa])
     assert lengths.to_numpy().tolist() == [0, 5]
     assert empty.item() is False
-    (_, _, _, empty), = manager.fetch([b])
+    ((_, _, _, empty),) = manager.fetch([sb])
     assert empty.item() is True
+
+
+def test_runtime_inputs_follow_the_contexts(manager):
+    a, b = _claim(manager, "a", range(5)), _claim(manager, "b", [7, 8])
+    a.update(9)
+    inputs = manager.runtime_inputs([[b, a]])
+    (device,) = inputs.inputs
+    assert device.blocks is manager.blocks[0]
+    assert device.cache_lengths.to_numpy().tolist() == [0, 5]
+    assert device.lookup_table.to_numpy().tolist() == [1, 0]
+    assert device.is_cache_empty.item() is False
+    assert inputs.flatten() == device.flatten()
+    (fresh,) = manager.runtime_inputs([[b]]).inputs
+    assert fresh.is_cache_empty.item() is True
+    with pytest.raises(ValueError, match="expected one batch per replica \\(1\\), got 2"):
+        manager.runtime_inputs([[a], [b]])
 
 
 def test_release_resets_length_for_the_next_owner(manager):
-    (seq,) = manager.claim(1)
-    manager.step({seq: 7})
-    manager.release(seq)
-    (again,) = manager.claim(1)
-    assert again == seq
-    assert manager.cache_length(again) == 0
+    a = _claim(manager, "a", range(7))
+    a.update(1)
+    manager.step([[a]])
+    assert manager.cache_length("a") == 7
+    slot = manager.slot_of("a")
+    manager.release("a")
+    _claim(manager, "b", [1])
+    assert manager.slot_of("b") == slot and manager.cache_length("b") == 0
 
 
-def test_step_past_max_seq_len_raises_and_changes_nothing(manager):
-    a, b = manager.claim(2)
-    manager.step({a: 30})
-    with pytest.raises(ValueError, match=f"sequence {a} would hold 33 tokens .* max_seq_len=32"):
-        manager.step({b: 1, a: 3})
-    assert (manager.cache_length(a), manager.cache_length(b)) == (30, 0)
+def test_alloc_past_max_seq_len_raises(manager):
+    with pytest.raises(ValueError, match="'a' needs 33 tokens of KV but a slot holds max_seq_len=32"):
+        _claim(manager, "a", range(33))
+    a = _claim(manager, "b", range(31))
+    with pytest.raises(ValueError, match="'b' needs 33 tokens"):
+        manager.alloc(a, num_steps=3)
+
+
+def test_devices_must_match_the_params(session):
+    with pytest.raises(ValueError, match="devices has 2 entries but params.devices has 1"):
+        ContinuousBatchingKVCacheManager(PARAMS, 4, 32, 2, [CPU(), CPU()], session)
 
 
 def test_increment_cache_lengths_adds_row_offset_deltas(manager):
-    a, b, c = manager.claim(3)
-    manager.step({a: 4, b: 0, c: 9})
+    contexts = [_claim(manager, r, range(n + 1)) for r, n in (("a", 4), ("b", 0), ("c", 9))]
+    for c in contexts:
+        c.update(0)
+    manager.step([contexts])
+    a, b, c = (manager.slot_of(r) for r in "abc")
     inputs = manager.fetch([a, b, c])
     row_offsets = Buffer.from_numpy(np.array([0, 1, 3, 4], np.uint32))
     tokens = Buffer.from_numpy(np.zeros(4, np.int64))
-    (blocks, lengths, lookup, empty), = manager.increment_cache_lengths(inputs, (tokens, row_offsets))
-    assert lengths.to_numpy().tolist() == [5, 2, 10]
+    ((blocks, lengths, lookup, empty),) = manager.increment_cache_lengths(inputs, (tokens, row_offsets))
+    assert lengths.to_numpy().tolist() == [6, 3, 11]
     assert lookup.to_numpy().tolist() == [a, b, c]
     assert empty.item() is False
     assert blocks is manager.blocks[0]

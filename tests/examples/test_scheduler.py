@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from max.dtype import DType
 
-from mokv import KVCacheParams, PagedCacheInputs, PagedKVCacheManager
+from mokv import KVCacheInputs, KVCacheParams, PagedKVCacheManager
 from mokv_examples.scheduler import Request, Scheduler
 
 VOCAB = 512
@@ -41,7 +41,8 @@ class StandInModel:
         self.null_page = null_page
         self.batches: list[int] = []
 
-    def __call__(self, tokens, row_offsets, positions, cache: PagedCacheInputs) -> np.ndarray:
+    def __call__(self, tokens, row_offsets, positions, inputs: KVCacheInputs) -> np.ndarray:
+        (cache,) = inputs.inputs
         cache_lengths = cache.cache_lengths.to_numpy()
         lookup = cache.lookup_table.to_numpy()
         starts, ends = row_offsets[:-1].astype(int), row_offsets[1:].astype(int)

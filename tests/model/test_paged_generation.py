@@ -49,7 +49,7 @@ def test_paged_logits_match_dense(paged_smollm2, dense_smollm2, prompts, smollm2
     for ctx in contexts:
         manager.claim(ctx.request_id)
         manager.alloc(ctx)
-    (cache,) = manager.runtime_inputs([contexts])
+    cache = manager.runtime_inputs_for_leaf([contexts])
     batch = ragged_batch(prompts, context_length=smollm2.config.context_length)
     paged = paged_smollm2.step(*batch.inputs(), cache)
     (dense,) = dense_smollm2.execute(*(Buffer.from_numpy(a) for a in batch.inputs()))

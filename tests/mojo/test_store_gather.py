@@ -34,7 +34,7 @@ NUMPY_STORAGE = {DType.float32: np.float32, DType.bfloat16: np.uint16}
 class Shape:
     dtype: DType
     num_layers: int = NUM_LAYERS
-    n_kv_heads: int = N_KV_HEADS
+    n_kv_heads_per_device: int = N_KV_HEADS
     head_dim: int = HEAD_DIM
 
 

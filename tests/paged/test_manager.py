@@ -29,7 +29,7 @@ def run_request(m: PagedKVCacheManager, c: TextContext, decode: int = 1, replica
 
 
 def lookup(m: PagedKVCacheManager, batch: list[TextContext], **kw) -> tuple[np.ndarray, ...]:
-    (inputs,) = m.runtime_inputs([batch], **kw)
+    (inputs,) = m.runtime_inputs([batch], **kw).inputs
     return tuple(b.to_numpy() for b in inputs.flatten()[1:])
 
 
@@ -239,7 +239,7 @@ def test_runtime_inputs_contents(make_manager: MakeManager) -> None:
     for c in (a, b):
         m.claim(c.request_id)
         m.alloc(c)
-    (inputs,) = m.runtime_inputs([[a, b]])
+    (inputs,) = m.runtime_inputs([[a, b]]).inputs
     assert (
         list(inputs.blocks.shape) == [17, 2, 1, 4, 1, 2]
         and inputs.blocks is m.get_device_buffer(0).values[0]
@@ -258,8 +258,9 @@ def test_runtime_inputs_contents(make_manager: MakeManager) -> None:
     assert table.tolist() == [[3, 16, 16, 16, 16], [0, 1, 2, 16, 16]]
     assert max_lengths.tolist() == [[1, 11]]
     assert [x.dtype for x in (cache_lengths, table, max_lengths)] == [np.uint32] * 3
-    inputs = m.runtime_inputs([[a]])[0]
-    assert list(inputs) == list(inputs.flatten())
+    leaf = m.runtime_inputs([[a]])
+    (inputs,) = leaf.inputs
+    assert list(inputs) == inputs.flatten() == leaf.flatten()
 
 
 def test_runtime_inputs_rejects_bad_batches(make_manager: MakeManager) -> None:
@@ -281,7 +282,7 @@ def test_runtime_inputs_rejects_bad_batches(make_manager: MakeManager) -> None:
         m.runtime_inputs([cs[:1]], max_cache_length=4)
     with pytest.raises(ValueError, match="'ghost' is not claimed"):
         m.runtime_inputs([[ctx("ghost", [1])]])
-    (empty,) = m.runtime_inputs([[]])
+    (empty,) = m.runtime_inputs([[]]).inputs
     assert empty.lookup_table.shape == (0, 0) and empty.max_lengths.to_numpy().tolist() == [[0, 0]]
 
 
@@ -370,7 +371,7 @@ def test_replicas_have_separate_pools(make_manager: MakeManager) -> None:
     assert m.get_req_blocks("a0", 0) == [0, 1, 2]
     assert m.get_req_blocks("a1", 1) == [0, 1, 2] and m.get_req_blocks("b1", 1) == [3, 4]
     assert (m.num_free_blocks(0), m.num_free_blocks(1)) == (13, 11)
-    r0, r1 = m.runtime_inputs([[a0], [a1, b1]])
+    r0, r1 = m.runtime_inputs([[a0], [a1, b1]]).inputs
     assert (
         r0.blocks is m.get_device_buffer(0).values[0]
         and r1.blocks is m.get_device_buffer(1).values[0]
@@ -445,7 +446,8 @@ def test_page_counts(make_manager: MakeManager) -> None:
     assert (m.get_num_host_pages(0), m.get_num_used_host_pages(0)) == (0, 0)
     assert (m.get_num_disk_pages(0), m.get_num_used_disk_pages(0)) == (0, 0)
     buffer = m.get_device_buffer(0)
-    assert buffer.total_num_pages == 11 and not buffer.to_memory()[0].buffer.to_numpy().any()
+    assert (buffer.total_num_pages, buffer.num_physical_pages) == (10, 11)
+    assert not buffer.to_memory()[0].buffer.to_numpy().any()
 
 
 def test_constructor_validation(make_manager: MakeManager) -> None:

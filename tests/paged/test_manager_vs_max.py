@@ -68,7 +68,7 @@ class Lockstep:
         """One model step for every live request: runtime inputs, update, step."""
         ours = [a for a, _ in self.live.values()]
         theirs = [b for _, b in self.live.values()]
-        (mine,) = self.ours.runtime_inputs(ours)
+        (mine,) = self.ours.runtime_inputs(ours).inputs
         (ref,) = self.theirs.runtime_inputs(theirs)
         compare_inputs(mine, ref, self.ours.manager.total_num_pages)
         for rid, (a, b) in self.live.items():

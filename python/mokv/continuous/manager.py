@@ -1,14 +1,20 @@
 """Continuous-batching KV cache: one fixed `max_seq_len` slot per sequence.
 
-No paging: a sequence claims a slot (its id), its tokens live at positions
-`0 .. cache_length` of that slot, and releasing it makes the slot free again
-with its length reset to 0. Simple and fast to index, at the price of reserving
-`max_seq_len` tokens of memory for every sequence.
+No paging: a request claims a slot, its tokens live at positions
+`0 .. cache_length` of that slot, and releasing it makes the slot free again.
+Simple and fast to index, at the price of reserving `max_seq_len` tokens of
+memory for every sequence.
+
+The request lifecycle is the paged manager's (`claim`, `alloc`,
+`runtime_inputs`, `ctx.update`, `step`, `release`) and takes mokv's or MAX's
+`TextContext` alike; a request's cache length is its context's
+`processed_length`. `fetch(seq_ids)` is the seed's slot-level view of the same
+state, for graphs built on the opaque collection.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,7 +23,9 @@ from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
 
-from ..params import KVCacheParams
+from ..context import cache_context
+from ..contract import ContinuousCacheInputs, KVCacheInputs, continuous_input_types
+from ..params import KVCacheParams, resolve_params
 
 CacheInputs = tuple[Buffer, Buffer, Buffer, Buffer]
 """Per device: (blocks, cache_lengths, lookup_table, is_cache_empty)."""
@@ -27,7 +35,16 @@ _UINT32_BYTES = 4
 
 class ContinuousBatchingKVCacheManager:
     """Hands out slots of a `[max_cache_batch_size, 2, num_layers, max_seq_len,
-    n_kv_heads_per_device, head_dim]` block tensor per device."""
+    n_kv_heads_per_device, head_dim]` block tensor per device.
+
+    Args:
+        params: Cache shape (mokv's `KVCacheParams` or MAX's `MHAKVCacheParams`).
+        max_cache_batch_size: Slots, i.e. the most requests claimed at once.
+        max_seq_len: Tokens one slot holds.
+        num_layers: Must equal `params.num_layers` (the seed's signature).
+        devices: One block tensor per device (TP shards of the KV heads).
+        session: Compiles the small `increment_cache_lengths` graph.
+    """
 
     def __init__(
         self,
@@ -38,6 +55,9 @@ class ContinuousBatchingKVCacheManager:
         devices: Sequence[Device],
         session: InferenceSession,
     ) -> None:
+        params = resolve_params(params)
+        if not isinstance(params, KVCacheParams):
+            raise TypeError("the continuous-batching manager serves one cache, not a MultiKVCacheParams")
         for name, value in (
             ("max_cache_batch_size", max_cache_batch_size),
             ("max_seq_len", max_seq_len),
@@ -47,8 +67,11 @@ class ContinuousBatchingKVCacheManager:
                 raise ValueError(f"{name} must be positive, got {value}")
         if num_layers != params.num_layers:
             raise ValueError(f"num_layers={num_layers} disagrees with params.num_layers={params.num_layers}")
-        if not devices:
-            raise ValueError("devices must name at least one device")
+        if len(devices) != len(params.devices):
+            raise ValueError(
+                f"devices has {len(devices)} entries but params.devices has {len(params.devices)}: "
+                "each device holds n_kv_heads_per_device heads of the params"
+            )
         self.params = params
         self.max_cache_batch_size = max_cache_batch_size
         self.max_seq_len = max_seq_len
@@ -57,12 +80,12 @@ class ContinuousBatchingKVCacheManager:
         self.session = session
         shape = self.block_shape(max_cache_batch_size)
         self.blocks = [Buffer.zeros(shape, params.dtype, device=d) for d in self.devices]
-        # Per-sequence metadata, preallocated: fetch() hands out slices of these.
+        # Per-slot metadata, preallocated: fetch() hands out slices of these.
         self._lengths = np.zeros(max_cache_batch_size, np.uint32)
         self._lookup = [np.zeros(max_cache_batch_size, np.uint32) for _ in self.devices]
         self._cache_lengths = [np.zeros(max_cache_batch_size, np.uint32) for _ in self.devices]
         self._free = list(range(max_cache_batch_size))
-        self._active: set[int] = set()
+        self._slot_of: dict[Hashable, int] = {}
         self._increment_model: Model | None = None
 
     def block_shape(self, n_sequences: int) -> list[int]:
@@ -91,58 +114,92 @@ class ContinuousBatchingKVCacheManager:
         metadata = sum(a.nbytes for a in (*self._lookup, *self._cache_lengths))
         return blocks + metadata
 
-    # -- sequence lifetime ---------------------------------------------------
+    # -- request lifetime ----------------------------------------------------
 
     @property
     def num_free_slots(self) -> int:
         return len(self._free)
 
-    def claim(self, n: int) -> list[int]:
-        """Reserves `n` slots and returns their sequence ids (lowest first)."""
-        if n < 1:
-            raise ValueError(f"claim needs n >= 1, got {n}")
-        if n > len(self._free):
+    @staticmethod
+    def _check_replica(replica_idx: int) -> None:
+        if replica_idx != 0:
+            raise ValueError(f"replica_idx={replica_idx} is out of range: there is 1 replica")
+
+    def claim(self, request_id: Hashable, replica_idx: int = 0) -> int:
+        """Gives `request_id` the lowest free slot and returns it (its sequence id)."""
+        self._check_replica(replica_idx)
+        if request_id in self._slot_of:
+            raise ValueError(f"request {request_id!r} is already claimed (slot {self._slot_of[request_id]})")
+        if not self._free:
             raise ValueError(
-                f"cannot claim {n} sequences: only {len(self._free)} of "
-                f"{self.max_cache_batch_size} slots are free"
+                f"cannot claim {request_id!r}: all {self.max_cache_batch_size} slots are taken"
             )
-        claimed, self._free = self._free[:n], self._free[n:]
-        self._active.update(claimed)
-        return claimed
+        slot = self._free.pop(0)
+        self._slot_of[request_id] = slot
+        return slot
 
-    def contains(self, seq_id: int) -> bool:
-        return seq_id in self._active
+    def contains(self, request_id: Hashable, replica_idx: int = 0) -> bool:
+        """Whether `request_id` is claimed."""
+        self._check_replica(replica_idx)
+        return request_id in self._slot_of
 
-    def release(self, seq_id: int) -> None:
-        """Frees `seq_id`'s slot; its next owner starts from an empty cache."""
-        self._check_active([seq_id])
-        self._active.remove(seq_id)
-        self._lengths[seq_id] = 0
-        self._free.append(seq_id)
+    def slot_of(self, request_id: Hashable) -> int:
+        """The slot (sequence id) of a claimed request."""
+        slot = self._slot_of.get(request_id)
+        if slot is None:
+            raise ValueError(f"request {request_id!r} is not claimed")
+        return slot
+
+    def alloc(self, data: object, replica_idx: int = 0, num_steps: int = 1) -> None:
+        """Checks that a claimed request's next `num_steps` steps fit its slot
+        (a slot is allocated whole at `claim`, so nothing else changes)."""
+        self._check_replica(replica_idx)
+        ctx = cache_context(data)
+        self.slot_of(ctx.request_id)
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        needed = ctx.current_length + num_steps - 1
+        if needed > self.max_seq_len:
+            raise ValueError(
+                f"request {ctx.request_id!r} needs {needed} tokens of KV but a slot holds "
+                f"max_seq_len={self.max_seq_len}"
+            )
+
+    def step(self, batches: Sequence[Sequence[object]]) -> None:
+        """Records each request's cache length (its `processed_length`) after a
+        model step, so `fetch` sees it."""
+        self._check_batches(batches)
+        (batch,) = batches
+        contexts = [cache_context(data) for data in batch]
+        slots = [self.slot_of(ctx.request_id) for ctx in contexts]
+        lengths = [ctx.processed_length for ctx in contexts]
+        too_long = [(s, n) for s, n in zip(slots, lengths, strict=True) if n > self.max_seq_len]
+        if too_long:
+            slot, n = too_long[0]
+            raise ValueError(f"slot {slot} would hold {n} tokens; the limit is max_seq_len={self.max_seq_len}")
+        self._lengths[slots] = lengths
+
+    def release(self, request_id: Hashable, replica_idx: int = 0) -> None:
+        """Frees the request's slot; its next owner starts from an empty cache."""
+        self._check_replica(replica_idx)
+        slot = self.slot_of(request_id)
+        del self._slot_of[request_id]
+        self._lengths[slot] = 0
+        self._free.append(slot)
         self._free.sort()
 
-    def cache_length(self, seq_id: int) -> int:
-        """Tokens cached for `seq_id`."""
-        self._check_active([seq_id])
-        return int(self._lengths[seq_id])
+    def cache_length(self, request_id: Hashable) -> int:
+        """Tokens cached for the request as of its last `step`."""
+        return int(self._lengths[self.slot_of(request_id)])
 
-    def step(self, new_tokens: Mapping[int, int]) -> None:
-        """Commits `new_tokens[seq_id]` freshly written tokens per sequence."""
-        ids = np.fromiter(new_tokens.keys(), np.int64, len(new_tokens))
-        counts = np.fromiter(new_tokens.values(), np.int64, len(new_tokens))
-        self._check_active(ids)
-        grown = self._lengths[ids].astype(np.int64) + counts
-        if (counts < 0).any() or (grown > self.max_seq_len).any():
-            bad = int(np.argmax((counts < 0) | (grown > self.max_seq_len)))
-            raise ValueError(
-                f"sequence {int(ids[bad])} would hold {int(grown[bad])} tokens "
-                f"(adding {int(counts[bad])}); the limit is max_seq_len={self.max_seq_len}"
-            )
-        self._lengths[ids] = grown
+    def _check_batches(self, batches: Sequence[Sequence[object]]) -> None:
+        if len(batches) != 1:
+            raise ValueError(f"expected one batch per replica (1), got {len(batches)}")
 
-    def _check_active(self, seq_ids: Sequence[int] | np.ndarray) -> None:
+    def _check_slots(self, seq_ids: Sequence[int] | np.ndarray) -> None:
+        claimed = set(self._slot_of.values())
         for seq_id in seq_ids:
-            if int(seq_id) not in self._active:
+            if int(seq_id) not in claimed:
                 raise ValueError(
                     f"sequence id {int(seq_id)} is not claimed "
                     f"(valid ids are 0..{self.max_cache_batch_size - 1}, claimed ones only)"
@@ -150,43 +207,60 @@ class ContinuousBatchingKVCacheManager:
 
     # -- graph inputs --------------------------------------------------------
 
+    def runtime_inputs(self, batches: Sequence[Sequence[object]]) -> KVCacheInputs:
+        """Graph inputs for a batch of claimed requests (`mokv.contract`): a
+        `KVCacheInputs` leaf with one `ContinuousCacheInputs` per device; row b
+        is `batches[0][b]`, its cache length that context's `processed_length`."""
+        self._check_batches(batches)
+        (batch,) = batches
+        contexts = [cache_context(data) for data in batch]
+        for ctx in contexts:
+            self.alloc(ctx)
+        slots = np.array([self.slot_of(ctx.request_id) for ctx in contexts], np.uint32)
+        lengths = np.array([ctx.processed_length for ctx in contexts], np.uint32)
+        return KVCacheInputs(self._device_inputs(slots, lengths))
+
     def fetch(self, seq_ids: Sequence[int]) -> list[CacheInputs]:
         """Per device: (blocks, cache_lengths, lookup_table, is_cache_empty) for
-        the batch `seq_ids`, in that order; row i of the batch is `seq_ids[i]`.
-        The small tensors are views of preallocated arrays, valid until the next
-        `fetch`."""
+        the batch `seq_ids` (slots), in that order; row i of the batch is
+        `seq_ids[i]`, with the cache length its last `step` recorded. The small
+        tensors are views of preallocated arrays, valid until the next `fetch`."""
         if not len(seq_ids):
             raise ValueError("fetch needs at least one sequence id")
-        self._check_active(seq_ids)
+        self._check_slots(seq_ids)
         ids = np.asarray(seq_ids, np.int64)
-        batch = len(ids)
-        lengths = self._lengths[ids]
+        inputs = self._device_inputs(ids, self._lengths[ids], views=True)
+        return [tuple(device.flatten()) for device in inputs]  # type: ignore[misc]
+
+    def _device_inputs(
+        self, slots: np.ndarray, lengths: np.ndarray, views: bool = False
+    ) -> list[ContinuousCacheInputs[Buffer]]:
+        batch = len(slots)
         is_empty = Buffer.scalar(not lengths.any(), DType.bool)
         inputs = []
-        for blocks, lookup, cache_lengths in zip(self.blocks, self._lookup, self._cache_lengths):
-            lookup[:batch] = ids
-            cache_lengths[:batch] = lengths
-            inputs.append(
-                (blocks, Buffer.from_numpy(cache_lengths[:batch]), Buffer.from_numpy(lookup[:batch]), is_empty)
-            )
+        for blocks, lookup, cache_lengths, device in zip(
+            self.blocks, self._lookup, self._cache_lengths, self.devices, strict=True
+        ):
+            if views:  # the seed's fetch hands out views of preallocated rows
+                lookup[:batch] = slots
+                cache_lengths[:batch] = lengths
+                lookup_rows, length_rows = lookup[:batch], cache_lengths[:batch]
+            else:
+                lookup_rows, length_rows = slots.astype(np.uint32), lengths.astype(np.uint32)
+            lookup_buf, lengths_buf = Buffer.from_numpy(lookup_rows), Buffer.from_numpy(length_rows)
+            if not device.is_host:
+                lookup_buf, lengths_buf = lookup_buf.to(device), lengths_buf.to(device)
+            inputs.append(ContinuousCacheInputs(blocks, lengths_buf, lookup_buf, is_empty))
         return inputs
 
-    def input_symbols(self) -> list[tuple[BufferType, TensorType, TensorType, TensorType]]:
-        """Per device, the graph input types of `fetch`'s outputs, with symbolic
-        batch size. The block tensor is a `BufferType` because ops write to it."""
-        p = self.params
-        symbols = []
-        for device in self.devices:
-            ref = DeviceRef.from_device(device)
-            symbols.append(
-                (
-                    BufferType(p.dtype, ["num_slots", 2, self.num_layers, self.max_seq_len, p.n_kv_heads_per_device, p.head_dim], ref),
-                    TensorType(DType.uint32, ["batch_size"], ref),
-                    TensorType(DType.uint32, ["batch_size"], ref),
-                    TensorType(DType.bool, [], DeviceRef.CPU()),
-                )
-            )
-        return symbols
+    def input_symbols(self) -> list[ContinuousCacheInputs[BufferType | TensorType]]:
+        """Per device, the graph input types of `fetch`'s and `runtime_inputs`'
+        outputs (`mokv.contract.continuous_input_types`), with symbolic batch
+        size; the block tensor is a `BufferType` because ops write to it."""
+        return [
+            continuous_input_types(self.params, self.max_seq_len, DeviceRef.from_device(device))
+            for device in self.devices
+        ]
 
     def increment_cache_lengths(
         self, kv_cache_inputs: Sequence[CacheInputs], prev_model_inputs: Any

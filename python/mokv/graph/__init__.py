@@ -1,12 +1,7 @@
 """Graph side of mokv: input types, cache values and op wrappers for model builders."""
 
-from .cache_values import (
-    CacheLayout,
-    ContinuousCacheValues,
-    PagedCacheValues,
-    continuous_input_types,
-    paged_input_types,
-)
+from ..contract import cache_input_types, continuous_input_types, paged_input_types
+from .cache_values import CacheLayout, ContinuousCacheValues, PagedCacheValues
 from .continuous_collection import (
     ContinuousBatchingKVCache,
     ContinuousBatchingKVCacheCollection,
@@ -26,6 +21,7 @@ __all__ = [
     "FetchContinuousBatchingKVCacheCollection",
     "PagedCacheValues",
     "attention",
+    "cache_input_types",
     "continuous_input_types",
     "gather_kv",
     "paged_input_types",

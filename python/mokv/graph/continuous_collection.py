@@ -21,7 +21,7 @@ from max.graph import (
     ops,
 )
 
-from .cache_values import CacheShape
+from ..contract import CacheShape
 
 
 def ContinuousBatchingKVCacheCollectionType() -> _OpaqueType:
@@ -73,7 +73,7 @@ class ContinuousBatchingKVCacheCollection(_OpaqueValue):
 
     def row_type(self, rows: int | str | Dim) -> TensorType:
         p = self.params
-        return TensorType(p.dtype, [rows, p.n_kv_heads, p.head_dim], self.device)
+        return TensorType(p.dtype, [rows, p.n_kv_heads_per_device, p.head_dim], self.device)
 
     def get_cache(self, layer_idx: int, kv_idx: int) -> ContinuousBatchingKVCache:
         """Layer `layer_idx`'s keys (`kv_idx` 0) or values (1)."""

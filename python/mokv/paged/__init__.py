@@ -1,11 +1,11 @@
-"""Paged KV cache: block pool, prefix hashing, manager and runtime inputs."""
+"""Paged KV cache: block pool, prefix hashing, replicas, manager and runtime inputs."""
 
-from .manager import InsufficientBlocksError, PagedKVCacheManager
-from .runtime_inputs import BatchCharacteristics, PagedCacheInputs
+from .manager import PagedKVCacheManager
+from .replica import InsufficientBlocksError
+from .runtime_inputs import BatchCharacteristics
 
 __all__ = [
     "BatchCharacteristics",
     "InsufficientBlocksError",
-    "PagedCacheInputs",
     "PagedKVCacheManager",
 ]

@@ -1,4 +1,4 @@
-"""`PagedKVCacheManager`: hands pages to requests, reuses cached prefixes, builds graph inputs.
+"""`PagedKVCacheManager`: routes requests to replicas, validates calls, builds graph inputs.
 
 The lifecycle of a request on replica r (MAX's documented API):
 
@@ -9,9 +9,12 @@ The lifecycle of a request on replica r (MAX's documented API):
     step(batches)         commit newly full pages to the prefix cache
     release(id, r)        give its pages back (cached ones stay reusable)
 
-Every replica has its own block pool, block tensor, block table and (optionally)
-host tier; `replica_idx` routes each call, and a request lives on one replica
-from `claim` to `release`.
+Contexts may be mokv's `TextContext` or MAX's own (`mokv.context.cache_context`
+adapts them). Each replica (`replica.Replica`) has its own block pool, block
+table and host tier, and holds the per-request policy; a request lives on one
+replica from `claim` to `release`. With `MultiKVCacheParams` every replica
+allocates one block tensor per leaf cache and one block id names the same page
+in all of them, so a claim, an allocation and a prefix hit cover every cache.
 
 Costs: bookkeeping is O(1) per block (the pool is lists and an OrderedDict);
 hashing and token checks are numpy over a request's new full blocks; a batch's
@@ -21,90 +24,42 @@ lookup table is one numpy gather. Nothing loops over tokens in Python.
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Iterator, Sequence
 
 import numpy as np
-from max.driver import Device
 from max.engine import InferenceSession
 
 from ..buffer import KVCacheBuffer
-from ..context import TextContext
+from ..context import cache_context
+from ..contract import KVCacheInputs, MultiKVCacheInputs, PagedCacheInputs
 from ..metrics import KVCacheMetrics
-from ..params import KVCacheParams, KVCacheStrategy
-from .block_pool import NO_UID, BlockPool
-from .hashing import BlockHasher
-from .host_tier import HostTier
-from .runtime_inputs import (
-    BatchCharacteristics,
-    BlockTable,
-    PagedCacheInputs,
-    build_paged_inputs,
+from ..params import (
+    SINGLE_CACHE,
+    AnyKVCacheParams,
+    KVCacheParams,
+    KVCacheStrategy,
+    MultiKVCacheParams,
+    resolve_params,
 )
+from .hashing import BlockHasher
+from .replica import InsufficientBlocksError, Replica
+from .runtime_inputs import BatchCharacteristics, batch_tables, device_inputs
 
-
-class InsufficientBlocksError(RuntimeError):
-    """There are not enough free blocks for an allocation; nothing was changed."""
-
-
-@dataclass(eq=False, slots=True)
-class _Request:
-    """What the manager tracks for one claimed request."""
-
-    replica_idx: int
-    row: int
-    """Row of the replica's block table holding the request's page ids."""
-    num_blocks: int = 0
-    hashes: list[int] = field(default_factory=list)
-    """Chained hash of each full block hashed so far (never the last token's block)."""
-    num_committed: int = 0
-    """Leading blocks already offered to the prefix cache (or taken from it)."""
-    last_uid: int = NO_UID
-    """uid of block `num_committed - 1`: the parent of the next block to commit."""
-    chain_broken: bool = False
-    """A block could not be committed, so later blocks have no verifiable parent."""
-    is_dummy: bool = False
-
-
-class _Replica:
-    """One data-parallel replica: its memory, block pool, block table and host tier."""
-
-    def __init__(
-        self,
-        params: KVCacheParams,
-        total_num_pages: int,
-        total_num_host_pages: int,
-        max_batch_size: int,
-        devices: Sequence[Device],
-        buffer: KVCacheBuffer,
-    ) -> None:
-        self.devices = list(devices)
-        self.buffer = buffer
-        self.metrics = KVCacheMetrics()
-        self.pool = BlockPool(total_num_pages, params.page_size)
-        self.host: HostTier | None = None
-        if total_num_host_pages:
-            self.host = HostTier(
-                total_num_host_pages, params.page_size, buffer.to_memory(), self.pool.index
-            )
-            self.pool.on_evict = self._offload
-        self.table = BlockTable(null_page=total_num_pages, initial_rows=max_batch_size)
-
-    def _offload(self, block: int) -> None:
-        assert self.host is not None
-        if self.host.offload(block):
-            self.metrics.d2h_blocks_copied += 1
+__all__ = ["InsufficientBlocksError", "PagedKVCacheManager"]
 
 
 class PagedKVCacheManager:
     """Paged KV cache manager with data parallelism and optional prefix caching.
 
     Args:
-        params: Cache shape and policy (`cache_strategy` must be PAGED).
+        params: Cache shape and policy: a `KVCacheParams` (its `cache_strategy`
+            must be PAGED), a `MultiKVCacheParams`, or MAX's own
+            `MHAKVCacheParams` / `MultiKVCacheParams` (converted by
+            `mokv.params.from_max`, which refuses what mokv does not support).
         session: The inference session the cache serves (kept for API parity
             with MAX; buffers are allocated on `params.devices` directly).
-        total_num_pages: Device pages per replica, not counting the null page.
+        total_num_pages: Device pages per replica for requests; each block
+            tensor has one more, the null page (`mokv.contract`).
         total_num_host_pages: Host-tier pages per replica; 0 disables the tier.
         enable_runtime_checks: Assert the pool invariants after every call.
         max_batch_size: Most requests one replica's `runtime_inputs` batch may hold.
@@ -112,7 +67,7 @@ class PagedKVCacheManager:
 
     def __init__(
         self,
-        params: KVCacheParams,
+        params: AnyKVCacheParams,
         session: InferenceSession | None,
         total_num_pages: int,
         total_num_host_pages: int = 0,
@@ -120,6 +75,7 @@ class PagedKVCacheManager:
         *,
         max_batch_size: int,
     ) -> None:
+        params = resolve_params(params)
         if params.cache_strategy is not KVCacheStrategy.PAGED:
             raise ValueError(
                 f"PagedKVCacheManager needs cache_strategy=PAGED, got {params.cache_strategy.value}"
@@ -142,20 +98,23 @@ class PagedKVCacheManager:
         self.total_num_host_pages = total_num_host_pages
         self.max_batch_size = max_batch_size
         self.enable_runtime_checks = enable_runtime_checks
-        self._prefix_caching = params.enable_prefix_caching
         self._hasher = BlockHasher(params.page_size)
+        leaves = params.leaves()
         self._replicas = [
-            _Replica(
-                params,
+            Replica(
+                index,
                 total_num_pages,
                 total_num_host_pages,
+                params.page_size,
+                params.enable_prefix_caching,
                 max_batch_size,
                 [ref.to_device() for ref in refs],
-                KVCacheBuffer.allocate(params, total_num_pages + 1, refs),
+                {name: KVCacheBuffer.allocate(leaf, total_num_pages, refs) for name, leaf in leaves.items()},
+                self._hasher,
             )
-            for refs in params.devices_per_replica
+            for index, refs in enumerate(params.devices_per_replica)
         ]
-        self._requests: dict[str, _Request] = {}
+        self._replica_of: dict[Hashable, Replica] = {}
 
     # ----------------------------------------------------------------- routing
 
@@ -164,263 +123,107 @@ class PagedKVCacheManager:
         """Data-parallel replicas, each with its own pool."""
         return len(self._replicas)
 
-    def _replica(self, replica_idx: int) -> _Replica:
+    def _replica(self, replica_idx: int) -> Replica:
         if not 0 <= replica_idx < len(self._replicas):
             raise ValueError(
-                f"replica_idx={replica_idx} is out of range: "
-                f"there are {len(self._replicas)} replicas"
+                f"replica_idx={replica_idx} is out of range: there are {len(self._replicas)} replicas"
             )
         return self._replicas[replica_idx]
 
-    def _request(self, request_id: str, replica_idx: int) -> _Request:
-        req = self._requests.get(request_id)
-        if req is None or req.replica_idx != replica_idx:
-            self._replica(replica_idx)
-            where = "not claimed" if req is None else f"claimed on replica {req.replica_idx}"
+    def _claimed_on(self, request_id: Hashable, replica_idx: int) -> Replica:
+        """The replica holding `request_id`, which must be `replica_idx`."""
+        replica = self._replica(replica_idx)
+        owner = self._replica_of.get(request_id)
+        if owner is not replica:
+            where = "not claimed" if owner is None else f"claimed on replica {owner.index}"
             raise ValueError(f"request {request_id!r} is {where}, not on replica {replica_idx}")
-        return req
+        return replica
 
     # --------------------------------------------------------------- lifecycle
 
-    def claim(self, request_id: str, replica_idx: int = 0) -> None:
+    def claim(self, request_id: Hashable, replica_idx: int = 0) -> None:
         """Reserves a slot for `request_id` on replica `replica_idx`."""
+        self._claim(request_id, replica_idx, dummy=False)
+
+    def _claim(self, request_id: Hashable, replica_idx: int, *, dummy: bool) -> None:
         replica = self._replica(replica_idx)
-        owner = self._requests.get(request_id)
+        owner = self._replica_of.get(request_id)
         if owner is not None:
-            raise ValueError(
-                f"request {request_id!r} is already claimed on replica {owner.replica_idx}"
-            )
-        self._requests[request_id] = _Request(replica_idx, replica.table.add_row())
+            raise ValueError(f"request {request_id!r} is already claimed on replica {owner.index}")
+        replica.claim(request_id, dummy=dummy)
+        self._replica_of[request_id] = replica
 
-    def contains(self, request_id: str, replica_idx: int = 0) -> bool:
+    def contains(self, request_id: Hashable, replica_idx: int = 0) -> bool:
         """Whether `request_id` is claimed on replica `replica_idx`."""
-        self._replica(replica_idx)
-        req = self._requests.get(request_id)
-        return req is not None and req.replica_idx == replica_idx
+        return self._replica_of.get(request_id) is self._replica(replica_idx)
 
-    def alloc_dummy(self, request_id: str, replica_idx: int = 0) -> None:
+    def alloc_dummy(self, request_id: Hashable, replica_idx: int = 0) -> None:
         """Claims a padding request whose only page is the null page."""
-        self.claim(request_id, replica_idx)
-        req = self._requests[request_id]
-        req.num_blocks = 1  # table rows start out null
-        req.is_dummy = True
+        self._claim(request_id, replica_idx, dummy=True)
 
-    def alloc(self, data: TextContext, replica_idx: int = 0, num_steps: int = 1) -> None:
+    def alloc(self, data: object, replica_idx: int = 0, num_steps: int = 1) -> None:
         """Gives a claimed request pages for its next `num_steps` steps.
 
-        With prefix caching, the longest verified run of cached blocks (device
-        first, then host tier) continuing the request's committed blocks is
-        reused and `data` skips their tokens; the last token is never served
-        from cache, since the model must run it.
+        `data` is a mokv or MAX `TextContext`. With prefix caching, the longest
+        verified run of cached blocks (device first, then host tier) continuing
+        the request's committed blocks is reused and `data` skips their tokens
+        (on a first admission `data.cached_prefix_length` records how many, as
+        MAX's manager does); the last token is never served from cache, since
+        the model must run it.
 
         Raises:
             InsufficientBlocksError: Too few free blocks. The pool, the request
                 and `data` are left exactly as they were.
         """
-        req = self._request(data.request_id, replica_idx)
-        if req.is_dummy:
-            raise ValueError(f"request {data.request_id!r} is a dummy and holds only the null page")
+        ctx = cache_context(data)
+        replica = self._claimed_on(ctx.request_id, replica_idx)
+        if replica.requests[ctx.request_id].is_dummy:
+            raise ValueError(f"request {ctx.request_id!r} is a dummy and holds only the null page")
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        replica = self._replicas[replica_idx]
-        ps = self.page_size
-        seq_len = data.current_length + num_steps - 1
-        if seq_len > self.total_num_pages * ps:
-            raise InsufficientBlocksError(
-                f"request {data.request_id!r} needs {seq_len} tokens of KV but a replica holds "
-                f"only {self.total_num_pages * ps} ({self.total_num_pages} pages of {ps} tokens)"
-            )
-        num_new = -(-seq_len // ps) - req.num_blocks
-        if self._prefix_caching and data.active_length > 1:
-            device_hits, host_hits, hit_hashes = self._find_prefix_hits(replica, req, data)
-            if device_hits or num_new > 0:
-                self._extend(
-                    replica,
-                    req,
-                    data,
-                    max(0, num_new - len(device_hits)),
-                    device_hits,
-                    host_hits,
-                    hit_hashes,
-                )
-        elif num_new > 0:
-            self._extend(replica, req, data, num_new, [], [], [])
-        replica.metrics.input_tokens += data.active_length
+        replica.alloc(ctx, num_steps)
         self._check(replica)
 
-    def _extend(
-        self,
-        replica: _Replica,
-        req: _Request,
-        data: TextContext,
-        num_new: int,
-        device_hits: list[int],
-        host_hits: list[int],
-        hit_hashes: list[int],
-    ) -> None:
-        """Appends cached `device_hits`, then `num_new` fresh blocks (the first
-        `len(host_hits)` of them filled from the host tier), to the request."""
-        pool = replica.pool
-        free_after_hits = pool.num_free - sum(1 for b in device_hits if pool.ref_count[b] == 0)
-        if num_new > free_after_hits:
-            in_use = self.total_num_pages - pool.num_free
-            raise InsufficientBlocksError(
-                f"request {data.request_id!r} needs {num_new} new blocks on replica "
-                f"{req.replica_idx} but only {free_after_hits} are free "
-                f"({in_use}/{self.total_num_pages} in use)"
-            )
-        for block in device_hits:
-            pool.touch(block)
-        host = replica.host
-        if host_hits:
-            assert host is not None
-            host.pin(host_hits)
-        new_blocks = pool.allocate(num_new)
-        last_uid = pool.index.uid[device_hits[-1]] if device_hits else req.last_uid
-        for page, block, block_hash in zip(
-            host_hits, new_blocks, hit_hashes[len(device_hits) :], strict=False
-        ):
-            assert host is not None
-            host.restore(page, block)
-            last_uid = pool.commit(
-                block,
-                block_hash,
-                host.index.parent_uid[page],
-                host.index.parent_hash[page],
-                host.index.tokens[page],
-                uid=host.index.uid[page],
-            )
-        replica.table.write(req.row, req.num_blocks, device_hits + new_blocks)
-        req.num_blocks += len(device_hits) + len(new_blocks)
-        num_hits = len(device_hits) + len(host_hits)
-        if num_hits:
-            req.num_committed += num_hits
-            req.last_uid = last_uid
-            data.skip_processing(num_hits * self.page_size)
-            replica.metrics.cache_tokens += num_hits * self.page_size
-            replica.metrics.h2d_blocks_copied += len(host_hits)
-
-    def _hash_new_blocks(self, req: _Request, data: TextContext) -> None:
-        """Extends `req.hashes` to every full block before the last token."""
-        ps = self.page_size
-        done = len(req.hashes)
-        hashable = (data.current_length - 1) // ps
-        if hashable > done:
-            parent = req.hashes[-1] if done else None
-            req.hashes.extend(
-                self._hasher.hash_blocks(data.tokens[done * ps : hashable * ps], parent)
-            )
-
-    def _find_prefix_hits(
-        self, replica: _Replica, req: _Request, data: TextContext
-    ) -> tuple[list[int], list[int], list[int]]:
-        """Verified cached blocks continuing the request: (device blocks, host pages, their hashes).
-
-        Only a request whose cached state ends exactly at its committed blocks
-        (a new request, in practice) can take hits.
-        """
-        ps = self.page_size
-        start = req.num_committed
-        if req.chain_broken or req.num_blocks != start or data.processed_length != start * ps:
-            return [], [], []
-        self._hash_new_blocks(req, data)
-        wanted = req.hashes[start:]
-        if not wanted:
-            return [], [], []
-        tokens = data.tokens[start * ps : (start + len(wanted)) * ps].reshape(len(wanted), ps)
-        index = replica.pool.index
-        device_hits = index.match(wanted, req.last_uid, tokens)
-        host_hits: list[int] = []
-        n = len(device_hits)
-        if replica.host is not None and n < len(wanted):
-            parent_uid = index.uid[device_hits[-1]] if device_hits else req.last_uid
-            # A hash the device still maps (to a block that failed verification)
-            # cannot be committed again, so host hits stop there.
-            rest = wanted[n:]
-            clash = next((i for i, h in enumerate(rest) if index.get(h) is not None), len(rest))
-            host_hits = replica.host.index.match(rest[:clash], parent_uid, tokens[n : n + clash])
-        return device_hits, host_hits, wanted[: n + len(host_hits)]
-
-    def step(self, batches: Sequence[Sequence[TextContext]]) -> None:
+    def step(self, batches: Sequence[Sequence[object]]) -> None:
         """Commits each request's newly completed blocks to the prefix cache.
 
         `batches[r]` holds replica r's requests. A completed block whose
         verified twin is already cached is swapped for that twin (dedup) and
         its own block freed.
         """
-        ps = self.page_size
         for replica_idx, batch in enumerate(batches):
             replica = self._replica(replica_idx)
             for data in batch:
-                req = self._request(data.request_id, replica_idx)
-                if (
-                    self._prefix_caching
-                    and data.processed_length // ps > req.num_committed
-                    and not (req.is_dummy or req.chain_broken)
-                ):
-                    self._commit(replica, req, data)
+                ctx = cache_context(data)
+                self._claimed_on(ctx.request_id, replica_idx)
+                replica.commit(ctx)
             self._check(replica)
 
-    def _commit(self, replica: _Replica, req: _Request, data: TextContext) -> None:
-        """Commits the request's blocks up to `processed_length` (deduplicating)."""
-        ps = self.page_size
-        first = req.num_committed
-        full = min(data.processed_length // ps, req.num_blocks)
-        self._hash_new_blocks(req, data)
-        pool = replica.pool
-        index = pool.index
-        tokens = data.tokens[first * ps : full * ps].reshape(full - first, ps)
-        for j, block in enumerate(replica.table.read(req.row, first, full)):
-            i = first + j
-            block_hash = req.hashes[i]
-            cached = index.get(block_hash)
-            if cached is not None and index.holds(cached, req.last_uid, tokens[j]):
-                pool.touch(cached)
-                pool.free([block])
-                replica.table.write(req.row, i, [cached])
-                uid = index.uid[cached]
-            else:
-                if cached is not None:
-                    if pool.ref_count[cached]:
-                        req.chain_broken = True
-                        return
-                    # An unverifiable (orphaned or colliding) entry nobody holds.
-                    pool.uncommit(cached)
-                parent_hash = req.hashes[i - 1] if i else None
-                uid = pool.commit(block, block_hash, req.last_uid, parent_hash, tokens[j])
-            req.last_uid = uid
-            req.num_committed = i + 1
-
-    def release(self, request_id: str, replica_idx: int = 0) -> None:
+    def release(self, request_id: Hashable, replica_idx: int = 0) -> None:
         """Returns a request's pages; cached ones stay reusable until evicted.
 
         Blocks go back tail first when prefix caching is on, so the shared
         head of a prefix is evicted last.
         """
-        req = self._request(request_id, replica_idx)
-        replica = self._replicas[replica_idx]
-        if not req.is_dummy:
-            blocks = replica.table.read(req.row, 0, req.num_blocks)
-            if self._prefix_caching:
-                blocks.reverse()
-            replica.pool.free(blocks)
-        replica.table.drop_row(req.row, req.num_blocks)
-        del self._requests[request_id]
+        replica = self._claimed_on(request_id, replica_idx)
+        replica.release(request_id)
+        del self._replica_of[request_id]
         self._check(replica)
 
     @contextlib.contextmanager
-    def reserve(self, replica_batches: Sequence[Sequence[TextContext]]) -> Iterator[None]:
+    def reserve(self, replica_batches: Sequence[Sequence[object]]) -> Iterator[None]:
         """Claims and allocates `replica_batches[r]` on replica r for the scope, then releases them.
 
         For throwaway flows such as warm-up: on any error, whatever was
         claimed so far is released before the error propagates.
         """
-        claimed: list[tuple[str, int]] = []
+        claimed: list[tuple[Hashable, int]] = []
         try:
             for replica_idx, batch in enumerate(replica_batches):
                 for data in batch:
-                    self.claim(data.request_id, replica_idx)
-                    claimed.append((data.request_id, replica_idx))
+                    request_id = cache_context(data).request_id
+                    self.claim(request_id, replica_idx)
+                    claimed.append((request_id, replica_idx))
                     self.alloc(data, replica_idx)
             yield
         finally:
@@ -431,82 +234,104 @@ class PagedKVCacheManager:
 
     def runtime_inputs(
         self,
-        batches: Sequence[Sequence[TextContext]],
+        batches: Sequence[Sequence[object]],
         *,
         max_cache_length: int | None = None,
         batch_characteristics: BatchCharacteristics | None = None,
         num_steps: int = 1,
-    ) -> list[PagedCacheInputs]:
-        """Graph inputs for one batch per replica (see `paged.runtime_inputs`).
+    ) -> KVCacheInputs | MultiKVCacheInputs:
+        """Graph inputs for one batch per replica (the contract: `mokv.contract`).
 
-        Returns one `PagedCacheInputs` per device, replica-major: exactly one
-        per replica batch when each replica has a single device.
+        Returns a `KVCacheInputs` leaf whose `.inputs` hold one
+        `PagedCacheInputs` per device, replica-major (for a
+        `MultiKVCacheParams`, a `MultiKVCacheInputs` tree of such leaves);
+        `.flatten()` is the graph's argument order. Row b of every table is
+        `batches[r][b]`'s; `max_cache_length` fixes the lookup table's width
+        (for a graph captured at that shape) and `batch_characteristics` the
+        `max_lengths` row (upper bounds the batch must not exceed).
 
         Raises:
             ValueError: Wrong number of batches, a batch over `max_batch_size`,
                 or a request without pages for this step (call `alloc` first).
         """
         if len(batches) != len(self._replicas):
-            raise ValueError(
-                f"expected one batch per replica ({len(self._replicas)}), got {len(batches)}"
-            )
+            raise ValueError(f"expected one batch per replica ({len(self._replicas)}), got {len(batches)}")
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        inputs: list[PagedCacheInputs] = []
-        for replica_idx, (replica, batch) in enumerate(zip(self._replicas, batches, strict=True)):
+        per_leaf: dict[str, list[PagedCacheInputs]] = {name: [] for name in self.params.leaves()}
+        for replica, batch in zip(self._replicas, batches, strict=True):
             n = len(batch)
             if n > self.max_batch_size:
                 raise ValueError(
-                    f"replica {replica_idx} batch has {n} requests, "
-                    f"max_batch_size is {self.max_batch_size}"
+                    f"replica {replica.index} batch has {n} requests, max_batch_size is {self.max_batch_size}"
                 )
             per_request: list[int] = []
+            request_ids = []
             for data in batch:
-                req = self._request(data.request_id, replica_idx)
-                per_request += (req.row, data.processed_length, data.current_length, req.num_blocks)
+                ctx = cache_context(data)
+                self._claimed_on(ctx.request_id, replica.index)
+                state = replica.requests[ctx.request_id]
+                per_request += (state.row, ctx.processed_length, ctx.current_length, state.num_blocks)
+                request_ids.append(ctx.request_id)
             rows, processed, current, held = np.array(per_request, dtype=np.int64).reshape(n, 4).T
-            inputs += build_paged_inputs(
+            tables = batch_tables(
                 replica.table,
                 rows,
                 processed,
                 current,
                 held,
-                [d.request_id for d in batch],
+                request_ids,
                 page_size=self.page_size,
                 num_steps=num_steps,
                 max_cache_length=max_cache_length,
                 batch_characteristics=batch_characteristics,
-                blocks=replica.buffer.values,
-                devices=replica.devices,
             )
-        return inputs
+            for name, buffer in replica.buffers.items():
+                per_leaf[name] += device_inputs(tables, buffer.values, replica.devices)
+        return _as_tree(self.params, per_leaf)
 
     def runtime_inputs_for_leaf(
         self,
-        batches: Sequence[Sequence[TextContext]],
+        batches: Sequence[Sequence[object]],
         *,
         max_cache_length: int | None = None,
         batch_characteristics: BatchCharacteristics | None = None,
         num_steps: int = 1,
-    ) -> list[PagedCacheInputs]:
-        """`runtime_inputs`: mokv caches are always a single leaf (no multi-cache trees)."""
-        return self.runtime_inputs(
+    ) -> KVCacheInputs:
+        """`runtime_inputs` narrowed to its `KVCacheInputs` leaf, for single-cache models.
+
+        Raises:
+            AssertionError: The manager serves a `MultiKVCacheParams` tree (as
+                MAX documents for this method); call `runtime_inputs` instead.
+        """
+        if isinstance(self.params, MultiKVCacheParams):
+            raise AssertionError(
+                f"runtime_inputs_for_leaf needs a single cache, but this manager serves "
+                f"{len(self.params.leaves())} ({', '.join(self.params.leaves())}): use runtime_inputs"
+            )
+        inputs = self.runtime_inputs(
             batches,
             max_cache_length=max_cache_length,
             batch_characteristics=batch_characteristics,
             num_steps=num_steps,
         )
+        assert isinstance(inputs, KVCacheInputs)
+        return inputs
 
-    def get_device_buffer(self, replica_idx: int = 0) -> KVCacheBuffer:
-        """The replica's block tensors (one per TP shard)."""
-        return self._replica(replica_idx).buffer
+    def get_device_buffer(self, replica_idx: int = 0) -> KVCacheBuffer | dict[str, KVCacheBuffer]:
+        """The replica's block tensors (one per TP shard); for a
+        `MultiKVCacheParams`, one `KVCacheBuffer` per leaf cache by name."""
+        buffers = self._replica(replica_idx).buffers
+        if isinstance(self.params, MultiKVCacheParams):
+            return dict(buffers)
+        (buffer,) = buffers.values()
+        return buffer
 
     # ----------------------------------------------------------------- queries
 
-    def get_req_blocks(self, request_id: str, replica_idx: int = 0) -> list[int]:
+    def get_req_blocks(self, request_id: Hashable, replica_idx: int = 0) -> list[int]:
         """The request's page ids, in token order."""
-        req = self._request(request_id, replica_idx)
-        return self._replicas[replica_idx].table.read(req.row, 0, req.num_blocks)
+        return self._claimed_on(request_id, replica_idx).blocks_of(request_id)
 
     def get_num_pages(self, replica_idx: int = 0) -> int:
         """Device pages of the replica (the null page not counted)."""
@@ -546,13 +371,14 @@ class PagedKVCacheManager:
         self._replica(replica_idx)
         return self.total_num_pages
 
-    def get_pct_used_blocks_after_allocation(self, ctx: TextContext, replica_idx: int = 0) -> float:
+    def get_pct_used_blocks_after_allocation(self, ctx: object, replica_idx: int = 0) -> float:
         """Fraction (0..1, capped) of the replica's blocks in use if `ctx` got all
         the pages its tokens need now, ignoring prefix hits; for admission control."""
+        data = cache_context(ctx)
         replica = self._replica(replica_idx)
-        req = self._requests.get(ctx.request_id)
-        held = req.num_blocks if req is not None and req.replica_idx == replica_idx else 0
-        needed = max(0, -(-ctx.current_length // self.page_size) - held)
+        state = replica.requests.get(data.request_id)
+        held = state.num_blocks if state is not None else 0
+        needed = max(0, -(-data.current_length // self.page_size) - held)
         used = self.total_num_pages - replica.pool.num_free
         return min(1.0, (used + needed) / self.total_num_pages)
 
@@ -570,20 +396,28 @@ class PagedKVCacheManager:
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block no request holds, on the device and host tiers."""
         for replica in self._replicas:
-            replica.pool.reset_prefix_cache()
-            if replica.host is not None:
-                replica.host.reset()
+            replica.reset_prefix_cache()
             self._check(replica)
 
     # ------------------------------------------------------------------ checks
 
-    def _check(self, replica: _Replica) -> None:
-        if not self.enable_runtime_checks:
-            return
-        holders: Counter[int] = Counter()
-        for req in self._requests.values():
-            if self._replicas[req.replica_idx] is replica and not req.is_dummy:
-                holders.update(replica.table.read(req.row, 0, req.num_blocks))
-        replica.pool.check_invariants(holders, self._hasher)
-        if replica.host is not None:
-            replica.host.check_invariants(self._hasher)
+    def _check(self, replica: Replica) -> None:
+        if self.enable_runtime_checks:
+            replica.check_invariants()
+
+
+def _as_tree(
+    params: KVCacheParams | MultiKVCacheParams,
+    per_leaf: dict[str, list[PagedCacheInputs]],
+    path: str | None = None,
+) -> KVCacheInputs | MultiKVCacheInputs:
+    """The per-leaf device inputs (keyed as `params.leaves()` names them)
+    arranged in the shape of `params`' tree."""
+    if isinstance(params, MultiKVCacheParams):
+        return MultiKVCacheInputs(
+            {
+                name: _as_tree(child, per_leaf, name if path is None else f"{path}.{name}")
+                for name, child in params.children.items()
+            }
+        )
+    return KVCacheInputs(per_leaf[path or SINGLE_CACHE])

@@ -1,19 +1,12 @@
-"""What a paged-attention graph reads for one batch, built with numpy.
+"""Building a batch's paged-cache inputs (the contract: `mokv.contract`) with numpy.
 
-Per replica (and per TP shard) a batch gets a `PagedCacheInputs`:
-
-* `blocks`: the replica's block tensor `[total_num_pages + 1, 2, num_layers,
-  page_size, n_kv_heads_per_device, head_dim]`; the last page is the null page.
-* `cache_lengths` uint32 `[batch]`: tokens already in the cache for each
-  request, excluding the tokens this step runs (`processed_length`).
-* `lookup_table` uint32 `[batch, pages]`: row b lists request b's page ids in
-  order. Its width is the most pages any request in the batch needs for this
-  step (or `ceil(max_cache_length / page_size)` when given, e.g. for a fixed
-  graph shape); entries past a request's own pages hold the null page index
-  `total_num_pages`, which is always a valid page to read.
-* `max_lengths` uint32 `[num_steps, 2]`: row i is (most new tokens of a request
-  at step i, longest context at step i including those tokens); step 0 runs the
-  active tokens, later steps one token each.
+Per replica a batch gets one set of tables, shared by every TP shard and every
+leaf cache: `cache_lengths` (each request's `processed_length`), the
+`lookup_table` (row b lists request b's page ids, null-padded to the most pages
+any request needs this step, or to `ceil(max_cache_length / page_size)`), and
+`max_lengths` (row i: most new tokens, longest context at step i; step 0 runs
+the active tokens, later steps one token each). `device_inputs` pairs them
+with each shard's block tensor.
 
 The manager keeps every claimed request's page ids in a `BlockTable`, one
 null-padded row per request, so a batch's lookup table is one fancy-indexing
@@ -22,29 +15,13 @@ gather (plus a mask when a request holds more pages than this step needs).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 from max.driver import Buffer, Device
 
-
-@dataclass(frozen=True)
-class PagedCacheInputs:
-    """The four graph inputs of one paged cache, in graph-input order."""
-
-    blocks: Buffer
-    cache_lengths: Buffer
-    lookup_table: Buffer
-    max_lengths: Buffer
-
-    def flatten(self) -> tuple[Buffer, Buffer, Buffer, Buffer]:
-        """The inputs in order, for `model.execute(*inputs.flatten(), ...)`."""
-        return (self.blocks, self.cache_lengths, self.lookup_table, self.max_lengths)
-
-    def __iter__(self) -> Iterator[Buffer]:
-        return iter(self.flatten())
+from ..contract import PagedCacheInputs
 
 
 @dataclass(frozen=True)
@@ -111,22 +88,29 @@ class BlockTable:
         return self._table[rows, :width]
 
 
-def build_paged_inputs(
+@dataclass(frozen=True)
+class BatchTables:
+    """One replica's per-batch tables, on the host."""
+
+    cache_lengths: npt.NDArray[np.uint32]
+    lookup_table: npt.NDArray[np.uint32]
+    max_lengths: npt.NDArray[np.uint32]
+
+
+def batch_tables(
     table: BlockTable,
     rows: npt.NDArray[np.int64],
     processed: npt.NDArray[np.int64],
     current: npt.NDArray[np.int64],
     held_pages: npt.NDArray[np.int64],
-    request_ids: list[str],
+    request_ids: list,
     *,
     page_size: int,
     num_steps: int,
     max_cache_length: int | None,
     batch_characteristics: BatchCharacteristics | None,
-    blocks: list[Buffer],
-    devices: list[Device],
-) -> list[PagedCacheInputs]:
-    """Builds one replica's inputs, one `PagedCacheInputs` per TP shard.
+) -> BatchTables:
+    """Builds one replica's tables for a batch.
 
     Args:
         table: The replica's block table.
@@ -137,7 +121,6 @@ def build_paged_inputs(
         num_steps: Decode steps the graph runs on these inputs (>= 1).
         max_cache_length: Sizes the lookup table to this many tokens.
         batch_characteristics: Upper bounds reported in `max_lengths`.
-        blocks, devices: Each TP shard's block tensor and device.
 
     Raises:
         ValueError: A request holds fewer pages than this step writes to, or a
@@ -160,8 +143,7 @@ def build_paged_inputs(
         fixed = -(-max_cache_length // page_size)
         if fixed < width:
             raise ValueError(
-                f"max_cache_length={max_cache_length} gives {fixed} pages, "
-                f"but the batch needs {width}"
+                f"max_cache_length={max_cache_length} gives {fixed} pages, but the batch needs {width}"
             )
         width = fixed
     lookup = table.gather(rows, width)
@@ -170,30 +152,29 @@ def build_paged_inputs(
 
     if batch_characteristics is not None:
         bc = batch_characteristics
-        if (
-            batch > bc.batch_size
-            or max_new > bc.max_prompt_length
-            or max_context > bc.max_cache_valid_length
-        ):
-            raise ValueError(
-                f"batch (size {batch}, {max_new} new tokens, context {max_context}) exceeds {bc}"
-            )
+        if batch > bc.batch_size or max_new > bc.max_prompt_length or max_context > bc.max_cache_valid_length:
+            raise ValueError(f"batch (size {batch}, {max_new} new tokens, context {max_context}) exceeds {bc}")
         max_new, max_context = bc.max_prompt_length, bc.max_cache_valid_length
     later = 1 if batch else 0  # each later step runs one token per request
     max_lengths = np.array(
         [(max_new, max_context)] + [(later, max_context + i * later) for i in range(1, num_steps)],
         dtype=np.uint32,
     )
+    return BatchTables(processed.astype(np.uint32), lookup, max_lengths)
 
-    cache_lengths = Buffer.from_numpy(processed.astype(np.uint32))
-    lookup_table = Buffer.from_numpy(lookup)
-    max_lengths_buf = Buffer.from_numpy(max_lengths)
+
+def device_inputs(tables: BatchTables, blocks: list[Buffer], devices: list[Device]) -> list[PagedCacheInputs[Buffer]]:
+    """One `PagedCacheInputs` per TP shard: its block tensor and the batch's
+    tables (copied to the shard's device, `max_lengths` staying on the host)."""
+    cache_lengths = Buffer.from_numpy(tables.cache_lengths)
+    lookup_table = Buffer.from_numpy(tables.lookup_table)
+    max_lengths = Buffer.from_numpy(tables.max_lengths)
     return [
         PagedCacheInputs(
             blocks=shard_blocks,
             cache_lengths=cache_lengths if device.is_host else cache_lengths.to(device),
             lookup_table=lookup_table if device.is_host else lookup_table.to(device),
-            max_lengths=max_lengths_buf,
+            max_lengths=max_lengths,
         )
         for shard_blocks, device in zip(blocks, devices, strict=True)
     ]

@@ -1,0 +1,295 @@
+"""One data-parallel replica's policy: which pages its requests hold, and when
+cached pages are reused, committed and given back.
+
+A replica owns a block pool (block ids are the same in every cache of a
+`MultiKVCacheParams`), a block table (one null-padded row of page ids per
+request) and optionally a host tier. The manager routes each call here after
+validating it; nothing here knows about other replicas.
+
+Prefix caching, in the life of one request:
+
+* `alloc` looks up the longest verified run of cached blocks continuing the
+  request's committed blocks (device first, then host tier), takes them, and
+  moves the context's window past their tokens; then it hands out fresh
+  blocks for the rest (restoring host hits into the first of them).
+* `commit` (from the manager's `step`) offers each newly full block to the
+  prefix cache; a block whose verified twin is already cached is swapped for
+  the twin (dedup) and freed.
+* `release` frees the request's blocks tail first, so a shared prefix's head
+  outlives its tails in the LRU free queue.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from max.driver import Device
+
+from ..buffer import KVCacheBuffer
+from ..context import CacheContext
+from ..metrics import KVCacheMetrics
+from .block_pool import NO_UID, BlockPool
+from .hashing import BlockHasher
+from .host_tier import HostTier
+from .runtime_inputs import BlockTable
+
+
+class InsufficientBlocksError(RuntimeError):
+    """There are not enough free blocks for an allocation; nothing was changed."""
+
+
+@dataclass(eq=False, slots=True)
+class RequestState:
+    """What a replica tracks for one claimed request."""
+
+    row: int
+    """Row of the replica's block table holding the request's page ids."""
+    num_blocks: int = 0
+    hashes: list[int] = field(default_factory=list)
+    """Chained hash of each full block hashed so far (never the last token's block)."""
+    num_committed: int = 0
+    """Leading blocks already offered to the prefix cache (or taken from it)."""
+    last_uid: int = NO_UID
+    """uid of block `num_committed - 1`: the parent of the next block to commit."""
+    chain_broken: bool = False
+    """A block could not be committed, so later blocks have no verifiable parent."""
+    is_dummy: bool = False
+
+
+class Replica:
+    """One replica's memory and request policy.
+
+    Args:
+        index: The replica's index (for error messages).
+        total_num_pages: Device pages for requests (the null page is extra).
+        total_num_host_pages: Host-tier pages; 0 disables the tier.
+        page_size: Tokens per page.
+        prefix_caching: Whether full blocks are committed and reused.
+        max_batch_size: Initial rows of the block table.
+        devices: The replica's TP devices.
+        buffers: One `KVCacheBuffer` per leaf cache, by leaf name.
+        hasher: The manager's block hasher.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        total_num_pages: int,
+        total_num_host_pages: int,
+        page_size: int,
+        prefix_caching: bool,
+        max_batch_size: int,
+        devices: Sequence[Device],
+        buffers: dict[str, KVCacheBuffer],
+        hasher: BlockHasher,
+    ) -> None:
+        self.index = index
+        self.total_num_pages = total_num_pages
+        self.page_size = page_size
+        self.prefix_caching = prefix_caching
+        self.devices = list(devices)
+        self.buffers = buffers
+        self.hasher = hasher
+        self.metrics = KVCacheMetrics()
+        self.requests: dict[Hashable, RequestState] = {}
+        self.pool = BlockPool(total_num_pages, page_size)
+        self.host: HostTier | None = None
+        if total_num_host_pages:
+            memory = [unit for buffer in buffers.values() for unit in buffer.to_memory()]
+            self.host = HostTier(total_num_host_pages, page_size, memory, self.pool.index)
+            self.pool.on_evict = self._offload
+        self.table = BlockTable(null_page=total_num_pages, initial_rows=max_batch_size)
+
+    def _offload(self, block: int) -> None:
+        assert self.host is not None
+        if self.host.offload(block):
+            self.metrics.d2h_blocks_copied += 1
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def claim(self, request_id: Hashable, *, dummy: bool = False) -> None:
+        """Gives `request_id` a table row; a dummy holds only the null page."""
+        state = RequestState(self.table.add_row())
+        if dummy:
+            state.num_blocks = 1  # table rows start out null
+            state.is_dummy = True
+        self.requests[request_id] = state
+
+    def blocks_of(self, request_id: Hashable) -> list[int]:
+        """The request's page ids, in token order."""
+        state = self.requests[request_id]
+        return self.table.read(state.row, 0, state.num_blocks)
+
+    def alloc(self, ctx: CacheContext, num_steps: int) -> None:
+        """Gives the request pages for its next `num_steps` steps (see the module
+        docstring); on `InsufficientBlocksError` nothing has changed."""
+        state = self.requests[ctx.request_id]
+        ps = self.page_size
+        seq_len = ctx.current_length + num_steps - 1
+        if seq_len > self.total_num_pages * ps:
+            raise InsufficientBlocksError(
+                f"request {ctx.request_id!r} needs {seq_len} tokens of KV but a replica holds "
+                f"only {self.total_num_pages * ps} ({self.total_num_pages} pages of {ps} tokens)"
+            )
+        num_new = -(-seq_len // ps) - state.num_blocks
+        if self.prefix_caching and ctx.active_length > 1:
+            first_admission = ctx.processed_length == 0
+            device_hits, host_hits = self._find_prefix_hits(state, ctx)
+            hit_tokens = 0
+            if device_hits or num_new > 0:
+                new_blocks = max(0, num_new - len(device_hits))
+                hit_tokens = self._extend(state, ctx, new_blocks, device_hits, host_hits)
+            if first_admission:  # as MAX's manager records it
+                ctx.cached_prefix_length = hit_tokens
+        elif num_new > 0:
+            self._extend(state, ctx, num_new, [], [])
+        self.metrics.input_tokens += ctx.active_length
+
+    def _extend(
+        self,
+        state: RequestState,
+        ctx: CacheContext,
+        num_new: int,
+        device_hits: list[int],
+        host_hits: list[int],
+    ) -> int:
+        """Appends cached `device_hits`, then `num_new` fresh blocks (the first
+        `len(host_hits)` of them filled from the host tier), to the request.
+        Returns the tokens served from cache."""
+        pool = self.pool
+        free_after_hits = pool.num_free - sum(1 for b in device_hits if pool.ref_count[b] == 0)
+        if num_new > free_after_hits:
+            in_use = self.total_num_pages - pool.num_free
+            raise InsufficientBlocksError(
+                f"request {ctx.request_id!r} needs {num_new} new blocks on replica "
+                f"{self.index} but only {free_after_hits} are free "
+                f"({in_use}/{self.total_num_pages} in use)"
+            )
+        for block in device_hits:
+            pool.touch(block)
+        host = self.host
+        if host_hits:
+            assert host is not None
+            host.pin(host_hits)
+        new_blocks = pool.allocate(num_new)
+        last_uid = pool.index.uid[device_hits[-1]] if device_hits else state.last_uid
+        for page, block in zip(host_hits, new_blocks, strict=False):
+            assert host is not None
+            host.restore(page, block)
+            last_uid = pool.adopt(block, host.index, page)
+        self.table.write(state.row, state.num_blocks, device_hits + new_blocks)
+        state.num_blocks += len(device_hits) + len(new_blocks)
+        num_hits = len(device_hits) + len(host_hits)
+        if not num_hits:
+            return 0
+        state.num_committed += num_hits
+        state.last_uid = last_uid
+        cached_tokens = num_hits * self.page_size
+        ctx.skip_processing(cached_tokens)
+        self.metrics.cache_tokens += cached_tokens
+        self.metrics.h2d_blocks_copied += len(host_hits)
+        return cached_tokens
+
+    def _hash_new_blocks(self, state: RequestState, ctx: CacheContext) -> None:
+        """Extends `state.hashes` to every full block before the last token."""
+        ps = self.page_size
+        done = len(state.hashes)
+        hashable = (ctx.current_length - 1) // ps
+        if hashable > done:
+            parent = state.hashes[-1] if done else None
+            state.hashes.extend(self.hasher.hash_blocks(ctx.tokens[done * ps : hashable * ps], parent))
+
+    def _find_prefix_hits(self, state: RequestState, ctx: CacheContext) -> tuple[list[int], list[int]]:
+        """Verified cached blocks continuing the request: (device blocks, host pages).
+
+        Only a request whose cached state ends exactly at its committed blocks
+        (a new request, in practice) can take hits.
+        """
+        ps = self.page_size
+        start = state.num_committed
+        if state.chain_broken or state.num_blocks != start or ctx.processed_length != start * ps:
+            return [], []
+        self._hash_new_blocks(state, ctx)
+        wanted = state.hashes[start:]
+        if not wanted:
+            return [], []
+        tokens = ctx.tokens[start * ps : (start + len(wanted)) * ps].reshape(len(wanted), ps)
+        index = self.pool.index
+        device_hits = index.match(wanted, state.last_uid, tokens)
+        host_hits: list[int] = []
+        n = len(device_hits)
+        if self.host is not None and n < len(wanted):
+            parent_uid = index.uid[device_hits[-1]] if device_hits else state.last_uid
+            # A hash the device still maps (to a block that failed verification)
+            # cannot be committed again, so host hits stop there.
+            rest = wanted[n:]
+            clash = next((i for i, h in enumerate(rest) if index.get(h) is not None), len(rest))
+            host_hits = self.host.index.match(rest[:clash], parent_uid, tokens[n : n + clash])
+        return device_hits, host_hits
+
+    def commit(self, ctx: CacheContext) -> None:
+        """Offers the request's blocks up to `processed_length` to the prefix
+        cache, deduplicating against verified twins."""
+        state = self.requests[ctx.request_id]
+        ps = self.page_size
+        if (
+            not self.prefix_caching
+            or state.is_dummy
+            or state.chain_broken
+            or ctx.processed_length // ps <= state.num_committed
+        ):
+            return
+        first = state.num_committed
+        full = min(ctx.processed_length // ps, state.num_blocks)
+        self._hash_new_blocks(state, ctx)
+        pool = self.pool
+        index = pool.index
+        tokens = ctx.tokens[first * ps : full * ps].reshape(full - first, ps)
+        for j, block in enumerate(self.table.read(state.row, first, full)):
+            i = first + j
+            block_hash = state.hashes[i]
+            cached = index.get(block_hash)
+            if cached is not None and index.holds(cached, state.last_uid, tokens[j]):
+                pool.touch(cached)
+                pool.free([block])
+                self.table.write(state.row, i, [cached])
+                uid = index.uid[cached]
+            else:
+                if cached is not None:
+                    if pool.ref_count[cached]:
+                        state.chain_broken = True
+                        return
+                    # An unverifiable (orphaned or colliding) entry nobody holds.
+                    pool.uncommit(cached)
+                parent_hash = state.hashes[i - 1] if i else None
+                uid = pool.commit(block, block_hash, state.last_uid, parent_hash, tokens[j])
+            state.last_uid = uid
+            state.num_committed = i + 1
+
+    def release(self, request_id: Hashable) -> None:
+        """Returns a request's pages; cached ones stay reusable until evicted."""
+        state = self.requests.pop(request_id)
+        if not state.is_dummy:
+            blocks = self.table.read(state.row, 0, state.num_blocks)
+            if self.prefix_caching:
+                blocks.reverse()
+            self.pool.free(blocks)
+        self.table.drop_row(state.row, state.num_blocks)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block no request holds, on the device and host tiers."""
+        self.pool.reset_prefix_cache()
+        if self.host is not None:
+            self.host.reset()
+
+    def check_invariants(self) -> None:
+        """Asserts the pool, the requests' table rows and the host tier agree."""
+        holders: Counter[int] = Counter()
+        for state in self.requests.values():
+            if not state.is_dummy:
+                holders.update(self.table.read(state.row, 0, state.num_blocks))
+        self.pool.check_invariants(holders, self.hasher)
+        if self.host is not None:
+            self.host.check_invariants(self.hasher)

@@ -1,0 +1,129 @@
+"""The graph contract: runtime inputs match the declared graph input types on
+every device (tensor parallel, data parallel, several caches), and the
+records, specs and Mojo-facing order agree."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import numpy as np
+import pytest
+from max.dtype import DType
+from max.graph import BufferType, DeviceRef, TensorType
+
+from mokv import (
+    KVCacheInputs,
+    KVCacheParams,
+    MultiKVCacheInputs,
+    MultiKVCacheParams,
+    PagedKVCacheManager,
+    TextContext,
+    cache_input_types,
+)
+from mokv.contract import CONTINUOUS_INPUTS, PAGED_INPUTS, ContinuousCacheInputs, PagedCacheInputs
+
+CPU = DeviceRef.CPU()
+
+
+def test_records_follow_the_specs() -> None:
+    assert [f.name for f in fields(PagedCacheInputs)] == [s.name for s in PAGED_INPUTS]
+    assert [f.name for f in fields(ContinuousCacheInputs)] == [s.name for s in CONTINUOUS_INPUTS]
+
+
+def assert_inputs_match_types(buffers: list, types: list[BufferType | TensorType]) -> None:
+    """Every buffer has its type's dtype, rank, device kind and static sizes, and
+    each symbolic dimension takes one value across all the inputs."""
+    assert len(buffers) == len(types)
+    symbols: dict[str, int] = {}
+    for buffer, t in zip(buffers, types, strict=True):
+        assert buffer.dtype == t.dtype, (buffer, t)
+        assert buffer.rank == len(t.shape), (buffer, t)
+        assert buffer.device.is_host == (t.device.device_type.value == "cpu"), (buffer, t)
+        for size, dim in zip(buffer.shape, t.shape, strict=True):
+            text = str(dim)
+            if text.isdigit():
+                assert size == int(text), (buffer, t)
+            else:
+                assert symbols.setdefault(text, size) == size, f"{text}: {symbols[text]} vs {size}"
+
+
+def run_one_request(manager: PagedKVCacheManager, tokens, replica: int = 0) -> TextContext:
+    ctx = TextContext(f"r{replica}-{len(tokens)}", np.asarray(tokens, np.int64))
+    manager.claim(ctx.request_id, replica)
+    manager.alloc(ctx, replica)
+    return ctx
+
+
+@pytest.mark.parametrize(("devices", "dp"), [(2, 1), (4, 2)])
+def test_tensor_parallel_inputs_match_declared_types(devices: int, dp: int) -> None:
+    params = KVCacheParams(DType.bfloat16, n_kv_heads=4, head_dim=8, num_layers=2, page_size=4,
+                           devices=[CPU] * devices, data_parallel_degree=dp)
+    manager = PagedKVCacheManager(params, None, 8, max_batch_size=2)
+    batches = [[run_one_request(manager, range(6 + r), r)] for r in range(dp)]
+    inputs = manager.runtime_inputs(batches)
+    types = cache_input_types(params)
+    assert len(inputs.inputs) == len(types.inputs) == devices
+    for device_inputs, device_types in zip(inputs.inputs, types.inputs, strict=True):
+        assert device_inputs.blocks.shape[4] == params.n_kv_heads_per_device == 4 // (devices // dp)
+        assert_inputs_match_types(device_inputs.flatten(), device_types.flatten())
+
+
+def test_several_caches_share_one_page_table() -> None:
+    """A target and a draft cache of different shapes and dtypes: one claim,
+    one allocation and one prefix hit serve both; the inputs form a tree in the
+    declared order; a host-tier round trip restores both caches' bytes."""
+    common = dict(page_size=4, enable_prefix_caching=True)
+    params = MultiKVCacheParams(
+        {
+            "target": KVCacheParams(DType.float32, n_kv_heads=2, head_dim=8, num_layers=2, **common),
+            "draft": KVCacheParams(DType.bfloat16, n_kv_heads=1, head_dim=16, num_layers=1, **common),
+        }
+    )
+    manager = PagedKVCacheManager(params, None, 6, total_num_host_pages=4, enable_runtime_checks=True,
+                                  max_batch_size=2)
+    buffers = manager.get_device_buffer(0)
+    assert set(buffers) == {"target", "draft"}
+    a = run_one_request(manager, range(9))  # 3 pages
+    pages = manager.get_req_blocks(a.request_id)
+    marks = {name: buffers[name].to_memory()[0].buffer.to_numpy() for name in buffers}
+    for name, raw in marks.items():
+        raw[pages] = np.random.default_rng(len(name)).integers(1, 255, raw[pages].shape, dtype=np.uint8)
+    saved = {name: raw[pages].copy() for name, raw in marks.items()}
+
+    inputs = manager.runtime_inputs([[a]])
+    assert isinstance(inputs, MultiKVCacheInputs) and list(inputs.children) == ["target", "draft"]
+    target, draft = (inputs.children[n].inputs[0] for n in ("target", "draft"))
+    assert target.blocks is buffers["target"].values[0] and draft.blocks is buffers["draft"].values[0]
+    np.testing.assert_array_equal(target.lookup_table.to_numpy(), draft.lookup_table.to_numpy())
+    assert inputs.flatten() == [*target.flatten(), *draft.flatten()]
+    assert_inputs_match_types(inputs.flatten(), cache_input_types(params).flatten())
+    with pytest.raises(AssertionError, match="needs a single cache, but this manager serves 2"):
+        manager.runtime_inputs_for_leaf([[a]])
+
+    a.update(1)
+    manager.step([[a]])
+    manager.release(a.request_id)
+    # Another prompt evicts a's two committed pages to the host tier...
+    run_one_request(manager, range(100, 121))
+    manager.release("r0-21")
+    for raw in marks.values():
+        raw[:] = 0
+    # ...and a request with a's prefix gets them back into both caches at once.
+    b = run_one_request(manager, range(9))
+    assert b.processed_length == 8 and manager.get_metrics_aggregated().h2d_blocks_copied == 2
+    restored = manager.get_req_blocks(b.request_id)[:2]
+    for name, raw in marks.items():
+        np.testing.assert_array_equal(raw[restored], saved[name][:2])
+
+
+def test_multi_cache_children_must_agree_on_the_page_table() -> None:
+    a = KVCacheParams(DType.float32, 1, 8, 1, page_size=4)
+    with pytest.raises(ValueError, match="child caches must share page_size: 'a' has 4, 'b' has 8"):
+        MultiKVCacheParams({"a": a, "b": KVCacheParams(DType.float32, 1, 8, 1, page_size=8)})
+    with pytest.raises(ValueError, match="needs at least one child"):
+        MultiKVCacheParams({})
+    nested = MultiKVCacheParams({"t": MultiKVCacheParams({"x": a, "y": a}), "d": a})
+    assert list(nested.leaves()) == ["t.x", "t.y", "d"]
+    tree = cache_input_types(nested)
+    assert isinstance(tree.children["t"], MultiKVCacheInputs) and isinstance(tree.children["d"], KVCacheInputs)
+    assert len(tree.flatten()) == 3 * len(PAGED_INPUTS)
