@@ -3,11 +3,13 @@ cache between turns, so each turn only prefills what is new."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import click
 
-from mokv import PagedKVCacheManager
-from mokv_examples.generate import TokenStream, generation_options, make_config
+from mokv_examples.generate import generation_options, make_config
 from mokv_examples.pipeline import SmolLM2, generate
+from mokv_examples.streaming import TokenStream
 
 
 @click.command()
@@ -15,14 +17,14 @@ from mokv_examples.pipeline import SmolLM2, generate
 @click.option("--system", default="You are a helpful assistant.", show_default=True, help="System prompt.")
 def chat(system: str, **options) -> None:
     """Chat with SmolLM2-135M (an empty line or Ctrl-D ends the conversation)."""
-    config = make_config(**options)
-    model = SmolLM2()
-    manager = PagedKVCacheManager(
-        model.cache_params(config.page_size, enable_prefix_caching=True),
-        model.session,
-        config.num_pages,
-        max_batch_size=1,
-    )
+    weights = options.pop("weights")
+    config = replace(make_config(**options), enable_prefix_caching=True)
+    model = SmolLM2(weights=weights)
+    manager = model.new_manager(config, max_batch_size=1)
+
+    def decode(ids: list[int]) -> str:
+        return model.tokenizer.decode(ids, skip_special_tokens=True)
+
     messages = [{"role": "system", "content": system}]
     while True:
         try:
@@ -35,7 +37,7 @@ def chat(system: str, **options) -> None:
         before = manager.get_metrics_aggregated()
         click.echo("assistant> ", nl=False)
         (request,), _, _ = generate(
-            model, [model.tokenizer.encode_chat(messages)], config, TokenStream(model), manager=manager
+            model, [model.tokenizer.encode_chat(messages)], config, TokenStream(decode), manager=manager
         )
         click.echo()
         after = manager.get_metrics_aggregated()

@@ -1,5 +1,9 @@
-"""SmolLM2 on mokv's paged cache: the model graph, the manager and the scheduler
-wired together, so the CLI commands and the tests drive one thing."""
+"""SmolLM2 on a paged KV cache: the model graph, the manager and the scheduler
+wired together, so the CLI commands and the tests drive one thing.
+
+The cache is a `CacheBackend`: mokv's own (`MokvCache`, the default), or, for
+side-by-side benchmarks and tests, MAX's (`mokv_reference.max_cache.MaxCache`),
+each bringing its graph's attention backend, its manager and its contexts."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -14,12 +19,63 @@ from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession, Model
 
-from mokv import KVCacheInputs, KVCacheParams, PagedKVCacheManager
-from mokv_examples.scheduler import Request, Sampler, Scheduler, StepStats
+from mokv import KVCacheParams, PagedKVCacheManager, TextContext
+from mokv_examples.progress import ticking
+from mokv_examples.scheduler import (
+    CacheInputs,
+    CacheManager,
+    ModelStep,
+    Request,
+    RequestContext,
+    Sampler,
+    Scheduler,
+    StepStats,
+)
+from mokv_graphs.attention_backends import AttentionBackend
 from mokv_graphs.gguf_model import LlamaCheckpoint, load_llama
-from mokv_graphs.llama import load_llama_model
+from mokv_graphs.llama import last_token_rows, load_llama_model
 from mokv_graphs.paged_attention import PagedCacheAttention
 from mokv_graphs.tokenizer import GGUFTokenizer, load_tokenizer
+from mokv_graphs.weight_formats import WEIGHT_FORMATS
+
+
+class CacheBackend(Protocol):
+    """Where a pipeline keeps its KV cache."""
+
+    name: str
+
+    def attention(self, params: KVCacheParams) -> AttentionBackend:
+        """The graph's attention over this cache, for the cache geometry `params`."""
+        ...
+
+    def manager(
+        self, params: KVCacheParams, session: InferenceSession, num_pages: int, max_batch_size: int
+    ) -> CacheManager:
+        """A manager of `num_pages` pages with `params`' page size and prefix caching."""
+        ...
+
+    def context(self, request_id: str, tokens: npt.NDArray[np.int64]) -> RequestContext:
+        """A new request's context, of the kind this cache's manager reads."""
+        ...
+
+
+class MokvCache:
+    """mokv's paged cache: `PagedKVCacheManager` and mokv's store and flash attention
+    kernels. The graph leaves the page size symbolic, so one compiled model serves
+    managers of every page size."""
+
+    name = "mokv"
+
+    def attention(self, params: KVCacheParams) -> AttentionBackend:
+        return PagedCacheAttention(params)
+
+    def manager(
+        self, params: KVCacheParams, session: InferenceSession, num_pages: int, max_batch_size: int
+    ) -> CacheManager:
+        return PagedKVCacheManager(params, session, num_pages, max_batch_size=max_batch_size)
+
+    def context(self, request_id: str, tokens: npt.NDArray[np.int64]) -> RequestContext:
+        return TextContext(request_id, tokens)
 
 
 @dataclass
@@ -31,6 +87,8 @@ class Completion:
     token_ids: list[int]
     text: str
     preemptions: int
+    time_to_first_token: float
+    logprobs: list[dict] | None = None
 
 
 @dataclass
@@ -44,8 +102,11 @@ class GenerationReport:
 
     def summary(self) -> dict[str, float]:
         s = self.stats
+        first_tokens = [c.time_to_first_token for c in self.completions]
         return {
             "requests": len(self.completions),
+            "time_to_first_token_s": float(np.mean(first_tokens)) if first_tokens else 0.0,
+            "max_time_to_first_token_s": max(first_tokens, default=0.0),
             "prefill_tokens": s.prefill_tokens,
             "decode_tokens": s.decode_tokens,
             "prefill_tokens_per_s": s.prefill_tokens_per_s,
@@ -59,22 +120,37 @@ class GenerationReport:
 
 
 class SmolLM2:
-    """The compiled SmolLM2 graph over a paged cache. The graph leaves the page
-    size symbolic, so one compiled model serves caches of any page size."""
+    """The compiled SmolLM2 graph over a paged cache (`cache`, mokv's by default),
+    with its weights in format `weights` (`mokv_graphs.weight_formats`)."""
 
-    def __init__(self, session: InferenceSession | None = None, log: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        session: InferenceSession | None = None,
+        log: Callable[[str], None] | None = None,
+        weights: str = WEIGHT_FORMATS[0],
+        cache: CacheBackend | None = None,
+    ) -> None:
         log = log or (lambda msg: print(msg, file=sys.stderr))
         self.session = session or InferenceSession(devices=[CPU()])
+        self.cache = cache or MokvCache()
         started = time.perf_counter()
-        self.checkpoint: LlamaCheckpoint = load_llama()
+        self.checkpoint: LlamaCheckpoint = load_llama(weights=weights, log=log)
         self.tokenizer: GGUFTokenizer = load_tokenizer()
-        log(
-            f"loaded SmolLM2 weights and tokenizer in {time.perf_counter() - started:.1f} s; compiling the graph "
-            "(minutes the first time, then loaded from the compile cache)..."
-        )
-        started = time.perf_counter()
-        self.model: Model = load_llama_model(self.session, self.checkpoint, PagedCacheAttention(self.cache_params()))
-        log(f"graph ready in {time.perf_counter() - started:.1f} s")
+        log(f"loaded SmolLM2 ({weights} weights) and its tokenizer in {time.perf_counter() - started:.1f} s")
+        label = f"compiling the graph on {self.cache.name}'s cache (minutes the first time, then cached)"
+        with ticking(label, log):
+            self.model: Model = load_llama_model(
+                self.session, self.checkpoint, self.cache.attention(self.cache_params())
+            )
+
+    @property
+    def weight_format(self) -> str:
+        return self.checkpoint.weight_format
+
+    def new_manager(self, config: GenerationConfig, max_batch_size: int | None = None) -> CacheManager:
+        """A fresh cache manager for `config`'s page size, pages and prefix caching."""
+        params = self.cache_params(config.page_size, config.enable_prefix_caching)
+        return self.cache.manager(params, self.session, config.num_pages, max_batch_size or config.max_batch_size)
 
     def cache_params(self, page_size: int = 16, enable_prefix_caching: bool = False) -> KVCacheParams:
         """The model's cache geometry (the graph only reads the shape: its page
@@ -94,11 +170,14 @@ class SmolLM2:
         tokens: npt.NDArray[np.int64],
         row_offsets: npt.NDArray[np.uint32],
         positions: npt.NDArray[np.int64],
-        cache: KVCacheInputs,
+        cache: CacheInputs,
+        logit_rows: npt.NDArray[np.int64] | None = None,
     ) -> npt.NDArray[np.float32]:
-        """One ragged step: stores the tokens' K/V and returns last-token logits."""
+        """One ragged step: stores the tokens' K/V and returns the logits of `logit_rows`
+        (default: each sequence's last token)."""
+        rows = last_token_rows(row_offsets) if logit_rows is None else logit_rows
         (logits,) = self.model.execute(
-            Buffer.from_numpy(tokens), Buffer.from_numpy(row_offsets), Buffer.from_numpy(positions), *cache.flatten()
+            *(Buffer.from_numpy(a) for a in (tokens, row_offsets, positions, rows)), *cache.flatten()
         )
         return logits.to_numpy()
 
@@ -122,29 +201,36 @@ class GenerationConfig:
     token_budget: int = 512
 
 
+def request_id(index: int) -> str:
+    """The id of the `index`-th prompt of a `generate` call."""
+    return f"req-{index}"
+
+
 def generate(
     model: SmolLM2,
     prompt_token_ids: Sequence[npt.NDArray[np.int64]],
     config: GenerationConfig,
     on_token: Callable[[Request, int], None] | None = None,
     on_step: Callable[[Scheduler], None] | None = None,
-    manager: PagedKVCacheManager | None = None,
-) -> tuple[list[Request], StepStats, PagedKVCacheManager]:
+    manager: CacheManager | None = None,
+    logprobs: int = 0,
+    step: ModelStep | None = None,
+) -> tuple[list[Request], StepStats, CacheManager]:
     """Runs every prompt to completion with continuous batching, on `manager`
-    if given (a chat keeps one across turns so its history stays cached)."""
-    params = model.cache_params(config.page_size, config.enable_prefix_caching)
-    manager = manager or PagedKVCacheManager(
-        params, model.session, config.num_pages, max_batch_size=config.max_batch_size
-    )
+    if given (a chat keeps one across turns so its history stays cached), with
+    `model.step` or a `step` that wraps it (a benchmark's timer)."""
+    manager = manager or model.new_manager(config)
     scheduler = Scheduler(
         manager,
-        model.step,
+        step or model.step,
         token_budget=config.token_budget,
         max_batch_size=config.max_batch_size,
         sampler=Sampler(config.temperature, config.seed),
         stop_token_ids=model.tokenizer.stop_token_ids,
+        new_context=model.cache.context,
+        logprobs=logprobs,
     )
-    requests = [Request(f"req-{i}", ids, config.max_new_tokens) for i, ids in enumerate(prompt_token_ids)]
+    requests = [Request(request_id(i), ids, config.max_new_tokens) for i, ids in enumerate(prompt_token_ids)]
     for request in requests:
         scheduler.add(request)
     stats = scheduler.run(on_token, on_step)
@@ -157,11 +243,12 @@ def run_prompts(
     config: GenerationConfig,
     chat: bool = True,
     on_token: Callable[[Request, int], None] | None = None,
+    logprobs: int = 0,
 ) -> GenerationReport:
     """Tokenizes, generates and decodes: the whole `mokv generate` job."""
     ids = [model.encode(p, chat) for p in prompts]
     started = time.perf_counter()
-    requests, stats, manager = generate(model, ids, config, on_token)
+    requests, stats, manager = generate(model, ids, config, on_token, logprobs=logprobs)
     wall = time.perf_counter() - started
     metrics = manager.get_metrics_aggregated()
     completions = [
@@ -171,6 +258,8 @@ def run_prompts(
             token_ids=list(r.generated),
             text=model.tokenizer.decode(r.generated, skip_special_tokens=True),
             preemptions=r.preemptions,
+            time_to_first_token=r.time_to_first_token or 0.0,
+            logprobs=[lp.as_json() for lp in r.logprobs] if logprobs else None,
         )
         for p, r in zip(prompts, requests)
     ]
