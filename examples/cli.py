@@ -20,6 +20,7 @@ from mokv_examples.bench_manager import manager as bench_manager
 from mokv_examples.chat import chat
 from mokv_examples.generate import generate
 from mokv_examples.inspect_cache import inspect_cache
+from mokv_examples.score import score
 
 
 @click.group()
@@ -33,7 +34,7 @@ def bench() -> None:
     kernels, or with mokv's kernels at another git revision."""
 
 
-for command in (generate, chat, inspect_cache):
+for command in (generate, chat, score, inspect_cache):
     main.add_command(command)
 for command in (bench_manager, bench_attention, bench_e2e, bench_kernels):
     bench.add_command(command)
