@@ -37,7 +37,8 @@ def test_paged_logprobs_match_dense(weight_format, paged_models, dense_models, s
         f"worst gap/tolerance {(np.abs(paged - dense) / tolerance).max()}"
     )
     assert scored.perplexity == pytest.approx(np.exp(-dense.mean()), rel=1e-3)
-    assert 1 < scored.perplexity < 100, "an English sentence is far likelier than chance"
+    vocab = smollm2.config.vocab_size
+    assert 1 < scored.perplexity < vocab / 100, "an English sentence is far likelier than uniform chance"
 
 
 def test_agreement_counts_matching_top_tokens(paged_models, smollm2_tokenizer):
