@@ -81,7 +81,10 @@ def quant_kernel_package() -> Path:
     staging.mkdir(parents=True, exist_ok=True)
     result = subprocess.run(
         [kernels._mojo_binary(), "precompile", str(QUANT_KERNEL_DIR), "-o", str(staging / out.name)],
-        capture_output=True, text=True, env=dict(os.environ), check=False,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        check=False,
     )
     if result.returncode != 0:
         shutil.rmtree(staging, ignore_errors=True)
@@ -114,9 +117,9 @@ def linear(x: TensorValue, weight: Weight, encoding: str) -> TensorValue:
         return ops.matmul(x, ops.transpose(weight, 0, 1))
     _block_encoding(encoding)
     out_type = TensorType(DType.float32, [x.shape[0], weight.shape[0]], x.device)
-    return ops.custom(
-        "mokv_quant.matmul", x.device, [x, weight], [out_type], parameters={"encoding": encoding}
-    )[0].tensor
+    return ops.custom("mokv_quant.matmul", x.device, [x, weight], [out_type], parameters={"encoding": encoding})[
+        0
+    ].tensor
 
 
 def embedding(table: Weight, ids: TensorValue, encoding: str, columns: int) -> TensorValue:

@@ -25,17 +25,33 @@ def quant_graph(session: InferenceSession) -> Model:
     rows ids of w_q4_1, rows ids of w_q8_0)`."""
     x_type = TensorType(DType.float32, ["m", "k"], CPU)
     w_types = [TensorType(DType.uint8, [f"rows_{e}", f"row_bytes_{e}"], CPU) for e in BLOCK_ENCODINGS]
-    with Graph("quant_kernels", input_types=[x_type, *w_types, TensorType(DType.int64, ["ids"], CPU)],
-               custom_extensions=[quant_kernel_package()]) as graph:
+    with Graph(
+        "quant_kernels",
+        input_types=[x_type, *w_types, TensorType(DType.int64, ["ids"], CPU)],
+        custom_extensions=[quant_kernel_package()],
+    ) as graph:
         x, *weights, ids = (v.tensor for v in graph.inputs)
         outputs = []
         for encoding, w in zip(BLOCK_ENCODINGS, weights, strict=True):
-            outputs.append(ops.custom("mokv_quant.matmul", CPU, [x, w], [TensorType(DType.float32, [x.shape[0], w.shape[0]], CPU)],
-                                      parameters={"encoding": encoding})[0])
+            outputs.append(
+                ops.custom(
+                    "mokv_quant.matmul",
+                    CPU,
+                    [x, w],
+                    [TensorType(DType.float32, [x.shape[0], w.shape[0]], CPU)],
+                    parameters={"encoding": encoding},
+                )[0]
+            )
         for encoding, w in zip(BLOCK_ENCODINGS, weights, strict=True):
-            outputs.append(ops.custom("mokv_quant.gather_rows", CPU, [w, ids],
-                                      [TensorType(DType.float32, [ids.shape[0], x.shape[1]], CPU)],
-                                      parameters={"encoding": encoding})[0])
+            outputs.append(
+                ops.custom(
+                    "mokv_quant.gather_rows",
+                    CPU,
+                    [w, ids],
+                    [TensorType(DType.float32, [ids.shape[0], x.shape[1]], CPU)],
+                    parameters={"encoding": encoding},
+                )[0]
+            )
         graph.output(*outputs)
     return session.load(graph)
 
@@ -58,7 +74,9 @@ def _run(model: Model, x: np.ndarray, weights: dict[str, np.ndarray], ids: np.nd
     return [o.to_numpy() for o in model.execute(*(Buffer.from_numpy(np.ascontiguousarray(a)) for a in args))]
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 8, 32), (3, 24, 64), (4, 16, 96), (5, 40, 64), (13, 32, 576), (33, 4, 32)])
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 8, 32), (3, 24, 64), (4, 16, 96), (5, 40, 64), (13, 32, 576), (33, 4, 32)]
+)
 def test_matmul_is_the_float32_product_of_the_dequantized_weights(quant_graph: Model, m: int, n: int, k: int) -> None:
     rng = np.random.default_rng(m * 1000 + n + k)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
@@ -70,7 +88,9 @@ def test_matmul_is_the_float32_product_of_the_dequantized_weights(quant_graph: M
         expected = x.astype(np.float64) @ exact[encoding].T
         bound = _summation_bound(x.astype(np.float64), exact[encoding])
         assert y.shape == (m, n)
-        assert (np.abs(y - expected) <= bound).all(), f"{encoding}: worst error/bound {(np.abs(y - expected) / bound).max()}"
+        assert (np.abs(y - expected) <= bound).all(), (
+            f"{encoding}: worst error/bound {(np.abs(y - expected) / bound).max()}"
+        )
 
 
 def test_gather_rows_dequantize_like_gguf(quant_graph: Model) -> None:
@@ -79,7 +99,7 @@ def test_gather_rows_dequantize_like_gguf(quant_graph: Model) -> None:
     for i, encoding in enumerate(BLOCK_ENCODINGS):
         stored[encoding], exact[encoding] = _blocks(encoding, rows, k, seed=10 + i)
     ids = np.array([0, 7, 8, 47, 13, 13], np.int64)
-    gathered = _run(quant_graph, np.zeros((1, k), np.float32), stored, ids)[len(BLOCK_ENCODINGS):]
+    gathered = _run(quant_graph, np.zeros((1, k), np.float32), stored, ids)[len(BLOCK_ENCODINGS) :]
     for encoding, rows_out in zip(BLOCK_ENCODINGS, gathered, strict=True):
         # One rounding (d * q + m fused) against gguf's two: at most an ulp apart.
         np.testing.assert_allclose(rows_out, exact[encoding][ids], rtol=2e-7, atol=1e-7)
