@@ -138,8 +138,7 @@ def build_llama_graph(
             q = ops.reshape(w.linear(x, p + "attn_q.weight", c.hidden_size), [total, c.n_heads, c.head_dim])
             k = ops.reshape(w.linear(x, p + "attn_k.weight", kv_dim), [total, c.n_kv_heads, c.head_dim])
             v = ops.reshape(w.linear(x, p + "attn_v.weight", kv_dim), [total, c.n_kv_heads, c.head_dim])
-            attn = attention(i, _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v,
-                             row_offsets, backend_inputs)
+            attn = attention(i, _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v, row_offsets, backend_inputs)
             h = h + w.linear(ops.reshape(attn, [total, c.hidden_size]), p + "attn_output.weight", c.hidden_size)
 
             x = ops.rms_norm(h, w.vector(p + "ffn_norm.weight"), c.rms_norm_eps)
@@ -147,8 +146,7 @@ def build_llama_graph(
             up = w.linear(x, p + "ffn_up.weight", c.ffn_hidden_size)
             h = h + w.linear(ops.silu(gate) * up, p + "ffn_down.weight", c.hidden_size)
 
-        last = ops.rms_norm(ops.gather(h, logit_rows.tensor, axis=0),
-                            w.vector("output_norm.weight"), c.rms_norm_eps)
+        last = ops.rms_norm(ops.gather(h, logit_rows.tensor, axis=0), w.vector("output_norm.weight"), c.rms_norm_eps)
         graph.output(w.linear(last, c.lm_head_name, c.vocab_size))
     return graph
 
@@ -159,9 +157,7 @@ def llama_weights_registry(checkpoint: LlamaCheckpoint) -> dict[str, np.ndarray]
     return {**checkpoint.weights, "rope.cos": cos, "rope.sin": sin}
 
 
-def load_llama_model(
-    session: InferenceSession, checkpoint: LlamaCheckpoint, attention: AttentionBackend
-) -> Model:
+def load_llama_model(session: InferenceSession, checkpoint: LlamaCheckpoint, attention: AttentionBackend) -> Model:
     """Build and compile the graph and bind its weights. MAX aliases the arrays rather than
     copying them, so the checkpoint's memory-mapped files must outlive the model."""
     graph = build_llama_graph(checkpoint.config, attention, checkpoint.encodings)
