@@ -8,7 +8,10 @@ least-recently-used first. The tier is inclusive: a restored page stays on the
 host, so evicting the block again costs no second copy.
 
 Copies go through MAX driver `Buffer` views of the raw pages (`to_memory()`),
-so they work for any dtype and device; host pages live in CPU `Buffer`s.
+so they work for any dtype and device; host pages live in CPU `Buffer`s. A
+`Buffer` copy is only enqueued when the call returns (on the CPU too), so every
+offload and restore waits for its copies: the evicted block is about to be
+overwritten, and the restored one read by the next graph.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class HostTier:
                 return False
         for unit, host in zip(self._device_memory, self._pages, strict=True):
             host[page, :].inplace_copy_from(unit.buffer[block, :])
+        self._wait_for_copies()
         self.index.copy_entry(page, self._device_index, block)
         self._lru[page] = None
         return True
@@ -105,7 +109,15 @@ class HostTier:
         for unit, host in zip(self._device_memory, self._pages, strict=True):
             for device_pages in unit.copies:
                 device_pages[block, :].inplace_copy_from(host[page, :])
+        self._wait_for_copies()
         self._lru[page] = None
+
+    def _wait_for_copies(self) -> None:
+        for unit in self._device_memory:
+            for device_pages in unit.copies:
+                device_pages.device.synchronize()
+        for host in self._pages:
+            host.device.synchronize()
 
     def reset(self) -> None:
         """Drops every host page."""
