@@ -55,20 +55,23 @@ class InputSpec:
 
 _PARAM_DIMS = ("num_layers", "n_kv_heads_per_device", "head_dim")
 
-PAGED_INPUTS = (
-    InputSpec(
+def _blocks(slots: str, slot_len: str, slot_meaning: str) -> InputSpec:
+    return InputSpec(
         "blocks",
         None,
-        ("num_physical_pages", 2, "num_layers", "page_size", "n_kv_heads_per_device", "head_dim"),
-        "K (index 0 of dim 1) and V (1) of every page; page total_num_pages is the null page",
+        (slots, 2, "num_layers", slot_len, "n_kv_heads_per_device", "head_dim"),
+        f"K (index 0 of dim 1) and V (1) of every {slot_meaning}",
         mutable=True,
-    ),
-    InputSpec(
-        "cache_lengths",
-        DType.uint32,
-        ("batch_size",),
-        "tokens of each request already in the cache, excluding this step's",
-    ),
+    )
+
+
+_CACHE_LENGTHS = InputSpec(
+    "cache_lengths", DType.uint32, ("batch_size",), "tokens of each request already in the cache, excluding this step's"
+)
+
+PAGED_INPUTS = (
+    _blocks("num_physical_pages", "page_size", "page; page total_num_pages is the null page"),
+    _CACHE_LENGTHS,
     InputSpec(
         "lookup_table",
         DType.uint32,
@@ -87,19 +90,8 @@ PAGED_INPUTS = (
 """A paged cache's inputs per device, in graph order."""
 
 CONTINUOUS_INPUTS = (
-    InputSpec(
-        "blocks",
-        None,
-        ("num_slots", 2, "num_layers", "max_seq_len", "n_kv_heads_per_device", "head_dim"),
-        "K (index 0 of dim 1) and V (1) of every sequence slot",
-        mutable=True,
-    ),
-    InputSpec(
-        "cache_lengths",
-        DType.uint32,
-        ("batch_size",),
-        "tokens of each request already in the cache, excluding this step's",
-    ),
+    _blocks("num_slots", "max_seq_len", "sequence slot"),
+    _CACHE_LENGTHS,
     InputSpec("lookup_table", DType.uint32, ("batch_size",), "row b: request b's slot"),
     InputSpec(
         "is_cache_empty",

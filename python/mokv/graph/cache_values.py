@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, Self
 
 from max.graph import BufferValue, DeviceRef, Dim, TensorType, TensorValue, Value
 
@@ -51,6 +51,13 @@ class _ComponentCache:
         shape = self.blocks.shape
         return TensorType(self.blocks.dtype, [rows, shape[4], shape[5]], self.blocks.device)
 
+    @classmethod
+    def from_inputs(cls, values: Sequence[Value]) -> Self:
+        """Wraps one device's graph inputs, declared by the contract's
+        `paged_input_types` / `continuous_input_types`: the block buffer, then tensors."""
+        blocks, *tensors = values
+        return cls(blocks.buffer, *(v.tensor for v in tensors))  # type: ignore[call-arg]
+
 
 @dataclass(frozen=True)
 class PagedCacheValues(_ComponentCache, PagedCacheInputs[Value]):
@@ -58,21 +65,9 @@ class PagedCacheValues(_ComponentCache, PagedCacheInputs[Value]):
 
     layout: ClassVar[str] = "paged"
 
-    @classmethod
-    def from_inputs(cls, values: Sequence[Value]) -> PagedCacheValues:
-        """Wraps one device's four graph inputs declared by `paged_input_types`."""
-        blocks, cache_lengths, lookup_table, max_lengths = values
-        return cls(blocks.buffer, cache_lengths.tensor, lookup_table.tensor, max_lengths.tensor)
-
 
 @dataclass(frozen=True)
 class ContinuousCacheValues(_ComponentCache, ContinuousCacheInputs[Value]):
     """A continuous-batching cache inside a graph: one device's `CONTINUOUS_INPUTS`."""
 
     layout: ClassVar[str] = "continuous"
-
-    @classmethod
-    def from_inputs(cls, values: Sequence[Value]) -> ContinuousCacheValues:
-        """Wraps one device's four graph inputs declared by `continuous_input_types`."""
-        blocks, cache_lengths, lookup_table, is_cache_empty = values
-        return cls(blocks.buffer, cache_lengths.tensor, lookup_table.tensor, is_cache_empty.tensor)
