@@ -25,6 +25,11 @@ def test_an_unknown_package_is_named_with_the_ones_that_exist():
         kernel_source_dir("mokv_nope")
 
 
+def test_a_path_passed_as_a_string_is_refused_not_looked_up():
+    with pytest.raises(ValueError, match="got '/tmp/mokv_kernels'; pass a source folder as a Path"):
+        kernel_package("/tmp/mokv_kernels")
+
+
 def test_a_name_and_its_folder_build_the_same_package(kernels: Path):
     assert kernel_package(MOKV_KERNELS) == kernel_package(kernel_source_dir()) == kernels
     assert kernels.name == f"{MOKV_KERNELS}.mojoc" and kernels.is_file()

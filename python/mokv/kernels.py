@@ -8,7 +8,8 @@ to the exact Mojo compiler that built it, so it is built on the user's machine, 
 
 MAX precompiles a kernel *directory* every time a graph names it (~6 s); a prebuilt
 `.mojoc` loads in ~2 s. `kernel_package` precompiles once per source revision into
-`mokv.paths.precompiled_kernels_dir()`, keyed by a hash of the sources, so edits rebuild and reruns don't.
+`mokv.paths.precompiled_kernels_dir()`, keyed by a hash of the sources, so edits rebuild
+and reruns don't.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def kernel_source_dir(name: str = MOKV_KERNELS) -> Path:
     Raises:
         ValueError: mokv ships no Mojo package called `name`; the message lists those it does.
     """
+    if not name.isidentifier():
+        raise ValueError(f"a Mojo package name is an identifier, got {name!r}; pass a source folder as a Path")
     folder = kernel_sources_root() / name
     if not (folder / "__init__.mojo").is_file():
         raise ValueError(
