@@ -24,7 +24,7 @@ import numpy as np
 from max.driver import CPU
 from max.engine import InferenceSession
 
-from mokv.kernels import KERNEL_SOURCE_DIR, kernel_package
+from mokv.kernels import kernel_package, kernel_source_dir
 from mokv_examples.bench_attention import (
     Case,
     Kernels,
@@ -36,24 +36,42 @@ from mokv_examples.bench_attention import (
 )
 from mokv_examples.bench_results import out_dir_option, write_results
 
-REPO = KERNEL_SOURCE_DIR.parents[1]
 
-
-def _git(*args: str) -> bytes:
-    result = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, check=False)
+def _git(repo: Path, *args: str) -> bytes:
+    result = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, check=False)
     if result.returncode != 0:
         raise click.ClickException(f"git {' '.join(args)}: {result.stderr.decode().strip()}")
     return result.stdout
 
 
+def kernels_checkout() -> tuple[Path, str]:
+    """The git checkout the kernels in use come from, and their folder's path in it.
+
+    Only a checkout (mokv installed editable, as `make setup` does) has revisions to
+    compare; an installed wheel's kernels are not in one.
+    """
+    source = kernel_source_dir()
+    try:
+        repo = Path(_git(source, "rev-parse", "--show-toplevel").decode().strip())
+    except click.ClickException as error:
+        raise click.ClickException(
+            f"bench kernels compares git revisions of a mokv checkout, but the kernels in use ({source}) "
+            f"are not in one; install mokv editable from a checkout (make setup). {error.message}"
+        ) from error
+    return repo, source.relative_to(repo).as_posix()
+
+
 def kernel_sources_at(revision: str, dest: Path) -> Path:
     """Writes the kernel sources as of git `revision` under `dest` and returns
     their folder (named like the Mojo package, as precompiling requires)."""
-    folder = KERNEL_SOURCE_DIR.relative_to(REPO).as_posix()
-    for name in _git("ls-tree", "-r", "--name-only", revision, "--", folder).decode().splitlines():
+    repo, folder = kernels_checkout()
+    names = _git(repo, "ls-tree", "-r", "--name-only", revision, "--", folder).decode().splitlines()
+    if not names:
+        raise click.ClickException(f"{revision} has no kernel sources at {folder} in {repo}")
+    for name in names:
         path = dest / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(_git("show", f"{revision}:{name}"))
+        path.write_bytes(_git(repo, "show", f"{revision}:{name}"))
     return dest / folder
 
 

@@ -1,21 +1,24 @@
 """Session-wide fixtures: one inference session and one precompiled kernel package
-per test run, and MAX's compile cache kept inside the checkout so warm runs are fast."""
+per test run, and mokv's caches (MAX's compiled graphs among them) kept inside the
+checkout, as under make, so warm runs are fast however pytest is started."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parents[1]
-os.environ.setdefault("MODULAR_CACHE_DIR", str(_REPO / ".cache" / "modular"))
-
 import pytest
 from max.driver import CPU
 from max.engine import InferenceSession
 
 from mokv.kernels import kernel_package
+from mokv.paths import CACHE_ENV, keep_compiled_graphs_in_cache_dir
 from tests.attention_graph import build_attention_graph
 from tests.compile_once import compiled_per_key
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault(CACHE_ENV, str(REPO / ".cache"))
+keep_compiled_graphs_in_cache_dir()
 
 
 @pytest.fixture(scope="session")
