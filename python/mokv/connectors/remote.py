@@ -128,7 +128,7 @@ class RedisStore(PageStore):
             warn, self._warned = not self._warned, True
         if warn:
             logger.warning(
-                "remote KV store %s unavailable (%s): misses for the next %.0f s, then trying again",
+                "remote KV store %s unavailable (%s): misses for the next %.1f s, then trying again",
                 self.where, self._describe(error), self._retry_s,
             )
 

