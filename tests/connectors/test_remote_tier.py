@@ -69,9 +69,10 @@ def test_a_frozen_then_restarted_server_costs_only_misses(
     prompt = np.arange(3 * PAGE_SIZE + 1)
     with make_manager(remote_url=redis_server.url) as seeded:
         run_prompt(seeded, "seed", prompt)
-    with caplog.at_level(logging.WARNING, logger="mokv.connectors"), make_manager(
-        remote_url=redis_server.url, remote_timeout_s=TIMEOUT_S, remote_retry_s=0.5
-    ) as m:
+    with (
+        caplog.at_level(logging.WARNING, logger="mokv.connectors"),
+        make_manager(remote_url=redis_server.url, remote_timeout_s=TIMEOUT_S, remote_retry_s=0.5) as m,
+    ):
         redis_server.pause()
         try:
             started = time.monotonic()

@@ -20,7 +20,11 @@ def run_worker(config: dict, prompts: list[list[int]], timeout: float = 120) -> 
     spec = json.dumps({"config": config, "prompts": prompts})
     done = subprocess.run(
         [sys.executable, "-m", "tests.connectors.tier_worker", spec],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -64,8 +68,13 @@ def test_processes_writing_one_directory_at_once_never_serve_wrong_kv(tmp_path: 
     prompts = shared_prefix_prompts(11) * 3
     spec = json.dumps({"config": config, "prompts": prompts})
     workers = [
-        subprocess.Popen([sys.executable, "-m", "tests.connectors.tier_worker", spec], cwd=REPO,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.connectors.tier_worker", spec],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(4)
     ]
     try:

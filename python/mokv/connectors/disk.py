@@ -218,9 +218,7 @@ class DiskStore(PageStore):
 
     def usage(self) -> TierUsage:
         with self._lock:
-            return TierUsage(
-                len(self._files), self.max_bytes // self.record_bytes, self._bytes, self.max_bytes
-            )
+            return TierUsage(len(self._files), self.max_bytes // self.record_bytes, self._bytes, self.max_bytes)
 
     def close(self) -> None:
         self._readers.shutdown(wait=True)

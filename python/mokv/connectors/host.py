@@ -57,8 +57,7 @@ class HostConnector:
         self._device_index = device_index
         self._page_bytes = sum(unit.bytes_per_page for unit in device_memory)
         self._pages = [
-            Buffer.zeros([num_pages, unit.bytes_per_page], DType.uint8, device=CPU())
-            for unit in device_memory
+            Buffer.zeros([num_pages, unit.bytes_per_page], DType.uint8, device=CPU()) for unit in device_memory
         ]
         self._lru: OrderedDict[int, None] = OrderedDict()
         """Occupied, unpinned pages; least recently used first."""
@@ -176,9 +175,7 @@ class HostConnector:
         """Asserts each page is empty or cached (never both), and the index is sound."""
         occupied = set(self._lru)
         if occupied & set(self._empty) or len(occupied) + len(self._empty) != self.num_pages:
-            raise AssertionError(
-                f"host pages: {len(occupied)} cached + {len(self._empty)} empty != {self.num_pages}"
-            )
+            raise AssertionError(f"host pages: {len(occupied)} cached + {len(self._empty)} empty != {self.num_pages}")
         if occupied != set(self.index.committed_slots()):
             raise AssertionError("host LRU and host index disagree on which pages are cached")
         self.index.check(hasher)

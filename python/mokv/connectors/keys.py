@@ -37,9 +37,7 @@ FORMAT_VERSION = 1
 """Bumped whenever the meaning of stored bytes changes; it enters the fingerprint."""
 
 
-def layout_fingerprint(
-    params: AnyKVCacheParams, memory: Sequence[KVCacheMemory], model_id: str
-) -> bytes:
+def layout_fingerprint(params: AnyKVCacheParams, memory: Sequence[KVCacheMemory], model_id: str) -> bytes:
     """A digest of everything that decides what a stored page's bytes mean.
 
     The model id (its weights decide the KV), every leaf cache's dtype, head

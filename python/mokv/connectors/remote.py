@@ -102,9 +102,7 @@ class RedisStore(PageStore):
             else:
                 self._client = redis.Redis.from_url(url, **options)
         except ValueError:
-            raise RemoteStoreError(
-                f"remote KV store {self.where}: not a usable redis:// or rediss:// URL"
-            ) from None
+            raise RemoteStoreError(f"remote KV store {self.where}: not a usable redis:// or rediss:// URL") from None
         try:
             self._client.ping()
         except (redis.AuthenticationError, redis.exceptions.NoPermissionError) as error:
@@ -129,7 +127,9 @@ class RedisStore(PageStore):
         if warn:
             logger.warning(
                 "remote KV store %s unavailable (%s): misses for the next %.1f s, then trying again",
-                self.where, self._describe(error), self._retry_s,
+                self.where,
+                self._describe(error),
+                self._retry_s,
             )
 
     def _succeeded(self) -> None:
