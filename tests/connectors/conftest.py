@@ -49,14 +49,15 @@ def make_manager(
     )
 
 
-def kv_of(tokens: np.ndarray, start: int) -> np.ndarray:
-    """What the stand-in model writes for `tokens` at positions `start..`:
-    one page `[2, layers, len(tokens), heads, head_dim]`, a function of token
-    and position only, so any process can tell what a page must hold."""
+def kv_of(tokens: np.ndarray, start: int, page_shape: tuple[int, ...]) -> np.ndarray:
+    """What the stand-in model writes for `tokens` at positions `start..` in a
+    page of `page_shape` (`[2, layers, page_size, heads, head_dim]`): a function
+    of token and position only, so any process can tell what a page must hold."""
     positions = start + np.arange(len(tokens))
     base = ((tokens % 1000) * 16 + positions % 16).astype(np.float32)  # exact in float32
-    shape = (2, NUM_LAYERS, 1, N_KV_HEADS, HEAD_DIM)
-    grid = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) / 64
+    _, layers, _, heads, head_dim = page_shape
+    shape = (2, layers, 1, heads, head_dim)
+    grid = (np.arange(np.prod(shape), dtype=np.float32) % 4096).reshape(shape) / 64
     return base[None, None, :, None, None] + grid
 
 
@@ -72,7 +73,7 @@ def run_prompt(m: PagedKVCacheManager, request_id: str, tokens: np.ndarray) -> T
     for i, block in enumerate(m.get_req_blocks(request_id)):
         lo, hi = i * ps, min((i + 1) * ps, c.current_length)
         if hi > c.processed_length:
-            blocks[block, :, :, : hi - lo] = kv_of(c.tokens[lo:hi], lo)
+            blocks[block, :, :, : hi - lo] = kv_of(c.tokens[lo:hi], lo, blocks.shape[1:])
     c.update(0)
     m.step([[c]])
     m.release(request_id)
@@ -84,7 +85,7 @@ def check_cached_pages(m: PagedKVCacheManager, request_id: str, c: TextContext) 
     blocks = m.get_device_buffer().values[0].to_numpy()
     ps = m.page_size
     for i, block in enumerate(m.get_req_blocks(request_id)[: c.processed_length // ps]):
-        np.testing.assert_array_equal(blocks[block], kv_of(c.tokens[i * ps : (i + 1) * ps], i * ps))
+        np.testing.assert_array_equal(blocks[block], kv_of(c.tokens[i * ps : (i + 1) * ps], i * ps, blocks.shape[1:]))
 
 
 def admit(m: PagedKVCacheManager, request_id: str, tokens: np.ndarray) -> TextContext:
