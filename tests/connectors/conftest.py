@@ -3,13 +3,16 @@ determined by the tokens, and a real `redis-server` on a loopback port."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -97,6 +100,28 @@ def admit(m: PagedKVCacheManager, request_id: str, tokens: np.ndarray) -> TextCo
     return c
 
 
+# --------------------------------------------------------- other processes
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def start_worker(spec: dict, **popen: Any) -> subprocess.Popen[str]:
+    """Starts `tests.connectors.tier_worker` on `spec` in a new process.
+
+    The environment is passed explicitly: MAX's native libraries may change
+    the C-level environment after start-up (for one, so that a child Python no
+    longer finds this virtual environment), and `os.environ` is the one
+    Python started with.
+    """
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.connectors.tier_worker", json.dumps(spec)],
+        cwd=REPO,
+        env=dict(os.environ),
+        text=True,
+        **popen,
+    )
+
+
 # ------------------------------------------------------------------ redis
 
 
@@ -140,6 +165,7 @@ class RedisServer:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env=dict(os.environ),
         )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

@@ -5,29 +5,23 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from .conftest import PAGE_SIZE, RedisServer
-
-REPO = Path(__file__).resolve().parents[2]
+from .conftest import PAGE_SIZE, RedisServer, start_worker
 
 
 def run_worker(config: dict, prompts: list[list[int]], timeout: float = 120) -> dict:
-    spec = json.dumps({"config": config, "prompts": prompts})
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.connectors.tier_worker", spec],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    worker = start_worker({"config": config, "prompts": prompts}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = worker.communicate(timeout=timeout)
+    finally:
+        worker.kill()
+        worker.wait(timeout=10)
+    assert worker.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def shared_prefix_prompts(seed: int) -> list[list[int]]:
@@ -66,17 +60,8 @@ def test_processes_writing_one_directory_at_once_never_serve_wrong_kv(tmp_path: 
     are written concurrently and read while being replaced."""
     config = {"disk_offload_dir": str(tmp_path / "kv")}
     prompts = shared_prefix_prompts(11) * 3
-    spec = json.dumps({"config": config, "prompts": prompts})
-    workers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.connectors.tier_worker", spec],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(4)
-    ]
+    spec = {"config": config, "prompts": prompts}
+    workers = [start_worker(spec, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(4)]
     try:
         results = [w.communicate(timeout=180) for w in workers]
     finally:

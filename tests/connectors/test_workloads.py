@@ -3,11 +3,9 @@ pages served are always the right ones, and no tier leaks entries or files."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,8 +14,16 @@ import pytest
 
 from mokv.connectors.disk import SUFFIX
 
-from .conftest import PAGE_SIZE, RedisServer, admit, check_cached_pages, make_manager, run_prompt, small_params
-from .test_sharing import REPO
+from .conftest import (
+    PAGE_SIZE,
+    RedisServer,
+    admit,
+    check_cached_pages,
+    make_manager,
+    run_prompt,
+    small_params,
+    start_worker,
+)
 
 
 def random_prompt(rng: np.random.Generator, heads: list[np.ndarray]) -> np.ndarray:
@@ -78,16 +84,11 @@ def test_random_workloads_serve_right_pages_and_leak_nothing(seed: int, tmp_path
         server.stop()
 
 
-def kill_while_writing(spec: str, directory: Path) -> int:
+def kill_while_writing(spec: dict, directory: Path) -> int:
     """Runs a writer process and SIGKILLs it the moment a temporary file shows
     up under `directory` beside at least one whole prompt's page files;
     returns how many temporary files it left."""
-    writer = subprocess.Popen(
-        [sys.executable, "-m", "tests.connectors.tier_worker", spec],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    writer = start_worker(spec, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -111,7 +112,7 @@ def test_a_writer_killed_mid_write_leaves_no_corrupt_hit(tmp_path: Path) -> None
     prompts = [rng.integers(0, 3000, 3 * PAGE_SIZE + 1).tolist() for _ in range(30)]
     for attempt in range(5):
         directory = tmp_path / f"kv{attempt}"
-        spec = json.dumps({"config": {"disk_offload_dir": str(directory)}, "prompts": prompts, "params": big})
+        spec = {"config": {"disk_offload_dir": str(directory)}, "prompts": prompts, "params": big}
         if kill_while_writing(spec, directory):
             break
     else:
