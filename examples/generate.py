@@ -31,6 +31,9 @@ def generation_options(command):
             click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True),
             click.option("--max-batch-size", default=16, show_default=True, help="Most requests per step."),
             click.option("--token-budget", default=512, show_default=True, help="Most tokens per step (chunked prefill)."),
+            click.option("--host-cache-pages", default=0, show_default=True, help="Pages of a host-memory KV tier."),
+            click.option("--disk-cache", type=click.Path(file_okay=False), help="Directory of a disk KV tier: shared by processes, kept across runs."),
+            click.option("--remote-cache", metavar="URL", help="redis://[user:password@]host:port/db (or rediss://) of a remote KV tier."),
         ]
     ):
         command = option(command)
@@ -47,6 +50,9 @@ def make_config(**options) -> GenerationConfig:
         enable_prefix_caching=options["prefix_caching"],
         max_batch_size=options["max_batch_size"],
         token_budget=options["token_budget"],
+        host_pages=options["host_cache_pages"],
+        disk_cache=options["disk_cache"],
+        remote_cache=options["remote_cache"],
     )
 
 
@@ -95,7 +101,7 @@ def generate(prompts: tuple[str, ...], chat: bool, json_path: Path | None, **opt
     if json_path is not None:
         payload = {
             "requests": [vars(c) for c in report.completions],
-            "config": vars(config),
+            "config": config.report(),
             "stats": summary,
         }
         json_path.write_text(json.dumps(payload, indent=1))
