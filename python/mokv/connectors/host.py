@@ -17,6 +17,7 @@ overwritten, and the restored one read by the next graph.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
@@ -85,7 +86,10 @@ class HostConnector:
 
     def save(self, blocks: Sequence[BlockToSave]) -> int:
         """Copies evicted cached device blocks to the host; returns how many it copied."""
-        return sum(self._offload(item.block) for item in blocks)
+        started = time.perf_counter()
+        copied = sum(self._offload(item.block) for item in blocks)
+        self.metrics.save_seconds += time.perf_counter() - started
+        return copied
 
     def _offload(self, block: int) -> bool:
         """Nothing is copied when the host already holds this very block (same
@@ -132,6 +136,7 @@ class HostConnector:
     def load(self, request_id: Hashable, hits: Sequence[int], blocks: Sequence[int]) -> list[int]:
         """Copies pinned host pages into device `blocks` and unpins them; each
         block keeps its page's uid."""
+        started = time.perf_counter()
         for page, block in zip(hits, blocks, strict=True):
             for unit, host in zip(self._device_memory, self._pages, strict=True):
                 for device_pages in unit.copies:
@@ -141,6 +146,7 @@ class HostConnector:
             self._lru[page] = None
         self.metrics.hit_blocks += len(hits)
         self.metrics.hit_bytes += len(hits) * self._page_bytes
+        self.metrics.load_seconds += time.perf_counter() - started
         return [self.index.uid[page] for page in hits]
 
     def _wait_for_copies(self) -> None:
