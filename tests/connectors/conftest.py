@@ -63,10 +63,10 @@ def kv_of(tokens: np.ndarray, start: int, page_shape: tuple[int, ...]) -> np.nda
     return base[None, None, :, None, None] + grid
 
 
-def run_prompt(m: PagedKVCacheManager, request_id: str, tokens: np.ndarray) -> TextContext:
+def run_prompt(m: PagedKVCacheManager, request_id: str, tokens: np.ndarray, salt: str | None = None) -> TextContext:
     """Admits a prompt, writes its KV where the cache does not already hold it
     (the model's job), commits it and releases it; returns the context."""
-    c = TextContext(request_id, tokens)
+    c = TextContext(request_id, tokens, cache_salt=salt)
     m.claim(request_id)
     m.alloc(c)
     m.runtime_inputs([[c]])
@@ -90,9 +90,9 @@ def check_cached_pages(m: PagedKVCacheManager, request_id: str, c: TextContext) 
         np.testing.assert_array_equal(blocks[block], kv_of(c.tokens[i * ps : (i + 1) * ps], i * ps, blocks.shape[1:]))
 
 
-def admit(m: PagedKVCacheManager, request_id: str, tokens: np.ndarray) -> TextContext:
+def admit(m: PagedKVCacheManager, request_id: str, tokens: np.ndarray, salt: str | None = None) -> TextContext:
     """Claims and allocates a prompt, and waits for its loads (as `runtime_inputs` does)."""
-    c = TextContext(request_id, tokens)
+    c = TextContext(request_id, tokens, cache_salt=salt)
     m.claim(request_id)
     m.alloc(c)
     m.runtime_inputs([[c]])

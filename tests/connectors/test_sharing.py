@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from .conftest import PAGE_SIZE, RedisServer, start_worker
+from .conftest import PAGE_SIZE, RedisServer, admit, check_cached_pages, make_manager, run_prompt, start_worker
 
 
 def run_worker(config: dict, prompts: list[list[int]], timeout: float = 120) -> dict:
@@ -73,3 +74,22 @@ def test_processes_writing_one_directory_at_once_never_serve_wrong_kv(tmp_path: 
         assert w.returncode == 0, err[-3000:]  # every page served was checked in the worker
         assert json.loads(out.strip().splitlines()[-1])["metrics"]["disk"]["rejected_blocks"] == 0
     assert not list((tmp_path / "kv").rglob("*.tmp"))
+
+
+@pytest.mark.parametrize("tier", ["disk", "remote"])
+def test_cache_salts_keep_tenants_apart_on_shared_tiers(tier: str, tmp_path: Path) -> None:
+    with ExitStack() as stack:
+        if tier == "disk":
+            config = {"disk_offload_dir": tmp_path / "kv"}
+        else:
+            config = {"remote_url": stack.enter_context(RedisServer(tmp_path)).url}
+        prompt = np.arange(3 * PAGE_SIZE + 1)
+        with make_manager(**config) as first:
+            run_prompt(first, "alice", prompt, salt="alice")
+        with make_manager(**config) as second:
+            assert admit(second, "bob", prompt, salt="bob").processed_length == 0
+            assert admit(second, "anon", prompt).processed_length == 0
+            alice = admit(second, "alice", prompt, salt="alice")
+            assert alice.processed_length == 3 * PAGE_SIZE
+            check_cached_pages(second, "alice", alice)
+            assert second.get_tier_metrics()[tier].rejected_blocks == 0  # they never even asked for her keys

@@ -25,6 +25,7 @@ lookup table is one numpy gather. Nothing loops over tokens in Python.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Hashable, Iterator, Sequence
 
 import numpy as np
@@ -410,10 +411,19 @@ class PagedKVCacheManager:
         """Metrics summed over replicas."""
         return sum((r.metrics for r in self._replicas), KVCacheMetrics())
 
+    def get_cache_tokens_by_salt(self) -> dict[str | None, int]:
+        """Tokens served from cache, summed over replicas, per cache salt (None: unsalted)."""
+        out: Counter[str | None] = Counter()
+        for replica in self._replicas:
+            out.update(replica.cache_tokens_by_salt)
+        return dict(out)
+
     def reset_metrics(self) -> None:
-        """Zeroes every replica's metrics."""
+        """Zeroes every replica's metrics and per-salt counts (the tiers'
+        counters in `get_tier_metrics` keep counting)."""
         for replica in self._replicas:
             replica.metrics = KVCacheMetrics()
+            replica.cache_tokens_by_salt.clear()
 
     def get_tier_metrics(self) -> dict[str, TierMetrics]:
         """Each lower tier's counters summed over replicas, by tier name."""

@@ -27,6 +27,13 @@ Chains: on the device and host tiers a hit's parent is checked by `uid`
 (unique per committed block in this process); the disk and remote tiers are
 shared between processes, so they check a block's cryptographic chained key
 (`mokv.connectors.keys`), its parent's key and its tokens instead.
+
+Cache salt: a request's salt starts its chain at a root of its own on every
+tier: its first block's parent hash (`hashing.salted_root`), its first
+block's parent uid (a negative uid per salt, where unsalted requests have
+`NO_UID`) and its root key. Requests with different salts therefore never
+share a block, even when their hashes collide: the parent uid check (device,
+host) and the parent key check (disk, remote) tell them apart.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from ..connectors.config import TierFactory
 from ..context import CacheContext
 from ..metrics import KVCacheMetrics
 from .block_pool import NO_UID, BlockPool
-from .hashing import BlockHasher
+from .hashing import BlockHasher, salted_root
 from .runtime_inputs import BlockTable
 
 
@@ -72,7 +79,9 @@ class RequestState:
     keys: list[bytes] = field(default_factory=list)
     """Cross-process chained key of each hashed block (only when a tier needs them)."""
     root_key: bytes = b""
-    """The key before the request's first block."""
+    """The key before the request's first block (it commits to the cache salt)."""
+    root_hash: int | None = None
+    """Parent hash of the request's first block: None (the hasher's root) unless salted."""
 
 
 @dataclass(eq=False, slots=True)
@@ -129,6 +138,9 @@ class Replica:
         self.buffers = buffers
         self.hasher = hasher
         self.metrics = KVCacheMetrics()
+        self.cache_tokens_by_salt: Counter[str | None] = Counter()
+        """Tokens served from cache (any tier), per cache salt."""
+        self._salt_uids: dict[str, int] = {}
         self.requests: dict[Hashable, RequestState] = {}
         self.pool = BlockPool(total_num_pages, page_size)
         memory = [unit for buffer in buffers.values() for unit in buffer.to_memory()]
@@ -237,6 +249,7 @@ class Replica:
         cached_tokens = num_hits * self.page_size
         ctx.skip_processing(cached_tokens)
         self.metrics.cache_tokens += cached_tokens
+        self.cache_tokens_by_salt[ctx.cache_salt] += cached_tokens
         return cached_tokens
 
     def _load_tier_hits(
@@ -252,7 +265,7 @@ class Replica:
             uids = connector.load(ctx.request_id, tier_hits, targets)
             saves = []
             for block, uid in zip(targets, uids, strict=True):
-                parent_hash = state.hashes[i - 1] if i else None
+                parent_hash = state.hashes[i - 1] if i else state.root_hash
                 tokens = hits.tokens[row]
                 last_uid = self.pool.commit(block, state.hashes[i], last_uid, parent_hash, tokens, uid=uid)
                 if self.keyer is not None:
@@ -272,14 +285,23 @@ class Replica:
         done = len(state.hashes)
         hashable = (ctx.current_length - 1) // ps
         if hashable > done:
-            parent = state.hashes[-1] if done else None
+            if not done:
+                self._start_chain(state, ctx.cache_salt)
+            parent = state.hashes[-1] if done else state.root_hash
             tokens = ctx.tokens[done * ps : hashable * ps]
             state.hashes.extend(self.hasher.hash_blocks(tokens, parent))
             if self.keyer is not None:
-                if not done:
-                    state.root_key = self.keyer.root()
                 parent_key = state.keys[-1] if done else state.root_key
                 state.keys.extend(self.keyer.chain(tokens.reshape(-1, ps), parent_key))
+
+    def _start_chain(self, state: RequestState, salt: str | None) -> None:
+        """Roots the request's chain on every tier in its cache salt (see the module docstring)."""
+        if salt is not None:
+            state.root_hash = salted_root(salt)
+            if state.num_committed == 0:
+                state.last_uid = self._salt_uids.setdefault(salt, -1 - len(self._salt_uids))
+        if self.keyer is not None:
+            state.root_key = self.keyer.root(salt)
 
     def _find_prefix_hits(self, state: RequestState, ctx: CacheContext) -> PrefixHits:
         """Verified cached blocks continuing the request: on the device, then on each tier.
@@ -359,7 +381,7 @@ class Replica:
                         break
                     # An unverifiable (orphaned or colliding) entry nobody holds.
                     pool.uncommit(cached)
-                parent_hash = state.hashes[i - 1] if i else None
+                parent_hash = state.hashes[i - 1] if i else state.root_hash
                 uid = pool.commit(block, block_hash, state.last_uid, parent_hash, tokens[j])
                 if self._commit_tiers:
                     saves.append(self._save_item(state, i, block, tokens[j]))
