@@ -9,9 +9,11 @@ memory, in lookup order: host, disk, remote.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..buffer import KVCacheMemory
 from ..paged.block_pool import PageIndex
@@ -25,6 +27,12 @@ from .remote import RedisStore, redact_url
 from .store import PageStore, StoreConnector
 
 _GIB = 1 << 30
+
+INTEGRITY_KEY_ENV = "MOKV_KV_INTEGRITY_KEY"
+"""Environment variable holding the shared tiers' integrity key (when no key or key file is configured)."""
+
+logger = logging.getLogger("mokv.connectors")
+_warned_unkeyed = False
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,14 @@ class KVConnectorConfig:
         remote_retry_s: After a remote failure, misses for this long before retrying.
         remote_cluster: The URL names a Redis Cluster node.
         io_threads: Reader threads of the disk tier and writer threads of each tier.
+        integrity_key: Secret of the shared tiers' MAC (HMAC-SHA256 over each
+            record: layout, chain keys (hence the salt), tokens and bytes).
+            Every process sharing a store needs the same key; records written
+            without it are rejected. Kept out of `repr`.
+        integrity_key_file: A file holding the key (its bytes, a trailing newline dropped).
+        Without either, the key comes from the `MOKV_KV_INTEGRITY_KEY`
+        environment variable; with none at all, the shared tiers keep an
+        unkeyed checksum and trust their store blindly (a warning says so once).
     """
 
     model_id: str = ""
@@ -56,6 +72,8 @@ class KVConnectorConfig:
     remote_retry_s: float = 5.0
     remote_cluster: bool = False
     io_threads: int = 4
+    integrity_key: bytes | None = field(default=None, repr=False)
+    integrity_key_file: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         if self.disk_offload_max_gb is not None and not self.disk_offload_max_gb > 0:
@@ -74,6 +92,30 @@ class KVConnectorConfig:
     def enabled(self) -> bool:
         """Whether any shared tier is configured."""
         return self.disk_offload_dir is not None or self.remote_url is not None
+
+    def resolve_integrity_key(self) -> bytes | None:
+        """The MAC key: `integrity_key`, else the key file, else the environment.
+
+        Raises:
+            ValueError: The key file cannot be read or a key is empty (the
+                message never contains the key).
+        """
+        if self.integrity_key is not None:
+            key = self.integrity_key
+        elif self.integrity_key_file is not None:
+            try:
+                key = Path(self.integrity_key_file).read_bytes().rstrip(b"\r\n")
+            except OSError as error:
+                raise ValueError(
+                    f"cannot read integrity_key_file {self.integrity_key_file}: {error.strerror}"
+                ) from None
+        elif os.environ.get(INTEGRITY_KEY_ENV):
+            key = os.environ[INTEGRITY_KEY_ENV].encode()
+        else:
+            return None
+        if not key:
+            raise ValueError("the KV integrity key is empty")
+        return key
 
     @property
     def remote_where(self) -> str | None:
@@ -113,7 +155,10 @@ def tier_factory(
             return ReplicaTiers(connectors, None, host)
         fingerprint = layout_fingerprint(params, memory, config.model_id)
         payload_bytes = sum(unit.bytes_per_page for unit in memory)
-        codec = RecordCodec(fingerprint, params.page_size, payload_bytes)
+        integrity_key = config.resolve_integrity_key()
+        if integrity_key is None:
+            _warn_unkeyed()
+        codec = RecordCodec(fingerprint, params.page_size, payload_bytes, integrity_key)
         # The remote store first: it is the one that may refuse to start.
         remote = None
         if config.remote_url is not None:
@@ -138,3 +183,14 @@ def tier_factory(
         return ReplicaTiers(connectors, BlockKeyer(fingerprint), host)
 
     return build
+
+
+def _warn_unkeyed() -> None:
+    global _warned_unkeyed
+    if not _warned_unkeyed:
+        _warned_unkeyed = True
+        logger.warning(
+            "shared KV tiers run without an integrity key: any writer to the disk directory or the "
+            "remote store can plant KV this process will use; set %s or integrity_key_file",
+            INTEGRITY_KEY_ENV,
+        )

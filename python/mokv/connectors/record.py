@@ -7,9 +7,10 @@ A record is self-describing and checked end to end:
 
 The payload is the page's bytes in every memory unit of the cache, in
 `KVCacheBuffer.to_memory()` order (values, then scales when quantized). The tag
-is BLAKE2b-256 over everything before it: a checksum, or with an operator's
-integrity key a MAC (keyed BLAKE2b), so a record written without the key never
-verifies. A reader accepts a record only when every field agrees with what it
+covers everything before it: SHA-256 as a checksum, or with an operator's
+integrity key HMAC-SHA256, so a record written without the key never verifies.
+(SHA-256 rather than BLAKE2b: with the CPU's SHA extensions it hashes pages
+about twice as fast here.) A reader accepts a record only when every field agrees with what it
 asked for (layout, key, parent key, tokens, size) and the tag recomputes;
 anything else is a miss with a reason, never bytes in a device block.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import hmac
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,13 +81,11 @@ class RecordCodec:
         self.page_size = page_size
         self.payload_bytes = payload_bytes
         self.keyed = integrity_key is not None
-        # BLAKE2b takes keys of at most 64 bytes; longer key material is digested first.
-        key = integrity_key or b""
-        self._mac_key = key if len(key) <= 64 else hashlib.blake2b(key, person=b"mokv-mac-key").digest()
+        self._mac_key = integrity_key
         self.record_bytes = _HEADER.size + 8 * page_size + payload_bytes + TAG_BYTES
 
     def _tag(self, parts: Sequence[bytes | memoryview]) -> bytes:
-        h = hashlib.blake2b(digest_size=TAG_BYTES, key=self._mac_key, person=b"mokv-record")
+        h = hashlib.sha256() if self._mac_key is None else hmac.new(self._mac_key, digestmod=hashlib.sha256)
         for part in parts:
             h.update(part)
         return h.digest()
@@ -124,7 +124,7 @@ class RecordCodec:
             raise RecordError(Rejection.MISMATCH, "its tokens differ from the request's")
         body_end = len(view) - TAG_BYTES
         tag = self._tag([view[:body_end]])
-        if tag != bytes(view[body_end:]):
+        if not hmac.compare_digest(tag, bytes(view[body_end:])):
             reason = Rejection.UNAUTHENTICATED if self.keyed else Rejection.CORRUPT
             raise RecordError(reason, "its tag does not verify")
         return view[tokens_end:body_end]

@@ -114,6 +114,7 @@ class StoreConnector:
         if self._offsets[-1] != codec.payload_bytes:
             raise ValueError(f"codec pages hold {codec.payload_bytes} bytes, the device's {self._offsets[-1]}")
         self._writers = ThreadPoolExecutor(max_workers=writers, thread_name_prefix=f"mokv-{self.name}-writer")
+        self._verifiers = ThreadPoolExecutor(max_workers=writers, thread_name_prefix=f"mokv-{self.name}-verifier")
         self._max_backlog = max_backlog_bytes
         self._lock = threading.Lock()
         self._backlog = 0
@@ -137,19 +138,26 @@ class StoreConnector:
         self._metrics.lookups += 1
         started = time.perf_counter()
         records = self.store.get_many(query.keys)
+        found = next((i for i, record in enumerate(records) if record is None), len(records))
+        parents = [query.parent_key, *query.keys[: found - 1]]
+        checks = [
+            (records[i], BlockIdentity(query.keys[i], parents[i], query.tokens[i])) for i in range(found)
+        ]  # verified in parallel: hashing a page releases the GIL
+        verdicts = list(self._verifiers.map(self._verify, checks)) if found > 1 else [self._verify(c) for c in checks]
         payloads: list[memoryview] = []
-        parent = query.parent_key
-        for key, tokens, record in zip(query.keys, query.tokens, records, strict=True):
-            if record is None:
+        for (_, identity), verdict in zip(checks, verdicts, strict=True):
+            if isinstance(verdict, RecordError):
+                self._reject(identity.key, verdict)
                 break
-            try:
-                payloads.append(self.codec.verify(record, BlockIdentity(key, parent, tokens)))
-            except RecordError as error:
-                self._reject(key, error)
-                break
-            parent = key
+            payloads.append(verdict)
         self._metrics.load_seconds += time.perf_counter() - started
         return payloads
+
+    def _verify(self, check: tuple[Record, BlockIdentity]) -> memoryview | RecordError:
+        try:
+            return self.codec.verify(*check)
+        except RecordError as error:
+            return error
 
     def _reject(self, key: bytes, error: RecordError) -> None:
         self._metrics.rejected_blocks += 1
@@ -276,6 +284,7 @@ class StoreConnector:
         self.sync()
         self.flush()
         self._writers.shutdown(wait=True)
+        self._verifiers.shutdown(wait=True)
         self.store.close()
 
     def usage(self) -> TierUsage:
