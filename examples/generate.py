@@ -31,6 +31,7 @@ def generation_options(command):
             click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True),
             click.option("--max-batch-size", default=16, show_default=True, help="Most requests per step."),
             click.option("--token-budget", default=512, show_default=True, help="Most tokens per step (chunked prefill)."),
+            click.option("--cache-salt", help="Share cached KV only with requests of this salt (e.g. a tenant id)."),
             click.option("--host-cache-pages", default=0, show_default=True, help="Pages of a host-memory KV tier."),
             click.option("--disk-cache", type=click.Path(file_okay=False), help="Directory of a disk KV tier: shared by processes, kept across runs."),
             click.option("--remote-cache", metavar="URL", help="redis://[user:password@]host:port/db (or rediss://) of a remote KV tier."),
@@ -51,6 +52,7 @@ def make_config(**options) -> GenerationConfig:
         max_batch_size=options["max_batch_size"],
         token_budget=options["token_budget"],
         host_pages=options["host_cache_pages"],
+        cache_salt=options["cache_salt"],
         disk_cache=options["disk_cache"],
         remote_cache=options["remote_cache"],
     )

@@ -127,6 +127,8 @@ class GenerationConfig:
     token_budget: int = 512
     host_pages: int = 0
     """Pages of the host-memory KV tier (0: none)."""
+    cache_salt: str | None = None
+    """Every request's cache salt: cached KV is shared only with the same salt."""
     disk_cache: str | None = None
     """Directory of the disk KV tier (shared by processes, kept across runs)."""
     remote_cache: str | None = field(default=None, repr=False)
@@ -167,7 +169,10 @@ def generate(
         sampler=Sampler(config.temperature, config.seed),
         stop_token_ids=model.tokenizer.stop_token_ids,
     )
-    requests = [Request(f"req-{i}", ids, config.max_new_tokens) for i, ids in enumerate(prompt_token_ids)]
+    requests = [
+        Request(f"req-{i}", ids, config.max_new_tokens, cache_salt=config.cache_salt)
+        for i, ids in enumerate(prompt_token_ids)
+    ]
     for request in requests:
         scheduler.add(request)
     stats = scheduler.run(on_token, on_step)

@@ -108,3 +108,16 @@ def test_chat_second_turn_reuses_the_first_from_the_cache(cli):
     assert first_reused == 0
     # Every full page of the first turn's prompt is found again in the second.
     assert second_reused >= first_prompt // 16 * 16 > 0
+
+
+def test_cache_salt_keeps_runs_apart_on_the_disk_cache(cli, tmp_path):
+    def prefilled(salt: str) -> int:
+        out = tmp_path / f"{salt}.json"
+        args = ["generate", PROMPTS[0], "--max-new-tokens", "2", "--disk-cache", str(tmp_path / "kv")]
+        result = cli.invoke(main, [*args, "--cache-salt", salt, "--json", str(out)])
+        assert result.exit_code == 0, result.output
+        return json.loads(out.read_text())["stats"]["prefill_tokens"]
+
+    alice = prefilled("alice")
+    assert prefilled("bob") == alice  # bob computes everything again
+    assert prefilled("alice") < alice  # alice's second run reuses her pages
