@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import click
 
-from mokv_examples.generate import TokenStream, generation_options, make_config
 from mokv import PagedKVCacheManager
+from mokv_examples.generate import TokenStream, generation_options, make_config
 from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate, make_manager
 
 

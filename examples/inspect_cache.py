@@ -11,6 +11,7 @@ import click
 import numpy as np
 
 from mokv import PagedKVCacheManager
+from mokv_examples.generate import tier_options
 from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
 from mokv_examples.scheduler import Scheduler
 
@@ -129,18 +130,14 @@ def tier_lines(manager: PagedKVCacheManager) -> list[str]:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-results/cache.png"), show_default=True)
 @click.option("--page-size", default=16, show_default=True)
 @click.option("--max-new-tokens", default=24, show_default=True)
-@click.option("--host-cache-pages", default=0, show_default=True, help="Pages of a host-memory KV tier.")
-@click.option("--disk-cache", type=click.Path(file_okay=False), help="Directory of a disk KV tier.")
-@click.option("--remote-cache", metavar="URL", help="redis:// URL of a remote KV tier.")
+@tier_options
 def inspect_cache(
     out: Path, page_size: int, max_new_tokens: int, host_cache_pages: int, disk_cache: str | None, remote_cache: str | None
 ) -> None:
     """Run a shared-system-prompt workload, draw the cache at its fullest, and
     show each tier's occupancy."""
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens, page_size=page_size, num_pages=256,
-        host_pages=host_cache_pages, disk_cache=disk_cache, remote_cache=remote_cache,
-    )
+    tiers = {"host_pages": host_cache_pages, "disk_cache": disk_cache, "remote_cache": remote_cache}
+    config = GenerationConfig(max_new_tokens=max_new_tokens, page_size=page_size, num_pages=256, **tiers)
     snapshot, manager = fullest_snapshot(SmolLM2(), config)
     hit_rate = manager.get_metrics_aggregated().cache_hit_rate
     out.parent.mkdir(parents=True, exist_ok=True)
