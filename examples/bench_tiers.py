@@ -213,6 +213,9 @@ def tiers(
             "+ host + disk + remote": {"host_pages": host_pages, "disk_cache": disk, "remote_cache": remote_cache},
         }
         model = SmolLM2()
+        warm_up = GenerationConfig(**base)
+        with make_manager(model, warm_up) as manager:  # untimed: the first steps of a process run slower
+            run_turns(model, manager, warm_up, conversations(model, 1), turns=1)
         rows = []
         for name, tiers_of in configs.items():
             config = GenerationConfig(**base, **tiers_of)
