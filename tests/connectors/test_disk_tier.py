@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mokv.connectors import KVConnectorConfig
 from mokv.connectors.disk import SUFFIX
 
 from .conftest import PAGE_SIZE, admit, check_cached_pages, make_manager, run_prompt, small_params
@@ -170,3 +171,39 @@ def test_a_full_disk_disables_the_tier_with_one_warning(
     warnings = [r for r in caplog.records if "disabled" in r.getMessage()]
     assert len(warnings) == 1 and "No space left" in warnings[0].getMessage()
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_several_caches_behind_one_page_table_restore_together(tmp_path: Path) -> None:
+    """A `MultiKVCacheParams` page spans every leaf cache: one record holds them all."""
+    from max.dtype import DType
+
+    from mokv import KVCacheParams, MultiKVCacheParams, PagedKVCacheManager, TextContext
+
+    def leaf(heads: int) -> KVCacheParams:
+        return KVCacheParams(
+            DType.float32, n_kv_heads=heads, head_dim=4, num_layers=1, page_size=PAGE_SIZE, enable_prefix_caching=True
+        )
+
+    params = MultiKVCacheParams({"target": leaf(2), "draft": leaf(1)})
+    config = KVConnectorConfig(model_id="two-caches", disk_offload_dir=tmp_path)
+    with PagedKVCacheManager(params, None, 8, max_batch_size=2, connector_config=config) as m:
+        c = TextContext("a", np.arange(2 * PAGE_SIZE + 1))
+        m.claim("a")
+        m.alloc(c)
+        for offset, buffer in enumerate(m.get_device_buffer().values()):
+            pages = buffer.values[0].to_numpy()
+            for i, block in enumerate(m.get_req_blocks("a")):
+                pages[block] = 100 * offset + i
+        c.update(0)
+        m.step([[c]])
+        m.release("a")
+    with PagedKVCacheManager(params, None, 8, max_batch_size=2, connector_config=config) as m:
+        c = TextContext("b", np.arange(2 * PAGE_SIZE + 1))
+        m.claim("b")
+        m.alloc(c)
+        m.runtime_inputs([[c]])
+        assert c.processed_length == 2 * PAGE_SIZE
+        for offset, buffer in enumerate(m.get_device_buffer().values()):
+            pages = buffer.values[0].to_numpy()
+            for i, block in enumerate(m.get_req_blocks("b")[:2]):
+                assert (pages[block] == 100 * offset + i).all()
