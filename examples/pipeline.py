@@ -131,6 +131,8 @@ class GenerationConfig:
     """Every request's cache salt: cached KV is shared only with the same salt."""
     disk_cache: str | None = None
     """Directory of the disk KV tier (shared by processes, kept across runs)."""
+    disk_gb: float | None = None
+    """Byte budget of the disk tier (None: twice the device pool)."""
     remote_cache: str | None = field(default=None, repr=False)
     """`redis://` URL of the remote KV tier; may hold a password, so it is
     kept out of `repr` and `report()`."""
@@ -140,7 +142,12 @@ class GenerationConfig:
         prefix-cached blocks, so none without prefix caching)."""
         if not self.enable_prefix_caching or (self.disk_cache is None and self.remote_cache is None):
             return None
-        return KVConnectorConfig(model_id=model_id, disk_offload_dir=self.disk_cache, remote_url=self.remote_cache)
+        return KVConnectorConfig(
+            model_id=model_id,
+            disk_offload_dir=self.disk_cache,
+            disk_offload_max_gb=self.disk_gb,
+            remote_url=self.remote_cache,
+        )
 
     def report(self) -> dict[str, object]:
         """The config for JSON reports, the remote URL without credentials."""

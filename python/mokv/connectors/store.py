@@ -109,6 +109,9 @@ class StoreConnector:
         self.codec = codec
         self._metrics = TierMetrics()
         self._memory = device_memory
+        self._host_views = [_host_views(unit) for unit in device_memory]
+        """Per unit, numpy views of its host-resident copies (None on an accelerator)."""
+        self._num_writers = writers
         widths = [unit.bytes_per_page for unit in device_memory]
         self._offsets = np.cumsum([0, *widths]).tolist()
         if self._offsets[-1] != codec.payload_bytes:
@@ -177,7 +180,13 @@ class StoreConnector:
         sources = self._loads_in_flight.setdefault(request_id, [])
         for payload, block in zip(hits, blocks, strict=True):
             row = np.frombuffer(payload, dtype=np.uint8)
-            for unit, start, end in zip(self._memory, self._offsets, self._offsets[1:], strict=False):
+            for unit, views, start, end in zip(
+                self._memory, self._host_views, self._offsets, self._offsets[1:], strict=False
+            ):
+                if views is not None:  # host memory: a plain copy, done when it returns
+                    for view in views:
+                        view[block] = row[start:end]
+                    continue
                 source = Buffer.from_numpy(row[start:end])
                 sources.append(source)
                 for device_pages in unit.copies:
@@ -217,21 +226,31 @@ class StoreConnector:
             self._backlog += size
         pages = self._snapshot([item.block for item in blocks])
         identities = [BlockIdentity(item.key, item.parent_key, item.tokens) for item in blocks]
-        future = self._writers.submit(self._write, identities, pages, size)
-        with self._lock:
-            self._in_flight.add(future)
-        future.add_done_callback(self._written)
+        # One task per writer, each a contiguous share: hashing and writing run in parallel.
+        share = -(-len(blocks) // self._num_writers)
+        for lo in range(0, len(blocks), share):
+            part = slice(lo, lo + share)
+            chunk = len(identities[part]) * self.codec.payload_bytes
+            future = self._writers.submit(self._write, identities[part], [p[part] for p in pages], chunk)
+            with self._lock:
+                self._in_flight.add(future)
+            future.add_done_callback(self._written)
         return len(blocks)
 
     def _snapshot(self, blocks: list[int]) -> list[np.ndarray]:
         """Host copies `[len(blocks), bytes_per_page]` of the blocks in each memory unit."""
-        pages = [np.empty((len(blocks), unit.bytes_per_page), np.uint8) for unit in self._memory]
-        for unit, host in zip(self._memory, pages, strict=True):
+        pages = []
+        for unit, views in zip(self._memory, self._host_views, strict=True):
+            if views is not None:  # host memory: one gathering copy
+                pages.append(views[0][blocks])
+                continue
+            host = np.empty((len(blocks), unit.bytes_per_page), np.uint8)
+            pages.append(host)
             target = Buffer.from_numpy(host)
             for i, block in enumerate(blocks):
                 target[i, :].inplace_copy_from(unit.buffer[block, :])
             target.device.synchronize()
-        self._wait_for_devices()
+            self._wait_for_devices()
         return pages
 
     def _write(self, identities: list[BlockIdentity], pages: list[np.ndarray], size: int) -> None:
@@ -289,3 +308,11 @@ class StoreConnector:
 
     def usage(self) -> TierUsage:
         return self.store.usage()
+
+
+def _host_views(unit: KVCacheMemory) -> list[np.ndarray] | None:
+    """Numpy views (no copy) of every copy of `unit`'s pages when all live in
+    host memory, so pages move by plain memcpy; None otherwise."""
+    if not all(copy.device.is_host for copy in unit.copies):
+        return None
+    return [copy.to_numpy() for copy in unit.copies]
