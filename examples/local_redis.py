@@ -54,7 +54,7 @@ class LocalRedis:
         """`redis://127.0.0.1:<port>/0` (no credentials)."""
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> LocalRedis:
+    def start(self, timeout_s: float = 30.0) -> LocalRedis:
         """Starts the server and waits until it accepts connections."""
         command = [self.executable, "--port", str(self.port), "--bind", "127.0.0.1"]
         command += ["--save", "", "--appendonly", "no", "--dir", str(self.workdir), *self.args]

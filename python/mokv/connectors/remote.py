@@ -83,6 +83,8 @@ class RedisStore(PageStore):
         self.errors = 0
         self._redis = redis
         self._prefix = b"mokv:" + fingerprint.hex().encode() + b":"
+        self._every_node: dict[str, object] = {}
+        """Arguments that send a server-wide query to every primary of a cluster."""
         self._ttl = None if ttl_s is None else max(1, round(ttl_s))
         self._retry_s = retry_s
         self._lock = threading.Lock()
@@ -99,6 +101,7 @@ class RedisStore(PageStore):
                 from redis.cluster import RedisCluster
 
                 self._client = RedisCluster.from_url(url, **options)
+                self._every_node = {"target_nodes": RedisCluster.PRIMARIES}
             else:
                 self._client = redis.Redis.from_url(url, **options)
         except ValueError:
@@ -193,16 +196,19 @@ class RedisStore(PageStore):
             self._failed(error)
 
     def usage(self) -> TierUsage:
-        """The server's keys and memory (all of its users'); zeros while it is unreachable."""
+        """The server's (or cluster's) keys and memory, all of its users';
+        zeros while it is unreachable."""
         if not self.enabled:
             return TierUsage(0, 0, 0, 0)
         try:
-            keys = self._client.dbsize()
-            memory = self._client.info("memory")
+            keys = self._client.dbsize(**self._every_node)
+            memory = self._client.info("memory", **self._every_node)
         except self._redis.RedisError as error:
             self._failed(error)
             return TierUsage(0, 0, 0, 0)
-        return TierUsage(int(keys), 0, int(memory.get("used_memory", 0)), int(memory.get("maxmemory", 0)))
+        per_node = list(memory.values()) if self._every_node else [memory]
+        used, limit = (sum(int(node.get(field, 0)) for node in per_node) for field in ("used_memory", "maxmemory"))
+        return TierUsage(int(keys), 0, used, limit)
 
     def close(self) -> None:
         with contextlib.suppress(self._redis.RedisError):
