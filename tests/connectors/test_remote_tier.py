@@ -107,6 +107,25 @@ def test_a_frozen_then_restarted_server_costs_only_misses(
         assert admit(fresh, "after", prompt).processed_length == 3 * PAGE_SIZE
 
 
+def cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
 def form_cluster(nodes: list[RedisServer]) -> None:
     """Splits the 16384 hash slots over the nodes and joins them into one cluster."""
     import redis
@@ -137,7 +156,9 @@ def test_a_redis_cluster_shares_prefixes_across_its_nodes(tmp_path: Path) -> Non
             workdir = tmp_path / f"node{i}"
             workdir.mkdir()
             args = ("--cluster-enabled", "yes", "--cluster-config-file", str(workdir / "nodes.conf"))
-            nodes.append(stack.enter_context(RedisServer(workdir, *args)))
+            node = RedisServer(workdir, *args)
+            node.port = cluster_port()
+            nodes.append(stack.enter_context(node))
         form_cluster(nodes)
         prompt = np.arange(6 * PAGE_SIZE + 1)
         with make_manager(remote_url=nodes[0].url, remote_cluster=True) as first:

@@ -6,7 +6,8 @@ cross-process keys, copies committed device blocks out (synchronously, since
 the block may be handed out again at once) and hands them to background
 writer threads, which encode a record per block (`record.RecordCodec`: tokens,
 chain, checksum or MAC) and store it. On a lookup it fetches a prefix's
-records in one go (parallel file reads, one pipelined multi-get), verifies
+records in one go after probing the first (parallel file reads, one
+pipelined multi-get), verifies
 each before anything touches a device block, and stops at the first miss or
 rejection. A load only enqueues the copies into the fresh device blocks; the
 manager awaits them before `runtime_inputs` returns.
@@ -140,7 +141,11 @@ class StoreConnector:
             return []
         self._metrics.lookups += 1
         started = time.perf_counter()
-        records = self.store.get_many(query.keys)
+        # The first block alone first: most lookups of a new prompt miss there,
+        # and then one small read (or round trip) is all they cost.
+        records = self.store.get_many(query.keys[:1])
+        if records[0] is not None and len(query) > 1:
+            records += self.store.get_many(query.keys[1:])
         found = next((i for i, record in enumerate(records) if record is None), len(records))
         parents = [query.parent_key, *query.keys[: found - 1]]
         checks = [
