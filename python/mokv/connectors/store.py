@@ -182,7 +182,7 @@ class StoreConnector:
     def load(self, request_id: Hashable, hits: Sequence[memoryview], blocks: Sequence[int]) -> list[int]:
         """Enqueues copies of verified payloads into device `blocks` (awaited by
         `sync`); the blocks get fresh uids."""
-        sources = self._loads_in_flight.setdefault(request_id, [])
+        sources: list[Buffer] = []
         for payload, block in zip(hits, blocks, strict=True):
             row = np.frombuffer(payload, dtype=np.uint8)
             for unit, views, start, end in zip(
@@ -196,6 +196,8 @@ class StoreConnector:
                 sources.append(source)
                 for device_pages in unit.copies:
                     device_pages[block, :].inplace_copy_from(source)
+        if sources:
+            self._loads_in_flight.setdefault(request_id, []).extend(sources)
         self._metrics.hit_blocks += len(hits)
         self._metrics.hit_bytes += len(hits) * self.codec.payload_bytes
         return [NO_UID] * len(hits)
