@@ -17,7 +17,7 @@ $(BIN)/python:
 
 # The .pth line points the checkout's venv at the checkout's caches however it is
 # started (.venv/bin/mokv, .venv/bin/python -m pytest), as make does.
-$(VENV)/.installed: requirements.txt requirements-cli.txt requirements-test.txt constraints.txt pyproject.toml | $(BIN)/python
+$(VENV)/.installed: requirements.txt requirements-cli.txt requirements-remote.txt requirements-test.txt constraints.txt pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --disable-pip-version-check -q -c constraints.txt -r requirements-test.txt
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps -e .
 	echo 'import os; os.environ.setdefault("MOKV_CACHE_DIR", "$(MOKV_CACHE_DIR)")' \

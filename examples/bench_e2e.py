@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from mokv_examples.bench_results import out_dir_option, write_results
+from mokv_examples.generate import tier_options
 from mokv_examples.inspect_cache import QUESTIONS, SYSTEM_PROMPT
 from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
 
@@ -56,7 +57,8 @@ def plot(rows: list[dict], path: Path) -> None:
 @click.option("--quick", is_flag=True, help="Batches 1, 4 and 16 with fewer new tokens.")
 @out_dir_option("e2e")
 @click.option("--page-size", default=16, show_default=True)
-def e2e(quick: bool, out_dir: Path, page_size: int) -> None:
+@tier_options
+def e2e(quick: bool, out_dir: Path, page_size: int, **tiers: object) -> None:
     """Throughput at batch 1, 4, 16, 64 with and without prefix caching."""
     batches = (1, 4, 16) if quick else (1, 4, 16, 64)
     max_new_tokens = 16 if quick else 32
@@ -68,12 +70,15 @@ def e2e(quick: bool, out_dir: Path, page_size: int) -> None:
             config = GenerationConfig(
                 max_new_tokens=max_new_tokens, page_size=page_size, num_pages=1024,
                 enable_prefix_caching=prefix, max_batch_size=batch, token_budget=2048,
+                host_pages=tiers["host_cache_pages"], disk_cache=tiers["disk_cache"],
+                remote_cache=tiers["remote_cache"],
             )
             _, _, manager = generate(model, [warm_up], config)
             manager.reset_metrics()
             started = time.perf_counter()
             requests, stats, manager = generate(model, prompts, config, manager=manager)
             wall = time.perf_counter() - started
+            manager.shutdown()
             row = {
                 "case": f"batch{batch}-{'prefix' if prefix else 'noprefix'}",
                 "batch": batch,

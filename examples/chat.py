@@ -7,7 +7,7 @@ import click
 
 from mokv import PagedKVCacheManager
 from mokv_examples.generate import TokenStream, generation_options, make_config
-from mokv_examples.pipeline import SmolLM2, generate
+from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate, make_manager
 
 
 @click.command()
@@ -17,12 +17,13 @@ def chat(system: str, **options) -> None:
     """Chat with SmolLM2-135M (an empty line or Ctrl-D ends the conversation)."""
     config = make_config(**options)
     model = SmolLM2()
-    manager = PagedKVCacheManager(
-        model.cache_params(config.page_size, enable_prefix_caching=True),
-        model.session,
-        config.num_pages,
-        max_batch_size=1,
-    )
+    config.enable_prefix_caching = True
+    with make_manager(model, config, max_batch_size=1) as manager:
+        converse(model, manager, config, system)
+
+
+def converse(model: SmolLM2, manager: PagedKVCacheManager, config: GenerationConfig, system: str) -> None:
+    """Turns until an empty line or Ctrl-D."""
     messages = [{"role": "system", "content": system}]
     while True:
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -15,6 +15,7 @@ from max.dtype import DType
 from max.engine import InferenceSession, Model
 
 from mokv import KVCacheInputs, KVCacheParams, PagedKVCacheManager
+from mokv.connectors import KVConnectorConfig
 from mokv_examples.scheduler import Request, Sampler, Scheduler, StepStats
 from mokv_graphs.gguf_model import LlamaCheckpoint, load_llama
 from mokv_graphs.llama import load_llama_model
@@ -61,6 +62,10 @@ class GenerationReport:
 class SmolLM2:
     """The compiled SmolLM2 graph over a paged cache. The graph leaves the page
     size symbolic, so one compiled model serves caches of any page size."""
+
+    model_id = "SmolLM2-135M-Instruct.Q4_1.gguf/float32-graph"
+    """Names the weights and graph numerics the KV comes from: shared cache
+    tiers keep it apart from any other model's KV."""
 
     def __init__(self, session: InferenceSession | None = None, log: Callable[[str], None] | None = None) -> None:
         log = log or (lambda msg: print(msg, file=sys.stderr))
@@ -120,6 +125,36 @@ class GenerationConfig:
     enable_prefix_caching: bool = True
     max_batch_size: int = 16
     token_budget: int = 512
+    host_pages: int = 0
+    """Pages of the host-memory KV tier (0: none)."""
+    cache_salt: str | None = None
+    """Every request's cache salt: cached KV is shared only with the same salt."""
+    disk_cache: str | None = None
+    """Directory of the disk KV tier (shared by processes, kept across runs)."""
+    disk_gb: float | None = None
+    """Byte budget of the disk tier (None: twice the device pool)."""
+    remote_cache: str | None = field(default=None, repr=False)
+    """`redis://` URL of the remote KV tier; may hold a password, so it is
+    kept out of `repr` and `report()`."""
+
+    def connector_config(self, model_id: str) -> KVConnectorConfig | None:
+        """The disk and remote tiers asked for, if any (they keep only
+        prefix-cached blocks, so none without prefix caching)."""
+        if not self.enable_prefix_caching or (self.disk_cache is None and self.remote_cache is None):
+            return None
+        return KVConnectorConfig(
+            model_id=model_id,
+            disk_offload_dir=self.disk_cache,
+            disk_offload_max_gb=self.disk_gb,
+            remote_url=self.remote_cache,
+        )
+
+    def report(self) -> dict[str, object]:
+        """The config for JSON reports, the remote URL without credentials."""
+        out = dict(vars(self))
+        if self.remote_cache is not None:
+            out["remote_cache"] = KVConnectorConfig(remote_url=self.remote_cache).remote_where
+        return out
 
 
 def generate(
@@ -132,10 +167,7 @@ def generate(
 ) -> tuple[list[Request], StepStats, PagedKVCacheManager]:
     """Runs every prompt to completion with continuous batching, on `manager`
     if given (a chat keeps one across turns so its history stays cached)."""
-    params = model.cache_params(config.page_size, config.enable_prefix_caching)
-    manager = manager or PagedKVCacheManager(
-        params, model.session, config.num_pages, max_batch_size=config.max_batch_size
-    )
+    manager = manager or make_manager(model, config)
     scheduler = Scheduler(
         manager,
         model.step,
@@ -144,11 +176,28 @@ def generate(
         sampler=Sampler(config.temperature, config.seed),
         stop_token_ids=model.tokenizer.stop_token_ids,
     )
-    requests = [Request(f"req-{i}", ids, config.max_new_tokens) for i, ids in enumerate(prompt_token_ids)]
+    requests = [
+        Request(f"req-{i}", ids, config.max_new_tokens, cache_salt=config.cache_salt)
+        for i, ids in enumerate(prompt_token_ids)
+    ]
     for request in requests:
         scheduler.add(request)
     stats = scheduler.run(on_token, on_step)
     return requests, stats, manager
+
+
+def make_manager(model: SmolLM2, config: GenerationConfig, max_batch_size: int | None = None) -> PagedKVCacheManager:
+    """The paged cache `config` asks for, with its disk and remote tiers; call
+    `shutdown()` on it when done so their background writes finish."""
+    params = model.cache_params(config.page_size, config.enable_prefix_caching)
+    return PagedKVCacheManager(
+        params,
+        model.session,
+        config.num_pages,
+        config.host_pages if config.enable_prefix_caching else 0,
+        max_batch_size=max_batch_size or config.max_batch_size,
+        connector_config=config.connector_config(model.model_id),
+    )
 
 
 def run_prompts(
@@ -163,6 +212,7 @@ def run_prompts(
     started = time.perf_counter()
     requests, stats, manager = generate(model, ids, config, on_token)
     wall = time.perf_counter() - started
+    manager.shutdown()
     metrics = manager.get_metrics_aggregated()
     completions = [
         Completion(

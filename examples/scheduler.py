@@ -43,6 +43,8 @@ class Request:
     finished: bool = False
     preemptions: int = 0
     context: TextContext | None = None
+    cache_salt: str | None = None
+    """Shares cached KV only with requests of the same salt (a tenant, say)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -52,7 +54,7 @@ class Request:
     def fresh_context(self) -> TextContext:
         """A context over the prompt plus everything generated (for (re)admission)."""
         history = np.concatenate([self.prompt, np.asarray(self.generated, np.int64)])
-        return TextContext(self.request_id, history)
+        return TextContext(self.request_id, history, cache_salt=self.cache_salt)
 
 
 @dataclass

@@ -160,3 +160,20 @@ def test_mla_params_are_refused() -> None:
                                   num_q_heads=8)
     with pytest.raises(TypeError, match="got MLAKVCacheParams"):
         from_max(mla)
+
+
+def test_max_contexts_cache_salt_isolates_their_prefixes() -> None:
+    params = KVCacheParams(DType.float32, n_kv_heads=1, head_dim=8, num_layers=1, page_size=PAGE,
+                           enable_prefix_caching=True)
+    m = PagedKVCacheManager(params, None, 16, enable_runtime_checks=True, max_batch_size=4)
+    cached = []
+    for request_id, salt in (("a", "tenant-1"), ("b", "tenant-2"), ("c", "tenant-1")):
+        ctx = max_context(request_id, range(11))
+        ctx.cache_salt = salt
+        m.claim(ctx.request_id)
+        m.alloc(ctx)
+        cached.append(ctx.cached_prefix_length)
+        ctx.update(0)
+        m.step([[ctx]])
+        m.release(ctx.request_id)
+    assert cached == [0, 0, 8]

@@ -33,10 +33,12 @@ class CacheContext(Protocol):
     generated); `processed_length` (tokens whose KV is in the cache);
     `active_length` (tokens the next step runs and writes KV for);
     `current_length` (`processed_length + active_length`, the end of the
-    step's window). Writes, on a prefix-cache hit only: `skip_processing(n)`
-    moves the window's start past `n` cached tokens, and on a request's first
-    admission `cached_prefix_length` records how many prompt tokens the cache
-    served (0 on a miss), as MAX's own manager does.
+    step's window); `cache_salt` (None, or a string such as a tenant id:
+    requests share cached KV only with requests of the same salt, as vLLM's
+    and MAX's `cache_salt`). Writes, on a prefix-cache hit only:
+    `skip_processing(n)` moves the window's start past `n` cached tokens, and
+    on a request's first admission `cached_prefix_length` records how many
+    prompt tokens the cache served (0 on a miss), as MAX's own manager does.
     """
 
     @property
@@ -54,6 +56,9 @@ class CacheContext(Protocol):
     @property
     def current_length(self) -> int: ...
 
+    @property
+    def cache_salt(self) -> str | None: ...
+
     cached_prefix_length: int | None
 
     def skip_processing(self, n: int) -> None: ...
@@ -66,15 +71,18 @@ class TextContext:
         request_id: Unique id the cache manager files the request under.
         tokens: The prompt, a 1-D integer array (copied).
         max_length: Most tokens the request may ever hold, or None for no limit.
+        cache_salt: Isolates the request's cached KV: it shares cached blocks
+            only with requests of the same salt (None shares with unsalted ones).
     """
 
-    __slots__ = ("_buf", "_length", "_processed", "cached_prefix_length", "max_length", "request_id")
+    __slots__ = ("_buf", "_length", "_processed", "cache_salt", "cached_prefix_length", "max_length", "request_id")
 
     def __init__(
         self,
         request_id: Hashable,
         tokens: npt.ArrayLike,
         max_length: int | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         prompt = np.asarray(tokens)
         if prompt.ndim != 1 or prompt.size == 0:
@@ -83,8 +91,11 @@ class TextContext:
             raise TypeError(f"tokens must be integers, got dtype {prompt.dtype}")
         if max_length is not None and prompt.size > max_length:
             raise ValueError(f"prompt of {prompt.size} tokens exceeds max_length={max_length}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
         self.request_id = request_id
         self.max_length = max_length
+        self.cache_salt = cache_salt
         self.cached_prefix_length: int | None = None
         """Prompt tokens served from the prefix cache at first admission (set by the manager)."""
         self._buf = np.empty(max(16, 2 * prompt.size), dtype=np.int64)
@@ -190,6 +201,10 @@ class MaxTextContextAdapter:
     @property
     def current_length(self) -> int:
         return self.context.tokens.current_position
+
+    @property
+    def cache_salt(self) -> str | None:
+        return getattr(self.context, "cache_salt", None)
 
     @property
     def cached_prefix_length(self) -> int | None:

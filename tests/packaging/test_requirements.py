@@ -14,11 +14,16 @@ from packaging.utils import canonicalize_name
 REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 # Each pinned file pins one of pyproject's lists and includes the file that list builds
-# on: an extra adds to the library, and `test` names `mokv[cli]` to add to `cli`.
+# on: an extra adds to the library, and `test` names `mokv[cli,remote]` to add to both.
 PINNED_FILES = {
     "requirements.txt": (PYPROJECT["dependencies"], [], None),
     "requirements-cli.txt": (PYPROJECT["optional-dependencies"]["cli"], ["requirements.txt"], None),
-    "requirements-test.txt": (PYPROJECT["optional-dependencies"]["test"], ["requirements-cli.txt"], "mokv[cli]"),
+    "requirements-remote.txt": (PYPROJECT["optional-dependencies"]["remote"], ["requirements.txt"], None),
+    "requirements-test.txt": (
+        PYPROJECT["optional-dependencies"]["test"],
+        ["requirements-cli.txt", "requirements-remote.txt"],
+        "mokv[cli,remote]",
+    ),
 }
 
 

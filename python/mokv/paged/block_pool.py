@@ -229,19 +229,16 @@ class BlockPool:
         parent_uid: int,
         parent_hash: int | None,
         tokens: npt.NDArray[np.integer],
+        uid: int = NO_UID,
     ) -> int:
-        """Puts a freshly computed full block in the prefix cache under a new
-        `uid`, which it returns."""
-        self._last_uid += 1
-        self.index.insert(block, block_hash, self._last_uid, parent_uid, parent_hash, tokens)
-        return self._last_uid
-
-    def adopt(self, block: int, source: PageIndex, slot: int) -> int:
-        """Commits `block`, just filled with a lower tier's copy of `source`'s
-        `slot`, under that page's identity (hash, uid, parent, tokens); returns
-        the uid. The mirror of the host tier taking an evicted block's identity."""
-        self.index.copy_entry(block, source, slot)
-        return self.index.uid[block]
+        """Puts a full block in the prefix cache and returns its `uid`: a new
+        one for a freshly computed (or freshly loaded) block, or `uid` for a
+        block restored from a tier that kept the identity this pool gave it."""
+        if uid == NO_UID:
+            self._last_uid += 1
+            uid = self._last_uid
+        self.index.insert(block, block_hash, uid, parent_uid, parent_hash, tokens)
+        return uid
 
     def uncommit(self, block: int) -> None:
         """Takes a block out of the prefix cache (it keeps its holders)."""

@@ -11,8 +11,9 @@ The lifecycle of a request on replica r (MAX's documented API):
 
 Contexts may be mokv's `TextContext` or MAX's own (`mokv.context.cache_context`
 adapts them). Each replica (`replica.Replica`) has its own block pool, block
-table and host tier, and holds the per-request policy; a request lives on one
-replica from `claim` to `release`. With `MultiKVCacheParams` every replica
+table and lower tiers (host memory, disk, remote store: `mokv.connectors`),
+and holds the per-request policy; a request lives on one replica from `claim`
+to `release`. With `MultiKVCacheParams` every replica
 allocates one block tensor per leaf cache and one block id names the same page
 in all of them, so a claim, an allocation and a prefix hit cover every cache.
 
@@ -24,12 +25,15 @@ lookup table is one numpy gather. Nothing loops over tokens in Python.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Hashable, Iterator, Sequence
 
 import numpy as np
 from max.engine import InferenceSession
 
 from ..buffer import KVCacheBuffer
+from ..connectors.base import TierMetrics, TierUsage
+from ..connectors.config import KVConnectorConfig, tier_factory
 from ..context import cache_context
 from ..contract import KVCacheInputs, MultiKVCacheInputs, PagedCacheInputs
 from ..metrics import KVCacheMetrics
@@ -60,9 +64,14 @@ class PagedKVCacheManager:
             with MAX; buffers are allocated on `params.devices` directly).
         total_num_pages: Device pages per replica for requests; each block
             tensor has one more, the null page (`mokv.contract`).
-        total_num_host_pages: Host-tier pages per replica; 0 disables the tier.
+        total_num_host_pages: Host-tier pages per replica; 0 takes
+            `params.num_host_pages` (from `host_kvcache_swap_space_gb`, 0 when
+            swapping is off), and no pages disable the tier.
         enable_runtime_checks: Assert the pool invariants after every call.
         max_batch_size: Most requests one replica's `runtime_inputs` batch may hold.
+        connector_config: The disk and remote tiers (`KVConnectorConfig`);
+            None for none. Call `shutdown()` (or use the manager as a context
+            manager) to let their background writes finish.
     """
 
     def __init__(
@@ -74,6 +83,7 @@ class PagedKVCacheManager:
         enable_runtime_checks: bool = False,
         *,
         max_batch_size: int,
+        connector_config: KVConnectorConfig | None = None,
     ) -> None:
         params = resolve_params(params)
         if params.cache_strategy is not KVCacheStrategy.PAGED:
@@ -84,10 +94,16 @@ class PagedKVCacheManager:
             raise ValueError(f"total_num_pages must be positive, got {total_num_pages}")
         if total_num_host_pages < 0:
             raise ValueError(f"total_num_host_pages must be >= 0, got {total_num_host_pages}")
+        total_num_host_pages = total_num_host_pages or params.num_host_pages
         if total_num_host_pages and not params.enable_prefix_caching:
             raise ValueError(
                 f"total_num_host_pages={total_num_host_pages} needs enable_prefix_caching=True: "
                 "the host tier only keeps prefix-cached blocks"
+            )
+        if connector_config is not None and connector_config.enabled and not params.enable_prefix_caching:
+            raise ValueError(
+                "the disk and remote tiers of connector_config need enable_prefix_caching=True: "
+                "they only keep prefix-cached blocks"
             )
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
@@ -100,11 +116,12 @@ class PagedKVCacheManager:
         self.enable_runtime_checks = enable_runtime_checks
         self._hasher = BlockHasher(params.page_size)
         leaves = params.leaves()
+        tiers = tier_factory(params, total_num_pages, total_num_host_pages, connector_config)
         self._replicas = [
             Replica(
                 index,
                 total_num_pages,
-                total_num_host_pages,
+                tiers,
                 params.page_size,
                 params.enable_prefix_caching,
                 max_batch_size,
@@ -288,6 +305,7 @@ class PagedKVCacheManager:
             )
             for name, buffer in replica.buffers.items():
                 per_leaf[name] += device_inputs(tables, buffer.values, replica.devices)
+            replica.wait_for_loads()  # blocks loaded from a tier hold their bytes before the graph runs
         return _as_tree(self.params, per_leaf)
 
     def runtime_inputs_for_leaf(
@@ -353,14 +371,19 @@ class PagedKVCacheManager:
         return 0 if host is None else host.num_used
 
     def get_num_disk_pages(self, replica_idx: int = 0) -> int:
-        """Disk-tier pages: mokv has no disk tier."""
-        self._replica(replica_idx)
-        return 0
+        """Pages the disk tier's budget holds (0 without a disk tier)."""
+        usage = self.get_tier_usage(replica_idx).get("disk")
+        return 0 if usage is None else usage.total_pages
 
     def get_num_used_disk_pages(self, replica_idx: int = 0) -> int:
-        """Used disk-tier pages: always 0."""
-        self._replica(replica_idx)
-        return 0
+        """Page files of the disk tier this process knows of (its own, those
+        found at start-up and those it hit)."""
+        usage = self.get_tier_usage(replica_idx).get("disk")
+        return 0 if usage is None else usage.used_pages
+
+    def get_tier_usage(self, replica_idx: int = 0) -> dict[str, TierUsage]:
+        """Occupancy of each lower tier of the replica, by tier name, in lookup order."""
+        return {c.name: c.usage() for c in self._replica(replica_idx).connectors}
 
     def num_free_blocks(self, replica_idx: int = 0) -> int:
         """Blocks no request holds (free or cached) on the replica."""
@@ -388,16 +411,56 @@ class PagedKVCacheManager:
         """Metrics summed over replicas."""
         return sum((r.metrics for r in self._replicas), KVCacheMetrics())
 
+    def get_cache_tokens_by_salt(self) -> dict[str | None, int]:
+        """Tokens served from cache, summed over replicas, per cache salt (None: unsalted)."""
+        out: Counter[str | None] = Counter()
+        for replica in self._replicas:
+            out.update(replica.cache_tokens_by_salt)
+        return dict(out)
+
     def reset_metrics(self) -> None:
-        """Zeroes every replica's metrics."""
+        """Zeroes every replica's metrics and per-salt counts (the tiers'
+        counters in `get_tier_metrics` keep counting)."""
         for replica in self._replicas:
             replica.metrics = KVCacheMetrics()
+            replica.cache_tokens_by_salt.clear()
+
+    def get_tier_metrics(self) -> dict[str, TierMetrics]:
+        """Each lower tier's counters summed over replicas, by tier name."""
+        out: dict[str, TierMetrics] = {}
+        for replica in self._replicas:
+            for connector in replica.connectors:
+                out[connector.name] = out.get(connector.name, TierMetrics()) + connector.metrics
+        return out
 
     def reset_prefix_cache(self) -> None:
-        """Forgets every cached block no request holds, on the device and host tiers."""
+        """Forgets every cached block no request holds, and every lower tier's
+        pages (on a shared disk or remote tier, for every process using it)."""
         for replica in self._replicas:
             replica.reset_prefix_cache()
             self._check(replica)
+
+    # ---------------------------------------------------------------- lifetime
+
+    def flush(self) -> None:
+        """Returns once every block saved to a lower tier is stored there
+        (written to disk, sent to the remote store), so other processes see it."""
+        for replica in self._replicas:
+            for connector in replica.connectors:
+                connector.flush()
+
+    def shutdown(self) -> None:
+        """Finishes every tier's pending copies and writes and releases their
+        threads, files and connections. The device cache stays usable; the
+        disk and remote tiers do not."""
+        for replica in self._replicas:
+            replica.shutdown()
+
+    def __enter__(self) -> PagedKVCacheManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     # ------------------------------------------------------------------ checks
 

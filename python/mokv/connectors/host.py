@@ -1,9 +1,10 @@
-"""A host-memory tier under one replica's device prefix cache.
+"""The host-memory tier: a victim cache under one replica's device prefix cache.
 
 When the device pool evicts a cached block, its pages are copied (d2h) to a
 host page, which keeps the block's identity (hash, uid, parent, tokens). A
 later prefix lookup that misses on the device continues on the host tier; each
-host hit is copied back (h2d) into a fresh device block. Host pages are evicted
+host hit is copied back (h2d) into a fresh device block and keeps its uid, so
+the per-process chain check stays exact. Host pages are evicted
 least-recently-used first. The tier is inclusive: a restored page stays on the
 host, so evicting the block again costs no second copy.
 
@@ -16,19 +17,21 @@ overwritten, and the restored one read by the next graph.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Hashable, Sequence
 
 from max.driver import CPU, Buffer
 from max.dtype import DType
 
 from ..buffer import KVCacheMemory
-from .block_pool import PageIndex
-from .hashing import BlockHasher
+from ..paged.block_pool import PageIndex
+from ..paged.hashing import BlockHasher
+from .base import BlockToSave, PrefixQuery, SavePoint, TierMetrics, TierUsage
 
 
-class HostTier:
-    """Host copies of evicted cached blocks of one replica.
+class HostConnector:
+    """Host copies of evicted cached blocks of one replica (a `KVConnector`).
 
     Args:
         num_pages: Host pages.
@@ -36,6 +39,10 @@ class HostTier:
         device_memory: The replica's device pages, as `KVCacheBuffer.to_memory()`.
         device_index: The replica's device prefix index (identity of evicted blocks).
     """
+
+    name = "host"
+    saves_on = SavePoint.EVICT
+    needs_keys = False
 
     def __init__(
         self,
@@ -46,11 +53,12 @@ class HostTier:
     ) -> None:
         self.num_pages = num_pages
         self.index = PageIndex(num_pages, page_size)
+        self.metrics = TierMetrics()
         self._device_memory = device_memory
         self._device_index = device_index
+        self._page_bytes = sum(unit.bytes_per_page for unit in device_memory)
         self._pages = [
-            Buffer.zeros([num_pages, unit.bytes_per_page], DType.uint8, device=CPU())
-            for unit in device_memory
+            Buffer.zeros([num_pages, unit.bytes_per_page], DType.uint8, device=CPU()) for unit in device_memory
         ]
         self._lru: OrderedDict[int, None] = OrderedDict()
         """Occupied, unpinned pages; least recently used first."""
@@ -61,6 +69,10 @@ class HostTier:
         """Host pages holding a block."""
         return self.num_pages - len(self._empty)
 
+    def usage(self) -> TierUsage:
+        page = self._page_bytes
+        return TierUsage(self.num_used, self.num_pages, self.num_used * page, self.num_pages * page)
+
     def _take_page(self) -> int | None:
         if self._empty:
             return self._empty.pop()
@@ -70,12 +82,18 @@ class HostTier:
         self.index.remove(page)
         return page
 
-    def offload(self, block: int) -> bool:
-        """Copies cached device `block` to the host; returns whether it copied.
+    # ------------------------------------------------------------------- saves
 
-        Nothing is copied when the host already holds this very block (same
-        uid) or when every host page is pinned by a restore in progress.
-        """
+    def save(self, blocks: Sequence[BlockToSave]) -> int:
+        """Copies evicted cached device blocks to the host; returns how many it copied."""
+        started = time.perf_counter()
+        copied = sum(self._offload(item.block) for item in blocks)
+        self.metrics.save_seconds += time.perf_counter() - started
+        return copied
+
+    def _offload(self, block: int) -> bool:
+        """Nothing is copied when the host already holds this very block (same
+        uid) or when every host page is pinned by a restore in progress."""
         block_hash = self._device_index.hash[block]
         assert block_hash is not None
         page = self.index.get(block_hash)
@@ -97,20 +115,39 @@ class HostTier:
         self._wait_for_copies()
         self.index.copy_entry(page, self._device_index, block)
         self._lru[page] = None
+        self.metrics.saved_blocks += 1
+        self.metrics.saved_bytes += self._page_bytes
         return True
 
-    def pin(self, pages: Iterable[int]) -> None:
-        """Keeps `pages` from being evicted until they are restored."""
-        for page in pages:
+    # ------------------------------------------------------------------- loads
+
+    def lookup(self, query: PrefixQuery) -> list[int]:
+        """Host pages continuing the query's uid chain with its tokens."""
+        if query.parent_uid is None:
+            return []
+        self.metrics.lookups += 1
+        return self.index.match(query.hashes, query.parent_uid, query.tokens)
+
+    def reserve(self, hits: Sequence[int]) -> None:
+        """Pins host pages `hits` so the allocation before their restore cannot evict them."""
+        for page in hits:
             del self._lru[page]
 
-    def restore(self, page: int, block: int) -> None:
-        """Copies pinned host `page` into device `block` and unpins it."""
-        for unit, host in zip(self._device_memory, self._pages, strict=True):
-            for device_pages in unit.copies:
-                device_pages[block, :].inplace_copy_from(host[page, :])
+    def load(self, request_id: Hashable, hits: Sequence[int], blocks: Sequence[int]) -> list[int]:
+        """Copies pinned host pages into device `blocks` and unpins them; each
+        block keeps its page's uid."""
+        started = time.perf_counter()
+        for page, block in zip(hits, blocks, strict=True):
+            for unit, host in zip(self._device_memory, self._pages, strict=True):
+                for device_pages in unit.copies:
+                    device_pages[block, :].inplace_copy_from(host[page, :])
         self._wait_for_copies()
-        self._lru[page] = None
+        for page in hits:
+            self._lru[page] = None
+        self.metrics.hit_blocks += len(hits)
+        self.metrics.hit_bytes += len(hits) * self._page_bytes
+        self.metrics.load_seconds += time.perf_counter() - started
+        return [self.index.uid[page] for page in hits]
 
     def _wait_for_copies(self) -> None:
         for unit in self._device_memory:
@@ -119,6 +156,17 @@ class HostTier:
         for host in self._pages:
             host.device.synchronize()
 
+    # Host copies are waited for as they are made, so there is never anything
+    # in flight to wait for.
+    def sync(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def request_complete(self, request_id: Hashable) -> None:
+        pass
+
     def reset(self) -> None:
         """Drops every host page."""
         for page in self._lru:
@@ -126,13 +174,14 @@ class HostTier:
         self._lru.clear()
         self._empty = list(range(self.num_pages - 1, -1, -1))
 
+    def shutdown(self) -> None:
+        self.reset()
+
     def check_invariants(self, hasher: BlockHasher) -> None:
         """Asserts each page is empty or cached (never both), and the index is sound."""
         occupied = set(self._lru)
         if occupied & set(self._empty) or len(occupied) + len(self._empty) != self.num_pages:
-            raise AssertionError(
-                f"host pages: {len(occupied)} cached + {len(self._empty)} empty != {self.num_pages}"
-            )
+            raise AssertionError(f"host pages: {len(occupied)} cached + {len(self._empty)} empty != {self.num_pages}")
         if occupied != set(self.index.committed_slots()):
             raise AssertionError("host LRU and host index disagree on which pages are cached")
         self.index.check(hasher)
