@@ -212,6 +212,13 @@ class BlockPool:
             del self._free[block]
         self.ref_count[block] += 1
 
+    def refresh(self, blocks: Iterable[int]) -> None:
+        """Moves each unheld block to the back of the free queue, in order: a
+        use that took no hold (MAX's failed allocation touches its hits)."""
+        for block in blocks:
+            if self.ref_count[block] == 0:
+                self._free.move_to_end(block)
+
     def free(self, blocks: Iterable[int]) -> None:
         """Drops one holder from each block; unheld ones go to the back of the queue."""
         for block in blocks:

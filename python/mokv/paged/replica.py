@@ -56,6 +56,10 @@ class RequestState:
     chain_broken: bool = False
     """A block could not be committed, so later blocks have no verifiable parent."""
     is_dummy: bool = False
+    source: object = None
+    """The context object the caller last passed for the request (identity check)."""
+    context: CacheContext | None = None
+    """`source` adapted: the tokens a second context object must agree with."""
 
 
 class Replica:
@@ -124,27 +128,36 @@ class Replica:
 
     def alloc(self, ctx: CacheContext, num_steps: int) -> None:
         """Gives the request pages for its next `num_steps` steps (see the module
-        docstring); on `InsufficientBlocksError` nothing has changed."""
+        docstring).
+
+        On `InsufficientBlocksError` only one thing has changed, as in MAX's
+        manager: the cached device blocks the request matched count as used,
+        so the unheld ones move to the most-recently-used end of the free
+        queue (tail first, like a release), and a retry finds them again.
+        """
         state = self.requests[ctx.request_id]
         ps = self.page_size
         seq_len = ctx.current_length + num_steps - 1
-        if seq_len > self.total_num_pages * ps:
-            raise InsufficientBlocksError(
-                f"request {ctx.request_id!r} needs {seq_len} tokens of KV but a replica holds "
-                f"only {self.total_num_pages * ps} ({self.total_num_pages} pages of {ps} tokens)"
-            )
         num_new = -(-seq_len // ps) - state.num_blocks
-        if self.prefix_caching and ctx.active_length > 1:
-            first_admission = ctx.processed_length == 0
-            device_hits, host_hits = self._find_prefix_hits(state, ctx)
-            hit_tokens = 0
+        looks_up = self.prefix_caching and ctx.active_length > 1
+        first_admission = ctx.processed_length == 0
+        device_hits, host_hits = self._find_prefix_hits(state, ctx) if looks_up else ([], [])
+        hit_tokens = 0
+        try:
+            if seq_len > self.total_num_pages * ps:
+                raise InsufficientBlocksError(
+                    f"request {ctx.request_id!r} needs {seq_len} tokens of KV (current_length "
+                    f"{ctx.current_length}, num_steps={num_steps}) but a replica holds only "
+                    f"{self.total_num_pages * ps} ({self.total_num_pages} pages of {ps} tokens)"
+                )
             if device_hits or num_new > 0:
                 new_blocks = max(0, num_new - len(device_hits))
                 hit_tokens = self._extend(state, ctx, new_blocks, device_hits, host_hits)
-            if first_admission:  # as MAX's manager records it
-                ctx.cached_prefix_length = hit_tokens
-        elif num_new > 0:
-            self._extend(state, ctx, num_new, [], [])
+        except InsufficientBlocksError:
+            self.pool.refresh(reversed(device_hits))
+            raise
+        if looks_up and first_admission:  # as MAX's manager records it
+            ctx.cached_prefix_length = hit_tokens
         self.metrics.input_tokens += ctx.active_length
 
     def _extend(
