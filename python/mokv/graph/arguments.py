@@ -68,7 +68,8 @@ def check_rows(name: str, value: object, cache: CacheLayout, *, head_multiple: b
         raise ValueError(f"{name} has head_dim {dim}, the cache has {head_dim}")
     if not head_multiple and heads != kv_heads:
         raise ValueError(f"{name} has {heads} heads, the cache has {kv_heads} KV heads")
-    if head_multiple and isinstance(heads, StaticDim) and isinstance(kv_heads, StaticDim) and int(heads) % int(kv_heads):
+    static = isinstance(heads, StaticDim) and isinstance(kv_heads, StaticDim)
+    if head_multiple and static and int(heads) % int(kv_heads):
         raise ValueError(f"{name} has {heads} heads, not a multiple of the cache's {kv_heads} KV heads")
 
 

@@ -265,8 +265,8 @@ class PagedKVCacheManager:
                 f"request {ctx.request_id!r} has processed_length {ctx.processed_length} "
                 f"but its pages hold only {held} tokens: its context ran ahead of its pages"
             )
-        self._remember(data, ctx, state)
         replica.alloc(ctx, num_steps)
+        self._remember(data, ctx, state)
         self._check(replica)
 
     def step(self, batches: Sequence[Sequence[object]]) -> None:
