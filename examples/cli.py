@@ -17,6 +17,7 @@ from mokv_examples.bench_attention import attention as bench_attention
 from mokv_examples.bench_e2e import e2e as bench_e2e
 from mokv_examples.bench_kernels import kernels as bench_kernels
 from mokv_examples.bench_manager import manager as bench_manager
+from mokv_examples.bench_soak import soak as bench_soak
 from mokv_examples.chat import chat
 from mokv_examples.generate import generate
 from mokv_examples.inspect_cache import inspect_cache
@@ -35,5 +36,5 @@ def bench() -> None:
 
 for command in (generate, chat, inspect_cache):
     main.add_command(command)
-for command in (bench_manager, bench_attention, bench_e2e, bench_kernels):
+for command in (bench_manager, bench_attention, bench_e2e, bench_kernels, bench_soak):
     bench.add_command(command)

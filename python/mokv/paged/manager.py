@@ -400,7 +400,11 @@ class PagedKVCacheManager:
             n = len(entries)
             per_request: list[int] = []
             for ctx, state in entries:
-                per_request += (state.row, ctx.processed_length, ctx.current_length, state.num_blocks)
+                # A dummy's row is all null pages whatever its context's length.
+                held = state.num_blocks
+                if state.is_dummy:
+                    held = -(-(ctx.current_length + num_steps - 1) // self.page_size)
+                per_request += (state.row, ctx.processed_length, ctx.current_length, held)
             rows, processed, current, held = np.array(per_request, dtype=np.int64).reshape(n, 4).T
             tables = batch_tables(
                 replica.table,
