@@ -488,3 +488,26 @@ def test_constructor_validation(make_manager: MakeManager) -> None:
         make_manager(max_batch_size=0)
     with pytest.raises(ValueError, match="total_num_host_pages=4 needs enable_prefix_caching=True"):
         make_manager(prefix_caching=False, total_num_host_pages=4)
+
+
+def test_runtime_inputs_stay_intact_through_the_next_call(make_manager: MakeManager) -> None:
+    """The contract's lifetime promise: a call's tables are intact until the
+    manager's next runtime_inputs call has returned (the staging arrays are
+    reused, double-buffered)."""
+    m = make_manager()
+    a, b = ctx("a", range(10)), ctx("b", range(100, 103))
+    for c in (a, b):
+        m.claim(c.request_id)
+        m.alloc(c)
+    (first,) = m.runtime_inputs([[a, b]]).inputs
+    saved = [x.to_numpy().copy() for x in first.flatten()[1:]]
+    a.update(7)
+    m.alloc(a)
+    (second,) = m.runtime_inputs([[a]], num_steps=1).inputs
+    for kept, now in zip(saved, first.flatten()[1:], strict=True):
+        np.testing.assert_array_equal(now.to_numpy(), kept)
+    assert second.lookup_table.to_numpy().tolist() == [[0, 1, 2]]
+    assert second.cache_lengths.to_numpy().tolist() == [10]
+    (third,) = m.runtime_inputs([[b, a]]).inputs
+    assert third.lookup_table.to_numpy().tolist() == [[3, 16, 16], [0, 1, 2]]
+    assert second.lookup_table.to_numpy().tolist() == [[0, 1, 2]]

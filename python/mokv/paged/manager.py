@@ -27,12 +27,11 @@ import contextlib
 from collections import Counter
 from collections.abc import Hashable, Iterator, Sequence
 
-import numpy as np
 from max.driver import CPU, Device
 from max.engine import InferenceSession
 
 from ..buffer import KVCacheBuffer
-from ..context import CacheContext, cache_context, check_same_tokens
+from ..context import CacheContext, TextContext, cache_context, check_same_tokens
 from ..contract import KVCacheInputs, MultiKVCacheInputs, PagedCacheInputs
 from ..metrics import KVCacheMetrics
 from ..params import (
@@ -46,7 +45,7 @@ from ..params import (
 from ..validation import check_bool, check_fits, check_int, check_request_id, check_sequence, check_unique
 from .hashing import BlockHasher
 from .replica import InsufficientBlocksError, Replica, RequestState
-from .runtime_inputs import BatchCharacteristics, batch_tables, device_inputs
+from .runtime_inputs import BatchCharacteristics, device_inputs
 
 __all__ = ["InsufficientBlocksError", "PagedKVCacheManager"]
 
@@ -165,9 +164,10 @@ class PagedKVCacheManager:
         accepted only if its tokens agree with that one's wherever both have
         tokens (a copy, or the same request seen later); it then replaces it.
         """
-        ctx = cache_context(data)
+        ctx = data if type(data) is TextContext else cache_context(data)
         request_id = ctx.request_id
-        check_request_id(request_id)
+        if type(request_id) is not str and type(request_id) is not int:
+            check_request_id(request_id)
         state = replica.requests.get(request_id)
         if state is None:
             owner = self._replica_of.get(request_id)
@@ -177,34 +177,59 @@ class PagedKVCacheManager:
             check_same_tokens(state.context, ctx)
         return ctx, state
 
-    def _validated_batches(
-        self, batches: Sequence[Sequence[object]]
-    ) -> list[list[tuple[CacheContext, RequestState]]]:
-        """Checks a whole per-replica batch list before any of it is acted on:
-        one batch per replica, each a list of at most `max_batch_size` claimed
-        requests of that replica, none twice."""
-        check_sequence("batches", batches)
+    def _checked_batches(self, batches: Sequence[Sequence[object]]) -> None:
+        """One batch per replica, each a list of at most `max_batch_size` entries."""
+        if type(batches) is not list and type(batches) is not tuple:
+            check_sequence("batches", batches)
         if len(batches) != len(self._replicas):
             raise ValueError(f"expected one batch per replica ({len(self._replicas)}), got {len(batches)}")
-        validated = []
         for replica, batch in zip(self._replicas, batches, strict=True):
-            check_sequence(f"batches[{replica.index}]", batch)
+            if type(batch) is not list and type(batch) is not tuple:
+                check_sequence(f"batches[{replica.index}]", batch)
             if len(batch) > self.max_batch_size:
                 raise ValueError(
                     f"replica {replica.index} batch has {len(batch)} requests, "
                     f"max_batch_size is {self.max_batch_size}"
                 )
-            entries = [self._live(data, replica) for data in batch]
-            check_unique("request", (ctx.request_id for ctx, _ in entries))
+
+    def _validated_batches(
+        self, batches: Sequence[Sequence[object]]
+    ) -> list[list[tuple[CacheContext, RequestState]]]:
+        """Checks a whole per-replica batch list before any of it is acted on
+        (`_checked_batches`, then each request: claimed on that replica, not
+        twice, no token processed without a page for it).
+
+        The loop takes the common case (a mokv `TextContext` passed before) in
+        a few operations; anything else goes through `_live`, which raises
+        with the reason or accepts it.
+        """
+        self._checked_batches(batches)
+        page_size = self.page_size
+        validated = []
+        for replica, batch in zip(self._replicas, batches, strict=True):
+            entries = []
+            get = replica.requests.get
+            try:
+                for data in batch:
+                    ctx = data if type(data) is TextContext else cache_context(data)
+                    state = get(ctx.request_id)
+                    if state is None or state.source is not data:
+                        ctx, state = self._live(data, replica)
+                    if ctx.processed_length > state.num_blocks * page_size and not state.is_dummy:
+                        raise ValueError(
+                            f"request {ctx.request_id!r} has processed_length {ctx.processed_length} but "
+                            f"its pages hold only {state.num_blocks * page_size} tokens: call alloc "
+                            "before running it"
+                        )
+                    entries.append((ctx, state))
+            except TypeError:
+                for data in batch:  # an unhashable request id: name it
+                    self._live(data, replica)
+                raise
+            if len({id(state) for _, state in entries}) != len(entries):
+                check_unique("request", (ctx.request_id for ctx, _ in entries))
             validated.append(entries)
         return validated
-
-    @staticmethod
-    def _remember(data: object, ctx: CacheContext, state: RequestState) -> None:
-        """Makes `data` the request's context for later identity checks."""
-        if state.source is not data:
-            state.source = data
-            state.context = ctx
 
     # --------------------------------------------------------------- lifecycle
 
@@ -259,15 +284,16 @@ class PagedKVCacheManager:
             raise ValueError(f"request {ctx.request_id!r} is a dummy and holds only the null page")
         if type(num_steps) is not int or num_steps < 1:
             num_steps = check_int("num_steps", num_steps, minimum=1)
-        held = state.num_blocks * self.page_size
-        if ctx.processed_length > held:
+        if ctx.processed_length > state.num_blocks * self.page_size:
             raise ValueError(
-                f"request {ctx.request_id!r} has processed_length {ctx.processed_length} "
-                f"but its pages hold only {held} tokens: its context ran ahead of its pages"
+                f"request {ctx.request_id!r} has processed_length {ctx.processed_length} but its "
+                f"pages hold only {state.num_blocks * self.page_size} tokens: its context ran ahead of its pages"
             )
         replica.alloc(ctx, num_steps)
-        self._remember(data, ctx, state)
-        self._check(replica)
+        if state.source is not data:
+            state.source, state.context = data, ctx
+        if self.enable_runtime_checks:
+            replica.check_invariants()
 
     def step(self, batches: Sequence[Sequence[object]]) -> None:
         """Commits each request's newly completed blocks to the prefix cache.
@@ -282,20 +308,11 @@ class PagedKVCacheManager:
                 for. Checked for the whole batch before anything is committed.
         """
         validated = self._validated_batches(batches)
-        page_size = self.page_size
-        for entries in validated:
-            for ctx, state in entries:
-                if not state.is_dummy and ctx.processed_length > state.num_blocks * page_size:
-                    raise ValueError(
-                        f"request {ctx.request_id!r} has processed_length {ctx.processed_length} but "
-                        f"its pages hold only {state.num_blocks * page_size} tokens: call alloc "
-                        "before running it"
-                    )
         for replica, batch, entries in zip(self._replicas, batches, validated, strict=True):
             for data, (ctx, state) in zip(batch, entries, strict=True):
-                if not state.is_dummy:
-                    self._remember(data, ctx, state)
-                    replica.commit(ctx)
+                if state.source is not data and not state.is_dummy:
+                    state.source, state.context = data, ctx
+            replica.commit(entries)
             self._check(replica)
 
     def release(self, request_id: Hashable, replica_idx: int = 0) -> None:
@@ -385,7 +402,7 @@ class PagedKVCacheManager:
                 first), or a bad `num_steps` / `max_cache_length` /
                 `batch_characteristics`, each named.
         """
-        validated = self._validated_batches(batches)
+        self._checked_batches(batches)
         capacity = self.total_num_pages * self.page_size
         if type(num_steps) is not int or not 1 <= num_steps <= capacity:
             num_steps = check_int("num_steps", num_steps, minimum=1, maximum=capacity)
@@ -395,32 +412,87 @@ class PagedKVCacheManager:
             raise TypeError(
                 f"batch_characteristics must be a BatchCharacteristics or None, got {batch_characteristics!r}"
             )
+        plans = [
+            self._plan_tables(replica, batch, num_steps, max_cache_length, batch_characteristics)
+            for replica, batch in zip(self._replicas, batches, strict=True)
+        ]
         per_leaf: dict[str, list[PagedCacheInputs]] = {name: [] for name in self.params.leaves()}
-        for replica, entries in zip(self._replicas, validated, strict=True):
-            n = len(entries)
-            per_request: list[int] = []
-            for ctx, state in entries:
-                # A dummy's row is all null pages whatever its context's length.
-                held = state.num_blocks
-                if state.is_dummy:
-                    held = -(-(ctx.current_length + num_steps - 1) // self.page_size)
-                per_request += (state.row, ctx.processed_length, ctx.current_length, held)
-            rows, processed, current, held = np.array(per_request, dtype=np.int64).reshape(n, 4).T
-            tables = batch_tables(
-                replica.table,
-                rows,
-                processed,
-                current,
-                held,
-                [ctx.request_id for ctx, _ in entries],
-                page_size=self.page_size,
-                num_steps=num_steps,
-                max_cache_length=max_cache_length,
-                batch_characteristics=batch_characteristics,
-            )
+        for replica, plan in zip(self._replicas, plans, strict=True):
+            tables = replica.staging.build(replica.table, *plan[:3], **plan[3])
             for name, buffer in replica.buffers.items():
                 per_leaf[name] += device_inputs(tables, buffer.values, replica.devices)
         return _as_tree(self.params, per_leaf)
+
+    def _plan_tables(
+        self,
+        replica: Replica,
+        batch: Sequence[object],
+        num_steps: int,
+        max_cache_length: int | None,
+        batch_characteristics: BatchCharacteristics | None,
+    ) -> tuple[list[int], list[int], list[int] | None, dict[str, int]]:
+        """One pass over a replica's batch: checks each request (claimed here,
+        not twice, pages for this step) while collecting its table row and
+        cache length and the batch's maxima. Returns `InputStaging.build`'s
+        arguments; nothing is written until every replica's batch passed.
+        The common case takes a few operations per request (see
+        `_validated_batches`)."""
+        ps = self.page_size
+        extra = num_steps - 1  # tokens written by the steps after the first
+        round_up = extra + ps - 1
+        rows: list[int] = []
+        lengths: list[int] = []
+        needs: list[int] = []
+        held_more = False
+        max_new = max_context = 0
+        get = replica.requests.get
+        try:
+            for data in batch:
+                ctx = data if type(data) is TextContext else cache_context(data)
+                state = get(ctx.request_id)
+                if state is None or state.source is not data:
+                    ctx, state = self._live(data, replica)
+                processed = ctx.processed_length
+                current = ctx.current_length
+                need = (current + round_up) // ps
+                held = state.num_blocks
+                if held != need and not state.is_dummy:  # a dummy's row is null pages whatever its length
+                    if held < need:
+                        raise ValueError(
+                            f"request {ctx.request_id!r} holds {held} pages but needs {need} for "
+                            f"{current + extra} tokens: call alloc first"
+                        )
+                    held_more = True
+                rows.append(state.row)
+                lengths.append(processed)
+                needs.append(need)
+                if current > max_context:
+                    max_context = current
+                if current - processed > max_new:
+                    max_new = current - processed
+        except TypeError:
+            for data in batch:  # an unhashable request id: name it
+                self._live(data, replica)
+            raise
+        if len(set(rows)) != len(rows):
+            check_unique("request", (cache_context(data).request_id for data in batch))
+        width = (max_context + round_up) // ps if rows else 0
+        if max_cache_length is not None:
+            fixed = -(-max_cache_length // ps)
+            if fixed < width:
+                raise ValueError(
+                    f"max_cache_length={max_cache_length} gives {fixed} pages, but the batch needs {width}"
+                )
+            width = fixed
+        if batch_characteristics is not None:
+            bc = batch_characteristics
+            if len(rows) > bc.batch_size or max_new > bc.max_prompt_length or max_context > bc.max_cache_valid_length:
+                raise ValueError(
+                    f"batch (size {len(rows)}, {max_new} new tokens, context {max_context}) exceeds {bc}"
+                )
+            max_new, max_context = bc.max_prompt_length, bc.max_cache_valid_length
+        sizes = {"width": width, "max_new": max_new, "max_context": max_context, "num_steps": num_steps}
+        return rows, lengths, needs if held_more else None, sizes
 
     def runtime_inputs_for_leaf(
         self,

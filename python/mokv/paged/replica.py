@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 from max.driver import Device
 
 from ..buffer import KVCacheBuffer
@@ -33,7 +34,7 @@ from ..metrics import KVCacheMetrics
 from .block_pool import NO_UID, BlockPool
 from .hashing import BlockHasher
 from .host_tier import HostTier
-from .runtime_inputs import BlockTable
+from .runtime_inputs import BlockTable, InputStaging
 
 
 class InsufficientBlocksError(RuntimeError):
@@ -105,6 +106,7 @@ class Replica:
             self.host = HostTier(total_num_host_pages, page_size, memory, self.pool.index)
             self.pool.on_evict = self._offload
         self.table = BlockTable(null_page=total_num_pages, initial_rows=max_batch_size)
+        self.staging = InputStaging(null_page=total_num_pages)
 
     def _offload(self, block: int) -> None:
         assert self.host is not None
@@ -139,7 +141,17 @@ class Replica:
         ps = self.page_size
         seq_len = ctx.current_length + num_steps - 1
         num_new = -(-seq_len // ps) - state.num_blocks
-        looks_up = self.prefix_caching and ctx.active_length > 1
+        active = ctx.active_length
+        if active == 1 and (num_new <= 0 or (num_new == 1 and self.pool.num_free)):
+            # Decode: no prefix lookup (the last token is never served from
+            # cache), at most one new page and one to give.
+            if num_new == 1:
+                (block,) = self.pool.allocate(1)
+                self.table.set(state.row, state.num_blocks, block)
+                state.num_blocks += 1
+            self.metrics.input_tokens += 1
+            return
+        looks_up = self.prefix_caching and active > 1
         first_admission = ctx.processed_length == 0
         device_hits, host_hits = self._find_prefix_hits(state, ctx) if looks_up else ([], [])
         hit_tokens = 0
@@ -242,18 +254,38 @@ class Replica:
             host_hits = self.host.index.match(rest[:clash], parent_uid, tokens[n : n + clash])
         return device_hits, host_hits
 
-    def commit(self, ctx: CacheContext) -> None:
-        """Offers the request's blocks up to `processed_length` to the prefix
-        cache, deduplicating against verified twins."""
-        state = self.requests[ctx.request_id]
-        ps = self.page_size
-        if (
-            not self.prefix_caching
-            or state.is_dummy
-            or state.chain_broken
-            or ctx.processed_length // ps <= state.num_committed
-        ):
+    def commit(self, entries: Sequence[tuple[CacheContext, RequestState]]) -> None:
+        """Offers each request's blocks up to its `processed_length` to the
+        prefix cache, deduplicating against verified twins.
+
+        A decode step completes at most one block per request, whose parent's
+        hash is known: those blocks are hashed together in one vectorized call.
+        """
+        if not self.prefix_caching:
             return
+        ps = self.page_size
+        due = [
+            (ctx, state)
+            for ctx, state in entries
+            if ctx.processed_length // ps > state.num_committed and not state.is_dummy and not state.chain_broken
+        ]
+        if not due:
+            return
+        one_block = [
+            (ctx, state)
+            for ctx, state in due
+            if state.hashes and (ctx.current_length - 1) // ps == len(state.hashes) + 1
+        ]
+        if one_block:
+            tokens = np.stack([ctx.tokens[len(st.hashes) * ps : (len(st.hashes) + 1) * ps] for ctx, st in one_block])
+            hashes = self.hasher.rehash(tokens, [st.hashes[-1] for _, st in one_block])
+            for (_, state), block_hash in zip(one_block, hashes, strict=True):
+                state.hashes.append(block_hash)
+        for ctx, state in due:
+            self._commit_one(ctx, state)
+
+    def _commit_one(self, ctx: CacheContext, state: RequestState) -> None:
+        ps = self.page_size
         first = state.num_committed
         full = min(ctx.processed_length // ps, state.num_blocks)
         self._hash_new_blocks(state, ctx)
