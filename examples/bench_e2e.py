@@ -57,8 +57,8 @@ def plot(rows: list[dict], path: Path) -> None:
 @out_dir_option("e2e")
 @click.option("--page-size", default=16, show_default=True)
 def e2e(quick: bool, out_dir: Path, page_size: int) -> None:
-    """Throughput at batch 1, 4, 16, 64 with and without prefix caching."""
-    batches = (1, 4, 16) if quick else (1, 4, 16, 64)
+    """Throughput at batch 1, 4, 16, 32, 64 with and without prefix caching."""
+    batches = (1, 4, 16) if quick else (1, 4, 16, 32, 64)
     max_new_tokens = 16 if quick else 32
     model = SmolLM2()
     rows = []

@@ -68,9 +68,11 @@ class PageIndex:
         uid: int,
         parent_uid: int,
         parent_hash: int | None,
-        tokens: npt.NDArray[np.integer],
+        tokens: npt.NDArray[np.integer] | None,
     ) -> None:
-        """Commits `slot` under `block_hash`, which must be free in this index."""
+        """Commits `slot` under `block_hash`, which must be free in this index.
+        With `tokens` None the caller stores the slot's row of `self.tokens`
+        itself (several slots in one numpy call) before the next lookup."""
         if block_hash in self._by_hash:
             raise ValueError(
                 f"hash {block_hash:#x} is already committed to slot {self._by_hash[block_hash]}"
@@ -82,7 +84,8 @@ class PageIndex:
         self.uid[slot] = uid
         self.parent_uid[slot] = parent_uid
         self.parent_hash[slot] = parent_hash
-        self.tokens[slot] = tokens
+        if tokens is not None:
+            self.tokens[slot] = tokens
 
     def copy_entry(self, slot: int, source: PageIndex, source_slot: int) -> None:
         """Commits `slot` with the identity of `source`'s `source_slot` (a tier move)."""
@@ -107,7 +110,7 @@ class PageIndex:
 
     def holds(self, slot: int, parent_uid: int, tokens: npt.NDArray[np.integer]) -> bool:
         """Whether `slot` continues the chain ending in `parent_uid` with `tokens`."""
-        return self.parent_uid[slot] == parent_uid and np.array_equal(self.tokens[slot], tokens)
+        return self.parent_uid[slot] == parent_uid and self.tokens[slot].tobytes() == np.asarray(tokens, np.int64).tobytes()
 
     def match(
         self, hashes: Sequence[int], parent_uid: int, tokens: npt.NDArray[np.integer]
@@ -235,10 +238,10 @@ class BlockPool:
         block_hash: int,
         parent_uid: int,
         parent_hash: int | None,
-        tokens: npt.NDArray[np.integer],
+        tokens: npt.NDArray[np.integer] | None,
     ) -> int:
         """Puts a freshly computed full block in the prefix cache under a new
-        `uid`, which it returns."""
+        `uid`, which it returns (`tokens` as in `PageIndex.insert`)."""
         self._last_uid += 1
         self.index.insert(block, block_hash, self._last_uid, parent_uid, parent_hash, tokens)
         return self._last_uid

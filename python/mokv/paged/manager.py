@@ -278,8 +278,18 @@ class PagedKVCacheManager:
                 blocks it matched, which move to the most-recently-used end of
                 the free queue (tail first), so a retry finds the same prefix.
         """
-        replica = self._replica(replica_idx)
-        ctx, state = self._live(data, replica)
+        replicas = self._replicas
+        if type(replica_idx) is int and 0 <= replica_idx < len(replicas):
+            replica = replicas[replica_idx]
+        else:
+            replica = self._replica(replica_idx)
+        ctx = data if type(data) is TextContext else cache_context(data)
+        try:
+            state = replica.requests.get(ctx.request_id)
+        except TypeError:  # an unhashable request id: `_live` names it
+            state = None
+        if state is None or state.source is not data:
+            ctx, state = self._live(data, replica)
         if state.is_dummy:
             raise ValueError(f"request {ctx.request_id!r} is a dummy and holds only the null page")
         if type(num_steps) is not int or num_steps < 1:
@@ -289,7 +299,7 @@ class PagedKVCacheManager:
                 f"request {ctx.request_id!r} has processed_length {ctx.processed_length} but its "
                 f"pages hold only {state.num_blocks * self.page_size} tokens: its context ran ahead of its pages"
             )
-        replica.alloc(ctx, num_steps)
+        replica.alloc(ctx, state, num_steps)
         if state.source is not data:
             state.source, state.context = data, ctx
         if self.enable_runtime_checks:

@@ -128,7 +128,7 @@ class Replica:
         state = self.requests[request_id]
         return self.table.read(state.row, 0, state.num_blocks)
 
-    def alloc(self, ctx: CacheContext, num_steps: int) -> None:
+    def alloc(self, ctx: CacheContext, state: RequestState, num_steps: int) -> None:
         """Gives the request pages for its next `num_steps` steps (see the module
         docstring).
 
@@ -137,7 +137,6 @@ class Replica:
         so the unheld ones move to the most-recently-used end of the free
         queue (tail first, like a release), and a retry finds them again.
         """
-        state = self.requests[ctx.request_id]
         ps = self.page_size
         seq_len = ctx.current_length + num_steps - 1
         num_new = -(-seq_len // ps) - state.num_blocks
@@ -271,18 +270,35 @@ class Replica:
         ]
         if not due:
             return
-        one_block = [
+        # A decode step's usual case: one newly full block, right after the
+        # committed ones, whose parent hash is known. Hashed in one call, and
+        # committed with one numpy store of their tokens when no twin is cached.
+        decode = [
             (ctx, state)
             for ctx, state in due
-            if state.hashes and (ctx.current_length - 1) // ps == len(state.hashes) + 1
+            if state.hashes
+            and len(state.hashes) == state.num_committed
+            and (ctx.current_length - 1) // ps == state.num_committed + 1
+            and ctx.processed_length // ps == state.num_committed + 1
+            and state.num_blocks > state.num_committed
         ]
-        if one_block:
-            tokens = np.stack([ctx.tokens[len(st.hashes) * ps : (len(st.hashes) + 1) * ps] for ctx, st in one_block])
-            hashes = self.hasher.rehash(tokens, [st.hashes[-1] for _, st in one_block])
-            for (_, state), block_hash in zip(one_block, hashes, strict=True):
+        if decode:
+            tokens = np.stack([ctx.tokens[st.num_committed * ps : (st.num_committed + 1) * ps] for ctx, st in decode])
+            hashes = self.hasher.rehash(tokens, [st.hashes[-1] for _, st in decode])
+            blocks = self.table.entries([st.row for _, st in decode], [st.num_committed for _, st in decode])
+            index = self.pool.index
+            fresh: list[int] = []
+            for j, ((_, state), block_hash, block) in enumerate(zip(decode, hashes, blocks, strict=True)):
                 state.hashes.append(block_hash)
+                if index.get(block_hash) is None:
+                    state.last_uid = self.pool.commit(block, block_hash, state.last_uid, state.hashes[-2], None)
+                    state.num_committed += 1
+                    fresh.append(j)
+            if fresh:
+                index.tokens[[blocks[j] for j in fresh]] = tokens[fresh]
         for ctx, state in due:
-            self._commit_one(ctx, state)
+            if ctx.processed_length // ps > state.num_committed:  # not done above
+                self._commit_one(ctx, state)
 
     def _commit_one(self, ctx: CacheContext, state: RequestState) -> None:
         ps = self.page_size
@@ -292,26 +308,42 @@ class Replica:
         pool = self.pool
         index = pool.index
         tokens = ctx.tokens[first * ps : full * ps].reshape(full - first, ps)
+        # Token rows of newly committed blocks are stored in one numpy call at
+        # the end (`stored`), unless a lookup needs one of them sooner.
+        committed: list[int] = []
+        rows: list[int] = []
+
+        def stored() -> None:
+            if committed:
+                index.tokens[committed] = tokens[rows]
+                committed.clear()
+                rows.clear()
+
         for j, block in enumerate(self.table.read(state.row, first, full)):
             i = first + j
             block_hash = state.hashes[i]
             cached = index.get(block_hash)
+            if cached is not None and cached in committed:
+                stored()  # a hash collision within the request: compare real tokens
             if cached is not None and index.holds(cached, state.last_uid, tokens[j]):
                 pool.touch(cached)
                 pool.free([block])
-                self.table.write(state.row, i, [cached])
+                self.table.set(state.row, i, cached)
                 uid = index.uid[cached]
             else:
                 if cached is not None:
                     if pool.ref_count[cached]:
                         state.chain_broken = True
-                        return
+                        break
                     # An unverifiable (orphaned or colliding) entry nobody holds.
                     pool.uncommit(cached)
                 parent_hash = state.hashes[i - 1] if i else None
-                uid = pool.commit(block, block_hash, state.last_uid, parent_hash, tokens[j])
+                uid = pool.commit(block, block_hash, state.last_uid, parent_hash, None)
+                committed.append(block)
+                rows.append(j)
             state.last_uid = uid
             state.num_committed = i + 1
+        stored()
 
     def release(self, request_id: Hashable) -> None:
         """Returns a request's pages; cached ones stay reusable until evicted."""

@@ -93,6 +93,10 @@ class BlockTable:
             self._resize(self._table.shape[0], 2 * self._table.shape[1])
         self._table[row, col] = page
 
+    def entries(self, rows: list[int], cols: list[int]) -> list[int]:
+        """`table[rows[i], cols[i]]` for each i, as ints."""
+        return self._table[rows, cols].tolist()
+
     def read(self, row: int, start: int, stop: int) -> list[int]:
         """`row[start:stop]` as ints."""
         return self._table[row, start:stop].tolist()
