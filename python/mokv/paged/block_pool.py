@@ -87,6 +87,35 @@ class PageIndex:
         if tokens is not None:
             self.tokens[slot] = tokens
 
+    def has_none_of(self, hashes: list[int]) -> bool:
+        """Whether no hash of `hashes` is committed here."""
+        return self._by_hash.keys().isdisjoint(hashes)
+
+    def insert_run(
+        self,
+        slots: list[int],
+        hashes: list[int],
+        first_uid: int,
+        parent_uid: int,
+        parent_hash: int | None,
+        tokens: npt.NDArray[np.integer],
+    ) -> None:
+        """Commits a chain of slots at once: slot k gets `hashes[k]`, uid
+        `first_uid + k` and, as parent, slot k-1 (the first one `parent_uid` /
+        `parent_hash`); `tokens` has one row per slot. Neither the hashes nor
+        the slots may be committed already."""
+        by_hash = self._by_hash
+        for k, (slot, block_hash) in enumerate(zip(slots, hashes, strict=True)):
+            if self.hash[slot] is not None or block_hash in by_hash:
+                raise ValueError(f"slot {slot} or hash {block_hash:#x} is already committed")
+            by_hash[block_hash] = slot
+            self.hash[slot] = block_hash
+            self.uid[slot] = first_uid + k
+            self.parent_uid[slot] = parent_uid
+            self.parent_hash[slot] = parent_hash
+            parent_uid, parent_hash = first_uid + k, block_hash
+        self.tokens[slots] = tokens
+
     def copy_entry(self, slot: int, source: PageIndex, source_slot: int) -> None:
         """Commits `slot` with the identity of `source`'s `source_slot` (a tier move)."""
         block_hash = source.hash[source_slot]
@@ -244,6 +273,21 @@ class BlockPool:
         `uid`, which it returns (`tokens` as in `PageIndex.insert`)."""
         self._last_uid += 1
         self.index.insert(block, block_hash, self._last_uid, parent_uid, parent_hash, tokens)
+        return self._last_uid
+
+    def commit_run(
+        self,
+        blocks: list[int],
+        hashes: list[int],
+        parent_uid: int,
+        parent_hash: int | None,
+        tokens: npt.NDArray[np.integer],
+    ) -> int:
+        """`commit` for a chain of consecutive blocks of one request, in one
+        call; returns the last block's uid."""
+        first_uid = self._last_uid + 1
+        self.index.insert_run(blocks, hashes, first_uid, parent_uid, parent_hash, tokens)
+        self._last_uid += len(blocks)
         return self._last_uid
 
     def adopt(self, block: int, source: PageIndex, slot: int) -> int:

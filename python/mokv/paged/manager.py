@@ -115,6 +115,7 @@ class PagedKVCacheManager:
         self.enable_runtime_checks = bool(enable_runtime_checks)
         self._hasher = BlockHasher(params.page_size)
         leaves = params.leaves()
+        self._leaf_names = list(leaves)
         self._replicas = [
             Replica(
                 index,
@@ -426,7 +427,7 @@ class PagedKVCacheManager:
             self._plan_tables(replica, batch, num_steps, max_cache_length, batch_characteristics)
             for replica, batch in zip(self._replicas, batches, strict=True)
         ]
-        per_leaf: dict[str, list[PagedCacheInputs]] = {name: [] for name in self.params.leaves()}
+        per_leaf: dict[str, list[PagedCacheInputs]] = {name: [] for name in self._leaf_names}
         for replica, plan in zip(self._replicas, plans, strict=True):
             tables = replica.staging.build(replica.table, *plan[:3], **plan[3])
             for name, buffer in replica.buffers.items():

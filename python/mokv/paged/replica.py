@@ -308,6 +308,13 @@ class Replica:
         pool = self.pool
         index = pool.index
         tokens = ctx.tokens[first * ps : full * ps].reshape(full - first, ps)
+        blocks = self.table.read(state.row, first, full)
+        hashes = state.hashes[first:full]
+        if index.has_none_of(hashes):  # nothing to deduplicate: commit the run at once
+            parent_hash = state.hashes[first - 1] if first else None
+            state.last_uid = pool.commit_run(blocks, hashes, state.last_uid, parent_hash, tokens)
+            state.num_committed = full
+            return
         # Token rows of newly committed blocks are stored in one numpy call at
         # the end (`stored`), unless a lookup needs one of them sooner.
         committed: list[int] = []
@@ -319,7 +326,7 @@ class Replica:
                 committed.clear()
                 rows.clear()
 
-        for j, block in enumerate(self.table.read(state.row, first, full)):
+        for j, block in enumerate(blocks):
             i = first + j
             block_hash = state.hashes[i]
             cached = index.get(block_hash)

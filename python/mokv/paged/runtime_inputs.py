@@ -135,24 +135,25 @@ class _Arrays:
         self.lengths = np.zeros(0, np.uint32)
         self.lookup = np.zeros(0, np.uint32)
         self.max_lengths = np.zeros(0, np.uint32)
-        self.buffers: dict[tuple[str, tuple[int, ...]], Buffer] = {}
-        """`Buffer` views already made of these arrays, by (array, shape)."""
+        self.views: dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, Buffer]] = {}
+        """Views already made of these arrays, by (array, shape): numpy and `Buffer`."""
 
     def view(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, Buffer]:
         """A contiguous `shape` view of array `name` and a `Buffer` aliasing it."""
+        made = self.views.get((name, shape))
+        if made is not None:
+            return made
         size = math.prod(shape)
         flat = getattr(self, name)
         if size > flat.size:
             flat = np.zeros(max(size, 2 * flat.size), np.uint32)
             setattr(self, name, flat)
-            self.buffers = {k: v for k, v in self.buffers.items() if k[0] != name}
+            self.views = {k: v for k, v in self.views.items() if k[0] != name}
+        if len(self.views) >= _MAX_VIEWS:
+            self.views.clear()
         array = flat[:size].reshape(shape)
-        buffer = self.buffers.get((name, shape))
-        if buffer is None:
-            if len(self.buffers) >= _MAX_VIEWS:
-                self.buffers.clear()
-            buffer = self.buffers[(name, shape)] = Buffer.from_numpy(array)
-        return array, buffer
+        made = self.views[(name, shape)] = (array, Buffer.from_numpy(array))
+        return made
 
 
 class InputStaging:
