@@ -15,16 +15,16 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 from max.driver import CPU
 from max.dtype import DType
 from max.engine import InferenceSession
 
 from mokv import KVCacheParams, TextContext
 from mokv.continuous import ContinuousBatchingKVCacheManager
-from tests import kv_markers, property_stats
+from tests import kv_markers
+from tests.machine_base import ManagerMachine
 
-NAME = "continuous manager"
 PARAMS = KVCacheParams(DType.float32, n_kv_heads=1, head_dim=2, num_layers=1)
 _SESSION = InferenceSession(devices=[CPU()])
 
@@ -37,15 +37,8 @@ class Request:
     """The cache length the last `step` including it recorded."""
 
 
-class ContinuousManagerMachine(RuleBasedStateMachine):
-    def __init__(self) -> None:
-        super().__init__()
-        property_stats.CASES[NAME] += 1
-        self.live: dict[str, Request] = {}
-        self.next_id = 0
-
-    def _op(self) -> None:
-        property_stats.OPERATIONS[NAME] += 1
+class ContinuousManagerMachine(ManagerMachine):
+    NAME = "continuous manager"
 
     @initialize(slots=st.integers(1, 6), max_seq_len=st.sampled_from([1, 4, 32, 200]))
     def build(self, slots: int, max_seq_len: int) -> None:
@@ -101,15 +94,6 @@ class ContinuousManagerMachine(RuleBasedStateMachine):
             values = kv_markers.markers(r.ctx.tokens)[positions]
             blocks[slots, :, 0, positions, 0, :] = values
             r.ran = True
-
-    @precondition(lambda self: any(r.ran for r in self.live.values()))
-    @rule(token=st.integers(0, 5))
-    def update(self, token: int) -> None:
-        self._op()
-        for r in self.live.values():
-            if r.ran:
-                r.ctx.update(token)
-                r.ran = False
 
     @rule(picks=st.lists(st.integers(0, 1 << 16), max_size=4))
     def step(self, picks: list[int]) -> None:

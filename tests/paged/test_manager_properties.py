@@ -26,16 +26,16 @@ from dataclasses import dataclass
 
 import numpy as np
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 from max.dtype import DType
 from max.graph import DeviceRef
 
 from mokv import InsufficientBlocksError, KVCacheParams, PagedKVCacheManager, TextContext
 from mokv.paged.runtime_inputs import BatchCharacteristics
-from tests import kv_markers, property_stats
+from tests import kv_markers
+from tests.machine_base import ManagerMachine
 from tests.manager_state import paged_snapshot
 
-NAME = "paged manager"
 _BASES = [np.random.default_rng(k).integers(0, 3, size=400) for k in range(3)]
 """Shared prompt heads, so requests hit each other's cached prefixes."""
 
@@ -49,19 +49,15 @@ class Request:
     """Its active tokens went through the model (markers written) since its last update."""
 
 
-class PagedManagerMachine(RuleBasedStateMachine):
+class PagedManagerMachine(ManagerMachine):
+    NAME = "paged manager"
+
     def __init__(self) -> None:
         super().__init__()
-        property_stats.CASES[NAME] += 1
-        self.live: dict[str, Request] = {}
-        self.next_id = 0
         self.prefixes: dict[int, np.ndarray] = {}
         """Chained hash of every full block the model wrote -> the prefix it ends."""
         self.input_tokens = 0
         self.cache_tokens = 0
-
-    def _op(self) -> None:
-        property_stats.OPERATIONS[NAME] += 1
 
     # ----------------------------------------------------------------- set-up
 
@@ -197,16 +193,6 @@ class PagedManagerMachine(RuleBasedStateMachine):
             for j, block_hash in enumerate(self.m._hasher.hash_blocks(ctx.tokens[: full * self.ps])):
                 self.prefixes[block_hash] = ctx.tokens[: (j + 1) * self.ps].copy()
             r.ran = True
-
-    @precondition(lambda self: any(r.ran for r in self.live.values()))
-    @rule(token=st.integers(0, 3))
-    def update(self, token: int) -> None:
-        """Every request that ran gets its next token."""
-        self._op()
-        for r in self.live.values():
-            if r.ran:
-                r.ctx.update(token)
-                r.ran = False
 
     @rule(picks=st.lists(st.integers(0, 1 << 16), max_size=6))
     def step(self, picks: list[int]) -> None:

@@ -139,7 +139,9 @@ class PageIndex:
 
     def holds(self, slot: int, parent_uid: int, tokens: npt.NDArray[np.integer]) -> bool:
         """Whether `slot` continues the chain ending in `parent_uid` with `tokens`."""
-        return self.parent_uid[slot] == parent_uid and self.tokens[slot].tobytes() == np.asarray(tokens, np.int64).tobytes()
+        if self.parent_uid[slot] != parent_uid:
+            return False
+        return self.tokens[slot].tobytes() == np.asarray(tokens, np.int64).tobytes()
 
     def match(
         self, hashes: Sequence[int], parent_uid: int, tokens: npt.NDArray[np.integer]

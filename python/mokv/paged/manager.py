@@ -198,39 +198,42 @@ class PagedKVCacheManager:
     ) -> list[list[tuple[CacheContext, RequestState]]]:
         """Checks a whole per-replica batch list before any of it is acted on
         (`_checked_batches`, then each request: claimed on that replica, not
-        twice, no token processed without a page for it).
-
-        The loop takes the common case (a mokv `TextContext` passed before) in
-        a few operations; anything else goes through `_live`, which raises
-        with the reason or accepts it.
-        """
+        twice, no token processed without a page for it)."""
         self._checked_batches(batches)
         page_size = self.page_size
         validated = []
         for replica, batch in zip(self._replicas, batches, strict=True):
-            entries = []
-            get = replica.requests.get
-            try:
-                for data in batch:
-                    ctx = data if type(data) is TextContext else cache_context(data)
-                    state = get(ctx.request_id)
-                    if state is None or state.source is not data:
-                        ctx, state = self._live(data, replica)
-                    if ctx.processed_length > state.num_blocks * page_size and not state.is_dummy:
-                        raise ValueError(
-                            f"request {ctx.request_id!r} has processed_length {ctx.processed_length} but "
-                            f"its pages hold only {state.num_blocks * page_size} tokens: call alloc "
-                            "before running it"
-                        )
-                    entries.append((ctx, state))
-            except TypeError:
-                for data in batch:  # an unhashable request id: name it
-                    self._live(data, replica)
-                raise
-            if len({id(state) for _, state in entries}) != len(entries):
-                check_unique("request", (ctx.request_id for ctx, _ in entries))
+            entries = self._live_batch(batch, replica)
+            for ctx, state in entries:
+                if ctx.processed_length > state.num_blocks * page_size and not state.is_dummy:
+                    raise ValueError(
+                        f"request {ctx.request_id!r} has processed_length {ctx.processed_length} but "
+                        f"its pages hold only {state.num_blocks * page_size} tokens: call alloc "
+                        "before running it"
+                    )
             validated.append(entries)
         return validated
+
+    def _live_batch(self, batch: Sequence[object], replica: Replica) -> list[tuple[CacheContext, RequestState]]:
+        """`_live` for each entry of one replica's batch, none twice. The common
+        case (a mokv `TextContext` passed before) takes a few operations; anything
+        else goes through `_live`, which raises with the reason or accepts it."""
+        get = replica.requests.get
+        entries = []
+        try:
+            for data in batch:
+                ctx = data if type(data) is TextContext else cache_context(data)
+                state = get(ctx.request_id)
+                if state is None or state.source is not data:
+                    ctx, state = self._live(data, replica)
+                entries.append((ctx, state))
+        except TypeError:
+            for data in batch:  # an unhashable request id: name it
+                self._live(data, replica)
+            raise
+        if len({id(state) for _, state in entries}) != len(entries):
+            check_unique("request", (ctx.request_id for ctx, _ in entries))
+        return entries
 
     # --------------------------------------------------------------- lifecycle
 
@@ -445,9 +448,7 @@ class PagedKVCacheManager:
         """One pass over a replica's batch: checks each request (claimed here,
         not twice, pages for this step) while collecting its table row and
         cache length and the batch's maxima. Returns `InputStaging.build`'s
-        arguments; nothing is written until every replica's batch passed.
-        The common case takes a few operations per request (see
-        `_validated_batches`)."""
+        arguments; nothing is written until every replica's batch passed."""
         ps = self.page_size
         extra = num_steps - 1  # tokens written by the steps after the first
         round_up = extra + ps - 1
@@ -456,37 +457,25 @@ class PagedKVCacheManager:
         needs: list[int] = []
         held_more = False
         max_new = max_context = 0
-        get = replica.requests.get
-        try:
-            for data in batch:
-                ctx = data if type(data) is TextContext else cache_context(data)
-                state = get(ctx.request_id)
-                if state is None or state.source is not data:
-                    ctx, state = self._live(data, replica)
-                processed = ctx.processed_length
-                current = ctx.current_length
-                need = (current + round_up) // ps
-                held = state.num_blocks
-                if held != need and not state.is_dummy:  # a dummy's row is null pages whatever its length
-                    if held < need:
-                        raise ValueError(
-                            f"request {ctx.request_id!r} holds {held} pages but needs {need} for "
-                            f"{current + extra} tokens: call alloc first"
-                        )
-                    held_more = True
-                rows.append(state.row)
-                lengths.append(processed)
-                needs.append(need)
-                if current > max_context:
-                    max_context = current
-                if current - processed > max_new:
-                    max_new = current - processed
-        except TypeError:
-            for data in batch:  # an unhashable request id: name it
-                self._live(data, replica)
-            raise
-        if len(set(rows)) != len(rows):
-            check_unique("request", (cache_context(data).request_id for data in batch))
+        for ctx, state in self._live_batch(batch, replica):
+            processed = ctx.processed_length
+            current = ctx.current_length
+            need = (current + round_up) // ps
+            held = state.num_blocks
+            if held != need and not state.is_dummy:  # a dummy's row is null pages whatever its length
+                if held < need:
+                    raise ValueError(
+                        f"request {ctx.request_id!r} holds {held} pages but needs {need} for "
+                        f"{current + extra} tokens: call alloc first"
+                    )
+                held_more = True
+            rows.append(state.row)
+            lengths.append(processed)
+            needs.append(need)
+            if current > max_context:
+                max_context = current
+            if current - processed > max_new:
+                max_new = current - processed
         width = (max_context + round_up) // ps if rows else 0
         if max_cache_length is not None:
             fixed = -(-max_cache_length // ps)
