@@ -57,10 +57,12 @@ def plot(rows: list[dict], path: Path) -> None:
 @click.option("--quick", is_flag=True, help="Batches 1, 4 and 16 with fewer new tokens.")
 @out_dir_option("e2e")
 @click.option("--page-size", default=16, show_default=True)
+@click.option("--batch", "batch_sizes", type=click.IntRange(min=1), multiple=True,
+              help="Only these batch sizes (repeatable); `mokv bench manager` reads 32 and 64.")
 @tier_options
-def e2e(quick: bool, out_dir: Path, page_size: int, **tiers: object) -> None:
-    """Throughput at batch 1, 4, 16, 64 with and without prefix caching."""
-    batches = (1, 4, 16) if quick else (1, 4, 16, 64)
+def e2e(quick: bool, out_dir: Path, page_size: int, batch_sizes: tuple[int, ...], **tiers: object) -> None:
+    """Throughput at batch 1, 4, 16, 32, 64 with and without prefix caching."""
+    batches = batch_sizes or ((1, 4, 16) if quick else (1, 4, 16, 32, 64))
     max_new_tokens = 16 if quick else 32
     model = SmolLM2()
     rows = []

@@ -11,6 +11,7 @@ from mokv_examples.bench_e2e import e2e as bench_e2e
 from mokv_examples.bench_kernels import kernels as bench_kernels
 from mokv_examples.bench_manager import manager as bench_manager
 from mokv_examples.bench_tiers import tiers as bench_tiers
+from mokv_examples.bench_soak import soak as bench_soak
 from mokv_examples.chat import chat
 from mokv_examples.generate import generate
 from mokv_examples.inspect_cache import inspect_cache
@@ -42,7 +43,7 @@ def bench() -> None:
 
 for command in (generate, chat, inspect_cache):
     main.add_command(command)
-for command in (bench_manager, bench_attention, bench_e2e, bench_kernels, bench_tiers):
+for command in (bench_manager, bench_attention, bench_e2e, bench_kernels, bench_tiers, bench_soak):
     bench.add_command(command)
 
 if __name__ == "__main__":

@@ -66,9 +66,8 @@ def test_host_pages_from_swap_space() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"n_kv_heads": 0}, "n_kv_heads must be a positive integer, got 0"),
-        ({"page_size": -4}, "page_size must be a positive integer, got -4"),
-        ({"num_layers": 2.5}, "num_layers must be a positive integer, got 2.5"),
+        ({"n_kv_heads": 0}, "n_kv_heads must be >= 1, got 0"),
+        ({"page_size": -4}, "page_size must be >= 1, got -4"),
         (
             {"cache_strategy": "radix"},
             "cache_strategy must be one of paged, continuous, got 'radix'",

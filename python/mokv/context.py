@@ -257,3 +257,24 @@ def cache_context(context: object) -> CacheContext:
                 f"got {type(context).__module__}.{type(context).__qualname__}"
             )
     return adapt(context)
+
+
+def check_same_tokens(known: CacheContext | None, ctx: CacheContext) -> None:
+    """Refuses `ctx`, a second context object under a live request id, when its
+    tokens differ from `known` (the request's context so far) wherever both
+    have tokens: a copy of the request, or the request seen later, passes.
+
+    Raises:
+        ValueError: The first position where they differ, and both tokens.
+    """
+    if known is None:
+        return
+    mine, theirs = known.tokens, ctx.tokens
+    n = min(len(mine), len(theirs))
+    differ = np.flatnonzero(mine[:n] != theirs[:n])
+    if len(differ):
+        i = int(differ[0])
+        raise ValueError(
+            f"request {ctx.request_id!r} is live with other tokens: this context has token "
+            f"{int(theirs[i])} at position {i}, the request's has {int(mine[i])}"
+        )

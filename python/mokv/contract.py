@@ -24,6 +24,7 @@ from max.dtype import DType
 from max.graph import BufferType, DeviceRef, TensorType
 
 from .params import AnyKVCacheParams, MultiKVCacheParams
+from .validation import check_int
 
 T = TypeVar("T")
 """What a field holds: a runtime `Buffer`, a graph `TensorType`, or a graph value."""
@@ -181,6 +182,11 @@ def _dim(dim: int | str, shape: CacheShape, named: Mapping[str, int | str]) -> i
 def _types(
     specs: Sequence[InputSpec], shape: CacheShape, device: DeviceRef, named: Mapping[str, int | str]
 ) -> list[BufferType | TensorType]:
+    for name, size in named.items():  # a fixed size (page_size, max_seq_len) or a symbol's name
+        if not isinstance(size, str):
+            check_int(name, size, minimum=1)
+    if not isinstance(device, DeviceRef):
+        raise TypeError(f"device must be a max.graph.DeviceRef, got {device!r}")
     out: list[BufferType | TensorType] = []
     for spec in specs:
         dims = [_dim(d, shape, named) for d in spec.dims]

@@ -9,7 +9,7 @@ width, multi-step rows) are symbolic, so one compiled graph serves every batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar, Protocol, Self
 
 from max.graph import BufferValue, DeviceRef, Dim, TensorType, TensorValue, Value
@@ -55,6 +55,9 @@ class _ComponentCache:
     def from_inputs(cls, values: Sequence[Value]) -> Self:
         """Wraps one device's graph inputs, declared by the contract's
         `paged_input_types` / `continuous_input_types`: the block buffer, then tensors."""
+        expected = len(fields(cls))
+        if len(values) != expected:
+            raise ValueError(f"{cls.__name__}.from_inputs needs {expected} graph values, got {len(values)}")
         blocks, *tensors = values
         return cls(blocks.buffer, *(v.tensor for v in tensors))  # type: ignore[call-arg]
 

@@ -22,6 +22,8 @@ from max.graph import (
 )
 
 from ..contract import CacheShape
+from ..validation import check_int
+from .arguments import check_vector
 
 
 def ContinuousBatchingKVCacheCollectionType() -> _OpaqueType:
@@ -46,6 +48,8 @@ class ContinuousBatchingKVCache(_OpaqueValue):
     def gather(self, batch_rows: TensorValue, positions: TensorValue) -> TensorValue:
         """Token `positions[i]` of batch row `batch_rows[i]` (both uint32 `[n]`)
         as a dense `[n, n_kv_heads, head_dim]` tensor."""
+        check_vector("batch_rows", batch_rows)
+        check_vector("positions", positions)
         (rows,) = ops.inplace_custom(
             "mokv.gather.continuous_cache",
             device=self.collection.device,
@@ -77,6 +81,8 @@ class ContinuousBatchingKVCacheCollection(_OpaqueValue):
 
     def get_cache(self, layer_idx: int, kv_idx: int) -> ContinuousBatchingKVCache:
         """Layer `layer_idx`'s keys (`kv_idx` 0) or values (1)."""
+        check_int("layer_idx", layer_idx, minimum=0, maximum=self.params.num_layers - 1)
+        check_int("kv_idx", kv_idx, minimum=0, maximum=1)
         (cache,) = ops.inplace_custom(
             "mokv.collection.continuous.get_cache",
             device=self.device,

@@ -1,10 +1,16 @@
-"""Wrappers that put mokv's Mojo ops into a graph: the one place that knows op names."""
+"""Wrappers that put mokv's Mojo ops into a graph: the one place that knows op names.
+
+Each wrapper checks its arguments first (`mokv.graph.arguments`): a wrong
+dtype, rank, head layout or index raises `TypeError` / `ValueError` naming it
+while the graph is built, not as a kernel error at compile time.
+"""
 
 from __future__ import annotations
 
 from max.dtype import DType
 from max.graph import DeviceRef, TensorType, TensorValue, ops
 
+from .arguments import check_attention, check_gather_kv, check_store_kv
 from .cache_values import CacheLayout
 
 
@@ -27,6 +33,7 @@ def store_kv(
     head_dim]` of layer `layer_idx` at positions `cache_lengths[b] ..` of each
     sequence b, in place. `input_row_offsets` `[batch + 1]` uint32 delimits the
     sequences."""
+    check_store_kv(cache, layer_idx, keys, values, input_row_offsets)
     ops.inplace_custom(
         f"mokv.store_kv.{cache.layout}",
         device=cache.device,
@@ -44,6 +51,7 @@ def gather_kv(
     """Reads token `positions[i]` of batch row `batch_rows[i]` (both uint32
     `[n]`) from layer `layer_idx`'s keys (`kv_idx` 0) or values (1) as a dense
     `[n, kv_heads, head_dim]` tensor."""
+    check_gather_kv(cache, layer_idx, kv_idx, batch_rows, positions)
     (rows,) = ops.inplace_custom(
         f"mokv.gather.{cache.layout}",
         device=cache.device,
@@ -74,6 +82,7 @@ def attention(
     none. Returns `[total_new_tokens, n_q_heads, head_dim]` in q's dtype,
     computed in float32.
     """
+    check_attention(cache, layer_idx, q, input_row_offsets, scale, sliding_window)
     (out,) = ops.inplace_custom(
         f"mokv.attention.{cache.layout}",
         device=cache.device,

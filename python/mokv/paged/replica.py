@@ -53,7 +53,7 @@ from ..context import CacheContext
 from ..metrics import KVCacheMetrics
 from .block_pool import NO_UID, BlockPool
 from .hashing import BlockHasher, salted_root
-from .runtime_inputs import BlockTable
+from .runtime_inputs import BlockTable, InputStaging
 
 
 class InsufficientBlocksError(RuntimeError):
@@ -82,6 +82,10 @@ class RequestState:
     """The key before the request's first block (it commits to the cache salt)."""
     root_hash: int | None = None
     """Parent hash of the request's first block: None (the hasher's root) unless salted."""
+    source: object = None
+    """The context object the caller last passed for the request (identity check)."""
+    context: CacheContext | None = None
+    """`source` adapted: the tokens a second context object must agree with."""
 
 
 @dataclass(eq=False, slots=True)
@@ -153,6 +157,7 @@ class Replica:
         if self._evict_tiers:
             self.pool.on_evict = self._offload
         self.table = BlockTable(null_page=total_num_pages, initial_rows=max_batch_size)
+        self.staging = InputStaging(null_page=total_num_pages)
 
     # ------------------------------------------------------------ tier seam
 
@@ -192,29 +197,47 @@ class Replica:
         state = self.requests[request_id]
         return self.table.read(state.row, 0, state.num_blocks)
 
-    def alloc(self, ctx: CacheContext, num_steps: int) -> None:
+    def alloc(self, ctx: CacheContext, state: RequestState, num_steps: int) -> None:
         """Gives the request pages for its next `num_steps` steps (see the module
-        docstring); on `InsufficientBlocksError` nothing has changed."""
-        state = self.requests[ctx.request_id]
+        docstring).
+
+        On `InsufficientBlocksError` only one thing has changed, as in MAX's
+        manager: the cached device blocks the request matched count as used,
+        so the unheld ones move to the most-recently-used end of the free
+        queue (tail first, like a release), and a retry finds them again.
+        """
         ps = self.page_size
         seq_len = ctx.current_length + num_steps - 1
-        if seq_len > self.total_num_pages * ps:
-            raise InsufficientBlocksError(
-                f"request {ctx.request_id!r} needs {seq_len} tokens of KV but a replica holds "
-                f"only {self.total_num_pages * ps} ({self.total_num_pages} pages of {ps} tokens)"
-            )
         num_new = -(-seq_len // ps) - state.num_blocks
-        if self.prefix_caching and ctx.active_length > 1:
-            first_admission = ctx.processed_length == 0
-            hits = self._find_prefix_hits(state, ctx)
-            hit_tokens = 0
+        active = ctx.active_length
+        if active == 1 and (num_new <= 0 or (num_new == 1 and self.pool.num_free)):
+            # Decode: no prefix lookup (the last token is never served from
+            # cache), at most one new page and one to give.
+            if num_new == 1:
+                (block,) = self.pool.allocate(1)
+                self.table.set(state.row, state.num_blocks, block)
+                state.num_blocks += 1
+            self.metrics.input_tokens += 1
+            return
+        looks_up = self.prefix_caching and active > 1
+        first_admission = ctx.processed_length == 0
+        hits = self._find_prefix_hits(state, ctx) if looks_up else NO_HITS
+        hit_tokens = 0
+        try:
+            if seq_len > self.total_num_pages * ps:
+                raise InsufficientBlocksError(
+                    f"request {ctx.request_id!r} needs {seq_len} tokens of KV (current_length "
+                    f"{ctx.current_length}, num_steps={num_steps}) but a replica holds only "
+                    f"{self.total_num_pages * ps} ({self.total_num_pages} pages of {ps} tokens)"
+                )
             if hits.device or num_new > 0:
                 new_blocks = max(0, num_new - len(hits.device))
                 hit_tokens = self._extend(state, ctx, new_blocks, hits)
-            if first_admission:  # as MAX's manager records it
-                ctx.cached_prefix_length = hit_tokens
-        elif num_new > 0:
-            self._extend(state, ctx, num_new, NO_HITS)
+        except InsufficientBlocksError:
+            self.pool.refresh(reversed(hits.device))
+            raise
+        if looks_up and first_admission:  # as MAX's manager records it
+            ctx.cached_prefix_length = hit_tokens
         self.metrics.input_tokens += ctx.active_length
 
     def _extend(self, state: RequestState, ctx: CacheContext, num_new: int, hits: PrefixHits) -> int:
@@ -345,34 +368,95 @@ class Replica:
                 parent_uid = None  # the chain now continues through blocks not yet on the device
         return hits
 
-    def commit(self, ctx: CacheContext) -> None:
-        """Offers the request's blocks up to `processed_length` to the prefix
-        cache, deduplicating against verified twins; newly cached blocks go
-        to the write-through tiers."""
-        state = self.requests[ctx.request_id]
-        ps = self.page_size
-        if (
-            not self.prefix_caching
-            or state.is_dummy
-            or state.chain_broken
-            or ctx.processed_length // ps <= state.num_committed
-        ):
+    def commit(self, entries: Sequence[tuple[CacheContext, RequestState]]) -> None:
+        """Offers each request's blocks up to its `processed_length` to the
+        prefix cache, deduplicating against verified twins.
+
+        A decode step completes at most one block per request, whose parent's
+        hash is known: those blocks are hashed together in one vectorized call.
+        Newly cached blocks go to the write-through tiers.
+        """
+        if not self.prefix_caching:
             return
+        ps = self.page_size
+        due = [
+            (ctx, state)
+            for ctx, state in entries
+            if ctx.processed_length // ps > state.num_committed and not state.is_dummy and not state.chain_broken
+        ]
+        if not due:
+            return
+        # A decode step's usual case: one newly full block, right after the
+        # committed ones, whose parent hash is known. Hashed in one call, and
+        # committed with one numpy store of their tokens when no twin is cached.
+        decode = [
+            (ctx, state)
+            for ctx, state in due
+            if self.keyer is None  # keyed tiers extend the keys with the hashes (`_commit_one`)
+            and state.hashes
+            and len(state.hashes) == state.num_committed
+            and (ctx.current_length - 1) // ps == state.num_committed + 1
+            and ctx.processed_length // ps == state.num_committed + 1
+            and state.num_blocks > state.num_committed
+        ]
+        if decode:
+            tokens = np.stack([ctx.tokens[st.num_committed * ps : (st.num_committed + 1) * ps] for ctx, st in decode])
+            hashes = self.hasher.rehash(tokens, [st.hashes[-1] for _, st in decode])
+            blocks = self.table.entries([st.row for _, st in decode], [st.num_committed for _, st in decode])
+            index = self.pool.index
+            fresh: list[int] = []
+            for j, ((_, state), block_hash, block) in enumerate(zip(decode, hashes, blocks, strict=True)):
+                state.hashes.append(block_hash)
+                if index.get(block_hash) is None:
+                    state.last_uid = self.pool.commit(block, block_hash, state.last_uid, state.hashes[-2], None)
+                    state.num_committed += 1
+                    fresh.append(j)
+            if fresh:
+                index.tokens[[blocks[j] for j in fresh]] = tokens[fresh]
+        for ctx, state in due:
+            if ctx.processed_length // ps > state.num_committed:  # not done above
+                self._commit_one(ctx, state)
+
+    def _commit_one(self, ctx: CacheContext, state: RequestState) -> None:
+        ps = self.page_size
         first = state.num_committed
         full = min(ctx.processed_length // ps, state.num_blocks)
         self._hash_new_blocks(state, ctx)
         pool = self.pool
         index = pool.index
         tokens = ctx.tokens[first * ps : full * ps].reshape(full - first, ps)
-        saves = []
-        for j, block in enumerate(self.table.read(state.row, first, full)):
+        blocks = self.table.read(state.row, first, full)
+        saves: list[BlockToSave] = []
+        hashes = state.hashes[first:full]
+        # Nothing to deduplicate (no hash cached, none twice in the run): commit the run at once.
+        if index.has_none_of(hashes) and len(set(hashes)) == len(hashes):
+            parent_hash = state.hashes[first - 1] if first else state.root_hash
+            state.last_uid = pool.commit_run(blocks, hashes, state.last_uid, parent_hash, tokens)
+            state.num_committed = full
+            if self._commit_tiers:
+                self._save_through([self._save_item(state, first + j, b, tokens[j]) for j, b in enumerate(blocks)])
+            return
+        # Token rows of newly committed blocks are stored in one numpy call at
+        # the end (`stored`), unless a lookup needs one of them sooner.
+        committed: list[int] = []
+        rows: list[int] = []
+
+        def stored() -> None:
+            if committed:
+                index.tokens[committed] = tokens[rows]
+                committed.clear()
+                rows.clear()
+
+        for j, block in enumerate(blocks):
             i = first + j
             block_hash = state.hashes[i]
             cached = index.get(block_hash)
+            if cached is not None and cached in committed:
+                stored()  # a hash collision within the request: compare real tokens
             if cached is not None and index.holds(cached, state.last_uid, tokens[j]):
                 pool.touch(cached)
                 pool.free([block])
-                self.table.write(state.row, i, [cached])
+                self.table.set(state.row, i, cached)
                 uid = index.uid[cached]
             else:
                 if cached is not None:
@@ -382,11 +466,14 @@ class Replica:
                     # An unverifiable (orphaned or colliding) entry nobody holds.
                     pool.uncommit(cached)
                 parent_hash = state.hashes[i - 1] if i else state.root_hash
-                uid = pool.commit(block, block_hash, state.last_uid, parent_hash, tokens[j])
+                uid = pool.commit(block, block_hash, state.last_uid, parent_hash, None)
+                committed.append(block)
+                rows.append(j)
                 if self._commit_tiers:
                     saves.append(self._save_item(state, i, block, tokens[j]))
             state.last_uid = uid
             state.num_committed = i + 1
+        stored()
         if saves:
             self._save_through(saves)
 
