@@ -8,7 +8,7 @@ from extensibility import InputTensor, OutputTensor, _MutableInputTensor
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 
-from .attention import attention_over
+from .attention.op import attention_over
 from .bind import check_layer, continuous_collection
 from .cache import OpaqueContinuousCache, OpaqueContinuousCollection
 from .store import gather_from, gather_rows, store_kv_into
