@@ -12,7 +12,9 @@ from .cache import (
 )
 
 
-def _geometry[dtype: DType](
+def _geometry[
+    dtype: DType
+](
     blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
     cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
     lookup_table_ptr: U32Ptr,
@@ -30,7 +32,9 @@ def _geometry[dtype: DType](
     )
 
 
-def paged_collection[dtype: DType](
+def paged_collection[
+    dtype: DType
+](
     blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
     cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
     lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],
@@ -48,7 +52,9 @@ def paged_collection[dtype: DType](
     )
 
 
-def continuous_collection[dtype: DType](
+def continuous_collection[
+    dtype: DType
+](
     blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
     cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
     lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -61,9 +67,7 @@ def continuous_collection[dtype: DType](
             t" cache_lengths has {cache_lengths.dim_size(0)}"
         )
     var lut = lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    return ContinuousBatchingKVCacheCollection[dtype](
-        _geometry(blocks, cache_lengths, lut)
-    )
+    return ContinuousBatchingKVCacheCollection[dtype](_geometry(blocks, cache_lengths, lut))
 
 
 def check_layer(layer: Int, num_layers: Int) raises:
@@ -71,9 +75,7 @@ def check_layer(layer: Int, num_layers: Int) raises:
         raise Error(t"layer_idx {layer} out of range for {num_layers} layers")
 
 
-def check_token_range[cache_t: KVCacheT](
-    cache: cache_t, bs: Int, start: Int, end: Int
-) raises:
+def check_token_range[cache_t: KVCacheT](cache: cache_t, bs: Int, start: Int, end: Int) raises:
     """Raises unless `bs` is a row of the batch and tokens `start..end` of it
     map to valid blocks."""
     if bs < 0 or bs >= cache.batch_size():
@@ -94,11 +96,9 @@ def check_token_range[cache_t: KVCacheT](
         tok += cache.contiguous_tokens(tok)
 
 
-def check_rows[cache_t: KVCacheT](
-    cache: cache_t,
-    rows: InputTensor[dtype=cache_t.dtype, rank=3, ...],
-    name: StaticString,
-) raises:
+def check_rows[
+    cache_t: KVCacheT
+](cache: cache_t, rows: InputTensor[dtype=cache_t.dtype, rank=3, ...], name: StaticString) raises:
     """Raises unless `rows` is `[tokens, n_kv_heads, head_dim]` of the cache."""
     if rows.dim_size(1) != cache.num_heads() or rows.dim_size(2) != cache.head_dim():
         raise Error(

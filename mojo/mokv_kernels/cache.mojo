@@ -80,8 +80,7 @@ struct CacheGeometry(TrivialRegisterPassable):
     def offset(self, block: Int, kv_idx: Int, layer: Int, tok_in_block: Int) -> Int:
         """Element offset of one token row inside the block tensor."""
         return (
-            ((block * 2 + kv_idx) * self.num_layers + layer) * self.block_len
-            + tok_in_block
+            ((block * 2 + kv_idx) * self.num_layers + layer) * self.block_len + tok_in_block
         ) * self.row_elems()
 
     def cache_length(self, bs: Int) -> Int:
@@ -113,11 +112,7 @@ struct PagedKVCache[dtype_: DType](KVCacheT):
 
     def block_index(self, bs: Int, tok_idx: Int) -> Int:
         var column = tok_idx // self.geometry.block_len
-        return Int(
-            self.geometry.lookup_table[
-                unsafe_offset=bs * self.max_pages_per_seq + column
-            ]
-        )
+        return Int(self.geometry.lookup_table[unsafe_offset=bs * self.max_pages_per_seq + column])
 
     def num_blocks(self) -> Int:
         return self.geometry.num_blocks
@@ -129,9 +124,7 @@ struct PagedKVCache[dtype_: DType](KVCacheT):
             self.layer,
             tok_idx % self.geometry.block_len,
         )
-        return self.geometry.blocks.unsafe_bitcast[Scalar[Self.dtype_]]().unsafe_offset(
-            offset
-        )
+        return self.geometry.blocks.unsafe_bitcast[Scalar[Self.dtype_]]().unsafe_offset(offset)
 
     def contiguous_tokens(self, tok_idx: Int) -> Int:
         return self.geometry.block_len - tok_idx % self.geometry.block_len
@@ -172,9 +165,7 @@ struct ContinuousBatchingKVCache[dtype_: DType](KVCacheT):
         var offset = self.geometry.offset(
             self.block_index(bs, tok_idx), self.kv_idx, self.layer, tok_idx
         )
-        return self.geometry.blocks.unsafe_bitcast[Scalar[Self.dtype_]]().unsafe_offset(
-            offset
-        )
+        return self.geometry.blocks.unsafe_bitcast[Scalar[Self.dtype_]]().unsafe_offset(offset)
 
     def contiguous_tokens(self, tok_idx: Int) -> Int:
         return self.geometry.block_len - tok_idx
@@ -237,13 +228,10 @@ struct OpaqueContinuousCollection(TrivialRegisterPassable):
     var dtype: DType
     var is_cache_empty: Bool
 
-    def typed[dtype: DType](
-        self,
-    ) raises -> ContinuousBatchingKVCacheCollection[dtype]:
+    def typed[dtype: DType](self) raises -> ContinuousBatchingKVCacheCollection[dtype]:
         if self.dtype != dtype:
             raise Error(
-                t"the cache collection holds {self.dtype} but the op was given"
-                t" {dtype} tensors"
+                t"the cache collection holds {self.dtype} but the op was given {dtype} tensors"
             )
         return ContinuousBatchingKVCacheCollection[dtype](self.geometry)
 

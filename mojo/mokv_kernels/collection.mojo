@@ -20,7 +20,9 @@ struct FetchContinuousCollection:
     opaque collection value."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -29,9 +31,7 @@ struct FetchContinuousCollection:
     ) raises -> OpaqueContinuousCollection:
         comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
         var typed = continuous_collection(blocks, cache_lengths, lookup_table)
-        return OpaqueContinuousCollection(
-            typed.geometry, dtype, Bool(is_cache_empty)
-        )
+        return OpaqueContinuousCollection(typed.geometry, dtype, Bool(is_cache_empty))
 
 
 @extensibility.register("mokv.store_kv.continuous_collection")
@@ -39,7 +39,9 @@ struct StoreKVContinuousCollection:
     """`mokv.store_kv.continuous` taking the opaque collection."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         collection: OpaqueContinuousCollection,
         keys: InputTensor[dtype=dtype, rank=3, ...],
         values: InputTensor[dtype=dtype, rank=3, ...],
@@ -48,9 +50,7 @@ struct StoreKVContinuousCollection:
         ctx: DeviceContext,
     ) raises:
         comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
-        store_kv_into(
-            collection.typed[dtype](), layer_idx, keys, values, input_row_offsets
-        )
+        store_kv_into(collection.typed[dtype](), layer_idx, keys, values, input_row_offsets)
 
 
 @extensibility.register("mokv.gather.continuous_collection")
@@ -58,7 +58,9 @@ struct GatherContinuousCollection:
     """`mokv.gather.continuous` taking the opaque collection."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         dest: OutputTensor[dtype=dtype, rank=3, ...],
         collection: OpaqueContinuousCollection,
         batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -68,9 +70,7 @@ struct GatherContinuousCollection:
         ctx: DeviceContext,
     ) raises:
         comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
-        gather_from(
-            collection.typed[dtype](), dest, layer_idx, kv_idx, batch_rows, positions
-        )
+        gather_from(collection.typed[dtype](), dest, layer_idx, kv_idx, batch_rows, positions)
 
 
 @extensibility.register("mokv.attention.continuous_collection")
@@ -78,7 +78,9 @@ struct AttentionContinuousCollection:
     """`mokv.attention.continuous` taking the opaque collection."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         output: OutputTensor[dtype=dtype, rank=3, ...],
         collection: OpaqueContinuousCollection,
         q: InputTensor[dtype=dtype, rank=3, ...],
@@ -90,8 +92,13 @@ struct AttentionContinuousCollection:
     ) raises:
         comptime assert is_cpu[target](), "mokv's attention op runs on CPU only"
         attention_over(
-            collection.typed[dtype](), output, q, input_row_offsets, layer_idx,
-            scale, sliding_window,
+            collection.typed[dtype](),
+            output,
+            q,
+            input_row_offsets,
+            layer_idx,
+            scale,
+            sliding_window,
         )
 
 
@@ -101,7 +108,9 @@ struct GetContinuousCache:
     as an opaque per-layer cache value."""
 
     @staticmethod
-    def execute[target: StaticString](
+    def execute[
+        target: StaticString
+    ](
         collection: OpaqueContinuousCollection,
         layer_idx: UInt32,
         kv_idx: UInt32,
@@ -119,7 +128,9 @@ struct GatherContinuousCache:
     """`mokv.gather.continuous` reading one opaque per-layer cache."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         dest: OutputTensor[dtype=dtype, rank=3, ...],
         cache: OpaqueContinuousCache,
         batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],

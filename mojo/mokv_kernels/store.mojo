@@ -18,7 +18,9 @@ from .bind import (
 from .cache import KVCacheT, KVCollectionT, U32Ptr
 
 
-def store_rows[cache_t: KVCacheT](
+def store_rows[
+    cache_t: KVCacheT
+](
     k_cache: cache_t,
     v_cache: cache_t,
     keys: InputTensor[dtype=cache_t.dtype, rank=3, ...],
@@ -34,9 +36,7 @@ def store_rows[cache_t: KVCacheT](
     var batch = k_cache.batch_size()
     check_row_offsets(row_offsets, batch, keys.dim_size(0))
     if values.dim_size(0) != keys.dim_size(0):
-        raise Error(
-            t"values have {values.dim_size(0)} tokens but keys have {keys.dim_size(0)}"
-        )
+        raise Error(t"values have {values.dim_size(0)} tokens but keys have {keys.dim_size(0)}")
     var offsets = row_offsets.unsafe_ptr()
     for bs in range(batch):
         var start = Int(offsets[unsafe_offset=bs])
@@ -68,7 +68,9 @@ def store_rows[cache_t: KVCacheT](
             done += run
 
 
-def gather_rows[cache_t: KVCacheT](
+def gather_rows[
+    cache_t: KVCacheT
+](
     cache: cache_t,
     dest: OutputTensor[dtype=cache_t.dtype, rank=3, ...],
     batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -88,14 +90,14 @@ def gather_rows[cache_t: KVCacheT](
     for i in range(n):
         unsafe_memcpy(
             dest=dst.unsafe_offset(i * row),
-            src=cache.row_ptr(
-                Int(rows[unsafe_offset=i]), Int(pos[unsafe_offset=i])
-            ),
+            src=cache.row_ptr(Int(rows[unsafe_offset=i]), Int(pos[unsafe_offset=i])),
             count=row,
         )
 
 
-def store_kv_into[collection_t: KVCollectionT](
+def store_kv_into[
+    collection_t: KVCollectionT
+](
     collection: collection_t,
     layer_idx: UInt32,
     keys: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
@@ -118,7 +120,9 @@ struct StoreKVPaged:
     """Stores a ragged batch's new K and V of one layer into a paged cache."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],
@@ -139,7 +143,9 @@ struct StoreKVContinuous:
     continuous-batching cache."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -154,7 +160,9 @@ struct StoreKVContinuous:
         store_kv_into(collection, layer_idx, keys, values, input_row_offsets)
 
 
-def gather_from[collection_t: KVCollectionT](
+def gather_from[
+    collection_t: KVCollectionT
+](
     collection: collection_t,
     dest: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
     layer_idx: UInt32,
@@ -175,7 +183,9 @@ struct GatherPaged:
     out of a paged cache into a dense `[n, n_kv_heads, head_dim]` tensor."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         dest: OutputTensor[dtype=dtype, rank=3, ...],
         blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -197,7 +207,9 @@ struct GatherContinuous:
     cache into a dense `[n, n_kv_heads, head_dim]` tensor."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         dest: OutputTensor[dtype=dtype, rank=3, ...],
         blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],

@@ -61,7 +61,9 @@ def _decode_tokens(group_block: Int) -> Int:
     return 2 if group_block <= 4 else 1
 
 
-def _decode_item[cache_t: KVCacheT, GB: Int](
+def _decode_item[
+    cache_t: KVCacheT, GB: Int
+](
     k_cache: cache_t,
     v_cache: cache_t,
     queries: RaggedQueries[cache_t.dtype],
@@ -166,11 +168,15 @@ def _decode_item[cache_t: KVCacheT, GB: Int](
             if item.split < 0:
                 queries.store_row(token, head, state.acc_row(r), 1 / state.row_sum[unsafe_offset=r])
             else:
-                PartialState(partials.unsafe_offset(item.split), queries.n_q_heads, d).save(head, state, r)
+                PartialState(partials.unsafe_offset(item.split), queries.n_q_heads, d).save(
+                    head, state, r
+                )
     _ = arena^
 
 
-def _decode_any_group[cache_t: KVCacheT](
+def _decode_any_group[
+    cache_t: KVCacheT
+](
     k_cache: cache_t,
     v_cache: cache_t,
     queries: RaggedQueries[cache_t.dtype],

@@ -25,7 +25,9 @@ from .scratch import Arena
 from .softmax import SplitGroup, _merge_splits
 
 
-def attention_over[collection_t: KVCollectionT](
+def attention_over[
+    collection_t: KVCollectionT
+](
     collection: collection_t,
     output: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
     q: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
@@ -101,7 +103,9 @@ struct AttentionPaged:
     """Flash attention of a ragged batch over one layer of a paged cache."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         output: OutputTensor[dtype=dtype, rank=3, ...],
         blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -116,7 +120,12 @@ struct AttentionPaged:
         comptime assert is_cpu[target](), "mokv's attention op runs on CPU only"
         var collection = paged_collection(blocks, cache_lengths, lookup_table)
         attention_over(
-            collection, output, q, input_row_offsets, layer_idx, scale,
+            collection,
+            output,
+            q,
+            input_row_offsets,
+            layer_idx,
+            scale,
             sliding_window,
         )
 
@@ -127,7 +136,9 @@ struct AttentionContinuous:
     continuous-batching cache."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         output: OutputTensor[dtype=dtype, rank=3, ...],
         blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -142,6 +153,11 @@ struct AttentionContinuous:
         comptime assert is_cpu[target](), "mokv's attention op runs on CPU only"
         var collection = continuous_collection(blocks, cache_lengths, lookup_table)
         attention_over(
-            collection, output, q, input_row_offsets, layer_idx, scale,
+            collection,
+            output,
+            q,
+            input_row_offsets,
+            layer_idx,
+            scale,
             sliding_window,
         )

@@ -39,7 +39,9 @@ def _output_heads(item: WorkItem, n_q_heads: Int, group: Int) -> Tuple[Int, Int]
     return (item.kv_head * group, group)
 
 
-def _plan[cache_t: KVCacheT](
+def _plan[
+    cache_t: KVCacheT
+](
     cache: cache_t,
     queries: RaggedQueries[cache_t.dtype],
     batch: Int,
@@ -64,7 +66,9 @@ def _plan[cache_t: KVCacheT](
         var new_tokens = queries.token(b + 1, 0) - queries.token(b, 0)
         var cache_length = cache.cache_length(b)
         if new_tokens == 1:
-            decode.append(WorkItem(b, 0, 1, -1, queries.visible_start(cache_length), cache_length + 1, -1))
+            decode.append(
+                WorkItem(b, 0, 1, -1, queries.visible_start(cache_length), cache_length + 1, -1)
+            )
         elif new_tokens > 1:
             # Blocks of even size: a short remainder block would leave a core idle.
             var block_tokens = ceildiv(new_tokens, ceildiv(new_tokens, max_block_tokens))
@@ -84,21 +88,34 @@ def _plan[cache_t: KVCacheT](
     for item in whole:
         var heads = _output_heads(item, queries.n_q_heads, queries.group)
         var length = item.ctx_end - item.ctx_start
-        var pieces = min(ceildiv(item.num_tokens * heads[1] * length, share), ceildiv(length, MIN_SPLIT))
+        var pieces = min(
+            ceildiv(item.num_tokens * heads[1] * length, share), ceildiv(length, MIN_SPLIT)
+        )
         if pieces <= 1:
             items.append(item)
             continue
         var chunk = ceildiv(length, pieces)
         var group = SplitGroup(
-            item.row, item.first_token, item.num_tokens, heads[0], heads[1], partial_floats, ceildiv(length, chunk)
+            item.row,
+            item.first_token,
+            item.num_tokens,
+            heads[0],
+            heads[1],
+            partial_floats,
+            ceildiv(length, chunk),
         )
         var state_floats = PartialState.floats(group.rows(), queries.head_dim)
         for s in range(group.count):
             var first = item.ctx_start + s * chunk
             items.append(
                 WorkItem(
-                    item.row, item.first_token, item.num_tokens, item.kv_head,
-                    first, min(item.ctx_end, first + chunk), partial_floats + s * state_floats,
+                    item.row,
+                    item.first_token,
+                    item.num_tokens,
+                    item.kv_head,
+                    first,
+                    min(item.ctx_end, first + chunk),
+                    partial_floats + s * state_floats,
                 )
             )
         partial_floats += group.count * state_floats

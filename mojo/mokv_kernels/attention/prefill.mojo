@@ -30,7 +30,14 @@ from .tiles import RowPtrs, TileWalk
 
 
 def _qk_block(
-    q_t: F32Ptr, q_stride: Int, keys: F32Ptr, key_stride: Int, j0: Int, state: SoftmaxState, r0: Int, head_dim: Int
+    q_t: F32Ptr,
+    q_stride: Int,
+    keys: F32Ptr,
+    key_stride: Int,
+    j0: Int,
+    state: SoftmaxState,
+    r0: Int,
+    head_dim: Int,
 ):
     """Scores of rows `r0 ..< r0 + QK_VECS*W` against staged tile tokens `j0
     ..< j0 + QK_TOKENS` (`key_stride` floats apart): per head_dim element, one
@@ -50,9 +57,9 @@ def _qk_block(
             state.column(j0 + t).unsafe_store(r0 + v * W, acc[t * QK_VECS + v])
 
 
-def _pv_block[NV: Int](
-    state: SoftmaxState, r0: Int, values: F32Ptr, value_stride: Int, col: Int, n: Int
-):
+def _pv_block[
+    NV: Int
+](state: SoftmaxState, r0: Int, values: F32Ptr, value_stride: Int, col: Int, n: Int):
     """Adds probabilities `[rows r0 ..< r0 + PV_ROWS, tokens 0 ..< n]` times
     value columns `col ..< col + NV*W` of the staged tile (rows `value_stride`
     floats apart) to those rows' outputs, held in registers across the tile."""
@@ -74,9 +81,9 @@ def _pv_block[NV: Int](
             state.acc_row(r0 + r).unsafe_store(col + v * W, out[r * NV + v])
 
 
-def _stage_tile[dtype: DType](
-    rows: RowPtrs[dtype], offset: Int, n: Int, head_dim: Int, staging: F32Ptr, stride: Int
-):
+def _stage_tile[
+    dtype: DType
+](rows: RowPtrs[dtype], offset: Int, n: Int, head_dim: Int, staging: F32Ptr, stride: Int):
     """Copies one head (`offset ..< offset + head_dim`) of the tile's first
     `n` rows into `staging` (`TILE` rows `stride` floats apart) as float32.
     Copied even for float32 storage: cache rows of 8 heads x 128 floats lie
@@ -91,7 +98,9 @@ def _stage_tile[dtype: DType](
             dst.unsafe_store(i, src.unsafe_load[width=W](i).cast[DType.float32]())
 
 
-def _prefill_item[cache_t: KVCacheT](
+def _prefill_item[
+    cache_t: KVCacheT
+](
     k_cache: cache_t,
     v_cache: cache_t,
     queries: RaggedQueries[cache_t.dtype],
@@ -110,7 +119,9 @@ def _prefill_item[cache_t: KVCacheT](
 
     var q_stride = padded + SKEW
     var tile_stride = d + SKEW  # of the staged K and V tiles
-    var arena = Arena(d * (q_stride + group) + SoftmaxState.floats(padded, d) + 2 * TILE * tile_stride)
+    var arena = Arena(
+        d * (q_stride + group) + SoftmaxState.floats(padded, d) + 2 * TILE * tile_stride
+    )
     var q_t = arena.take(d * q_stride)
     var scratch = arena.take(d * group)
     for t in range(item.num_tokens):
@@ -148,7 +159,9 @@ def _prefill_item[cache_t: KVCacheT](
                 var column = state.column(j)
                 for r in range(0, padded, W):
                     var seen = p.ge(lo.unsafe_load[width=W](r)) & p.lt(hi.unsafe_load[width=W](r))
-                    column.unsafe_store(r, seen.select(column.unsafe_load[width=W](r), Vec(NEG_INF)))
+                    column.unsafe_store(
+                        r, seen.select(column.unsafe_load[width=W](r), Vec(NEG_INF))
+                    )
         state.update(n)
         for r0 in range(0, padded, PV_ROWS):
             for j in range(r0 // PV_ROWS * prefetch_rows, (r0 // PV_ROWS + 1) * prefetch_rows):
@@ -166,7 +179,9 @@ def _prefill_item[cache_t: KVCacheT](
         for g in range(group):
             var r = t * group + g
             if item.split < 0:
-                queries.store_row(token, h * group + g, state.acc_row(r), 1 / state.row_sum[unsafe_offset=r])
+                queries.store_row(
+                    token, h * group + g, state.acc_row(r), 1 / state.row_sum[unsafe_offset=r]
+                )
             else:
                 PartialState(partials.unsafe_offset(item.split), rows, d).save(r, state, r)
     _ = bounds^

@@ -29,14 +29,10 @@ struct RaggedQueries[dtype: DType](TrivialRegisterPassable):
             return max(0, position + 1 - self.window)
         return 0
 
-    def load_rows(
-        self, dest: F32Ptr, token: Int, first_head: Int, count: Int
-    ):
+    def load_rows(self, dest: F32Ptr, token: Int, first_head: Int, count: Int):
         """Copies `count` query heads from `first_head` on of `token` to
         `dest` as float32, scaled into base-2 score units."""
-        var src = self.q.unsafe_offset(
-            (token * self.n_q_heads + first_head) * self.head_dim
-        )
+        var src = self.q.unsafe_offset((token * self.n_q_heads + first_head) * self.head_dim)
         for i in range(0, count * self.head_dim, W):
             dest.unsafe_store(
                 i, src.unsafe_load[width=W](i).cast[DType.float32]() * self.scale_log2
@@ -44,8 +40,6 @@ struct RaggedQueries[dtype: DType](TrivialRegisterPassable):
 
     def store_row(self, token: Int, head: Int, acc: F32Ptr, inv_sum: Float32):
         """Writes `acc * inv_sum` as the output of query head `head`."""
-        var dst = self.out.unsafe_offset(
-            (token * self.n_q_heads + head) * self.head_dim
-        )
+        var dst = self.out.unsafe_offset((token * self.n_q_heads + head) * self.head_dim)
         for i in range(0, self.head_dim, W):
             dst.unsafe_store(i, (acc.unsafe_load[width=W](i) * inv_sum).cast[Self.dtype]())

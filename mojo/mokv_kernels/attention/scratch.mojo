@@ -17,7 +17,11 @@ struct Arena(Movable):
         self.used = 0
 
     def take(mut self, count: Int, fill: Float32 = 0) -> F32Ptr:
-        var p = self.storage.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_offset(self.used)
+        var p = (
+            self.storage.unsafe_ptr()
+            .unsafe_origin_cast[MutUntrackedOrigin]()
+            .unsafe_offset(self.used)
+        )
         for i in range(count):
             p[unsafe_offset=i] = fill
         self.used += count

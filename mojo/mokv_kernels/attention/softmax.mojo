@@ -142,12 +142,12 @@ struct SplitGroup(TrivialRegisterPassable):
     def state(self, partials: F32Ptr, split: Int, head_dim: Int) -> PartialState:
         """The partial state of split `split < count`."""
         var floats = PartialState.floats(self.rows(), head_dim)
-        return PartialState(partials.unsafe_offset(self.first_state + split * floats), self.rows(), head_dim)
+        return PartialState(
+            partials.unsafe_offset(self.first_state + split * floats), self.rows(), head_dim
+        )
 
 
-def _merge_splits[dtype: DType](
-    queries: RaggedQueries[dtype], group: SplitGroup, partials: F32Ptr
-):
+def _merge_splits[dtype: DType](queries: RaggedQueries[dtype], group: SplitGroup, partials: F32Ptr):
     """Combines the partial softmax states of a split group and writes its
     outputs: each split's sum and output are rescaled to the global max. A
     split that saw none of a row's positions holds max -inf and weighs 0."""
@@ -167,7 +167,9 @@ def _merge_splits[dtype: DType](
             total += state.row_sum()[unsafe_offset=r] * weight
             var src = state.acc(r)
             for i in range(0, d, W):
-                acc.unsafe_store(i, acc.unsafe_load[width=W](i) + src.unsafe_load[width=W](i) * weight)
+                acc.unsafe_store(
+                    i, acc.unsafe_load[width=W](i) + src.unsafe_load[width=W](i) * weight
+                )
         var token = queries.token(group.row, group.first_token + r // group.num_heads)
         queries.store_row(token, group.first_head + r % group.num_heads, acc, 1 / total)
     _ = arena^

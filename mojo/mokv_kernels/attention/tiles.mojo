@@ -16,7 +16,9 @@ comptime RowPtrs[dtype: DType] = Array[CachePtr[dtype], TILE]
 comptime RowBlock[dtype: DType, size: Int] = Array[CachePtr[dtype], size]
 
 
-def _offset_rows[dtype: DType, size: Int](rows: RowBlock[dtype, size], offset: Int) -> RowBlock[dtype, size]:
+def _offset_rows[
+    dtype: DType, size: Int
+](rows: RowBlock[dtype, size], offset: Int) -> RowBlock[dtype, size]:
     """The same rows, each `offset` elements on: one head's segment of each."""
     var out = RowBlock[dtype, size](fill=rows[0])
     comptime for t in range(size):
@@ -24,7 +26,9 @@ def _offset_rows[dtype: DType, size: Int](rows: RowBlock[dtype, size], offset: I
     return out^
 
 
-def _tile_rows[cache_t: KVCacheT](
+def _tile_rows[
+    cache_t: KVCacheT
+](
     cache: cache_t,
     row: Int,
     start: Int,
@@ -96,11 +100,17 @@ struct TileWalk[cache_t: KVCacheT]:
         self.next_n = max(0, min(TILE, self.end - start))
         if self.next_n > 0:
             _tile_rows(
-                self.k_cache, self.row, start, self.next_n,
+                self.k_cache,
+                self.row,
+                start,
+                self.next_n,
                 self.next_k.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             )
             _tile_rows(
-                self.v_cache, self.row, start, self.next_n,
+                self.v_cache,
+                self.row,
+                start,
+                self.next_n,
                 self.next_v.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             )
 
