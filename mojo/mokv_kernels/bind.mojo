@@ -6,8 +6,10 @@ from extensibility import InputTensor, _MutableInputTensor
 from .cache import (
     CacheGeometry,
     ContinuousBatchingKVCacheCollection,
+    ContinuousLayout,
     KVCacheT,
     PagedKVCacheCollection,
+    PagedLayout,
     U32Ptr,
 )
 
@@ -48,7 +50,7 @@ def paged_collection[
         )
     var lut = lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     return PagedKVCacheCollection[dtype](
-        _geometry(blocks, cache_lengths, lut), lookup_table.dim_size(1)
+        _geometry(blocks, cache_lengths, lut), PagedLayout(lookup_table.dim_size(1))
     )
 
 
@@ -67,7 +69,9 @@ def continuous_collection[
             t" cache_lengths has {cache_lengths.dim_size(0)}"
         )
     var lut = lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    return ContinuousBatchingKVCacheCollection[dtype](_geometry(blocks, cache_lengths, lut))
+    return ContinuousBatchingKVCacheCollection[dtype](
+        _geometry(blocks, cache_lengths, lut), ContinuousLayout()
+    )
 
 
 def check_layer(layer: Int, num_layers: Int) raises:
