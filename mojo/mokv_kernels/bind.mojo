@@ -5,23 +5,39 @@ from extensibility import InputTensor, _MutableInputTensor
 
 from .cache import (
     CacheGeometry,
-    ContinuousBatchingKVCacheCollection,
     ContinuousLayout,
+    KVCacheCollection,
     KVCacheT,
-    PagedKVCacheCollection,
     PagedLayout,
-    U32Ptr,
 )
 
 
-def _geometry[
-    dtype: DType
+comptime LayoutFor[table_rank: Int] = PagedLayout if table_rank == 2 else ContinuousLayout
+"""The layout that a lookup table of rank `table_rank` describes: `[batch,
+max_pages_per_seq]` page ids (paged) or `[batch]` slots (continuous
+batching). MAX infers `table_rank` from the graph tensor, so one op per
+operation serves both layouts."""
+
+
+def bind_collection[
+    dtype: DType, table_rank: Int
 ](
     blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
     cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
-    lookup_table_ptr: U32Ptr,
-) -> CacheGeometry:
-    return CacheGeometry(
+    lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
+) raises -> KVCacheCollection[dtype, LayoutFor[table_rank]]:
+    """The collection over `blocks` for the batch that `cache_lengths`
+    `[batch]` and `lookup_table` describe, in the layout the table's rank
+    names (`LayoutFor`)."""
+    comptime assert (
+        table_rank == 1 or table_rank == 2
+    ), "lookup_table is [batch, max_pages_per_seq] (paged) or [batch] (continuous batching)"
+    if lookup_table.dim_size(0) != cache_lengths.dim_size(0):
+        raise Error(
+            t"lookup_table has {lookup_table.dim_size(0)} rows but"
+            t" cache_lengths has {cache_lengths.dim_size(0)}"
+        )
+    var geometry = CacheGeometry(
         blocks.unsafe_ptr().unsafe_bitcast[UInt8]().unsafe_origin_cast[MutUntrackedOrigin](),
         blocks.dim_size(0),
         blocks.dim_size(2),
@@ -30,48 +46,13 @@ def _geometry[
         blocks.dim_size(5),
         cache_lengths.dim_size(0),
         cache_lengths.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-        lookup_table_ptr,
+        lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
     )
-
-
-def paged_collection[
-    dtype: DType
-](
-    blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
-    cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
-    lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],
-) raises -> PagedKVCacheCollection[dtype]:
-    """A paged collection over `blocks` for the batch described by
-    `cache_lengths` `[batch]` and `lookup_table` `[batch, max_pages]`."""
-    if lookup_table.dim_size(0) != cache_lengths.dim_size(0):
-        raise Error(
-            t"lookup_table has {lookup_table.dim_size(0)} rows but"
-            t" cache_lengths has {cache_lengths.dim_size(0)}"
-        )
-    var lut = lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    return PagedKVCacheCollection[dtype](
-        _geometry(blocks, cache_lengths, lut), PagedLayout(lookup_table.dim_size(1))
-    )
-
-
-def continuous_collection[
-    dtype: DType
-](
-    blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
-    cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
-    lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
-) raises -> ContinuousBatchingKVCacheCollection[dtype]:
-    """A continuous-batching collection over `blocks` for the batch described
-    by `cache_lengths` `[batch]` and `lookup_table` `[batch]` (row -> slot)."""
-    if lookup_table.dim_size(0) != cache_lengths.dim_size(0):
-        raise Error(
-            t"lookup_table has {lookup_table.dim_size(0)} rows but"
-            t" cache_lengths has {cache_lengths.dim_size(0)}"
-        )
-    var lut = lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    return ContinuousBatchingKVCacheCollection[dtype](
-        _geometry(blocks, cache_lengths, lut), ContinuousLayout()
-    )
+    comptime if table_rank == 2:
+        var paged = PagedLayout(lookup_table.dim_size(1))
+        return KVCacheCollection[dtype](geometry, rebind[LayoutFor[table_rank]](paged))
+    else:
+        return KVCacheCollection[dtype](geometry, rebind[LayoutFor[table_rank]](ContinuousLayout()))
 
 
 def check_layer(layer: Int, num_layers: Int) raises:

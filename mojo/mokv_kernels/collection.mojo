@@ -9,7 +9,7 @@ from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 
 from .attention.op import attention_over
-from .bind import check_layer, continuous_collection
+from .bind import bind_collection, check_layer
 from .cache import OpaqueContinuousCache, OpaqueContinuousCollection
 from .store import gather_from, gather_rows, store_kv_into
 
@@ -30,13 +30,13 @@ struct FetchContinuousCollection:
         ctx: DeviceContext,
     ) raises -> OpaqueContinuousCollection:
         comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
-        var typed = continuous_collection(blocks, cache_lengths, lookup_table)
+        var typed = bind_collection(blocks, cache_lengths, lookup_table)
         return OpaqueContinuousCollection(typed.geometry, dtype, Bool(is_cache_empty))
 
 
 @extensibility.register("mokv.store_kv.continuous_collection")
 struct StoreKVContinuousCollection:
-    """`mokv.store_kv.continuous` taking the opaque collection."""
+    """`mokv.store_kv` taking the opaque collection."""
 
     @staticmethod
     def execute[
@@ -55,7 +55,7 @@ struct StoreKVContinuousCollection:
 
 @extensibility.register("mokv.gather.continuous_collection")
 struct GatherContinuousCollection:
-    """`mokv.gather.continuous` taking the opaque collection."""
+    """`mokv.gather` taking the opaque collection."""
 
     @staticmethod
     def execute[
@@ -75,7 +75,7 @@ struct GatherContinuousCollection:
 
 @extensibility.register("mokv.attention.continuous_collection")
 struct AttentionContinuousCollection:
-    """`mokv.attention.continuous` taking the opaque collection."""
+    """`mokv.attention` taking the opaque collection."""
 
     @staticmethod
     def execute[
@@ -125,7 +125,7 @@ struct GetContinuousCache:
 
 @extensibility.register("mokv.gather.continuous_cache")
 struct GatherContinuousCache:
-    """`mokv.gather.continuous` reading one opaque per-layer cache."""
+    """`mokv.gather` reading one opaque per-layer cache."""
 
     @staticmethod
     def execute[

@@ -8,14 +8,13 @@ from max.gpu.host.info import is_cpu
 from std.memory import unsafe_memcpy
 
 from .bind import (
+    bind_collection,
     check_layer,
     check_row_offsets,
     check_rows,
     check_token_range,
-    continuous_collection,
-    paged_collection,
 )
-from .cache import KVCacheT, KVCollectionT, U32Ptr
+from .cache import KVCacheT, KVCollectionT
 
 
 def store_rows[
@@ -115,17 +114,18 @@ def store_kv_into[
     )
 
 
-@extensibility.register("mokv.store_kv.paged")
-struct StoreKVPaged:
-    """Stores a ragged batch's new K and V of one layer into a paged cache."""
+@extensibility.register("mokv.store_kv")
+struct StoreKV:
+    """Stores a ragged batch's new K and V of one layer into the cache, paged
+    or continuous-batching as the lookup table's rank says (`LayoutFor`)."""
 
     @staticmethod
     def execute[
-        dtype: DType, target: StaticString
+        dtype: DType, table_rank: Int, target: StaticString
     ](
         blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
-        lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
         keys: InputTensor[dtype=dtype, rank=3, ...],
         values: InputTensor[dtype=dtype, rank=3, ...],
         input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -133,30 +133,7 @@ struct StoreKVPaged:
         ctx: DeviceContext,
     ) raises:
         comptime assert is_cpu[target](), "mokv's store op runs on CPU only"
-        var collection = paged_collection(blocks, cache_lengths, lookup_table)
-        store_kv_into(collection, layer_idx, keys, values, input_row_offsets)
-
-
-@extensibility.register("mokv.store_kv.continuous")
-struct StoreKVContinuous:
-    """Stores a ragged batch's new K and V of one layer into a
-    continuous-batching cache."""
-
-    @staticmethod
-    def execute[
-        dtype: DType, target: StaticString
-    ](
-        blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
-        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
-        lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
-        keys: InputTensor[dtype=dtype, rank=3, ...],
-        values: InputTensor[dtype=dtype, rank=3, ...],
-        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
-        layer_idx: UInt32,
-        ctx: DeviceContext,
-    ) raises:
-        comptime assert is_cpu[target](), "mokv's store op runs on CPU only"
-        var collection = continuous_collection(blocks, cache_lengths, lookup_table)
+        var collection = bind_collection(blocks, cache_lengths, lookup_table)
         store_kv_into(collection, layer_idx, keys, values, input_row_offsets)
 
 
@@ -177,19 +154,20 @@ def gather_from[
     gather_rows(collection.get_cache(layer, Int(kv_idx)), dest, batch_rows, positions)
 
 
-@extensibility.register("mokv.gather.paged")
-struct GatherPaged:
+@extensibility.register("mokv.gather")
+struct Gather:
     """Reads token rows `(batch_rows[i], positions[i])` of one layer's K or V
-    out of a paged cache into a dense `[n, n_kv_heads, head_dim]` tensor."""
+    out of the cache (either layout, as `mokv.store_kv`) into a dense
+    `[n, n_kv_heads, head_dim]` tensor."""
 
     @staticmethod
     def execute[
-        dtype: DType, target: StaticString
+        dtype: DType, table_rank: Int, target: StaticString
     ](
         dest: OutputTensor[dtype=dtype, rank=3, ...],
         blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
-        lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
         batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
         positions: InputTensor[dtype=DType.uint32, rank=1, ...],
         layer_idx: UInt32,
@@ -197,29 +175,5 @@ struct GatherPaged:
         ctx: DeviceContext,
     ) raises:
         comptime assert is_cpu[target](), "mokv's gather op runs on CPU only"
-        var collection = paged_collection(blocks, cache_lengths, lookup_table)
-        gather_from(collection, dest, layer_idx, kv_idx, batch_rows, positions)
-
-
-@extensibility.register("mokv.gather.continuous")
-struct GatherContinuous:
-    """Reads token rows of one layer's K or V out of a continuous-batching
-    cache into a dense `[n, n_kv_heads, head_dim]` tensor."""
-
-    @staticmethod
-    def execute[
-        dtype: DType, target: StaticString
-    ](
-        dest: OutputTensor[dtype=dtype, rank=3, ...],
-        blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
-        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
-        lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
-        batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
-        positions: InputTensor[dtype=DType.uint32, rank=1, ...],
-        layer_idx: UInt32,
-        kv_idx: UInt32,
-        ctx: DeviceContext,
-    ) raises:
-        comptime assert is_cpu[target](), "mokv's gather op runs on CPU only"
-        var collection = continuous_collection(blocks, cache_lengths, lookup_table)
+        var collection = bind_collection(blocks, cache_lengths, lookup_table)
         gather_from(collection, dest, layer_idx, kv_idx, batch_rows, positions)

@@ -9,11 +9,10 @@ from max.gpu.host.info import is_cpu
 from max.runtime.asyncrt import parallelism_level
 
 from ..bind import (
+    bind_collection,
     check_layer,
     check_row_offsets,
     check_token_range,
-    continuous_collection,
-    paged_collection,
 )
 from ..cache import KVCollectionT
 from .config import LOG2E, W
@@ -98,18 +97,19 @@ def attention_over[
     _ = groups^
 
 
-@extensibility.register("mokv.attention.paged")
-struct AttentionPaged:
-    """Flash attention of a ragged batch over one layer of a paged cache."""
+@extensibility.register("mokv.attention")
+struct Attention:
+    """Flash attention of a ragged batch over one layer of the cache, paged or
+    continuous-batching as the lookup table's rank says (`LayoutFor`)."""
 
     @staticmethod
     def execute[
-        dtype: DType, target: StaticString
+        dtype: DType, table_rank: Int, target: StaticString
     ](
         output: OutputTensor[dtype=dtype, rank=3, ...],
         blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
-        lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
         q: InputTensor[dtype=dtype, rank=3, ...],
         input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
         layer_idx: UInt32,
@@ -118,46 +118,5 @@ struct AttentionPaged:
         ctx: DeviceContext,
     ) raises:
         comptime assert is_cpu[target](), "mokv's attention op runs on CPU only"
-        var collection = paged_collection(blocks, cache_lengths, lookup_table)
-        attention_over(
-            collection,
-            output,
-            q,
-            input_row_offsets,
-            layer_idx,
-            scale,
-            sliding_window,
-        )
-
-
-@extensibility.register("mokv.attention.continuous")
-struct AttentionContinuous:
-    """Flash attention of a ragged batch over one layer of a
-    continuous-batching cache."""
-
-    @staticmethod
-    def execute[
-        dtype: DType, target: StaticString
-    ](
-        output: OutputTensor[dtype=dtype, rank=3, ...],
-        blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
-        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
-        lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
-        q: InputTensor[dtype=dtype, rank=3, ...],
-        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
-        layer_idx: UInt32,
-        scale: Float32,
-        sliding_window: UInt32,
-        ctx: DeviceContext,
-    ) raises:
-        comptime assert is_cpu[target](), "mokv's attention op runs on CPU only"
-        var collection = continuous_collection(blocks, cache_lengths, lookup_table)
-        attention_over(
-            collection,
-            output,
-            q,
-            input_row_offsets,
-            layer_idx,
-            scale,
-            sliding_window,
-        )
+        var collection = bind_collection(blocks, cache_lengths, lookup_table)
+        attention_over(collection, output, q, input_row_offsets, layer_idx, scale, sliding_window)

@@ -1,4 +1,11 @@
-"""Wrappers that put mokv's Mojo ops into a graph: the one place that knows op names."""
+"""Wrappers that put mokv's Mojo ops into a graph: the one place that knows op names.
+
+Each operation is one Mojo op for the component tensors of either layout
+(`mokv.store_kv`, `mokv.gather`, `mokv.attention`): the op tells a paged cache
+from a continuous-batching one at compile time by the rank of its lookup table.
+The opaque continuous-batching collection, a single operand, has its own
+variant of each (`mokv.<operation>.continuous_collection`).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ from max.dtype import DType
 from max.graph import DeviceRef, TensorType, TensorValue, ops
 
 from .cache_values import CacheLayout
+from .continuous_collection import ContinuousBatchingKVCacheCollection
 
 
 def _scalar(value: float | TensorValue, dtype: DType = DType.uint32) -> TensorValue:
@@ -14,6 +22,12 @@ def _scalar(value: float | TensorValue, dtype: DType = DType.uint32) -> TensorVa
     if isinstance(value, TensorValue):
         return value
     return ops.constant(value, dtype, device=DeviceRef.CPU())
+
+
+def _op_name(operation: str, cache: CacheLayout) -> str:
+    if isinstance(cache, ContinuousBatchingKVCacheCollection):
+        return f"mokv.{operation}.continuous_collection"
+    return f"mokv.{operation}"
 
 
 def store_kv(
@@ -28,7 +42,7 @@ def store_kv(
     sequence b, in place. `input_row_offsets` `[batch + 1]` uint32 delimits the
     sequences."""
     ops.inplace_custom(
-        f"mokv.store_kv.{cache.layout}",
+        _op_name("store_kv", cache),
         device=cache.device,
         values=[*cache.operands(), keys, values, input_row_offsets, _scalar(layer_idx)],
     )
@@ -45,7 +59,7 @@ def gather_kv(
     `[n]`) from layer `layer_idx`'s keys (`kv_idx` 0) or values (1) as a dense
     `[n, kv_heads, head_dim]` tensor."""
     (rows,) = ops.inplace_custom(
-        f"mokv.gather.{cache.layout}",
+        _op_name("gather", cache),
         device=cache.device,
         values=[*cache.operands(), batch_rows, positions, _scalar(layer_idx), _scalar(kv_idx)],
         out_types=[cache.row_type(positions.shape[0])],
@@ -75,7 +89,7 @@ def attention(
     computed in float32.
     """
     (out,) = ops.inplace_custom(
-        f"mokv.attention.{cache.layout}",
+        _op_name("attention", cache),
         device=cache.device,
         values=[
             *cache.operands(),
