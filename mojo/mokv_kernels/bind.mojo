@@ -4,6 +4,7 @@ a bad page id or slot from ever becoming an out-of-bounds write."""
 from extensibility import InputTensor, _MutableInputTensor
 
 from .cache import (
+    BatchSummary,
     CacheGeometry,
     ContinuousLayout,
     KVCacheCollection,
@@ -53,6 +54,33 @@ def bind_collection[
         return KVCacheCollection[dtype](geometry, rebind[LayoutFor[table_rank]](paged))
     else:
         return KVCacheCollection[dtype](geometry, rebind[LayoutFor[table_rank]](ContinuousLayout()))
+
+
+def bind_summary[
+    table_rank: Int, dtype: DType, rank: Int
+](summary: InputTensor[dtype=dtype, rank=rank, ...]) raises -> BatchSummary:
+    """The batch summary that the fourth graph input of a cache states: for
+    a paged cache (`table_rank` 2) `max_lengths`, uint32 `[num_steps, 2]`,
+    whose row 0 is this step's; for continuous batching `is_cache_empty`, a
+    bool scalar (which MAX hands an op as a one-element tensor)."""
+    var values = summary.unsafe_ptr()
+    comptime if table_rank == 2:
+        comptime assert (
+            dtype == DType.uint32 and rank == 2
+        ), "a paged cache's fourth input is max_lengths, uint32 [num_steps, 2]"
+        if summary.dim_size(0) == 0 or summary.dim_size(1) != 2:
+            raise Error(
+                t"max_lengths has shape [{summary.dim_size(0)}, {summary.dim_size(1)}], not"
+                t" [num_steps >= 1, 2]"
+            )
+        var max_new_tokens = Int(values[unsafe_offset=0].cast[DType.uint32]())
+        var max_context = Int(values[unsafe_offset=1].cast[DType.uint32]())
+        return BatchSummary.of_max_lengths(max_new_tokens, max_context)
+    else:
+        comptime assert (
+            dtype == DType.bool and rank <= 1
+        ), "a continuous-batching cache's fourth input is is_cache_empty, a bool scalar"
+        return BatchSummary.of_is_cache_empty(Bool(values[unsafe_offset=0].cast[DType.bool]()))
 
 
 def check_layer(layer: Int, num_layers: Int) raises:

@@ -10,7 +10,7 @@ from max.gpu.host.info import is_cpu
 
 from .attention.op import attention_over
 from .bind import bind_collection, check_layer
-from .cache import OpaqueContinuousCache, OpaqueContinuousCollection
+from .cache import BatchSummary, OpaqueContinuousCache, OpaqueContinuousCollection
 from .store import gather_from, gather_rows, store_kv_into
 
 
@@ -75,7 +75,8 @@ struct GatherContinuousCollection:
 
 @extensibility.register("mokv.attention.continuous_collection")
 struct AttentionContinuousCollection:
-    """`mokv.attention` taking the opaque collection."""
+    """`mokv.attention` taking the opaque collection, whose `is_cache_empty`
+    is the batch summary."""
 
     @staticmethod
     def execute[
@@ -93,6 +94,7 @@ struct AttentionContinuousCollection:
         comptime assert is_cpu[target](), "mokv's attention op runs on CPU only"
         attention_over(
             collection.typed[dtype](),
+            BatchSummary.of_is_cache_empty(collection.is_cache_empty),
             output,
             q,
             input_row_offsets,

@@ -10,11 +10,12 @@ from max.runtime.asyncrt import parallelism_level
 
 from ..bind import (
     bind_collection,
+    bind_summary,
     check_layer,
     check_row_offsets,
     check_token_range,
 )
-from ..cache import KVCollectionT
+from ..cache import BatchSummary, KVCollectionT
 from .config import LOG2E, W
 from .decode import _decode_any_group
 from .plan import WorkItem, _plan
@@ -28,6 +29,7 @@ def attention_over[
     collection_t: KVCollectionT
 ](
     collection: collection_t,
+    summary: BatchSummary,
     output: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
     q: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
     row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -35,8 +37,9 @@ def attention_over[
     scale: Float32,
     sliding_window: UInt32,
 ) raises:
-    """Checks every input against the cache, then runs the batch's work
-    items in parallel and merges the split ones."""
+    """Checks every input against the cache and every row against the batch
+    summary, then runs the batch's work items in parallel and merges the
+    split ones."""
     comptime dtype = collection_t.CacheType.dtype
     var layer = Int(layer_idx)
     check_layer(layer, collection.num_layers())
@@ -66,15 +69,18 @@ def attention_over[
     )
     for b in range(batch):
         var new_tokens = queries.token(b + 1, 0) - queries.token(b, 0)
+        var cache_length = k_cache.cache_length(b)
+        summary.check_row(b, cache_length, new_tokens)
         if new_tokens > 0:
-            var cache_length = k_cache.cache_length(b)
             check_token_range(
                 k_cache, b, queries.visible_start(cache_length), cache_length + new_tokens
             )
 
     var items = List[WorkItem]()
     var groups = List[SplitGroup]()
-    var partial_floats = _plan(k_cache, queries, batch, parallelism_level(None), items, groups)
+    var partial_floats = _plan(
+        k_cache, queries, summary, batch, parallelism_level(None), items, groups
+    )
     var partials_arena = Arena(partial_floats)
     var partials = partials_arena.take(partial_floats)
     var item_list = items.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
@@ -100,16 +106,32 @@ def attention_over[
 @extensibility.register("mokv.attention")
 struct Attention:
     """Flash attention of a ragged batch over one layer of the cache, paged or
-    continuous-batching as the lookup table's rank says (`LayoutFor`)."""
+    continuous-batching as the lookup table's rank says (`LayoutFor`).
+
+    The cache's fourth input is the host's summary of the batch
+    (`bind_summary`): for a paged cache `max_lengths` (uint32
+    `[num_steps, 2]`; row 0 holds the most new tokens of any row and the
+    longest context including them, or upper bounds on both), for continuous
+    batching `is_cache_empty` (bool, true only when every cache length is 0).
+    Before the first write the op raises, naming the row and the values, if a
+    row has more new tokens than `max_lengths[0, 0]`, more cached plus new
+    tokens than `max_lengths[0, 1]`, or a nonzero cache length while
+    `is_cache_empty` is true. The planner takes the summary's word where it
+    saves work (`_plan`)."""
 
     @staticmethod
     def execute[
-        dtype: DType, table_rank: Int, target: StaticString
+        dtype: DType,
+        table_rank: Int,
+        summary_dtype: DType,
+        summary_rank: Int,
+        target: StaticString,
     ](
         output: OutputTensor[dtype=dtype, rank=3, ...],
         blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
+        batch_summary: InputTensor[dtype=summary_dtype, rank=summary_rank, ...],
         q: InputTensor[dtype=dtype, rank=3, ...],
         input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
         layer_idx: UInt32,
@@ -119,4 +141,7 @@ struct Attention:
     ) raises:
         comptime assert is_cpu[target](), "mokv's attention op runs on CPU only"
         var collection = bind_collection(blocks, cache_lengths, lookup_table)
-        attention_over(collection, output, q, input_row_offsets, layer_idx, scale, sliding_window)
+        var summary = bind_summary[table_rank](batch_summary)
+        attention_over(
+            collection, summary, output, q, input_row_offsets, layer_idx, scale, sliding_window
+        )

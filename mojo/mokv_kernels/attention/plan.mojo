@@ -8,7 +8,7 @@ long prefix, still keep every core busy.
 
 from std.math import ceildiv
 
-from ..cache import KVCacheT
+from ..cache import BatchSummary, KVCacheT
 from .config import MIN_SPLIT, PREFILL_ROWS, SPLITS_PER_WORKER
 from .queries import RaggedQueries
 from .softmax import PartialState, SplitGroup
@@ -44,6 +44,7 @@ def _plan[
 ](
     cache: cache_t,
     queries: RaggedQueries[cache_t.dtype],
+    summary: BatchSummary,
     batch: Int,
     workers: Int,
     mut items: List[WorkItem],
@@ -57,27 +58,38 @@ def _plan[
     than an even share of the batch's work (query rows x context tokens, over
     `SPLITS_PER_WORKER` items per worker) is then split over its context
     (split-K) into pieces of at least `MIN_SPLIT` tokens, so a few long
-    sequences, or a short chunk on a long prefix, still keep every core busy."""
-    # Whole tokens per block without spilling into another register block of rows.
-    var max_block_tokens = max(1, PREFILL_ROWS // queries.group)
+    sequences, or a short chunk on a long prefix, still keep every core busy.
+
+    The batch summary (checked against every row beforehand) spares the
+    passes that cannot find work: a batch of at most one new token per row
+    has no prefill rows to cut, and one whose longest context is at most
+    `MIN_SPLIT` tokens has no item to split."""
     var whole = List[WorkItem]()
-    var decode = List[WorkItem]()
+    if summary.max_new_tokens > 1:
+        # Whole tokens per block without spilling into another register block of rows.
+        var max_block_tokens = max(1, PREFILL_ROWS // queries.group)
+        for b in range(batch):
+            var new_tokens = queries.token(b + 1, 0) - queries.token(b, 0)
+            if new_tokens > 1:
+                var cache_length = cache.cache_length(b)
+                # Blocks of even size: a short remainder block would leave a core idle.
+                var block_tokens = ceildiv(new_tokens, ceildiv(new_tokens, max_block_tokens))
+                for t0 in range(0, new_tokens, block_tokens):
+                    var count = min(block_tokens, new_tokens - t0)
+                    var start = queries.visible_start(cache_length + t0)
+                    for h in range(cache.num_heads()):
+                        whole.append(
+                            WorkItem(b, t0, count, h, start, cache_length + t0 + count, -1)
+                        )
     for b in range(batch):
-        var new_tokens = queries.token(b + 1, 0) - queries.token(b, 0)
-        var cache_length = cache.cache_length(b)
-        if new_tokens == 1:
-            decode.append(
+        if queries.token(b + 1, 0) - queries.token(b, 0) == 1:
+            var cache_length = cache.cache_length(b)
+            whole.append(
                 WorkItem(b, 0, 1, -1, queries.visible_start(cache_length), cache_length + 1, -1)
             )
-        elif new_tokens > 1:
-            # Blocks of even size: a short remainder block would leave a core idle.
-            var block_tokens = ceildiv(new_tokens, ceildiv(new_tokens, max_block_tokens))
-            for t0 in range(0, new_tokens, block_tokens):
-                var count = min(block_tokens, new_tokens - t0)
-                var start = queries.visible_start(cache_length + t0)
-                for h in range(cache.num_heads()):
-                    whole.append(WorkItem(b, t0, count, h, start, cache_length + t0 + count, -1))
-    whole.extend(decode^)
+    if summary.max_context <= MIN_SPLIT:
+        items.extend(whole^)
+        return 0
 
     var total_work = 0
     for item in whole:

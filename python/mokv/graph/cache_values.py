@@ -24,7 +24,17 @@ class CacheLayout(Protocol):
     @property
     def device(self) -> DeviceRef: ...
 
-    def operands(self) -> list[Value]: ...
+    def operands(self) -> list[Value]:
+        """What every op takes for the cache: `blocks, cache_lengths,
+        lookup_table`, or the opaque collection."""
+        ...
+
+    def dispatch_operand(self) -> Value | None:
+        """The cache's fourth input, the host-side summary of the batch that
+        attention checks every row against and plans from (it follows
+        `operands()`): `max_lengths` or `is_cache_empty`. None when
+        `operands()` carries it already, as the opaque collection does."""
+        ...
 
     def row_type(self, rows: int | str | Dim) -> TensorType:
         """The type of `rows` token rows `[rows, kv_heads, head_dim]` of this cache."""
@@ -61,7 +71,13 @@ class _ComponentCache:
 class PagedCacheValues(_ComponentCache, PagedCacheInputs[Value]):
     """A paged cache inside a graph: one device's `PAGED_INPUTS` as graph values."""
 
+    def dispatch_operand(self) -> Value:
+        return self.max_lengths
+
 
 @dataclass(frozen=True)
 class ContinuousCacheValues(_ComponentCache, ContinuousCacheInputs[Value]):
     """A continuous-batching cache inside a graph: one device's `CONTINUOUS_INPUTS`."""
+
+    def dispatch_operand(self) -> Value:
+        return self.is_cache_empty

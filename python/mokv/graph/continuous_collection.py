@@ -67,6 +67,10 @@ class ContinuousBatchingKVCacheCollection(_OpaqueValue):
     def operands(self) -> list[Value]:
         return [self]
 
+    def dispatch_operand(self) -> None:
+        """None: the collection carries `is_cache_empty` itself."""
+        return None
+
     def row_type(self, rows: int | str | Dim) -> TensorType:
         p = self.params
         return TensorType(p.dtype, [rows, p.n_kv_heads_per_device, p.head_dim], self.device)

@@ -87,12 +87,20 @@ def attention(
     typically `1 / sqrt(head_dim)`); `sliding_window` is a uint32 scalar, 0 for
     none. Returns `[total_new_tokens, n_q_heads, head_dim]` in q's dtype,
     computed in float32.
+
+    The op also reads the cache's host-side summary of the batch
+    (`cache.dispatch_operand()`: `max_lengths` or `is_cache_empty`) and raises
+    before its first write, naming the row, if a row has more new tokens than
+    `max_lengths[0, 0]`, a longer context than `max_lengths[0, 1]`, or a
+    nonzero cache length while `is_cache_empty` is true.
     """
+    summary = cache.dispatch_operand()
     (out,) = ops.inplace_custom(
         _op_name("attention", cache),
         device=cache.device,
         values=[
             *cache.operands(),
+            *([] if summary is None else [summary]),
             q,
             input_row_offsets,
             _scalar(layer_idx),
