@@ -72,9 +72,11 @@ def _paged_copy(blocks: np.ndarray, slots: list[int], lengths: list[int], rng) -
 
 
 def _paged_attention(model, blocks, cache_lengths, lookup, q, offsets) -> np.ndarray:
+    new = np.diff(offsets)
+    max_lengths = np.array([[new.max(), (cache_lengths + new).max()]], np.uint32)
     (out,) = model.execute(
         Buffer.from_numpy(blocks), Buffer.from_numpy(cache_lengths), Buffer.from_numpy(lookup),
-        Buffer.from_numpy(np.zeros((1, 2), np.uint32)), Buffer.from_numpy(q), Buffer.from_numpy(offsets),
+        Buffer.from_numpy(max_lengths), Buffer.from_numpy(q), Buffer.from_numpy(offsets),
         Buffer.from_numpy(np.array(LAYER, np.uint32)), Buffer.from_numpy(np.array(SCALE, np.float32)),
         Buffer.from_numpy(np.array(0, np.uint32)),
     )

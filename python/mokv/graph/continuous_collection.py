@@ -7,8 +7,6 @@ out of it as a `ContinuousBatchingKVCache`."""
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from max.dtype import DType
 from max.graph import (
     DeviceRef,
@@ -62,8 +60,6 @@ class ContinuousBatchingKVCache(_OpaqueValue):
 class ContinuousBatchingKVCacheCollection(_OpaqueValue):
     """The collection inside a graph: all layers' K and V caches of one batch."""
 
-    layout: ClassVar[str] = "continuous_collection"
-
     def __init__(self, value: Value, params: CacheShape) -> None:
         super().__init__(value)
         self.params = params
@@ -74,6 +70,10 @@ class ContinuousBatchingKVCacheCollection(_OpaqueValue):
 
     def operands(self) -> list[Value]:
         return [self]
+
+    def dispatch_operand(self) -> None:
+        """None: the collection carries `is_cache_empty` itself."""
+        return None
 
     def row_type(self, rows: int | str | Dim) -> TensorType:
         p = self.params
