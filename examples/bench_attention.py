@@ -329,10 +329,14 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     long_decode = [r for r in rows if r["phase"] == "decode" and r["context"] >= 2048]
     return [
         f"- decode at 2k+ context, speedup over MAX (target >= 3): {span([r['speedup'] for r in long_decode])}",
-        ("- decode at 2k+ context, KV read rate / np.copyto read rate (target >= 1):"
-        f" {span([r['kv_gbps'] / r['copy_gbps'] for r in long_decode])}"),
-        ("- decode, bfloat16 tokens/s over float32 tokens/s, same values, timed side by side (target >= 1.6):"
-        f" {span([r['bf16_over_f32'] for r in rows if 'bf16_over_f32' in r])}"),
+        (
+            "- decode at 2k+ context, KV read rate / np.copyto read rate (target >= 1):"
+            f" {span([r['kv_gbps'] / r['copy_gbps'] for r in long_decode])}"
+        ),
+        (
+            "- decode, bfloat16 tokens/s over float32 tokens/s, same values, timed side by side (target >= 1.6):"
+            f" {span([r['bf16_over_f32'] for r in rows if 'bf16_over_f32' in r])}"
+        ),
         f"- prefill, speedup over MAX (target >= 1.5): {span([r['speedup'] for r in rows if r['phase'] == 'prefill'])}",
     ]
 

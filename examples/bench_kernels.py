@@ -113,7 +113,9 @@ def to_markdown(rows: list[dict[str, Any]], label: str) -> str:
 
 
 @click.command("kernels")
-@click.option("--against", "revision", required=True, help="Git revision whose kernels to compare with, e.g. HEAD or main~3.")
+@click.option(
+    "--against", "revision", required=True, help="Git revision whose kernels to compare with, e.g. HEAD or main~3."
+)
 @click.option("--quick", is_flag=True, help="The attention benchmark's quick subset.")
 @click.option("--only", default="", help="Only cases whose name contains each of these comma-separated parts.")
 @click.option("--seconds", default=3.0, show_default=True, help="Timing budget per case.")
@@ -133,5 +135,7 @@ def kernels(revision: str, quick: bool, only: str, seconds: float, out_dir: Path
         click.echo(f"{case.name} ...", err=True)
         row = compare_case(case, ours, theirs, revision, seconds)
         rows.append(row)
-        click.echo(f"  {row['mokv_s'] * 1e3:.3f} ms against {row['against_s'] * 1e3:.3f} ms: {row['speedup']:.3f}x", err=True)
+        click.echo(
+            f"  {row['mokv_s'] * 1e3:.3f} ms against {row['against_s'] * 1e3:.3f} ms: {row['speedup']:.3f}x", err=True
+        )
     write_results(out_dir, "kernels", rows, to_markdown(rows, revision))

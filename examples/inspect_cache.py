@@ -66,8 +66,9 @@ def draw(snapshot: PageSnapshot, path: Path) -> None:
     for row, blocks in enumerate(snapshot.blocks):
         for b in blocks:
             grid[row, column[b]] = 2 if sharing[b] > 1 else 1
-    fig, (ax_grid, ax_bars) = plt.subplots(1, 2, figsize=(13, 0.5 * len(snapshot.request_ids) + 2.5),
-                                           gridspec_kw={"width_ratios": [3, 1]})
+    fig, (ax_grid, ax_bars) = plt.subplots(
+        1, 2, figsize=(13, 0.5 * len(snapshot.request_ids) + 2.5), gridspec_kw={"width_ratios": [3, 1]}
+    )
     cmap = matplotlib.colors.ListedColormap(["#f4f4f4", "#7fa7d6", "#e4572e"])
     ax_grid.imshow(grid, aspect="auto", cmap=cmap, vmin=0, vmax=2, interpolation="nearest")
     ax_grid.set_yticks(range(len(snapshot.request_ids)), snapshot.request_ids)
@@ -127,12 +128,19 @@ def tier_lines(manager: PagedKVCacheManager) -> list[str]:
 
 
 @click.command("inspect")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-results/cache.png"), show_default=True)
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-results/cache.png"), show_default=True
+)
 @click.option("--page-size", default=16, show_default=True)
 @click.option("--max-new-tokens", default=24, show_default=True)
 @tier_options
 def inspect_cache(
-    out: Path, page_size: int, max_new_tokens: int, host_cache_pages: int, disk_cache: str | None, remote_cache: str | None
+    out: Path,
+    page_size: int,
+    max_new_tokens: int,
+    host_cache_pages: int,
+    disk_cache: str | None,
+    remote_cache: str | None,
 ) -> None:
     """Run a shared-system-prompt workload, draw the cache at its fullest, and
     show each tier's occupancy."""

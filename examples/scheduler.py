@@ -210,9 +210,7 @@ class Scheduler:
         return self._advance(batch, chunks, logits)
 
     def _budget_left(self, requests: list[Request]) -> int:
-        return self.token_budget - sum(
-            r.context.active_length for r in requests if r.context is not None
-        )
+        return self.token_budget - sum(r.context.active_length for r in requests if r.context is not None)
 
     def _plan_batch(self) -> tuple[list[Request], list[int]]:
         """Decodes first, then prefills, each taking what the budget leaves."""

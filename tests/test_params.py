@@ -13,9 +13,7 @@ CPU = DeviceRef.CPU()
 
 
 def test_sizes_match_max() -> None:
-    ours = KVCacheParams(
-        DType.bfloat16, n_kv_heads=8, head_dim=64, num_layers=3, page_size=16, devices=[CPU, CPU]
-    )
+    ours = KVCacheParams(DType.bfloat16, n_kv_heads=8, head_dim=64, num_layers=3, page_size=16, devices=[CPU, CPU])
     theirs = MHAKVCacheParams(
         dtype=DType.bfloat16,
         n_kv_heads=8,
@@ -43,8 +41,7 @@ def test_defaults_and_replica_grouping() -> None:
     assert dp.devices_per_replica == [tuple(four[:2]), tuple(four[2:])]
     assert dp.tensor_parallel_degree == 2 and dp.n_kv_heads_per_device == 2
     assert (
-        KVCacheParams(DType.float32, 4, 8, 2, cache_strategy="continuous").cache_strategy
-        is KVCacheStrategy.CONTINUOUS
+        KVCacheParams(DType.float32, 4, 8, 2, cache_strategy="continuous").cache_strategy is KVCacheStrategy.CONTINUOUS
     )
 
 

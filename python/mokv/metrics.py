@@ -36,6 +36,4 @@ class KVCacheMetrics:
         """Field-wise sum, used to aggregate replicas."""
         if not isinstance(other, KVCacheMetrics):
             return NotImplemented
-        return KVCacheMetrics(
-            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
-        )
+        return KVCacheMetrics(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})

@@ -88,7 +88,9 @@ def test_chunked_prefill_and_preemption_match_dense(paged_smollm2, prompts, refe
     requests, stats, _ = generate(
         paged_smollm2,
         prompts,
-        GenerationConfig(max_new_tokens=NEW_TOKENS, page_size=16, num_pages=9, token_budget=24, enable_prefix_caching=False),
+        GenerationConfig(
+            max_new_tokens=NEW_TOKENS, page_size=16, num_pages=9, token_budget=24, enable_prefix_caching=False
+        ),
     )
     assert stats.preemptions > 0
     assert [r.generated for r in requests] == [reference(p) for p in prompts]

@@ -137,9 +137,7 @@ def run_mokv(
 
 
 def expected(b: Batch, layer: int, scale: float, window: int = 0) -> np.ndarray:
-    return reference_attention(
-        b.blocks, layer, b.q, b.row_offsets, b.cache_lengths, b.lookup_table, scale, window
-    )
+    return reference_attention(b.blocks, layer, b.q, b.row_offsets, b.cache_lengths, b.lookup_table, scale, window)
 
 
 def assert_close(actual: np.ndarray, desired: np.ndarray, dtype: DType, tolerance=TOLERANCE) -> None:
@@ -365,7 +363,11 @@ def test_mixed_batch_matches_max_kernel(dtype, attention_graph, max_attention):
     layer = 1
     kernel = max_attention(shape)
     theirs = _to_numpy(
-        kernel(kernel.inputs(_buffer(b.blocks, dtype), b.cache_lengths, b.lookup_table, b.row_offsets, _buffer(b.q, dtype), layer)),
+        kernel(
+            kernel.inputs(
+                _buffer(b.blocks, dtype), b.cache_lengths, b.lookup_table, b.row_offsets, _buffer(b.q, dtype), layer
+            )
+        ),
         dtype,
     )
     ours = run_mokv(attention_graph("paged", dtype), b, layer, shape.scale)

@@ -215,7 +215,9 @@ def test_store_rejects_page_outside_block_tensor(store_gather):
 def test_store_rejects_bad_layer(store_gather):
     b = _batch_with_new_tokens("continuous", 3)
     with pytest.raises(ValueError, match=f"layer_idx {NUM_LAYERS} out of range for {NUM_LAYERS} layers"):
-        run(store_gather("continuous", DType.float32), b, "continuous", DType.float32, NUM_LAYERS, *written_positions(b))
+        run(
+            store_gather("continuous", DType.float32), b, "continuous", DType.float32, NUM_LAYERS, *written_positions(b)
+        )
 
 
 def test_continuous_rejects_slot_outside_block_tensor(store_gather):

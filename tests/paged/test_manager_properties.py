@@ -70,8 +70,13 @@ class PagedManagerMachine(ManagerMachine):
     )
     def build(self, page_size: int, replicas: int, prefix_caching: bool, host_tier: bool, pages: int) -> None:
         params = KVCacheParams(
-            DType.float32, n_kv_heads=1, head_dim=2, num_layers=1, page_size=page_size,
-            enable_prefix_caching=prefix_caching, data_parallel_degree=replicas,
+            DType.float32,
+            n_kv_heads=1,
+            head_dim=2,
+            num_layers=1,
+            page_size=page_size,
+            enable_prefix_caching=prefix_caching,
+            data_parallel_degree=replicas,
             devices=[DeviceRef.CPU()] * replicas,
         )
         host_pages = 4 if prefix_caching and host_tier else 0
@@ -147,8 +152,8 @@ class PagedManagerMachine(ManagerMachine):
                 if self.ready(r) and r not in batch and len(batch) < self.m.max_batch_size:
                     batch.append(r)
         steps_fit = all(
-            r.dummy or len(self.m.get_req_blocks(r.ctx.request_id, r.replica)) * self.ps
-            >= r.ctx.current_length + num_steps - 1
+            r.dummy
+            or len(self.m.get_req_blocks(r.ctx.request_id, r.replica)) * self.ps >= r.ctx.current_length + num_steps - 1
             for batch in batches
             for r in batch
         )

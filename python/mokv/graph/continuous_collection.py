@@ -37,7 +37,9 @@ def ContinuousBatchingKVCacheType() -> _OpaqueType:
 class ContinuousBatchingKVCache(_OpaqueValue):
     """One layer's keys or values of a batch's continuous-batching cache."""
 
-    def __init__(self, value: Value, collection: ContinuousBatchingKVCacheCollection, layer_idx: int, kv_idx: int) -> None:
+    def __init__(
+        self, value: Value, collection: ContinuousBatchingKVCacheCollection, layer_idx: int, kv_idx: int
+    ) -> None:
         super().__init__(value)
         self.collection = collection
         self.layer_idx = layer_idx
