@@ -347,7 +347,8 @@ def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
         "",
         *summary(rows),
         "",
-        "| case | mokv ms | MAX ms | speedup | mokv KV GB/s | MAX KV GB/s | copy GB/s | tokens/s | bf16/f32 | max abs diff |",
+        "| case | mokv ms | MAX ms | speedup | mokv KV GB/s | MAX KV GB/s | copy GB/s | tokens/s | bf16/f32"
+        " | max abs diff |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

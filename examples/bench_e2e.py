@@ -108,11 +108,15 @@ def e2e(quick: bool, out_dir: Path, page_size: int, batch_sizes: tuple[int, ...]
             }
             rows.append(row)
             click.echo(
-                f"{row['case']:>18}: prefill {row['prefill_tokens']:5d} tok at {row['prefill_tokens_per_s']:7.0f} tok/s, "
+                f"{row['case']:>18}: prefill {row['prefill_tokens']:5d} tok"
+                f" at {row['prefill_tokens_per_s']:7.0f} tok/s, "
                 f"decode {row['decode_tokens_per_s']:6.1f} tok/s, hit rate {row['prefix_hit_rate']:.0%}, {wall:.1f} s",
                 err=True,
             )
-    header = "| case | prompt tokens | prefilled | prefill tok/s | decode tok/s | hit rate | wall s |\n|---|---|---|---|---|---|---|\n"
+    header = (
+        "| case | prompt tokens | prefilled | prefill tok/s | decode tok/s | hit rate | wall s |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
     lines = [
         f"| {r['case']} | {r['prompt_tokens']} | {r['prefill_tokens']} | {r['prefill_tokens_per_s']:.0f} | "
         f"{r['decode_tokens_per_s']:.1f} | {r['prefix_hit_rate']:.0%} | {r['wall_seconds']:.1f} |"

@@ -104,11 +104,11 @@ def to_markdown(rows: list[dict[str, Any]], label: str) -> str:
         "| case | this checkout ms | against ms | speedup | KV GB/s | max abs diff |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['case']} | {r['mokv_s'] * 1e3:.3f} | {r['against_s'] * 1e3:.3f} | {r['speedup']:.3f}x"
-            f" | {r['kv_gbps']:.1f} | {r['max_abs_diff']:.1e} |"
-        )
+    lines.extend(
+        f"| {r['case']} | {r['mokv_s'] * 1e3:.3f} | {r['against_s'] * 1e3:.3f} | {r['speedup']:.3f}x"
+        f" | {r['kv_gbps']:.1f} | {r['max_abs_diff']:.1e} |"
+        for r in rows
+    )
     return "\n".join(lines) + "\n"
 
 

@@ -48,7 +48,7 @@ class PageSnapshot:
     def sharing(self) -> dict[int, int]:
         """Page id -> number of requests holding it."""
         ids, counts = np.unique(np.concatenate([np.asarray(b, int) for b in self.blocks]), return_counts=True)
-        return dict(zip(ids.tolist(), counts.tolist()))
+        return dict(zip(ids.tolist(), counts.tolist(), strict=True))
 
 
 def draw(snapshot: PageSnapshot, path: Path) -> None:
@@ -77,7 +77,7 @@ def draw(snapshot: PageSnapshot, path: Path) -> None:
     ax_grid.set_xlabel("page id (held pages only)")
     ax_grid.set_title(f"pages held at step {snapshot.step}: blue private, red shared via prefix cache")
     shared = [sum(sharing[b] > 1 for b in blocks) for blocks in snapshot.blocks]
-    private = [len(blocks) - s for blocks, s in zip(snapshot.blocks, shared)]
+    private = [len(blocks) - s for blocks, s in zip(snapshot.blocks, shared, strict=True)]
     y = np.arange(len(snapshot.request_ids))
     ax_bars.barh(y, shared, color="#e4572e", label="shared")
     ax_bars.barh(y, private, left=shared, color="#7fa7d6", label="private")

@@ -79,7 +79,7 @@ def test_several_caches_share_one_page_table() -> None:
     """A target and a draft cache of different shapes and dtypes: one claim,
     one allocation and one prefix hit serve both; the inputs form a tree in the
     declared order; a host-tier round trip restores both caches' bytes."""
-    common = dict(page_size=4, enable_prefix_caching=True)
+    common = {"page_size": 4, "enable_prefix_caching": True}
     params = MultiKVCacheParams(
         {
             "target": KVCacheParams(DType.float32, n_kv_heads=2, head_dim=8, num_layers=2, **common),

@@ -45,7 +45,7 @@ def test_adapter_reads_what_max_holds() -> None:
     np.testing.assert_array_equal(view.tokens, np.arange(10))
     ours = TextContext("b", [1, 2])
     assert cache_context(ours) is ours
-    with pytest.raises(TypeError, match="expected a mokv.TextContext or MAX's .* got builtins.dict"):
+    with pytest.raises(TypeError, match=r"expected a mokv.TextContext or MAX's .* got builtins.dict"):
         cache_context({"request_id": "x"})
 
 
@@ -105,15 +105,15 @@ def test_continuous_manager_drives_max_contexts(session) -> None:
 
 
 def max_params(**overrides) -> max_kv.MHAKVCacheParams:
-    base = dict(
-        dtype=DType.bfloat16,
-        n_kv_heads=4,
-        head_dim=16,
-        num_layers=3,
-        page_size=16,
-        devices=[DeviceRef.CPU(), DeviceRef.CPU()],
-        enable_prefix_caching=True,
-    )
+    base = {
+        "dtype": DType.bfloat16,
+        "n_kv_heads": 4,
+        "head_dim": 16,
+        "num_layers": 3,
+        "page_size": 16,
+        "devices": [DeviceRef.CPU(), DeviceRef.CPU()],
+        "enable_prefix_caching": True,
+    }
     return max_kv.MHAKVCacheParams(**{**base, **overrides})
 
 

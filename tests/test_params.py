@@ -107,5 +107,5 @@ def test_validation_names_the_bad_value(kwargs: dict, message: str) -> None:
 
 
 def test_dtype_must_be_a_max_dtype() -> None:
-    with pytest.raises(TypeError, match="dtype must be a max.dtype.DType, got 'float32'"):
+    with pytest.raises(TypeError, match=r"dtype must be a max.dtype.DType, got 'float32'"):
         KVCacheParams("float32", 4, 8, 2)  # type: ignore[arg-type]

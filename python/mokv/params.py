@@ -14,7 +14,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any, TypeAlias
 
 from max.dtype import DType
@@ -28,7 +28,7 @@ SINGLE_CACHE = "cache"
 """The leaf name of a lone `KVCacheParams` in `leaves()`."""
 
 
-class KVCacheStrategy(str, Enum):
+class KVCacheStrategy(StrEnum):
     """How cache memory is laid out and handed to requests."""
 
     PAGED = "paged"

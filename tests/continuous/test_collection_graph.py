@@ -63,7 +63,7 @@ def _paged_copy(blocks: np.ndarray, slots: list[int], lengths: list[int], rng) -
     paged = np.zeros((num_pages + 1, *blocks.shape[1:3], PAGE_SIZE, *blocks.shape[4:]), blocks.dtype)
     lookup = np.full((len(slots), max(1, *pages_per_row)), num_pages, np.uint32)
     page_ids = iter(rng.permutation(num_pages))
-    for row, (slot, n_pages) in enumerate(zip(slots, pages_per_row)):
+    for row, (slot, n_pages) in enumerate(zip(slots, pages_per_row, strict=True)):
         for j in range(n_pages):
             page = next(page_ids)
             lookup[row, j] = page
@@ -113,7 +113,7 @@ def test_multistep_store_and_attention_match_numpy_and_paged(collection_model, a
         cache_lengths = np.array([lengths[s] for s in order], np.uint32)
         np.testing.assert_array_equal(inputs[0][1].to_numpy(), cache_lengths)
         ref.store(expected, LAYER, keys, values, offsets, cache_lengths, slots)
-        for s, n in zip(order, new_counts):
+        for s, n in zip(order, new_counts, strict=True):
             lengths[s] += int(n)
         rows, positions = _all_cached(lengths, order)
         got_k, got_v, got_attention, layer_k, layer_v = collection_model.execute(
@@ -135,7 +135,7 @@ def test_multistep_store_and_attention_match_numpy_and_paged(collection_model, a
         paged, lookup = _paged_copy(expected, order, [lengths[s] for s in order], rng)
         paged_out = _paged_attention(paged_model, paged, cache_lengths, lookup, q, offsets)
         np.testing.assert_allclose(got_attention.to_numpy(), paged_out, atol=1e-6, rtol=1e-6)
-        for c, n in zip(contexts, new_counts):
+        for c, n in zip(contexts, new_counts, strict=True):
             if n:
                 c.update(0)
         manager.step([contexts])

@@ -37,7 +37,7 @@ def _greedy_dense(
     for _ in range(max_new_tokens):
         next_ids = _logits(model, [sequences[i] for i in active], context_length).argmax(axis=1)
         still_active = []
-        for i, token in zip(active, next_ids.tolist()):
+        for i, token in zip(active, next_ids.tolist(), strict=True):
             if token in stop_ids:
                 continue
             sequences[i] = np.append(sequences[i], token)
@@ -51,7 +51,7 @@ def _greedy_dense(
 
 def test_missing_wheel_error_names_fetch_command(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(model_files.CACHE_ENV, str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="mokv_graphs.model_files fetch"):
+    with pytest.raises(FileNotFoundError, match=r"mokv_graphs\.model_files fetch"):
         model_files.smollm2_gguf_path()
 
 
@@ -133,7 +133,7 @@ def test_dense_graph_matches_numpy_reference(
     ]
     logits = _logits(dense_smollm2, chunks, smollm2.config.context_length)
     assert logits.shape == (3, smollm2.config.vocab_size) and logits.dtype == np.float32
-    for row, chunk in zip(logits, chunks):
+    for row, chunk in zip(logits, chunks, strict=True):
         expected = numpy_llama_logits(smollm2, chunk)[-1]
         np.testing.assert_allclose(row, expected, rtol=0, atol=LOGIT_RTOL_OF_MAX * np.abs(expected).max())
         assert row.argmax() == expected.argmax()

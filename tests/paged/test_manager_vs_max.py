@@ -58,7 +58,8 @@ class Lockstep:
                 backend.alloc(c)
                 outcomes.append(True)
             except Exception as e:  # MAX raises its own InsufficientBlocksError class
-                assert "block" in str(e).lower() or "pages" in str(e).lower(), e
+                # lockstep: either outcome is allowed as long as both agree
+                assert "block" in str(e).lower() or "pages" in str(e).lower(), e  # noqa: PT017
                 outcomes.append(False)
         assert outcomes[0] == outcomes[1], f"{rid}: mokv ok={outcomes[0]}, MAX ok={outcomes[1]}"
         if not outcomes[0]:
