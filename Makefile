@@ -4,17 +4,24 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
-# Compiled graphs and precompiled kernels live in the checkout, so warm reruns are fast.
-export MODULAR_CACHE_DIR := $(CURDIR)/.cache/modular
+# mokv's caches (precompiled kernels, model files, wheels) and MAX's compiled graphs
+# live in the checkout, so warm reruns are fast; an installed mokv caches per user.
+export MOKV_CACHE_DIR := $(CURDIR)/.cache
+export MODULAR_CACHE_DIR := $(MOKV_CACHE_DIR)/modular
+WHEELS := $(MOKV_CACHE_DIR)/wheels
 
-.PHONY: setup model demo test bench bench-llama-cpp build constraints clean
+.PHONY: setup model wheels demo test lint bench bench-llama-cpp build constraints clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed: requirements.txt requirements-test.txt constraints.txt pyproject.toml | $(BIN)/python
+# The .pth line points the checkout's venv at the checkout's caches however it is
+# started (.venv/bin/mokv, .venv/bin/python -m pytest), as make does.
+$(VENV)/.installed: requirements.txt requirements-cli.txt requirements-remote.txt requirements-test.txt constraints.txt pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --disable-pip-version-check -q -c constraints.txt -r requirements-test.txt
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps -e .
+	echo 'import os; os.environ.setdefault("MOKV_CACHE_DIR", "$(MOKV_CACHE_DIR)")' \
+		> "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/mokv_checkout_cache.pth"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -22,14 +29,29 @@ setup: $(VENV)/.installed
 model: setup
 	$(BIN)/python -m mokv_graphs.model_files fetch
 
+# What a fresh install of mokv's wheel needs (its pinned dependencies and the build
+# backend), so the packaging test installs into a new virtualenv without the network.
+$(WHEELS)/.mokv-install: requirements.txt constraints.txt | $(BIN)/python
+	$(BIN)/pip download --disable-pip-version-check -q --only-binary=:all: -d $(WHEELS) \
+		-c constraints.txt -r requirements.txt "setuptools>=68"
+	touch $@
+
+wheels: $(WHEELS)/.mokv-install
+
 demo: model
 	$(BIN)/mokv generate --max-new-tokens 48 \
 		"What is the capital of France?" \
 		"Write a haiku about caching." \
 		"Explain what a KV cache is in one sentence."
 
-test: model
+test: model wheels
 	$(BIN)/python -m pytest -q
+
+# What CI checks before the tests: Python lint and formatting, Mojo formatting.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	tools/check_mojo_format.sh
 
 bench: model
 	$(BIN)/mokv bench manager --quick

@@ -37,6 +37,7 @@ from max.graph import BufferType, TensorType, TensorValue, Value
 
 from mokv_examples import llama_cpp_bench
 from mokv_examples.bench_results import out_dir_option, write_results
+from mokv_examples.generate import tier_options
 from mokv_examples.inspect_cache import QUESTIONS, SYSTEM_PROMPT
 from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
 from mokv_examples.scheduler import CacheInputs, Scheduler
@@ -253,7 +254,11 @@ def engines_markdown(rows: list[dict], names: list[str], llama_note: str | None)
     return "\n".join(lines) + "\n"
 
 
-def prefix_rows(model: SmolLM2, batches: tuple[int, ...], max_new_tokens: int, page_size: int) -> list[dict]:
+def prefix_rows(
+    model: SmolLM2, batches: tuple[int, ...], max_new_tokens: int, page_size: int, tiers: dict[str, Any]
+) -> list[dict]:
+    """mokv at each batch size, prefix caching on and off, on a shared-system-prompt
+    workload, with the KV tiers in `tiers` (`tier_options`)."""
     rows = []
     for batch in batches:
         warm_up, *prompts = chat_prompts(model, batch + 1)
@@ -265,12 +270,16 @@ def prefix_rows(model: SmolLM2, batches: tuple[int, ...], max_new_tokens: int, p
                 enable_prefix_caching=prefix,
                 max_batch_size=batch,
                 token_budget=2048,
+                host_pages=tiers["host_cache_pages"],
+                disk_cache=tiers["disk_cache"],
+                remote_cache=tiers["remote_cache"],
             )
             _, _, manager = generate(model, [warm_up], config)
             manager.reset_metrics()
             started = time.perf_counter()
             requests, stats, manager = generate(model, prompts, config, manager=manager)
             wall = time.perf_counter() - started
+            manager.shutdown()
             row = {
                 "case": f"batch{batch}-{'prefix' if prefix else 'noprefix'}",
                 "batch": batch,
@@ -285,8 +294,8 @@ def prefix_rows(model: SmolLM2, batches: tuple[int, ...], max_new_tokens: int, p
             }
             rows.append(row)
             click.echo(
-                f"{row['case']:>18}: prefill {row['prefill_tokens']:5d} tok at "
-                f"{row['prefill_tokens_per_s']:7.0f} tok/s, "
+                f"{row['case']:>18}: prefill {row['prefill_tokens']:5d} tok"
+                f" at {row['prefill_tokens_per_s']:7.0f} tok/s, "
                 f"decode {row['decode_tokens_per_s']:6.1f} tok/s, hit rate {row['prefix_hit_rate']:.0%}, {wall:.1f} s",
                 err=True,
             )
@@ -350,8 +359,24 @@ def plot(engines: list[dict], names: list[str], prefix: list[dict], path: Path) 
     "--against-llama-cpp", is_flag=True, help="Also run llama.cpp on the same GGUF (needs requirements-bench.txt)."
 )
 @click.option("--repeats", default=3, show_default=True, help="Runs per engine case; each engine's best is kept.")
+@click.option(
+    "--batch",
+    "batch_sizes",
+    type=click.IntRange(min=1),
+    multiple=True,
+    help="Only these prefix-caching batch sizes (repeatable); `mokv bench manager` reads 32 and 64.",
+)
+@tier_options
 def e2e(
-    quick: bool, out_dir: Path, page_size: int, weights: str, max_cache: bool, against_llama_cpp: bool, repeats: int
+    quick: bool,
+    out_dir: Path,
+    page_size: int,
+    weights: str,
+    max_cache: bool,
+    against_llama_cpp: bool,
+    repeats: int,
+    batch_sizes: tuple[int, ...],
+    **tiers: Any,
 ) -> None:
     """SmolLM2 tokens/s on mokv's cache, MAX's cache and llama.cpp; prefix caching on and off."""
     model = SmolLM2(weights=weights)
@@ -376,7 +401,8 @@ def e2e(
     ]
     load_before = os.getloadavg()[0]
     engines = engine_rows(models, without_cache, cases, llama, repeats)
-    prefix = prefix_rows(model, (1, 4, 16) if quick else (1, 4, 16, 64), 16 if quick else 32, page_size)
+    batches = batch_sizes or ((1, 4, 16) if quick else (1, 4, 16, 32, 64))
+    prefix = prefix_rows(model, batches, 16 if quick else 32, page_size, tiers)
     names = list(models)
     markdown = (
         f"SmolLM2-135M, {weights} weights, page size {page_size}; best of {repeats} runs per engine case; "

@@ -24,7 +24,7 @@ import numpy as np
 from max.driver import CPU
 from max.engine import InferenceSession
 
-from mokv.kernels import KERNEL_SOURCE_DIR, kernel_package
+from mokv.kernels import kernel_package, kernel_source_dir
 from mokv_examples.bench_attention import (
     Case,
     Kernels,
@@ -36,24 +36,42 @@ from mokv_examples.bench_attention import (
 )
 from mokv_examples.bench_results import out_dir_option, write_results
 
-REPO = KERNEL_SOURCE_DIR.parents[1]
 
-
-def _git(*args: str) -> bytes:
-    result = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, check=False)
+def _git(repo: Path, *args: str) -> bytes:
+    result = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, check=False)
     if result.returncode != 0:
         raise click.ClickException(f"git {' '.join(args)}: {result.stderr.decode().strip()}")
     return result.stdout
 
 
+def kernels_checkout() -> tuple[Path, str]:
+    """The git checkout the kernels in use come from, and their folder's path in it.
+
+    Only a checkout (mokv installed editable, as `make setup` does) has revisions to
+    compare; an installed wheel's kernels are not in one.
+    """
+    source = kernel_source_dir()
+    try:
+        repo = Path(_git(source, "rev-parse", "--show-toplevel").decode().strip())
+    except click.ClickException as error:
+        raise click.ClickException(
+            f"bench kernels compares git revisions of a mokv checkout, but the kernels in use ({source}) "
+            f"are not in one; install mokv editable from a checkout (make setup). {error.message}"
+        ) from error
+    return repo, source.relative_to(repo).as_posix()
+
+
 def kernel_sources_at(revision: str, dest: Path) -> Path:
     """Writes the kernel sources as of git `revision` under `dest` and returns
     their folder (named like the Mojo package, as precompiling requires)."""
-    folder = KERNEL_SOURCE_DIR.relative_to(REPO).as_posix()
-    for name in _git("ls-tree", "-r", "--name-only", revision, "--", folder).decode().splitlines():
+    repo, folder = kernels_checkout()
+    names = _git(repo, "ls-tree", "-r", "--name-only", revision, "--", folder).decode().splitlines()
+    if not names:
+        raise click.ClickException(f"{revision} has no kernel sources at {folder} in {repo}")
+    for name in names:
         path = dest / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(_git("show", f"{revision}:{name}"))
+        path.write_bytes(_git(repo, "show", f"{revision}:{name}"))
     return dest / folder
 
 
@@ -86,16 +104,18 @@ def to_markdown(rows: list[dict[str, Any]], label: str) -> str:
         "| case | this checkout ms | against ms | speedup | KV GB/s | max abs diff |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['case']} | {r['mokv_s'] * 1e3:.3f} | {r['against_s'] * 1e3:.3f} | {r['speedup']:.3f}x"
-            f" | {r['kv_gbps']:.1f} | {r['max_abs_diff']:.1e} |"
-        )
+    lines.extend(
+        f"| {r['case']} | {r['mokv_s'] * 1e3:.3f} | {r['against_s'] * 1e3:.3f} | {r['speedup']:.3f}x"
+        f" | {r['kv_gbps']:.1f} | {r['max_abs_diff']:.1e} |"
+        for r in rows
+    )
     return "\n".join(lines) + "\n"
 
 
 @click.command("kernels")
-@click.option("--against", "revision", required=True, help="Git revision whose kernels to compare with, e.g. HEAD or main~3.")
+@click.option(
+    "--against", "revision", required=True, help="Git revision whose kernels to compare with, e.g. HEAD or main~3."
+)
 @click.option("--quick", is_flag=True, help="The attention benchmark's quick subset.")
 @click.option("--only", default="", help="Only cases whose name contains each of these comma-separated parts.")
 @click.option("--seconds", default=3.0, show_default=True, help="Timing budget per case.")
@@ -115,5 +135,7 @@ def kernels(revision: str, quick: bool, only: str, seconds: float, out_dir: Path
         click.echo(f"{case.name} ...", err=True)
         row = compare_case(case, ours, theirs, revision, seconds)
         rows.append(row)
-        click.echo(f"  {row['mokv_s'] * 1e3:.3f} ms against {row['against_s'] * 1e3:.3f} ms: {row['speedup']:.3f}x", err=True)
+        click.echo(
+            f"  {row['mokv_s'] * 1e3:.3f} ms against {row['against_s'] * 1e3:.3f} ms: {row['speedup']:.3f}x", err=True
+        )
     write_results(out_dir, "kernels", rows, to_markdown(rows, revision))

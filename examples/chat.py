@@ -8,7 +8,8 @@ from dataclasses import replace
 import click
 
 from mokv_examples.generate import generation_options, make_config
-from mokv_examples.pipeline import SmolLM2, generate
+from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
+from mokv_examples.scheduler import CacheManager
 from mokv_examples.streaming import TokenStream
 
 
@@ -21,6 +22,14 @@ def chat(system: str, **options) -> None:
     config = replace(make_config(**options), enable_prefix_caching=True)
     model = SmolLM2(weights=weights)
     manager = model.new_manager(config, max_batch_size=1)
+    try:
+        converse(model, manager, config, system)
+    finally:
+        manager.shutdown()
+
+
+def converse(model: SmolLM2, manager: CacheManager, config: GenerationConfig, system: str) -> None:
+    """Turns until an empty line or Ctrl-D."""
 
     def decode(ids: list[int]) -> str:
         return model.tokenizer.decode(ids, skip_special_tokens=True)
@@ -43,6 +52,4 @@ def chat(system: str, **options) -> None:
         after = manager.get_metrics_aggregated()
         reused = after.cache_tokens - before.cache_tokens
         click.echo(f"[{reused} of {len(request.prompt)} prompt tokens came from the cache]", err=True)
-        messages.append(
-            {"role": "assistant", "content": model.tokenizer.decode(request.generated, skip_special_tokens=True)}
-        )
+        messages.append({"role": "assistant", "content": decode(request.generated)})

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import os
-
-from mokv.kernels import cache_dir
-
-# Compiled graphs are cached beside the precompiled kernels (the checkout's
-# .cache/ unless MOKV_CACHE_DIR says otherwise), as under `make`, so every way
-# of running `mokv` reuses them. Set before MAX is imported.
-os.environ.setdefault("MODULAR_CACHE_DIR", str(cache_dir() / "modular"))
-
 import click
 
+from mokv.about import report
+from mokv.paths import keep_compiled_graphs_in_cache_dir
 from mokv_examples.bench_attention import attention as bench_attention
 from mokv_examples.bench_e2e import e2e as bench_e2e
 from mokv_examples.bench_kernels import kernels as bench_kernels
 from mokv_examples.bench_manager import manager as bench_manager
+from mokv_examples.bench_soak import soak as bench_soak
+from mokv_examples.bench_tiers import tiers as bench_tiers
 from mokv_examples.bench_weights import weights as bench_weights
 from mokv_examples.chat import chat
 from mokv_examples.generate import generate
@@ -24,9 +19,26 @@ from mokv_examples.inspect_cache import inspect_cache
 from mokv_examples.score import score
 
 
+def _print_report(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(report())
+        ctx.exit()
+
+
 @click.group()
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_report,
+    help="Versions of mokv, MAX and Mojo, and where the kernels and caches are.",
+)
 def main() -> None:
     """mokv: a Mojo- and MAX-native KV cache for LLM inference."""
+    # Compiled graphs are cached beside the precompiled kernels, under mokv's
+    # cache directory, so every way of running `mokv` reuses them.
+    keep_compiled_graphs_in_cache_dir()
 
 
 @main.group()
@@ -37,5 +49,8 @@ def bench() -> None:
 
 for command in (generate, chat, score, inspect_cache):
     main.add_command(command)
-for command in (bench_manager, bench_attention, bench_e2e, bench_kernels, bench_weights):
+for command in (bench_manager, bench_attention, bench_e2e, bench_kernels, bench_weights, bench_tiers, bench_soak):
     bench.add_command(command)
+
+if __name__ == "__main__":
+    main()

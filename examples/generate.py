@@ -47,6 +47,24 @@ def generation_options(command):
             click.option(
                 "--token-budget", default=512, show_default=True, help="Most tokens per step (chunked prefill)."
             ),
+            click.option("--cache-salt", help="Share cached KV only with requests of this salt (a tenant id)."),
+        ]
+    ):
+        command = option(command)
+    return tier_options(command)
+
+
+def tier_options(command):
+    """The KV tiers under the device cache: `--host-cache-pages`, `--disk-cache`,
+    `--remote-cache` (the integrity key of the shared ones comes from
+    MOKV_KV_INTEGRITY_KEY)."""
+    disk_help = "Directory of a disk KV tier: shared by processes, kept across runs."
+    remote_help = "redis://[user:password@]host:port/db (or rediss://) of a remote KV tier."
+    for option in reversed(
+        [
+            click.option("--host-cache-pages", default=0, show_default=True, help="Pages of a host-memory KV tier."),
+            click.option("--disk-cache", type=click.Path(file_okay=False), help=disk_help),
+            click.option("--remote-cache", metavar="URL", help=remote_help),
         ]
     ):
         command = option(command)
@@ -63,6 +81,10 @@ def make_config(**options) -> GenerationConfig:
         enable_prefix_caching=options["prefix_caching"],
         max_batch_size=options["max_batch_size"],
         token_budget=options["token_budget"],
+        host_pages=options["host_cache_pages"],
+        cache_salt=options["cache_salt"],
+        disk_cache=options["disk_cache"],
+        remote_cache=options["remote_cache"],
     )
 
 
@@ -112,7 +134,7 @@ def generate(
     if json_path is not None:
         payload = {
             "requests": [vars(c) for c in report.completions],
-            "config": {**vars(config), "weights": weights, "logprobs": logprobs},
+            "config": {**config.report(), "weights": weights, "logprobs": logprobs},
             "stats": summary,
         }
         json_path.write_text(json.dumps(payload, indent=1))

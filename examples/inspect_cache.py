@@ -10,6 +10,8 @@ from pathlib import Path
 import click
 import numpy as np
 
+from mokv import PagedKVCacheManager
+from mokv_examples.generate import tier_options
 from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
 from mokv_examples.scheduler import Scheduler
 
@@ -46,7 +48,7 @@ class PageSnapshot:
     def sharing(self) -> dict[int, int]:
         """Page id -> number of requests holding it."""
         ids, counts = np.unique(np.concatenate([np.asarray(b, int) for b in self.blocks]), return_counts=True)
-        return dict(zip(ids.tolist(), counts.tolist()))
+        return dict(zip(ids.tolist(), counts.tolist(), strict=True))
 
 
 def draw(snapshot: PageSnapshot, path: Path) -> None:
@@ -64,8 +66,9 @@ def draw(snapshot: PageSnapshot, path: Path) -> None:
     for row, blocks in enumerate(snapshot.blocks):
         for b in blocks:
             grid[row, column[b]] = 2 if sharing[b] > 1 else 1
-    fig, (ax_grid, ax_bars) = plt.subplots(1, 2, figsize=(13, 0.5 * len(snapshot.request_ids) + 2.5),
-                                           gridspec_kw={"width_ratios": [3, 1]})
+    fig, (ax_grid, ax_bars) = plt.subplots(
+        1, 2, figsize=(13, 0.5 * len(snapshot.request_ids) + 2.5), gridspec_kw={"width_ratios": [3, 1]}
+    )
     cmap = matplotlib.colors.ListedColormap(["#f4f4f4", "#7fa7d6", "#e4572e"])
     ax_grid.imshow(grid, aspect="auto", cmap=cmap, vmin=0, vmax=2, interpolation="nearest")
     ax_grid.set_yticks(range(len(snapshot.request_ids)), snapshot.request_ids)
@@ -74,7 +77,7 @@ def draw(snapshot: PageSnapshot, path: Path) -> None:
     ax_grid.set_xlabel("page id (held pages only)")
     ax_grid.set_title(f"pages held at step {snapshot.step}: blue private, red shared via prefix cache")
     shared = [sum(sharing[b] > 1 for b in blocks) for blocks in snapshot.blocks]
-    private = [len(blocks) - s for blocks, s in zip(snapshot.blocks, shared)]
+    private = [len(blocks) - s for blocks, s in zip(snapshot.blocks, shared, strict=True)]
     y = np.arange(len(snapshot.request_ids))
     ax_bars.barh(y, shared, color="#e4572e", label="shared")
     ax_bars.barh(y, private, left=shared, color="#7fa7d6", label="private")
@@ -87,10 +90,11 @@ def draw(snapshot: PageSnapshot, path: Path) -> None:
     plt.close(fig)
 
 
-def fullest_snapshot(model: SmolLM2, page_size: int, max_new_tokens: int) -> tuple[PageSnapshot, float]:
+def fullest_snapshot(model: SmolLM2, config: GenerationConfig) -> tuple[PageSnapshot, PagedKVCacheManager]:
     """Answers the first question alone (its pages enter the prefix cache), then
     the rest together on the same cache; returns the step of the second run
-    that held the most pages, and the prefix hit rate."""
+    that held the most pages, and the manager (shut down: its tiers have
+    stored everything)."""
     prompts = [
         model.tokenizer.encode_chat([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}])
         for q in QUESTIONS
@@ -102,19 +106,48 @@ def fullest_snapshot(model: SmolLM2, page_size: int, max_new_tokens: int) -> tup
         if not fullest or snapshot.num_pages_held > fullest[0].num_pages_held:
             fullest[:] = [snapshot]
 
-    config = GenerationConfig(max_new_tokens=max_new_tokens, page_size=page_size, num_pages=256)
     _, _, manager = generate(model, prompts[:1], config)
     generate(model, prompts[1:], config, on_step=keep_fullest, manager=manager)
-    return fullest[0], manager.get_metrics_aggregated().cache_hit_rate
+    manager.shutdown()
+    return fullest[0], manager
+
+
+def tier_lines(manager: PagedKVCacheManager) -> list[str]:
+    """One line per tier: the device pool, then each lower tier's occupancy."""
+    lines = [f"  device: {manager.get_num_used_pages()}/{manager.total_num_pages} pages held by requests"]
+    metrics = manager.get_tier_metrics()
+    for name, usage in manager.get_tier_usage().items():
+        total = f"/{usage.total_pages}" if usage.total_pages else ""
+        budget = f" of {usage.total_bytes / 1e6:.1f}" if usage.total_bytes else ""
+        m = metrics[name]
+        lines.append(
+            f"  {name}: {usage.used_pages}{total} pages, {usage.used_bytes / 1e6:.1f}{budget} MB; "
+            f"{m.hit_blocks} blocks served, {m.saved_blocks} stored, {m.rejected_blocks} rejected"
+        )
+    return lines
 
 
 @click.command("inspect")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-results/cache.png"), show_default=True)
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-results/cache.png"), show_default=True
+)
 @click.option("--page-size", default=16, show_default=True)
 @click.option("--max-new-tokens", default=24, show_default=True)
-def inspect_cache(out: Path, page_size: int, max_new_tokens: int) -> None:
-    """Run a shared-system-prompt workload and draw the cache at its fullest."""
-    snapshot, hit_rate = fullest_snapshot(SmolLM2(), page_size, max_new_tokens)
+@tier_options
+def inspect_cache(
+    out: Path,
+    page_size: int,
+    max_new_tokens: int,
+    host_cache_pages: int,
+    disk_cache: str | None,
+    remote_cache: str | None,
+) -> None:
+    """Run a shared-system-prompt workload, draw the cache at its fullest, and
+    show each tier's occupancy."""
+    tiers = {"host_pages": host_cache_pages, "disk_cache": disk_cache, "remote_cache": remote_cache}
+    config = GenerationConfig(max_new_tokens=max_new_tokens, page_size=page_size, num_pages=256, **tiers)
+    snapshot, manager = fullest_snapshot(SmolLM2(), config)
+    hit_rate = manager.get_metrics_aggregated().cache_hit_rate
     out.parent.mkdir(parents=True, exist_ok=True)
     draw(snapshot, out)
     sharing = snapshot.sharing()
@@ -122,3 +155,4 @@ def inspect_cache(out: Path, page_size: int, max_new_tokens: int) -> None:
         f"step {snapshot.step}: {len(snapshot.request_ids)} requests hold {len(sharing)} distinct pages, "
         f"{sum(c > 1 for c in sharing.values())} of them shared; prefix hit rate {hit_rate:.1%}; wrote {out}"
     )
+    click.echo("tiers after the run:\n" + "\n".join(tier_lines(manager)))

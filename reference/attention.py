@@ -1,4 +1,4 @@
-"""Numpy model of ragged attention over the cache: what `mokv.attention.*` computes.
+"""Numpy model of ragged attention over the cache: what `mokv.attention` computes.
 
 Each sequence's keys and values are read token by token through the layout
 model in `cache.py`, and every query row gets a plain, fully materialised
@@ -64,3 +64,19 @@ def attention(
             weights /= weights.sum(axis=1, keepdims=True)
             out[first + i] = np.einsum("hn,nhd->hd", weights, v)
     return out
+
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """Causal attention of one sequence with no cache, in float64: what a graph that
+    stores a whole prompt's K/V and attends over it must return.
+
+    `q` is `[tokens, n_q_heads, head_dim]`, `k` and `v` `[tokens, n_kv_heads, head_dim]`;
+    query head h reads KV head `h // (n_q_heads // n_kv_heads)`.
+    """
+    kv_head_of = np.arange(q.shape[1]) // (q.shape[1] // k.shape[1])
+    keys, values = k[:, kv_head_of].astype(np.float64), v[:, kv_head_of].astype(np.float64)
+    scores = np.einsum("qhd,khd->hqk", q.astype(np.float64), keys) * scale
+    scores[:, np.triu(np.ones((len(q), len(k)), bool), 1)] = -np.inf
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", weights, values)

@@ -168,6 +168,9 @@ class MaxCacheManager:
     def get_metrics_aggregated(self) -> Any:
         return self.manager.get_metrics_aggregated()
 
+    def shutdown(self) -> None:
+        """Nothing runs in the background here (no tiers)."""
+
     def reset_metrics(self) -> None:
         self.manager.take_metrics_aggregated()
 
@@ -182,8 +185,16 @@ class MaxCache:
         return MaxCacheAttention(params)
 
     def manager(
-        self, params: KVCacheParams, session: InferenceSession, num_pages: int, max_batch_size: int
+        self,
+        params: KVCacheParams,
+        session: InferenceSession,
+        num_pages: int,
+        max_batch_size: int,
+        host_pages: int = 0,
+        connectors: object | None = None,
     ) -> MaxCacheManager:
+        if host_pages or connectors is not None:
+            raise ValueError("the MAX cache backend here has no host, disk or remote KV tier")
         if params.page_size != self.page_size:
             raise ValueError(
                 f"this graph runs MAX's attention kernel built for pages of {self.page_size} tokens, "
@@ -191,5 +202,7 @@ class MaxCache:
             )
         return MaxCacheManager(params, session, num_pages, max_batch_size)
 
-    def context(self, request_id: str, tokens: npt.NDArray[np.int64]) -> MaxRequestContext:
+    def context(self, request_id: str, tokens: npt.NDArray[np.int64], cache_salt: str | None) -> MaxRequestContext:
+        if cache_salt is not None:
+            raise ValueError("the MAX cache backend here takes no cache salt")
         return MaxRequestContext(request_id, tokens)

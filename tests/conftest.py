@@ -1,21 +1,26 @@
 """Session-wide fixtures: one inference session and one precompiled kernel package
-per test run, and MAX's compile cache kept inside the checkout so warm runs are fast."""
+per test run, and mokv's caches (MAX's compiled graphs among them) kept inside the
+checkout, as under make, so warm runs are fast however pytest is started."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parents[1]
-os.environ.setdefault("MODULAR_CACHE_DIR", str(_REPO / ".cache" / "modular"))
-
 import pytest
+from hypothesis import HealthCheck, settings
 from max.driver import CPU
 from max.engine import InferenceSession
 
 from mokv.kernels import kernel_package
+from mokv.paths import CACHE_ENV, keep_compiled_graphs_in_cache_dir
+from tests import property_stats
 from tests.attention_graph import build_attention_graph
 from tests.compile_once import compiled_per_key
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault(CACHE_ENV, str(REPO / ".cache"))
+keep_compiled_graphs_in_cache_dir()
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +39,33 @@ def kernels() -> Path:
 def attention_graph(session: InferenceSession, kernels: Path):
     """`get(layout, dtype)`: the attention graph, compiled once per session on first use."""
     return compiled_per_key(session, lambda layout, dtype: build_attention_graph(layout, dtype, kernels))
+
+
+# Property tests (hypothesis): a bounded profile for CI and a long one for soaking,
+# chosen with MOKV_HYPOTHESIS_PROFILE=soak. Derandomized in CI so a run is repeatable.
+settings.register_profile(
+    "ci",
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "soak",
+    max_examples=3000,
+    stateful_step_count=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+HYPOTHESIS_PROFILE = os.environ.get("MOKV_HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How many generated cases and operations the property tests ran."""
+    lines = property_stats.summary()
+    if lines:
+        terminalreporter.section(f"property tests (profile {HYPOTHESIS_PROFILE})")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -8,9 +8,9 @@ from extensibility import InputTensor, OutputTensor, _MutableInputTensor
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 
-from .attention import attention_over
-from .bind import check_layer, continuous_collection
-from .cache import OpaqueContinuousCache, OpaqueContinuousCollection
+from .attention.op import attention_over
+from .bind import bind_collection, check_layer
+from .cache import BatchSummary, OpaqueContinuousCache, OpaqueContinuousCollection
 from .store import gather_from, gather_rows, store_kv_into
 
 
@@ -20,7 +20,9 @@ struct FetchContinuousCollection:
     opaque collection value."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -28,18 +30,18 @@ struct FetchContinuousCollection:
         ctx: DeviceContext,
     ) raises -> OpaqueContinuousCollection:
         comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
-        var typed = continuous_collection(blocks, cache_lengths, lookup_table)
-        return OpaqueContinuousCollection(
-            typed.geometry, dtype, Bool(is_cache_empty)
-        )
+        var typed = bind_collection(blocks, cache_lengths, lookup_table)
+        return OpaqueContinuousCollection(typed.geometry, dtype, Bool(is_cache_empty))
 
 
 @extensibility.register("mokv.store_kv.continuous_collection")
 struct StoreKVContinuousCollection:
-    """`mokv.store_kv.continuous` taking the opaque collection."""
+    """`mokv.store_kv` taking the opaque collection."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         collection: OpaqueContinuousCollection,
         keys: InputTensor[dtype=dtype, rank=3, ...],
         values: InputTensor[dtype=dtype, rank=3, ...],
@@ -48,17 +50,17 @@ struct StoreKVContinuousCollection:
         ctx: DeviceContext,
     ) raises:
         comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
-        store_kv_into(
-            collection.typed[dtype](), layer_idx, keys, values, input_row_offsets
-        )
+        store_kv_into(collection.typed[dtype](), layer_idx, keys, values, input_row_offsets)
 
 
 @extensibility.register("mokv.gather.continuous_collection")
 struct GatherContinuousCollection:
-    """`mokv.gather.continuous` taking the opaque collection."""
+    """`mokv.gather` taking the opaque collection."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         dest: OutputTensor[dtype=dtype, rank=3, ...],
         collection: OpaqueContinuousCollection,
         batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -68,17 +70,18 @@ struct GatherContinuousCollection:
         ctx: DeviceContext,
     ) raises:
         comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
-        gather_from(
-            collection.typed[dtype](), dest, layer_idx, kv_idx, batch_rows, positions
-        )
+        gather_from(collection.typed[dtype](), dest, layer_idx, kv_idx, batch_rows, positions)
 
 
 @extensibility.register("mokv.attention.continuous_collection")
 struct AttentionContinuousCollection:
-    """`mokv.attention.continuous` taking the opaque collection."""
+    """`mokv.attention` taking the opaque collection, whose `is_cache_empty`
+    is the batch summary."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         output: OutputTensor[dtype=dtype, rank=3, ...],
         collection: OpaqueContinuousCollection,
         q: InputTensor[dtype=dtype, rank=3, ...],
@@ -90,8 +93,14 @@ struct AttentionContinuousCollection:
     ) raises:
         comptime assert is_cpu[target](), "mokv's attention op runs on CPU only"
         attention_over(
-            collection.typed[dtype](), output, q, input_row_offsets, layer_idx,
-            scale, sliding_window,
+            collection.typed[dtype](),
+            BatchSummary.of_is_cache_empty(collection.is_cache_empty),
+            output,
+            q,
+            input_row_offsets,
+            layer_idx,
+            scale,
+            sliding_window,
         )
 
 
@@ -101,7 +110,9 @@ struct GetContinuousCache:
     as an opaque per-layer cache value."""
 
     @staticmethod
-    def execute[target: StaticString](
+    def execute[
+        target: StaticString
+    ](
         collection: OpaqueContinuousCollection,
         layer_idx: UInt32,
         kv_idx: UInt32,
@@ -116,10 +127,12 @@ struct GetContinuousCache:
 
 @extensibility.register("mokv.gather.continuous_cache")
 struct GatherContinuousCache:
-    """`mokv.gather.continuous` reading one opaque per-layer cache."""
+    """`mokv.gather` reading one opaque per-layer cache."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         dest: OutputTensor[dtype=dtype, rank=3, ...],
         cache: OpaqueContinuousCache,
         batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],

@@ -13,7 +13,9 @@ struct GatherRows:
     """`output[i] = dequantize(table[ids[i]])`, float32."""
 
     @staticmethod
-    def execute[encoding: StaticString, target: StaticString](
+    def execute[
+        encoding: StaticString, target: StaticString
+    ](
         output: OutputTensor[dtype=DType.float32, rank=2, ...],
         table: InputTensor[dtype=DType.uint8, rank=2, ...],
         ids: InputTensor[dtype=DType.int64, rank=1, ...],
@@ -37,4 +39,7 @@ struct GatherRows:
                 var block = src.unsafe_offset(row * row_bytes + b * BB)
                 var scales = BlockScales.load[encoding](block)
                 comptime for g in range(GROUPS):
-                    dst.unsafe_store(i * columns + b * BLOCK_VALUES + g * GROUP, dequantize[encoding, g](block, scales))
+                    dst.unsafe_store(
+                        i * columns + b * BLOCK_VALUES + g * GROUP,
+                        dequantize[encoding, g](block, scales),
+                    )

@@ -12,17 +12,35 @@ tensor, the paged cache's trailing null page included.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from max.driver import Buffer
+from max.driver import Buffer, Device
 from max.dtype import DType
 from max.graph import DeviceRef
 
 from .params import KVCacheParams
+from .validation import allocate, check_bool, check_fits, check_int
+
+
+def _device(i: int, ref: object) -> Device:
+    if not isinstance(ref, DeviceRef):
+        raise TypeError(f"devices[{i}] must be a max.graph.DeviceRef, got {ref!r}")
+    return ref.to_device()
+
+
+def _check_buffers(what: str, buffers: object) -> None:
+    if not isinstance(buffers, (list, tuple)):
+        raise TypeError(f"{what} must be a list of max.driver.Buffer, got {buffers!r}")
+    for i, b in enumerate(buffers):
+        if not isinstance(b, Buffer):
+            raise TypeError(f"{what}[{i}] must be a max.driver.Buffer, got {type(b).__name__}")
 
 
 def _check_page_view(buffer: Buffer, what: str) -> None:
+    if not isinstance(buffer, Buffer):
+        raise TypeError(f"{what} must be a max.driver.Buffer, got {type(buffer).__name__}")
     if buffer.dtype != DType.uint8 or buffer.rank != 2:
         raise ValueError(
             f"{what} must be a 2-D uint8 [num_physical_pages, bytes_per_page] buffer, "
@@ -75,10 +93,7 @@ class ReplicatedKVCacheMemory(KVCacheMemory):
         for i, peer in enumerate(self.peers):
             _check_page_view(peer, f"peer {i}")
             if peer.shape != self.buffer.shape:
-                raise ValueError(
-                    f"peer {i} has shape {tuple(peer.shape)}, "
-                    f"the root has {tuple(self.buffer.shape)}"
-                )
+                raise ValueError(f"peer {i} has shape {tuple(peer.shape)}, the root has {tuple(self.buffer.shape)}")
 
     @property
     def copies(self) -> list[Buffer]:
@@ -117,6 +132,11 @@ class KVCacheBuffer:
     num_null_pages: int = 0
 
     def __post_init__(self) -> None:
+        check_bool("replicates_kv_across_tp", self.replicates_kv_across_tp)
+        _check_buffers("values", self.values)
+        if self.scales is not None:
+            _check_buffers("scales", self.scales)
+        check_int("num_null_pages", self.num_null_pages, minimum=0)
         if not self.values:
             raise ValueError("values must hold at least one buffer")
         if not 0 <= self.num_null_pages < self.values[0].shape[0]:
@@ -125,22 +145,15 @@ class KVCacheBuffer:
                 f"{self.values[0].shape[0]} pages to requests"
             )
         if self.replicates_kv_across_tp and len(self.values) < 2:
-            raise ValueError(
-                f"replicates_kv_across_tp=True needs at least 2 TP shards, got {len(self.values)}"
-            )
+            raise ValueError(f"replicates_kv_across_tp=True needs at least 2 TP shards, got {len(self.values)}")
         _check_uniform(self.values, "values")
         if self.scales is None:
             return
         if len(self.scales) != len(self.values):
-            raise ValueError(
-                f"scales has {len(self.scales)} buffers, values has {len(self.values)}"
-            )
+            raise ValueError(f"scales has {len(self.scales)} buffers, values has {len(self.values)}")
         _check_uniform(self.scales, "scales")
         if self.scales[0].shape[0] != self.values[0].shape[0]:
-            raise ValueError(
-                f"scales have {self.scales[0].shape[0]} pages, "
-                f"values have {self.values[0].shape[0]}"
-            )
+            raise ValueError(f"scales have {self.scales[0].shape[0]} pages, values have {self.values[0].shape[0]}")
         for i, (value, scale) in enumerate(zip(self.values, self.scales, strict=True)):
             if value.device != scale.device:
                 raise ValueError(f"shard {i}: values on {value.device}, scales on {scale.device}")
@@ -155,10 +168,28 @@ class KVCacheBuffer:
         null_page: bool = True,
     ) -> KVCacheBuffer:
         """Zero-filled block tensors, one per device in `devices`, with
-        `total_num_pages` pages for requests plus the null page (if asked)."""
-        num_null_pages = int(null_page)
+        `total_num_pages` pages for requests plus the null page (if asked).
+
+        Raises:
+            TypeError, ValueError: A bad count or device, by name.
+            ValueError: A block tensor would not fit in its device's free
+                memory (checked before anything is allocated).
+            MemoryError: The allocation failed anyway; the message names the size.
+        """
+        if not isinstance(params, KVCacheParams):
+            raise TypeError(f"params must be a mokv KVCacheParams, got {type(params).__name__}")
+        check_int("total_num_pages", total_num_pages, minimum=1)
+        num_null_pages = int(check_bool("null_page", null_page))
         shape = params.block_shape(total_num_pages + num_null_pages)
-        values = [Buffer.zeros(shape, params.dtype, device=ref.to_device()) for ref in devices]
+        nbytes = math.prod(shape) * params.dtype.size_in_bytes
+        targets = [_device(i, ref) for i, ref in enumerate(devices)]
+        what = f"total_num_pages={total_num_pages} (block tensor {shape}, {params.dtype})"
+        for device in set(targets):
+            check_fits(what, nbytes * targets.count(device), device)
+        values = [
+            allocate(what, nbytes, device, lambda d=device: Buffer.zeros(shape, params.dtype, device=d))
+            for device in targets
+        ]
         return cls(replicates_kv_across_tp=False, values=values, num_null_pages=num_null_pages)
 
     @property

@@ -33,10 +33,12 @@ class CacheContext(Protocol):
     generated); `processed_length` (tokens whose KV is in the cache);
     `active_length` (tokens the next step runs and writes KV for);
     `current_length` (`processed_length + active_length`, the end of the
-    step's window). Writes, on a prefix-cache hit only: `skip_processing(n)`
-    moves the window's start past `n` cached tokens, and on a request's first
-    admission `cached_prefix_length` records how many prompt tokens the cache
-    served (0 on a miss), as MAX's own manager does.
+    step's window); `cache_salt` (None, or a string such as a tenant id:
+    requests share cached KV only with requests of the same salt, as vLLM's
+    and MAX's `cache_salt`). Writes, on a prefix-cache hit only:
+    `skip_processing(n)` moves the window's start past `n` cached tokens, and
+    on a request's first admission `cached_prefix_length` records how many
+    prompt tokens the cache served (0 on a miss), as MAX's own manager does.
     """
 
     @property
@@ -54,6 +56,9 @@ class CacheContext(Protocol):
     @property
     def current_length(self) -> int: ...
 
+    @property
+    def cache_salt(self) -> str | None: ...
+
     cached_prefix_length: int | None
 
     def skip_processing(self, n: int) -> None: ...
@@ -66,15 +71,18 @@ class TextContext:
         request_id: Unique id the cache manager files the request under.
         tokens: The prompt, a 1-D integer array (copied).
         max_length: Most tokens the request may ever hold, or None for no limit.
+        cache_salt: Isolates the request's cached KV: it shares cached blocks
+            only with requests of the same salt (None shares with unsalted ones).
     """
 
-    __slots__ = ("_buf", "_length", "_processed", "cached_prefix_length", "max_length", "request_id")
+    __slots__ = ("_buf", "_length", "_processed", "cache_salt", "cached_prefix_length", "max_length", "request_id")
 
     def __init__(
         self,
         request_id: Hashable,
         tokens: npt.ArrayLike,
         max_length: int | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         prompt = np.asarray(tokens)
         if prompt.ndim != 1 or prompt.size == 0:
@@ -83,8 +91,11 @@ class TextContext:
             raise TypeError(f"tokens must be integers, got dtype {prompt.dtype}")
         if max_length is not None and prompt.size > max_length:
             raise ValueError(f"prompt of {prompt.size} tokens exceeds max_length={max_length}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
         self.request_id = request_id
         self.max_length = max_length
+        self.cache_salt = cache_salt
         self.cached_prefix_length: int | None = None
         """Prompt tokens served from the prefix cache at first admission (set by the manager)."""
         self._buf = np.empty(max(16, 2 * prompt.size), dtype=np.int64)
@@ -133,9 +144,7 @@ class TextContext:
     def update(self, token: int) -> None:
         """Appends a generated token; the tokens just run now count as cached."""
         if self.max_length is not None and self._length >= self.max_length:
-            raise ValueError(
-                f"request {self.request_id!r} is already at max_length={self.max_length}"
-            )
+            raise ValueError(f"request {self.request_id!r} is already at max_length={self.max_length}")
         if self._length == self._buf.size:
             grown = np.empty(2 * self._buf.size, dtype=np.int64)
             grown[: self._length] = self._buf[: self._length]
@@ -192,6 +201,10 @@ class MaxTextContextAdapter:
         return self.context.tokens.current_position
 
     @property
+    def cache_salt(self) -> str | None:
+        return getattr(self.context, "cache_salt", None)
+
+    @property
     def cached_prefix_length(self) -> int | None:
         return self.context.cached_prefix_length
 
@@ -242,3 +255,24 @@ def cache_context(context: object) -> CacheContext:
                 f"got {type(context).__module__}.{type(context).__qualname__}"
             )
     return adapt(context)
+
+
+def check_same_tokens(known: CacheContext | None, ctx: CacheContext) -> None:
+    """Refuses `ctx`, a second context object under a live request id, when its
+    tokens differ from `known` (the request's context so far) wherever both
+    have tokens: a copy of the request, or the request seen later, passes.
+
+    Raises:
+        ValueError: The first position where they differ, and both tokens.
+    """
+    if known is None:
+        return
+    mine, theirs = known.tokens, ctx.tokens
+    n = min(len(mine), len(theirs))
+    differ = np.flatnonzero(mine[:n] != theirs[:n])
+    if len(differ):
+        i = int(differ[0])
+        raise ValueError(
+            f"request {ctx.request_id!r} is live with other tokens: this context has token "
+            f"{int(theirs[i])} at position {i}, the request's has {int(mine[i])}"
+        )

@@ -24,6 +24,7 @@ from max.dtype import DType
 from max.graph import BufferType, DeviceRef, TensorType
 
 from .params import AnyKVCacheParams, MultiKVCacheParams
+from .validation import check_int
 
 T = TypeVar("T")
 """What a field holds: a runtime `Buffer`, a graph `TensorType`, or a graph value."""
@@ -55,20 +56,24 @@ class InputSpec:
 
 _PARAM_DIMS = ("num_layers", "n_kv_heads_per_device", "head_dim")
 
-PAGED_INPUTS = (
-    InputSpec(
+
+def _blocks(slots: str, slot_len: str, slot_meaning: str) -> InputSpec:
+    return InputSpec(
         "blocks",
         None,
-        ("num_physical_pages", 2, "num_layers", "page_size", "n_kv_heads_per_device", "head_dim"),
-        "K (index 0 of dim 1) and V (1) of every page; page total_num_pages is the null page",
+        (slots, 2, "num_layers", slot_len, "n_kv_heads_per_device", "head_dim"),
+        f"K (index 0 of dim 1) and V (1) of every {slot_meaning}",
         mutable=True,
-    ),
-    InputSpec(
-        "cache_lengths",
-        DType.uint32,
-        ("batch_size",),
-        "tokens of each request already in the cache, excluding this step's",
-    ),
+    )
+
+
+_CACHE_LENGTHS = InputSpec(
+    "cache_lengths", DType.uint32, ("batch_size",), "tokens of each request already in the cache, excluding this step's"
+)
+
+PAGED_INPUTS = (
+    _blocks("num_physical_pages", "page_size", "page; page total_num_pages is the null page"),
+    _CACHE_LENGTHS,
     InputSpec(
         "lookup_table",
         DType.uint32,
@@ -87,19 +92,8 @@ PAGED_INPUTS = (
 """A paged cache's inputs per device, in graph order."""
 
 CONTINUOUS_INPUTS = (
-    InputSpec(
-        "blocks",
-        None,
-        ("num_slots", 2, "num_layers", "max_seq_len", "n_kv_heads_per_device", "head_dim"),
-        "K (index 0 of dim 1) and V (1) of every sequence slot",
-        mutable=True,
-    ),
-    InputSpec(
-        "cache_lengths",
-        DType.uint32,
-        ("batch_size",),
-        "tokens of each request already in the cache, excluding this step's",
-    ),
+    _blocks("num_slots", "max_seq_len", "sequence slot"),
+    _CACHE_LENGTHS,
     InputSpec("lookup_table", DType.uint32, ("batch_size",), "row b: request b's slot"),
     InputSpec(
         "is_cache_empty",
@@ -189,6 +183,11 @@ def _dim(dim: int | str, shape: CacheShape, named: Mapping[str, int | str]) -> i
 def _types(
     specs: Sequence[InputSpec], shape: CacheShape, device: DeviceRef, named: Mapping[str, int | str]
 ) -> list[BufferType | TensorType]:
+    for name, size in named.items():  # a fixed size (page_size, max_seq_len) or a symbol's name
+        if not isinstance(size, str):
+            check_int(name, size, minimum=1)
+    if not isinstance(device, DeviceRef):
+        raise TypeError(f"device must be a max.graph.DeviceRef, got {device!r}")
     out: list[BufferType | TensorType] = []
     for spec in specs:
         dims = [_dim(d, shape, named) for d in spec.dims]
@@ -225,5 +224,7 @@ def cache_input_types(
     same tree shape, so `.flatten()` gives `Graph(input_types=...)`. Heads are
     per device (`n_kv_heads_per_device`), as the buffers are allocated."""
     if isinstance(params, MultiKVCacheParams):
-        return MultiKVCacheInputs({name: cache_input_types(child, page_size) for name, child in params.children.items()})
+        return MultiKVCacheInputs(
+            {name: cache_input_types(child, page_size) for name, child in params.children.items()}
+        )
     return KVCacheInputs([paged_input_types(params, page_size, ref) for ref in params.devices])

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any, TypeAlias
 
 from max.dtype import DType
 from max.graph import DeviceRef
+
+from .validation import check_bool, check_int
 
 _GIB = 1 << 30
 
@@ -26,7 +28,7 @@ SINGLE_CACHE = "cache"
 """The leaf name of a lone `KVCacheParams` in `leaves()`."""
 
 
-class KVCacheStrategy(str, Enum):
+class KVCacheStrategy(StrEnum):
     """How cache memory is laid out and handed to requests."""
 
     PAGED = "paged"
@@ -61,21 +63,24 @@ class KVCacheParams:
         if not isinstance(self.dtype, DType):
             raise TypeError(f"dtype must be a max.dtype.DType, got {self.dtype!r}")
         for name in ("n_kv_heads", "head_dim", "num_layers", "page_size", "data_parallel_degree"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=1))
+        for name in ("enable_prefix_caching", "enable_kvcache_swapping_to_host"):
+            check_bool(name, getattr(self, name))
         try:
             strategy = KVCacheStrategy(self.cache_strategy)
         except ValueError:
             choices = ", ".join(s.value for s in KVCacheStrategy)
-            raise ValueError(
-                f"cache_strategy must be one of {choices}, got {self.cache_strategy!r}"
-            ) from None
+            raise ValueError(f"cache_strategy must be one of {choices}, got {self.cache_strategy!r}") from None
         object.__setattr__(self, "cache_strategy", strategy)
+        if isinstance(self.devices, (str, DeviceRef)) or not isinstance(self.devices, Iterable):
+            raise TypeError(f"devices must be a sequence of max.graph.DeviceRef, got {self.devices!r}")
         devices = tuple(self.devices)
         object.__setattr__(self, "devices", devices)
         if not devices:
             raise ValueError("devices must name at least one device")
+        for i, device in enumerate(devices):
+            if not isinstance(device, DeviceRef):
+                raise TypeError(f"devices[{i}] must be a max.graph.DeviceRef, got {device!r}")
         if len(devices) % self.data_parallel_degree:
             raise ValueError(
                 f"{len(devices)} devices cannot be split into "
@@ -110,13 +115,7 @@ class KVCacheParams:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token's keys and values take on one device, all layers."""
-        return (
-            2
-            * self.num_layers
-            * self.n_kv_heads_per_device
-            * self.head_dim
-            * self.dtype.size_in_bytes
-        )
+        return 2 * self.num_layers * self.n_kv_heads_per_device * self.head_dim * self.dtype.size_in_bytes
 
     @property
     def bytes_per_page(self) -> int:
@@ -129,9 +128,12 @@ class KVCacheParams:
         `[num_pages, 2, num_layers, page_size, n_kv_heads_per_device, head_dim]`;
         index 0 of dim 1 holds keys, 1 holds values. A paged manager's tensor
         has `num_physical_pages = total_num_pages + 1` pages (the null page).
+
+        Raises:
+            TypeError, ValueError: `num_pages` is no positive integer.
         """
         return [
-            num_pages,
+            check_int("num_pages", num_pages, minimum=1),
             2,
             self.num_layers,
             self.page_size,
@@ -153,17 +155,20 @@ class KVCacheParams:
 
 
 def _check_swap_space(params: KVCacheParams | MultiKVCacheParams) -> None:
+    """The swap space, when given, is a finite positive size (even with swapping
+    off, so a NaN cannot wait for someone to turn swapping on)."""
+    gb = params.host_kvcache_swap_space_gb
+    if gb is not None or params.enable_kvcache_swapping_to_host:
+        valid = not isinstance(gb, bool) and isinstance(gb, (int, float)) and math.isfinite(gb) and gb > 0
+        if not valid:
+            raise ValueError(
+                f"enable_kvcache_swapping_to_host needs a finite host_kvcache_swap_space_gb > 0, got {gb!r}"
+            )
     if not params.enable_kvcache_swapping_to_host:
         return
-    gb = params.host_kvcache_swap_space_gb
-    if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not math.isfinite(gb) or gb <= 0:
-        raise ValueError(
-            f"enable_kvcache_swapping_to_host needs a finite host_kvcache_swap_space_gb > 0, got {gb!r}"
-        )
     if not params.enable_prefix_caching:
         raise ValueError(
-            "enable_kvcache_swapping_to_host only keeps prefix-cached blocks, "
-            "so it needs enable_prefix_caching=True"
+            "enable_kvcache_swapping_to_host only keeps prefix-cached blocks, so it needs enable_prefix_caching=True"
         )
 
 
@@ -191,6 +196,8 @@ class MultiKVCacheParams:
     children: Mapping[str, KVCacheParams | MultiKVCacheParams]
 
     def __post_init__(self) -> None:
+        if not isinstance(self.children, Mapping):
+            raise TypeError(f"children must be a mapping of names to params, got {self.children!r}")
         children = dict(self.children)
         object.__setattr__(self, "children", children)
         if not children:
@@ -346,9 +353,7 @@ def from_max(params: Any) -> AnyKVCacheParams:
     if isinstance(params, max_kv.MultiKVCacheParams):
         return MultiKVCacheParams({name: from_max(child) for name, child in params.children.items()})
     if not isinstance(params, max_kv.MHAKVCacheParams) or isinstance(params, max_kv.MLAKVCacheParams):
-        raise TypeError(
-            f"mokv converts MAX's MHAKVCacheParams and MultiKVCacheParams, got {type(params).__name__}"
-        )
+        raise TypeError(f"mokv converts MAX's MHAKVCacheParams and MultiKVCacheParams, got {type(params).__name__}")
     for f in dataclasses.fields(params):
         if f.name in _FROM_MAX or f.name == "enable_prefix_caching" or f.name in _HARMLESS:
             continue

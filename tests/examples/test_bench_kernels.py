@@ -9,33 +9,46 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from mokv.kernels import KERNEL_SOURCE_DIR, _source_digest
-from mokv_examples.bench_kernels import REPO, kernel_sources_at
+from mokv.kernels import _source_digest, kernel_source_dir
+from mokv_examples.bench_kernels import kernel_sources_at, kernels_checkout
 from mokv_examples.cli import main
 
 
 def test_sources_at_a_revision_are_git_s_files(tmp_path: Path):
     folder = kernel_sources_at("HEAD", tmp_path)
-    assert folder.name == KERNEL_SOURCE_DIR.name
+    assert folder.name == kernel_source_dir().name
+    repo, kernels = kernels_checkout()
     tracked = subprocess.run(
-        ["git", "-C", str(REPO), "ls-files", "--", KERNEL_SOURCE_DIR.relative_to(REPO).as_posix()],
-        capture_output=True, text=True, check=True,
+        ["git", "-C", str(repo), "ls-files", "--", kernels],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     written = sorted(p.relative_to(tmp_path).as_posix() for p in folder.rglob("*") if p.is_file())
     assert written == sorted(tracked)
     for name in written:
-        committed = subprocess.run(["git", "-C", str(REPO), "show", f"HEAD:{name}"], capture_output=True, check=True)
+        committed = subprocess.run(["git", "-C", str(repo), "show", f"HEAD:{name}"], capture_output=True, check=True)
         assert (tmp_path / name).read_bytes() == committed.stdout
 
 
 def test_same_kernels_give_identical_outputs(tmp_path: Path):
     """Against HEAD with the kernels unchanged, both sides are one build: the
     outputs must agree bit for bit and the timing ratio must be a real one."""
-    same_sources = _source_digest(kernel_sources_at("HEAD", tmp_path / "src")) == _source_digest(KERNEL_SOURCE_DIR)
+    same_sources = _source_digest(kernel_sources_at("HEAD", tmp_path / "src")) == _source_digest(kernel_source_dir())
     result = CliRunner().invoke(
         main,
-        ["bench", "kernels", "--against", "HEAD", "--only", "decode-float32-9x3x64-page16-b1-ctx512",
-         "--seconds", "0.2", "--out", str(tmp_path / "out")],
+        [
+            "bench",
+            "kernels",
+            "--against",
+            "HEAD",
+            "--only",
+            "decode-float32-9x3x64-page16-b1-ctx512",
+            "--seconds",
+            "0.2",
+            "--out",
+            str(tmp_path / "out"),
+        ],
     )
     assert result.exit_code == 0, result.output
     (row,) = json.loads((tmp_path / "out" / "kernels.json").read_text())

@@ -16,6 +16,7 @@ from mokv_examples import inspect_cache
 from mokv_examples import score as score_module
 from mokv_examples.cli import main
 from mokv_examples.logprobs import log_softmax
+from mokv_examples.pipeline import GenerationConfig
 from mokv_graphs.llama import ragged_batch
 from tests.model.conftest import DEFAULT_FORMAT, logprob_tolerance
 
@@ -43,7 +44,7 @@ def test_generate_json_matches_tokenizer_and_greedy_reference(cli, tmp_path, smo
     assert result.exit_code == 0, result.output
     run = json.loads(out.read_text())
     assert [r["prompt"] for r in run["requests"]] == PROMPTS
-    for prompt, request in zip(PROMPTS, run["requests"]):
+    for prompt, request in zip(PROMPTS, run["requests"], strict=True):
         ids = smollm2_tokenizer.encode_chat([{"role": "user", "content": prompt}])
         assert request["prompt_token_ids"] == ids.tolist()
         assert request["token_ids"] == dense_greedy(ids, NEW_TOKENS)
@@ -92,7 +93,9 @@ def test_score_compares_weight_formats(cli, tmp_path):
 
 
 def test_inspect_snapshot_shares_the_system_prompt_pages(paged_smollm2):
-    snapshot, hit_rate = inspect_cache.fullest_snapshot(paged_smollm2, page_size=16, max_new_tokens=2)
+    config = GenerationConfig(max_new_tokens=2, page_size=16, num_pages=256)
+    snapshot, manager = inspect_cache.fullest_snapshot(paged_smollm2, config)
+    hit_rate = manager.get_metrics_aggregated().cache_hit_rate
     prompts = [
         paged_smollm2.tokenizer.encode_chat(
             [{"role": "system", "content": inspect_cache.SYSTEM_PROMPT}, {"role": "user", "content": q}]
@@ -110,12 +113,32 @@ def test_inspect_snapshot_shares_the_system_prompt_pages(paged_smollm2):
     assert 0 < hit_rate < 1
 
 
-def test_inspect_writes_a_png(cli, tmp_path):
+def test_inspect_writes_a_png_and_shows_each_tier(cli, tmp_path):
     out = tmp_path / "cache.png"
-    result = cli.invoke(main, ["inspect", "--out", str(out), "--max-new-tokens", "2"])
+    args = ["inspect", "--out", str(out), "--max-new-tokens", "2", "--host-cache-pages", "8"]
+    result = cli.invoke(main, [*args, "--disk-cache", str(tmp_path / "kv")])
     assert result.exit_code == 0, result.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "of them shared" in result.output
+    assert "  host: 0/8 pages" in result.output  # nothing was evicted
+    stored = int(result.output.split("  disk: ")[1].split("/")[0])
+    assert stored > 0 and stored == len(list((tmp_path / "kv").rglob("*.kvpage")))
+
+
+def test_generate_warm_restarts_from_the_disk_cache(cli, tmp_path):
+    runs = []
+    for run in ("first", "second"):
+        out = tmp_path / f"{run}.json"
+        args = ["generate", *PROMPTS, "--max-new-tokens", "4", "--disk-cache", str(tmp_path / "kv"), "--json", str(out)]
+        result = cli.invoke(main, args)
+        assert result.exit_code == 0, result.output
+        runs.append(json.loads(out.read_text()))
+    first, second = runs
+    # The second process-like run finds every full page of both prompts on disk
+    # and generates the same tokens from the restored KV.
+    assert [r["token_ids"] for r in second["requests"]] == [r["token_ids"] for r in first["requests"]]
+    cacheable = sum((len(r["prompt_token_ids"]) - 1) // 16 * 16 for r in first["requests"])
+    assert first["stats"]["prefill_tokens"] - second["stats"]["prefill_tokens"] == cacheable > 0
 
 
 def test_chat_second_turn_reuses_the_first_from_the_cache(cli):
@@ -128,3 +151,16 @@ def test_chat_second_turn_reuses_the_first_from_the_cache(cli):
     assert first_reused == 0
     # Every full page of the first turn's prompt is found again in the second.
     assert second_reused >= first_prompt // 16 * 16 > 0
+
+
+def test_cache_salt_keeps_runs_apart_on_the_disk_cache(cli, tmp_path):
+    def prefilled(salt: str) -> int:
+        out = tmp_path / f"{salt}.json"
+        args = ["generate", PROMPTS[0], "--max-new-tokens", "2", "--disk-cache", str(tmp_path / "kv")]
+        result = cli.invoke(main, [*args, "--cache-salt", salt, "--json", str(out)])
+        assert result.exit_code == 0, result.output
+        return json.loads(out.read_text())["stats"]["prefill_tokens"]
+
+    alice = prefilled("alice")
+    assert prefilled("bob") == alice  # bob computes everything again
+    assert prefilled("alice") < alice  # alice's second run reuses her pages

@@ -152,7 +152,7 @@ def test_out_of_blocks_error_names_the_numbers(make_manager: MakeManager) -> Non
     m.claim("long")
     with pytest.raises(
         InsufficientBlocksError,
-        match=r"needs 17 tokens of KV but a replica holds only 16 \(4 pages of 4",
+        match=r"needs 17 tokens of KV \(current_length 17, num_steps=1\) but a replica holds only 16 \(4 pages of 4",
     ):
         m.alloc(ctx("long", range(17)))
     m.claim("a")
@@ -168,7 +168,7 @@ def test_out_of_blocks_error_names_the_numbers(make_manager: MakeManager) -> Non
     assert m.get_metrics_aggregated().input_tokens == 12
 
 
-def test_failed_alloc_leaves_cached_hits_untouched(make_manager: MakeManager) -> None:
+def test_failed_alloc_keeps_the_request_and_metrics(make_manager: MakeManager) -> None:
     m = make_manager(total_num_pages=6)
     run_request(m, ctx("a", range(9)))  # caches blocks 0, 1; queue: 3, 4, 5, 2, 1, 0
     m.claim("x")
@@ -176,9 +176,7 @@ def test_failed_alloc_leaves_cached_hits_untouched(make_manager: MakeManager) ->
     b = ctx("b", range(20))  # would hit 0 and 1, then need 3 more of the 2 left over
     m.claim("b")
     before = m.get_metrics_aggregated()
-    with pytest.raises(
-        InsufficientBlocksError, match=r"needs 3 new blocks .* only 2 are free \(2/6 in use\)"
-    ):
+    with pytest.raises(InsufficientBlocksError, match=r"needs 3 new blocks .* only 2 are free \(2/6 in use\)"):
         m.alloc(b)
     assert b.processed_length == 0 and m.get_req_blocks("b") == []
     assert m.num_free_blocks() == 4 and m.get_metrics_aggregated() == before
@@ -187,11 +185,40 @@ def test_failed_alloc_leaves_cached_hits_untouched(make_manager: MakeManager) ->
     assert m.get_req_blocks("b")[:2] == [0, 1] and b.processed_length == 8
 
 
+def test_failed_alloc_refreshes_its_prefix_hits(make_manager: MakeManager) -> None:
+    """MAX's manager touches the cached blocks a failed allocation matched, so
+    they move to the most-recently-used end of the free queue (tail first)
+    and outlive the blocks behind them; the retry then finds the whole prefix."""
+    m = make_manager(page_size=1, total_num_pages=10)
+    g = ctx("g", [30, 31])
+    m.claim("g")
+    m.alloc(g)  # blocks 0, 1
+    a = ctx("a", [1, 2, 3, 4])
+    m.claim("a")
+    m.alloc(a)  # blocks 2..5
+    a.update(5)
+    m.step([[a]])  # commits 2..5
+    m.release("a")
+    m.release("g")  # queue: 6, 7, 8, 9, 5, 4, 3, 2, 1, 0
+    m.claim("h")
+    m.alloc(ctx("h", [20, 21, 22, 23]))  # 6..9
+    c = ctx("c", [1, 2, 3, 4, 40, 41, 42])
+    m.claim("c")
+    with pytest.raises(InsufficientBlocksError, match="needs 3 new blocks"):
+        m.alloc(c)  # hits 2..5, needs 3 more of the 2 left
+    assert c.processed_length == 0 and m.get_req_blocks("c") == []
+    assert m._replicas[0].pool.free_order() == [1, 0, 5, 4, 3, 2]
+    m.claim("d")
+    m.alloc(ctx("d", [60, 61]))
+    assert m.get_req_blocks("d") == [1, 0]  # not the cached prefix's 5 and 4
+    m.release("h")
+    m.alloc(c)
+    assert c.processed_length == 4 and m.get_req_blocks("c")[:4] == [2, 3, 4, 5]
+
+
 @pytest.mark.parametrize("page_size", [1, 3, 16, 128])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_no_leak_after_a_random_workload(
-    make_manager: MakeManager, page_size: int, prefix_caching: bool
-) -> None:
+def test_no_leak_after_a_random_workload(make_manager: MakeManager, page_size: int, prefix_caching: bool) -> None:
     rng = np.random.default_rng(page_size)
     total = 4096 // page_size + 8
     m = make_manager(page_size, total, prefix_caching=prefix_caching, max_batch_size=64)
@@ -216,9 +243,7 @@ def test_no_leak_after_a_random_workload(
                     m.release(c.request_id)
                     del live[c.request_id]
             continue
-        prompt = np.concatenate(
-            [prefixes[rng.integers(3)], rng.integers(0, 5, size=rng.integers(1, 40))]
-        )
+        prompt = np.concatenate([prefixes[rng.integers(3)], rng.integers(0, 5, size=rng.integers(1, 40))])
         c = ctx(f"r{i}", prompt)
         m.claim(c.request_id)
         try:
@@ -240,10 +265,7 @@ def test_runtime_inputs_contents(make_manager: MakeManager) -> None:
         m.claim(c.request_id)
         m.alloc(c)
     (inputs,) = m.runtime_inputs([[a, b]]).inputs
-    assert (
-        list(inputs.blocks.shape) == [17, 2, 1, 4, 1, 2]
-        and inputs.blocks is m.get_device_buffer(0).values[0]
-    )
+    assert list(inputs.blocks.shape) == [17, 2, 1, 4, 1, 2] and inputs.blocks is m.get_device_buffer(0).values[0]
     cache_lengths, table, max_lengths = lookup(m, [a, b])
     assert cache_lengths.tolist() == [0, 0]
     assert table.tolist() == [[0, 1, 2], [3, 16, 16]]  # 16 = the null page
@@ -268,9 +290,7 @@ def test_runtime_inputs_rejects_bad_batches(make_manager: MakeManager) -> None:
     cs = [ctx(f"r{i}", range(5)) for i in range(3)]
     for c in cs:
         m.claim(c.request_id)
-    with pytest.raises(
-        ValueError, match="'r0' holds 0 pages but needs 2 for 5 tokens: call alloc first"
-    ):
+    with pytest.raises(ValueError, match="'r0' holds 0 pages but needs 2 for 5 tokens: call alloc first"):
         m.runtime_inputs([cs[:1]])
     for c in cs:
         m.alloc(c)
@@ -372,10 +392,7 @@ def test_replicas_have_separate_pools(make_manager: MakeManager) -> None:
     assert m.get_req_blocks("a1", 1) == [0, 1, 2] and m.get_req_blocks("b1", 1) == [3, 4]
     assert (m.num_free_blocks(0), m.num_free_blocks(1)) == (13, 11)
     r0, r1 = m.runtime_inputs([[a0], [a1, b1]]).inputs
-    assert (
-        r0.blocks is m.get_device_buffer(0).values[0]
-        and r1.blocks is m.get_device_buffer(1).values[0]
-    )
+    assert r0.blocks is m.get_device_buffer(0).values[0] and r1.blocks is m.get_device_buffer(1).values[0]
     assert r0.blocks is not r1.blocks
     assert r0.lookup_table.shape == (1, 3) and r1.lookup_table.shape == (2, 3)
     for c in (a0, a1, b1):
@@ -451,9 +468,32 @@ def test_page_counts(make_manager: MakeManager) -> None:
 
 
 def test_constructor_validation(make_manager: MakeManager) -> None:
-    with pytest.raises(ValueError, match="total_num_pages must be positive, got 0"):
+    with pytest.raises(ValueError, match="total_num_pages must be >= 1, got 0"):
         make_manager(total_num_pages=0)
-    with pytest.raises(ValueError, match="max_batch_size must be positive, got 0"):
+    with pytest.raises(ValueError, match="max_batch_size must be >= 1, got 0"):
         make_manager(max_batch_size=0)
     with pytest.raises(ValueError, match="total_num_host_pages=4 needs enable_prefix_caching=True"):
         make_manager(prefix_caching=False, total_num_host_pages=4)
+
+
+def test_runtime_inputs_stay_intact_through_the_next_call(make_manager: MakeManager) -> None:
+    """The contract's lifetime promise: a call's tables are intact until the
+    manager's next runtime_inputs call has returned (the staging arrays are
+    reused, double-buffered)."""
+    m = make_manager()
+    a, b = ctx("a", range(10)), ctx("b", range(100, 103))
+    for c in (a, b):
+        m.claim(c.request_id)
+        m.alloc(c)
+    (first,) = m.runtime_inputs([[a, b]]).inputs
+    saved = [x.to_numpy().copy() for x in first.flatten()[1:]]
+    a.update(7)
+    m.alloc(a)
+    (second,) = m.runtime_inputs([[a]], num_steps=1).inputs
+    for kept, now in zip(saved, first.flatten()[1:], strict=True):
+        np.testing.assert_array_equal(now.to_numpy(), kept)
+    assert second.lookup_table.to_numpy().tolist() == [[0, 1, 2]]
+    assert second.cache_lengths.to_numpy().tolist() == [10]
+    (third,) = m.runtime_inputs([[b, a]]).inputs
+    assert third.lookup_table.to_numpy().tolist() == [[3, 16, 16], [0, 1, 2]]
+    assert second.lookup_table.to_numpy().tolist() == [[0, 1, 2]]

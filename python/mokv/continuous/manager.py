@@ -18,14 +18,15 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
-from max.driver import Buffer, Device
+from max.driver import CPU, Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
 
-from ..context import cache_context
+from ..context import CacheContext, cache_context, check_same_tokens
 from ..contract import ContinuousCacheInputs, KVCacheInputs, continuous_input_types
 from ..params import KVCacheParams, resolve_params
+from ..validation import allocate, check_fits, check_int, check_request_id, check_sequence, check_unique
 
 CacheInputs = tuple[Buffer, Buffer, Buffer, Buffer]
 """Per device: (blocks, cache_lengths, lookup_table, is_cache_empty)."""
@@ -37,13 +38,24 @@ class ContinuousBatchingKVCacheManager:
     """Hands out slots of a `[max_cache_batch_size, 2, num_layers, max_seq_len,
     n_kv_heads_per_device, head_dim]` block tensor per device.
 
+    Every public call either does what its docstring says or raises
+    `TypeError` / `ValueError` naming the bad argument, having changed nothing
+    (batches are checked whole first).
+
     Args:
-        params: Cache shape (mokv's `KVCacheParams` or MAX's `MHAKVCacheParams`).
+        params: Cache shape (mokv's `KVCacheParams` or MAX's `MHAKVCacheParams`):
+            one replica, no prefix caching, no host swapping.
         max_cache_batch_size: Slots, i.e. the most requests claimed at once.
         max_seq_len: Tokens one slot holds.
         num_layers: Must equal `params.num_layers` (the seed's signature).
-        devices: One block tensor per device (TP shards of the KV heads).
+        devices: One block tensor per device (TP shards of the KV heads), the
+            devices `params.devices` names, in order.
         session: Compiles the small `increment_cache_lengths` graph.
+
+    Raises:
+        TypeError, ValueError: A bad argument, by name; block tensors that
+            would not fit in a device's free memory are refused before
+            anything is allocated.
     """
 
     def __init__(
@@ -55,23 +67,13 @@ class ContinuousBatchingKVCacheManager:
         devices: Sequence[Device],
         session: InferenceSession,
     ) -> None:
-        params = resolve_params(params)
-        if not isinstance(params, KVCacheParams):
-            raise TypeError("the continuous-batching manager serves one cache, not a MultiKVCacheParams")
-        for name, value in (
-            ("max_cache_batch_size", max_cache_batch_size),
-            ("max_seq_len", max_seq_len),
-            ("num_layers", num_layers),
-        ):
-            if value < 1:
-                raise ValueError(f"{name} must be positive, got {value}")
-        if num_layers != params.num_layers:
-            raise ValueError(f"num_layers={num_layers} disagrees with params.num_layers={params.num_layers}")
-        if len(devices) != len(params.devices):
-            raise ValueError(
-                f"devices has {len(devices)} entries but params.devices has {len(params.devices)}: "
-                "each device holds n_kv_heads_per_device heads of the params"
-            )
+        params = _checked_args(params, max_cache_batch_size, max_seq_len, num_layers, devices)
+        if not isinstance(session, InferenceSession):
+            raise TypeError(f"session must be a max.engine.InferenceSession, got {session!r}")
+        nbytes = self.estimated_memory_size(params, max_cache_batch_size, max_seq_len, num_layers, devices)
+        what = f"max_cache_batch_size={max_cache_batch_size}, max_seq_len={max_seq_len}"
+        for device in set(devices):
+            check_fits(what, nbytes // len(devices) * list(devices).count(device), device)
         self.params = params
         self.max_cache_batch_size = max_cache_batch_size
         self.max_seq_len = max_seq_len
@@ -79,17 +81,27 @@ class ContinuousBatchingKVCacheManager:
         self.devices = list(devices)
         self.session = session
         shape = self.block_shape(max_cache_batch_size)
-        self.blocks = [Buffer.zeros(shape, params.dtype, device=d) for d in self.devices]
+        self.blocks = [
+            allocate(what, nbytes // len(devices), d, lambda d=d: Buffer.zeros(shape, params.dtype, device=d))
+            for d in self.devices
+        ]
         # Per-slot metadata, preallocated: fetch() hands out slices of these.
         self._lengths = np.zeros(max_cache_batch_size, np.uint32)
         self._lookup = [np.zeros(max_cache_batch_size, np.uint32) for _ in self.devices]
         self._cache_lengths = [np.zeros(max_cache_batch_size, np.uint32) for _ in self.devices]
         self._free = list(range(max_cache_batch_size))
         self._slot_of: dict[Hashable, int] = {}
+        self._context_of: dict[Hashable, tuple[object, CacheContext]] = {}
+        """Per request, the context object last passed and its adapted view (identity checks)."""
         self._increment_model: Model | None = None
 
     def block_shape(self, n_sequences: int) -> list[int]:
-        """`[n_sequences, 2, num_layers, max_seq_len, n_kv_heads_per_device, head_dim]`."""
+        """`[n_sequences, 2, num_layers, max_seq_len, n_kv_heads_per_device, head_dim]`.
+
+        Raises:
+            TypeError, ValueError: `n_sequences` is no positive integer.
+        """
+        n_sequences = check_int("n_sequences", n_sequences, minimum=1)
         p = self.params
         return [n_sequences, 2, self.num_layers, self.max_seq_len, p.n_kv_heads_per_device, p.head_dim]
 
@@ -103,7 +115,12 @@ class ContinuousBatchingKVCacheManager:
         devices: Sequence[Device],
     ) -> int:
         """Bytes allocated on all devices: each device's block tensor plus its
-        per-sequence cache lengths and lookup table (uint32 each)."""
+        per-sequence cache lengths and lookup table (uint32 each).
+
+        Raises:
+            TypeError, ValueError: The arguments the constructor would refuse.
+        """
+        params = _checked_args(params, max_cache_batch_size, max_seq_len, num_layers, devices)
         block = 2 * num_layers * max_seq_len * params.n_kv_heads_per_device * params.head_dim
         per_device = max_cache_batch_size * (block * params.dtype.size_in_bytes + 2 * _UINT32_BYTES)
         return per_device * len(devices)
@@ -122,18 +139,19 @@ class ContinuousBatchingKVCacheManager:
 
     @staticmethod
     def _check_replica(replica_idx: int) -> None:
+        if type(replica_idx) is not int:
+            replica_idx = check_int("replica_idx", replica_idx)
         if replica_idx != 0:
             raise ValueError(f"replica_idx={replica_idx} is out of range: there is 1 replica")
 
     def claim(self, request_id: Hashable, replica_idx: int = 0) -> int:
         """Gives `request_id` the lowest free slot and returns it (its sequence id)."""
         self._check_replica(replica_idx)
+        check_request_id(request_id)
         if request_id in self._slot_of:
             raise ValueError(f"request {request_id!r} is already claimed (slot {self._slot_of[request_id]})")
         if not self._free:
-            raise ValueError(
-                f"cannot claim {request_id!r}: all {self.max_cache_batch_size} slots are taken"
-            )
+            raise ValueError(f"cannot claim {request_id!r}: all {self.max_cache_batch_size} slots are taken")
         slot = self._free.pop(0)
         self._slot_of[request_id] = slot
         return slot
@@ -141,10 +159,12 @@ class ContinuousBatchingKVCacheManager:
     def contains(self, request_id: Hashable, replica_idx: int = 0) -> bool:
         """Whether `request_id` is claimed."""
         self._check_replica(replica_idx)
+        check_request_id(request_id)
         return request_id in self._slot_of
 
     def slot_of(self, request_id: Hashable) -> int:
         """The slot (sequence id) of a claimed request."""
+        check_request_id(request_id)
         slot = self._slot_of.get(request_id)
         if slot is None:
             raise ValueError(f"request {request_id!r} is not claimed")
@@ -152,12 +172,33 @@ class ContinuousBatchingKVCacheManager:
 
     def alloc(self, data: object, replica_idx: int = 0, num_steps: int = 1) -> None:
         """Checks that a claimed request's next `num_steps` steps fit its slot
-        (a slot is allocated whole at `claim`, so nothing else changes)."""
+        (a slot is allocated whole at `claim`, so nothing else changes).
+
+        Raises:
+            TypeError, ValueError: A bad argument, an unclaimed request, a
+                context whose tokens differ from the request's, or more tokens
+                than a slot holds.
+        """
         self._check_replica(replica_idx)
+        if type(num_steps) is not int or num_steps < 1:
+            num_steps = check_int("num_steps", num_steps, minimum=1)
+        ctx = self._live(data)
+        self._check_fits_slot(ctx, num_steps)
+        self._remember(data, ctx)
+
+    def _live(self, data: object) -> CacheContext:
+        """`data` as the context of a claimed request whose tokens it agrees with."""
         ctx = cache_context(data)
         self.slot_of(ctx.request_id)
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        known = self._context_of.get(ctx.request_id)
+        if known is not None and known[0] is not data:
+            check_same_tokens(known[1], ctx)
+        return ctx
+
+    def _remember(self, data: object, ctx: CacheContext) -> None:
+        self._context_of[ctx.request_id] = (data, ctx)
+
+    def _check_fits_slot(self, ctx: CacheContext, num_steps: int = 1) -> None:
         needed = ctx.current_length + num_steps - 1
         if needed > self.max_seq_len:
             raise ValueError(
@@ -165,25 +206,40 @@ class ContinuousBatchingKVCacheManager:
                 f"max_seq_len={self.max_seq_len}"
             )
 
+    def _validated_batch(self, batches: Sequence[Sequence[object]]) -> list[CacheContext]:
+        """The one replica's batch, checked whole: one batch, claimed requests
+        that fit their slots, none twice."""
+        check_sequence("batches", batches)
+        if len(batches) != 1:
+            raise ValueError(f"expected one batch per replica (1), got {len(batches)}")
+        (batch,) = batches
+        check_sequence("batches[0]", batch)
+        contexts = [self._live(data) for data in batch]
+        check_unique("request", (ctx.request_id for ctx in contexts))
+        for ctx in contexts:
+            self._check_fits_slot(ctx)
+        return contexts
+
     def step(self, batches: Sequence[Sequence[object]]) -> None:
         """Records each request's cache length (its `processed_length`) after a
-        model step, so `fetch` sees it."""
-        self._check_batches(batches)
-        (batch,) = batches
-        contexts = [cache_context(data) for data in batch]
-        slots = [self.slot_of(ctx.request_id) for ctx in contexts]
-        lengths = [ctx.processed_length for ctx in contexts]
-        too_long = [(s, n) for s, n in zip(slots, lengths, strict=True) if n > self.max_seq_len]
-        if too_long:
-            slot, n = too_long[0]
-            raise ValueError(f"slot {slot} would hold {n} tokens; the limit is max_seq_len={self.max_seq_len}")
-        self._lengths[slots] = lengths
+        model step, so `fetch` sees it.
+
+        Raises:
+            TypeError, ValueError: A bad batch (see `runtime_inputs`), checked
+                whole before any length is recorded.
+        """
+        contexts = self._validated_batch(batches)
+        for data, ctx in zip(batches[0], contexts, strict=True):
+            self._remember(data, ctx)
+        slots = [self._slot_of[ctx.request_id] for ctx in contexts]
+        self._lengths[slots] = [ctx.processed_length for ctx in contexts]
 
     def release(self, request_id: Hashable, replica_idx: int = 0) -> None:
         """Frees the request's slot; its next owner starts from an empty cache."""
         self._check_replica(replica_idx)
         slot = self.slot_of(request_id)
         del self._slot_of[request_id]
+        self._context_of.pop(request_id, None)
         self._lengths[slot] = 0
         self._free.append(slot)
         self._free.sort()
@@ -192,31 +248,33 @@ class ContinuousBatchingKVCacheManager:
         """Tokens cached for the request as of its last `step`."""
         return int(self._lengths[self.slot_of(request_id)])
 
-    def _check_batches(self, batches: Sequence[Sequence[object]]) -> None:
-        if len(batches) != 1:
-            raise ValueError(f"expected one batch per replica (1), got {len(batches)}")
-
-    def _check_slots(self, seq_ids: Sequence[int] | np.ndarray) -> None:
+    def _checked_slots(self, seq_ids: Sequence[int]) -> list[int]:
+        check_sequence("seq_ids", seq_ids)
+        slots = [check_int(f"seq_ids[{i}]", seq_id) for i, seq_id in enumerate(seq_ids)]
         claimed = set(self._slot_of.values())
-        for seq_id in seq_ids:
-            if int(seq_id) not in claimed:
+        for slot in slots:
+            if slot not in claimed:
                 raise ValueError(
-                    f"sequence id {int(seq_id)} is not claimed "
+                    f"sequence id {slot} is not claimed "
                     f"(valid ids are 0..{self.max_cache_batch_size - 1}, claimed ones only)"
                 )
+        check_unique("sequence id", slots)
+        return slots
 
     # -- graph inputs --------------------------------------------------------
 
     def runtime_inputs(self, batches: Sequence[Sequence[object]]) -> KVCacheInputs:
         """Graph inputs for a batch of claimed requests (`mokv.contract`): a
         `KVCacheInputs` leaf with one `ContinuousCacheInputs` per device; row b
-        is `batches[0][b]`, its cache length that context's `processed_length`."""
-        self._check_batches(batches)
-        (batch,) = batches
-        contexts = [cache_context(data) for data in batch]
-        for ctx in contexts:
-            self.alloc(ctx)
-        slots = np.array([self.slot_of(ctx.request_id) for ctx in contexts], np.uint32)
+        is `batches[0][b]`, its cache length that context's `processed_length`.
+
+        Raises:
+            TypeError, ValueError: Checked for the whole batch first: not one
+                batch, a request unclaimed, twice in the batch, with tokens
+                other than its own, or longer than a slot.
+        """
+        contexts = self._validated_batch(batches)
+        slots = np.array([self._slot_of[ctx.request_id] for ctx in contexts], np.uint32)
         lengths = np.array([ctx.processed_length for ctx in contexts], np.uint32)
         return KVCacheInputs(self._device_inputs(slots, lengths))
 
@@ -224,11 +282,16 @@ class ContinuousBatchingKVCacheManager:
         """Per device: (blocks, cache_lengths, lookup_table, is_cache_empty) for
         the batch `seq_ids` (slots), in that order; row i of the batch is
         `seq_ids[i]`, with the cache length its last `step` recorded. The small
-        tensors are views of preallocated arrays, valid until the next `fetch`."""
-        if not len(seq_ids):
+        tensors are views of preallocated arrays, valid until the next `fetch`.
+
+        Raises:
+            TypeError, ValueError: No ids, an id that is no integer, not
+                claimed, or repeated.
+        """
+        slots = self._checked_slots(seq_ids)
+        if not slots:
             raise ValueError("fetch needs at least one sequence id")
-        self._check_slots(seq_ids)
-        ids = np.asarray(seq_ids, np.int64)
+        ids = np.asarray(slots, np.int64)
         inputs = self._device_inputs(ids, self._lengths[ids], views=True)
         return [tuple(device.flatten()) for device in inputs]  # type: ignore[misc]
 
@@ -269,10 +332,16 @@ class ContinuousBatchingKVCacheManager:
         compiled graph (`cache_lengths + diff(input_row_offsets)`) rather than a
         host round trip. `prev_model_inputs` is the previous step's model inputs:
         an object with `input_row_offsets`, or a tuple `(tokens, input_row_offsets, ...)`.
-        `is_cache_empty` becomes False: only the first step encodes context."""
-        row_offsets = getattr(prev_model_inputs, "input_row_offsets", None)
-        if row_offsets is None:
-            row_offsets = prev_model_inputs[1]
+        `is_cache_empty` becomes False: only the first step encodes context.
+
+        Raises:
+            TypeError, ValueError: Checked before anything runs: not one
+                `(blocks, cache_lengths, lookup_table, is_cache_empty)` per
+                device with this manager's block tensors and uint32 lengths of
+                one batch size; row offsets that are no uint32 `[batch + 1]`
+                non-decreasing vector; or lengths that would pass `max_seq_len`.
+        """
+        row_offsets = self._checked_increment(kv_cache_inputs, prev_model_inputs)
         model = self._increment_graph()
         not_empty = Buffer.scalar(False, DType.bool)
         updated = []
@@ -280,6 +349,54 @@ class ContinuousBatchingKVCacheManager:
             (new_lengths,) = model.execute(cache_lengths, row_offsets)
             updated.append((blocks, new_lengths, lookup_table, not_empty))
         return updated
+
+    def _checked_increment(self, kv_cache_inputs: Sequence[CacheInputs], prev_model_inputs: Any) -> Buffer:
+        """`increment_cache_lengths`' arguments checked whole; returns the row offsets."""
+        check_sequence("kv_cache_inputs", kv_cache_inputs)
+        if len(kv_cache_inputs) != len(self.devices):
+            raise ValueError(
+                f"kv_cache_inputs has {len(kv_cache_inputs)} entries, one per device expected ({len(self.devices)})"
+            )
+        batch_sizes = set()
+        lengths = []
+        for i, entry in enumerate(kv_cache_inputs):
+            if not isinstance(entry, (tuple, list)) or len(entry) != 4:
+                raise TypeError(
+                    f"kv_cache_inputs[{i}] must be (blocks, cache_lengths, lookup_table, is_cache_empty), got {entry!r}"
+                )
+            blocks, cache_lengths, _, _ = entry
+            if blocks is not self.blocks[i]:
+                raise ValueError(f"kv_cache_inputs[{i}] holds a block tensor that is not this manager's device {i}")
+            _check_vector(f"kv_cache_inputs[{i}] cache_lengths", cache_lengths)
+            batch_sizes.add(cache_lengths.shape[0])
+            lengths.append(cache_lengths)
+        if len(batch_sizes) > 1:
+            raise ValueError(f"kv_cache_inputs have different batch sizes: {sorted(batch_sizes)}")
+        if hasattr(prev_model_inputs, "input_row_offsets"):
+            row_offsets = prev_model_inputs.input_row_offsets
+        elif isinstance(prev_model_inputs, (tuple, list)) and len(prev_model_inputs) >= 2:
+            row_offsets = prev_model_inputs[1]
+        else:
+            raise TypeError(
+                "prev_model_inputs must have input_row_offsets or be a tuple (tokens, input_row_offsets, ...), "
+                f"got {type(prev_model_inputs).__name__}"
+            )
+        _check_vector("input_row_offsets", row_offsets)
+        (batch,) = batch_sizes or {0}
+        if row_offsets.shape[0] != batch + 1:
+            raise ValueError(f"input_row_offsets has {row_offsets.shape[0]} entries, the batch needs {batch + 1}")
+        offsets = _host_numpy(row_offsets).astype(np.int64)
+        new_tokens = np.diff(offsets)
+        if (new_tokens < 0).any():
+            raise ValueError(f"input_row_offsets must not decrease, got {offsets.tolist()}")
+        for i, cache_lengths in enumerate(lengths):
+            after = _host_numpy(cache_lengths).astype(np.int64) + new_tokens
+            if after.max(initial=0) > self.max_seq_len:
+                raise ValueError(
+                    f"kv_cache_inputs[{i}]: cache lengths would reach {int(after.max())}, "
+                    f"past max_seq_len={self.max_seq_len}"
+                )
+        return row_offsets
 
     def _increment_graph(self) -> Model:
         if self._increment_model is None:
@@ -296,3 +413,51 @@ class ContinuousBatchingKVCacheManager:
                 graph.output(lengths + ops.rebind(new_tokens, lengths.shape))
             self._increment_model = self.session.load(graph)
         return self._increment_model
+
+
+def _check_vector(name: str, value: object) -> None:
+    """Refuses anything but a 1-D uint32 `Buffer`."""
+    if not isinstance(value, Buffer) or value.dtype != DType.uint32 or value.rank != 1:
+        described = (
+            f"{value.dtype} with shape {tuple(value.shape)}" if isinstance(value, Buffer) else type(value).__name__
+        )
+        raise TypeError(f"{name} must be a 1-D uint32 max.driver.Buffer, got {described}")
+
+
+def _host_numpy(buffer: Buffer) -> np.ndarray:
+    return buffer.to_numpy() if buffer.device.is_host else buffer.to(CPU()).to_numpy()
+
+
+def _checked_args(
+    params: object, max_cache_batch_size: int, max_seq_len: int, num_layers: int, devices: Sequence[Device]
+) -> KVCacheParams:
+    """The constructor's arguments checked (shared with `estimated_memory_size`)."""
+    params = resolve_params(params)
+    if not isinstance(params, KVCacheParams):
+        raise TypeError("the continuous-batching manager serves one cache, not a MultiKVCacheParams")
+    if params.enable_prefix_caching or params.enable_kvcache_swapping_to_host:
+        raise ValueError(
+            "the continuous-batching manager keeps no prefix cache: got enable_prefix_caching="
+            f"{params.enable_prefix_caching}, enable_kvcache_swapping_to_host={params.enable_kvcache_swapping_to_host}"
+        )
+    if params.data_parallel_degree != 1:
+        raise ValueError(
+            f"the continuous-batching manager has one replica, got data_parallel_degree={params.data_parallel_degree}"
+        )
+    check_int("max_cache_batch_size", max_cache_batch_size, minimum=1, maximum=np.iinfo(np.uint32).max)
+    check_int("max_seq_len", max_seq_len, minimum=1, maximum=np.iinfo(np.uint32).max)
+    check_int("num_layers", num_layers, minimum=1)
+    if num_layers != params.num_layers:
+        raise ValueError(f"num_layers={num_layers} disagrees with params.num_layers={params.num_layers}")
+    check_sequence("devices", devices)
+    if len(devices) != len(params.devices):
+        raise ValueError(
+            f"devices has {len(devices)} entries but params.devices has {len(params.devices)}: "
+            "each device holds n_kv_heads_per_device heads of the params"
+        )
+    for i, (device, ref) in enumerate(zip(devices, params.devices, strict=True)):
+        if not isinstance(device, Device):
+            raise TypeError(f"devices[{i}] must be a max.driver.Device, got {device!r}")
+        if DeviceRef.from_device(device) != ref:
+            raise ValueError(f"devices[{i}] is {device.label}:{device.id} but params.devices[{i}] is {ref}")
+    return params

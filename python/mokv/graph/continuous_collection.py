@@ -7,8 +7,6 @@ out of it as a `ContinuousBatchingKVCache`."""
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from max.dtype import DType
 from max.graph import (
     DeviceRef,
@@ -22,6 +20,8 @@ from max.graph import (
 )
 
 from ..contract import CacheShape
+from ..validation import check_int
+from .arguments import check_vector
 
 
 def ContinuousBatchingKVCacheCollectionType() -> _OpaqueType:
@@ -37,7 +37,9 @@ def ContinuousBatchingKVCacheType() -> _OpaqueType:
 class ContinuousBatchingKVCache(_OpaqueValue):
     """One layer's keys or values of a batch's continuous-batching cache."""
 
-    def __init__(self, value: Value, collection: ContinuousBatchingKVCacheCollection, layer_idx: int, kv_idx: int) -> None:
+    def __init__(
+        self, value: Value, collection: ContinuousBatchingKVCacheCollection, layer_idx: int, kv_idx: int
+    ) -> None:
         super().__init__(value)
         self.collection = collection
         self.layer_idx = layer_idx
@@ -46,6 +48,8 @@ class ContinuousBatchingKVCache(_OpaqueValue):
     def gather(self, batch_rows: TensorValue, positions: TensorValue) -> TensorValue:
         """Token `positions[i]` of batch row `batch_rows[i]` (both uint32 `[n]`)
         as a dense `[n, n_kv_heads, head_dim]` tensor."""
+        check_vector("batch_rows", batch_rows)
+        check_vector("positions", positions)
         (rows,) = ops.inplace_custom(
             "mokv.gather.continuous_cache",
             device=self.collection.device,
@@ -58,8 +62,6 @@ class ContinuousBatchingKVCache(_OpaqueValue):
 class ContinuousBatchingKVCacheCollection(_OpaqueValue):
     """The collection inside a graph: all layers' K and V caches of one batch."""
 
-    layout: ClassVar[str] = "continuous_collection"
-
     def __init__(self, value: Value, params: CacheShape) -> None:
         super().__init__(value)
         self.params = params
@@ -71,12 +73,18 @@ class ContinuousBatchingKVCacheCollection(_OpaqueValue):
     def operands(self) -> list[Value]:
         return [self]
 
+    def dispatch_operand(self) -> None:
+        """None: the collection carries `is_cache_empty` itself."""
+        return None
+
     def row_type(self, rows: int | str | Dim) -> TensorType:
         p = self.params
         return TensorType(p.dtype, [rows, p.n_kv_heads_per_device, p.head_dim], self.device)
 
     def get_cache(self, layer_idx: int, kv_idx: int) -> ContinuousBatchingKVCache:
         """Layer `layer_idx`'s keys (`kv_idx` 0) or values (1)."""
+        check_int("layer_idx", layer_idx, minimum=0, maximum=self.params.num_layers - 1)
+        check_int("kv_idx", kv_idx, minimum=0, maximum=1)
         (cache,) = ops.inplace_custom(
             "mokv.collection.continuous.get_cache",
             device=self.device,

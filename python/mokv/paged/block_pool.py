@@ -68,13 +68,13 @@ class PageIndex:
         uid: int,
         parent_uid: int,
         parent_hash: int | None,
-        tokens: npt.NDArray[np.integer],
+        tokens: npt.NDArray[np.integer] | None,
     ) -> None:
-        """Commits `slot` under `block_hash`, which must be free in this index."""
+        """Commits `slot` under `block_hash`, which must be free in this index.
+        With `tokens` None the caller stores the slot's row of `self.tokens`
+        itself (several slots in one numpy call) before the next lookup."""
         if block_hash in self._by_hash:
-            raise ValueError(
-                f"hash {block_hash:#x} is already committed to slot {self._by_hash[block_hash]}"
-            )
+            raise ValueError(f"hash {block_hash:#x} is already committed to slot {self._by_hash[block_hash]}")
         if self.hash[slot] is not None:
             raise ValueError(f"slot {slot} is already committed")
         self._by_hash[block_hash] = slot
@@ -82,7 +82,37 @@ class PageIndex:
         self.uid[slot] = uid
         self.parent_uid[slot] = parent_uid
         self.parent_hash[slot] = parent_hash
-        self.tokens[slot] = tokens
+        if tokens is not None:
+            self.tokens[slot] = tokens
+
+    def has_none_of(self, hashes: list[int]) -> bool:
+        """Whether no hash of `hashes` is committed here."""
+        return self._by_hash.keys().isdisjoint(hashes)
+
+    def insert_run(
+        self,
+        slots: list[int],
+        hashes: list[int],
+        first_uid: int,
+        parent_uid: int,
+        parent_hash: int | None,
+        tokens: npt.NDArray[np.integer],
+    ) -> None:
+        """Commits a chain of slots at once: slot k gets `hashes[k]`, uid
+        `first_uid + k` and, as parent, slot k-1 (the first one `parent_uid` /
+        `parent_hash`); `tokens` has one row per slot. Neither the hashes nor
+        the slots may be committed already."""
+        by_hash = self._by_hash
+        for k, (slot, block_hash) in enumerate(zip(slots, hashes, strict=True)):
+            if self.hash[slot] is not None or block_hash in by_hash:
+                raise ValueError(f"slot {slot} or hash {block_hash:#x} is already committed")
+            by_hash[block_hash] = slot
+            self.hash[slot] = block_hash
+            self.uid[slot] = first_uid + k
+            self.parent_uid[slot] = parent_uid
+            self.parent_hash[slot] = parent_hash
+            parent_uid, parent_hash = first_uid + k, block_hash
+        self.tokens[slots] = tokens
 
     def copy_entry(self, slot: int, source: PageIndex, source_slot: int) -> None:
         """Commits `slot` with the identity of `source`'s `source_slot` (a tier move)."""
@@ -107,11 +137,11 @@ class PageIndex:
 
     def holds(self, slot: int, parent_uid: int, tokens: npt.NDArray[np.integer]) -> bool:
         """Whether `slot` continues the chain ending in `parent_uid` with `tokens`."""
-        return self.parent_uid[slot] == parent_uid and np.array_equal(self.tokens[slot], tokens)
+        if self.parent_uid[slot] != parent_uid:
+            return False
+        return self.tokens[slot].tobytes() == np.asarray(tokens, np.int64).tobytes()
 
-    def match(
-        self, hashes: Sequence[int], parent_uid: int, tokens: npt.NDArray[np.integer]
-    ) -> list[int]:
+    def match(self, hashes: Sequence[int], parent_uid: int, tokens: npt.NDArray[np.integer]) -> list[int]:
         """The longest run of slots continuing a chain, verified.
 
         Args:
@@ -144,16 +174,12 @@ class PageIndex:
         """Asserts every committed hash names a slot holding exactly those tokens."""
         for block_hash, slot in self._by_hash.items():
             if self.hash[slot] != block_hash:
-                raise AssertionError(
-                    f"hash {block_hash:#x} maps to slot {slot} committed as {self.hash[slot]}"
-                )
+                raise AssertionError(f"hash {block_hash:#x} maps to slot {slot} committed as {self.hash[slot]}")
         slots = list(self._by_hash.values())
         expected = hasher.rehash(self.tokens[slots], [self.parent_hash[s] for s in slots])
         for slot, block_hash in zip(slots, expected, strict=True):
             if block_hash != self.hash[slot]:
-                raise AssertionError(
-                    f"slot {slot}'s tokens hash to {block_hash:#x}, not {self.hash[slot]:#x}"
-                )
+                raise AssertionError(f"slot {slot}'s tokens hash to {block_hash:#x}, not {self.hash[slot]:#x}")
         if len(self.hash) - self.hash.count(None) != len(self._by_hash):
             raise AssertionError("some slots carry hashes the index does not map to them")
 
@@ -212,6 +238,13 @@ class BlockPool:
             del self._free[block]
         self.ref_count[block] += 1
 
+    def refresh(self, blocks: Iterable[int]) -> None:
+        """Moves each unheld block to the back of the free queue, in order: a
+        use that took no hold (MAX's failed allocation touches its hits)."""
+        for block in blocks:
+            if self.ref_count[block] == 0:
+                self._free.move_to_end(block)
+
     def free(self, blocks: Iterable[int]) -> None:
         """Drops one holder from each block; unheld ones go to the back of the queue."""
         for block in blocks:
@@ -228,20 +261,33 @@ class BlockPool:
         block_hash: int,
         parent_uid: int,
         parent_hash: int | None,
+        tokens: npt.NDArray[np.integer] | None,
+        uid: int = NO_UID,
+    ) -> int:
+        """Puts a full block in the prefix cache and returns its `uid`: a new
+        one for a freshly computed (or freshly loaded) block, or `uid` for a
+        block restored from a tier that kept the identity this pool gave it
+        (`tokens` as in `PageIndex.insert`)."""
+        if uid == NO_UID:
+            self._last_uid += 1
+            uid = self._last_uid
+        self.index.insert(block, block_hash, uid, parent_uid, parent_hash, tokens)
+        return uid
+
+    def commit_run(
+        self,
+        blocks: list[int],
+        hashes: list[int],
+        parent_uid: int,
+        parent_hash: int | None,
         tokens: npt.NDArray[np.integer],
     ) -> int:
-        """Puts a freshly computed full block in the prefix cache under a new
-        `uid`, which it returns."""
-        self._last_uid += 1
-        self.index.insert(block, block_hash, self._last_uid, parent_uid, parent_hash, tokens)
+        """`commit` for a chain of consecutive blocks of one request, in one
+        call; returns the last block's uid."""
+        first_uid = self._last_uid + 1
+        self.index.insert_run(blocks, hashes, first_uid, parent_uid, parent_hash, tokens)
+        self._last_uid += len(blocks)
         return self._last_uid
-
-    def adopt(self, block: int, source: PageIndex, slot: int) -> int:
-        """Commits `block`, just filled with a lower tier's copy of `source`'s
-        `slot`, under that page's identity (hash, uid, parent, tokens); returns
-        the uid. The mirror of the host tier taking an evicted block's identity."""
-        self.index.copy_entry(block, source, slot)
-        return self.index.uid[block]
 
     def uncommit(self, block: int) -> None:
         """Takes a block out of the prefix cache (it keeps its holders)."""
@@ -267,9 +313,7 @@ class BlockPool:
             )
         for block, count in holders.items():
             if self.ref_count[block] != count:
-                raise AssertionError(
-                    f"block {block} has ref count {self.ref_count[block]} but {count} holders"
-                )
+                raise AssertionError(f"block {block} has ref count {self.ref_count[block]} but {count} holders")
         if self.ref_count.count(0) != self.num_blocks - len(used):
             raise AssertionError("a block nobody holds has a nonzero ref count")
         self.index.check(hasher)

@@ -4,7 +4,8 @@ Block `j` of a request (tokens `t_{j,0..P-1}`, P = page size) gets the 64-bit ha
 
     s_j = s_{j-1} * Q + c_j,    c_j = sum_i (t_{j,i} XOR a_i) * w_i      (all mod 2**64)
 
-with `s_{-1}` the parent hash (`ROOT` for a request's first block) and fixed
+with `s_{-1}` the parent hash (`ROOT` for a request's first block, or
+`salted_root(salt)` for a request with a cache salt) and fixed
 per-position constants `a_i`, `w_i` (odd). `s_j` depends on every token up to
 the end of block `j`, in order, so equal hashes mean equal prefixes up to hash
 collisions, which the block pool rules out by also checking the stored tokens
@@ -18,6 +19,8 @@ running sum over tokens weighted by `Q**-b * w_i`, read at each block's end.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import numpy.typing as npt
 
@@ -27,6 +30,13 @@ ROOT = 0x9E3779B97F4A7C15
 
 _Q = 0xFF51AFD7ED558CCD
 _Q_INV = pow(_Q, -1, 1 << 64)
+
+
+def salted_root(salt: str) -> int:
+    """The parent hash of the first block of a request with cache salt `salt`:
+    requests with different salts start different chains."""
+    digest = hashlib.blake2b(salt.encode(), digest_size=8, person=b"mokv-salt").digest()
+    return ROOT ^ int.from_bytes(digest, "little")
 
 
 def _powers(base: int, n: int) -> npt.NDArray[np.uint64]:

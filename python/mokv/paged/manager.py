@@ -11,8 +11,9 @@ The lifecycle of a request on replica r (MAX's documented API):
 
 Contexts may be mokv's `TextContext` or MAX's own (`mokv.context.cache_context`
 adapts them). Each replica (`replica.Replica`) has its own block pool, block
-table and host tier, and holds the per-request policy; a request lives on one
-replica from `claim` to `release`. With `MultiKVCacheParams` every replica
+table and lower tiers (host memory, disk, remote store: `mokv.connectors`),
+and holds the per-request policy; a request lives on one replica from `claim`
+to `release`. With `MultiKVCacheParams` every replica
 allocates one block tensor per leaf cache and one block id names the same page
 in all of them, so a claim, an allocation and a prefix hit cover every cache.
 
@@ -24,13 +25,16 @@ lookup table is one numpy gather. Nothing loops over tokens in Python.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Hashable, Iterator, Sequence
 
-import numpy as np
+from max.driver import CPU, Device
 from max.engine import InferenceSession
 
 from ..buffer import KVCacheBuffer
-from ..context import cache_context
+from ..connectors.base import TierMetrics, TierUsage
+from ..connectors.config import KVConnectorConfig, tier_factory
+from ..context import CacheContext, TextContext, cache_context, check_same_tokens
 from ..contract import KVCacheInputs, MultiKVCacheInputs, PagedCacheInputs
 from ..metrics import KVCacheMetrics
 from ..params import (
@@ -41,15 +45,22 @@ from ..params import (
     MultiKVCacheParams,
     resolve_params,
 )
+from ..validation import check_bool, check_fits, check_int, check_request_id, check_sequence, check_unique
 from .hashing import BlockHasher
-from .replica import InsufficientBlocksError, Replica
-from .runtime_inputs import BatchCharacteristics, batch_tables, device_inputs
+from .replica import InsufficientBlocksError, Replica, RequestState
+from .runtime_inputs import BatchCharacteristics, device_inputs
 
 __all__ = ["InsufficientBlocksError", "PagedKVCacheManager"]
 
 
 class PagedKVCacheManager:
     """Paged KV cache manager with data parallelism and optional prefix caching.
+
+    Every public call either does what its docstring says or raises
+    `TypeError` / `ValueError` naming the bad argument, having changed nothing
+    (calls that take batches check the whole batch first). The one documented
+    exception is `alloc`'s `InsufficientBlocksError`, which refreshes the
+    recency of the prefix hits it found, as MAX's manager does.
 
     Args:
         params: Cache shape and policy: a `KVCacheParams` (its `cache_strategy`
@@ -60,9 +71,21 @@ class PagedKVCacheManager:
             with MAX; buffers are allocated on `params.devices` directly).
         total_num_pages: Device pages per replica for requests; each block
             tensor has one more, the null page (`mokv.contract`).
-        total_num_host_pages: Host-tier pages per replica; 0 disables the tier.
+        total_num_host_pages: Host-tier pages per replica; 0 takes
+            `params.num_host_pages` (from `host_kvcache_swap_space_gb`, 0 when
+            swapping is off), and no pages disable the tier.
         enable_runtime_checks: Assert the pool invariants after every call.
-        max_batch_size: Most requests one replica's `runtime_inputs` batch may hold.
+        max_batch_size: Most requests one replica's batch may hold.
+
+        connector_config: The disk and remote tiers (`KVConnectorConfig`);
+            None for none. Call `shutdown()` (or use the manager as a context
+            manager) to let their background writes finish.
+
+    Raises:
+        TypeError, ValueError: A bad argument, by name; sizes whose memory
+            (block tensors, host tier, bookkeeping, the largest runtime
+            inputs) would not fit in a device's free memory are refused
+            before anything is allocated.
     """
 
     def __init__(
@@ -74,37 +97,45 @@ class PagedKVCacheManager:
         enable_runtime_checks: bool = False,
         *,
         max_batch_size: int,
+        connector_config: KVConnectorConfig | None = None,
     ) -> None:
         params = resolve_params(params)
         if params.cache_strategy is not KVCacheStrategy.PAGED:
-            raise ValueError(
-                f"PagedKVCacheManager needs cache_strategy=PAGED, got {params.cache_strategy.value}"
-            )
-        if total_num_pages < 1:
-            raise ValueError(f"total_num_pages must be positive, got {total_num_pages}")
-        if total_num_host_pages < 0:
-            raise ValueError(f"total_num_host_pages must be >= 0, got {total_num_host_pages}")
+            raise ValueError(f"PagedKVCacheManager needs cache_strategy=PAGED, got {params.cache_strategy.value}")
+        if session is not None and not isinstance(session, InferenceSession):
+            raise TypeError(f"session must be a max.engine.InferenceSession or None, got {session!r}")
+        total_num_pages = check_int("total_num_pages", total_num_pages, minimum=1)
+        total_num_host_pages = check_int("total_num_host_pages", total_num_host_pages, minimum=0)
+        max_batch_size = check_int("max_batch_size", max_batch_size, minimum=1)
+        check_bool("enable_runtime_checks", enable_runtime_checks)
+        total_num_host_pages = total_num_host_pages or params.num_host_pages
         if total_num_host_pages and not params.enable_prefix_caching:
             raise ValueError(
                 f"total_num_host_pages={total_num_host_pages} needs enable_prefix_caching=True: "
                 "the host tier only keeps prefix-cached blocks"
             )
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
+        if connector_config is not None and connector_config.enabled and not params.enable_prefix_caching:
+            raise ValueError(
+                "the disk and remote tiers of connector_config need enable_prefix_caching=True: "
+                "they only keep prefix-cached blocks"
+            )
+        _check_memory(params, total_num_pages, total_num_host_pages, max_batch_size)
         self.params = params
         self.session = session
         self.page_size = params.page_size
         self.total_num_pages = total_num_pages
         self.total_num_host_pages = total_num_host_pages
         self.max_batch_size = max_batch_size
-        self.enable_runtime_checks = enable_runtime_checks
+        self.enable_runtime_checks = bool(enable_runtime_checks)
         self._hasher = BlockHasher(params.page_size)
         leaves = params.leaves()
+        tiers = tier_factory(params, total_num_pages, total_num_host_pages, connector_config)
+        self._leaf_names = list(leaves)
         self._replicas = [
             Replica(
                 index,
                 total_num_pages,
-                total_num_host_pages,
+                tiers,
                 params.page_size,
                 params.enable_prefix_caching,
                 max_batch_size,
@@ -124,29 +155,105 @@ class PagedKVCacheManager:
         return len(self._replicas)
 
     def _replica(self, replica_idx: int) -> Replica:
+        if type(replica_idx) is not int:
+            replica_idx = check_int("replica_idx", replica_idx)
         if not 0 <= replica_idx < len(self._replicas):
-            raise ValueError(
-                f"replica_idx={replica_idx} is out of range: there are {len(self._replicas)} replicas"
-            )
+            raise ValueError(f"replica_idx={replica_idx} is out of range: there are {len(self._replicas)} replicas")
         return self._replicas[replica_idx]
 
     def _claimed_on(self, request_id: Hashable, replica_idx: int) -> Replica:
         """The replica holding `request_id`, which must be `replica_idx`."""
         replica = self._replica(replica_idx)
+        check_request_id(request_id)
         owner = self._replica_of.get(request_id)
         if owner is not replica:
             where = "not claimed" if owner is None else f"claimed on replica {owner.index}"
             raise ValueError(f"request {request_id!r} is {where}, not on replica {replica_idx}")
         return replica
 
+    def _live(self, data: object, replica: Replica) -> tuple[CacheContext, RequestState]:
+        """`data` as a context of a request claimed on `replica`, and its state.
+
+        A context object other than the one last passed for the request is
+        accepted only if its tokens agree with that one's wherever both have
+        tokens (a copy, or the same request seen later); it then replaces it.
+        """
+        ctx = data if type(data) is TextContext else cache_context(data)
+        request_id = ctx.request_id
+        if type(request_id) is not str and type(request_id) is not int:
+            check_request_id(request_id)
+        state = replica.requests.get(request_id)
+        if state is None:
+            owner = self._replica_of.get(request_id)
+            where = "not claimed" if owner is None else f"claimed on replica {owner.index}"
+            raise ValueError(f"request {request_id!r} is {where}, not on replica {replica.index}")
+        if state.source is not data and not state.is_dummy:
+            check_same_tokens(state.context, ctx)
+        return ctx, state
+
+    def _checked_batches(self, batches: Sequence[Sequence[object]]) -> None:
+        """One batch per replica, each a list of at most `max_batch_size` entries."""
+        if type(batches) is not list and type(batches) is not tuple:
+            check_sequence("batches", batches)
+        if len(batches) != len(self._replicas):
+            raise ValueError(f"expected one batch per replica ({len(self._replicas)}), got {len(batches)}")
+        for replica, batch in zip(self._replicas, batches, strict=True):
+            if type(batch) is not list and type(batch) is not tuple:
+                check_sequence(f"batches[{replica.index}]", batch)
+            if len(batch) > self.max_batch_size:
+                raise ValueError(
+                    f"replica {replica.index} batch has {len(batch)} requests, max_batch_size is {self.max_batch_size}"
+                )
+
+    def _validated_batches(self, batches: Sequence[Sequence[object]]) -> list[list[tuple[CacheContext, RequestState]]]:
+        """Checks a whole per-replica batch list before any of it is acted on
+        (`_checked_batches`, then each request: claimed on that replica, not
+        twice, no token processed without a page for it)."""
+        self._checked_batches(batches)
+        page_size = self.page_size
+        validated = []
+        for replica, batch in zip(self._replicas, batches, strict=True):
+            entries = self._live_batch(batch, replica)
+            for ctx, state in entries:
+                if ctx.processed_length > state.num_blocks * page_size and not state.is_dummy:
+                    raise ValueError(
+                        f"request {ctx.request_id!r} has processed_length {ctx.processed_length} but "
+                        f"its pages hold only {state.num_blocks * page_size} tokens: call alloc "
+                        "before running it"
+                    )
+            validated.append(entries)
+        return validated
+
+    def _live_batch(self, batch: Sequence[object], replica: Replica) -> list[tuple[CacheContext, RequestState]]:
+        """`_live` for each entry of one replica's batch, none twice. The common
+        case (a mokv `TextContext` passed before) takes a few operations; anything
+        else goes through `_live`, which raises with the reason or accepts it."""
+        get = replica.requests.get
+        entries = []
+        try:
+            for data in batch:
+                ctx = data if type(data) is TextContext else cache_context(data)
+                state = get(ctx.request_id)
+                if state is None or state.source is not data:
+                    ctx, state = self._live(data, replica)
+                entries.append((ctx, state))
+        except TypeError:
+            for data in batch:  # an unhashable request id: name it
+                self._live(data, replica)
+            raise
+        if len({id(state) for _, state in entries}) != len(entries):
+            check_unique("request", (ctx.request_id for ctx, _ in entries))
+        return entries
+
     # --------------------------------------------------------------- lifecycle
 
     def claim(self, request_id: Hashable, replica_idx: int = 0) -> None:
-        """Reserves a slot for `request_id` on replica `replica_idx`."""
+        """Reserves a slot for `request_id` (a `str` or `int`) on replica `replica_idx`."""
         self._claim(request_id, replica_idx, dummy=False)
 
     def _claim(self, request_id: Hashable, replica_idx: int, *, dummy: bool) -> None:
         replica = self._replica(replica_idx)
+        check_request_id(request_id)
         owner = self._replica_of.get(request_id)
         if owner is not None:
             raise ValueError(f"request {request_id!r} is already claimed on replica {owner.index}")
@@ -155,7 +262,9 @@ class PagedKVCacheManager:
 
     def contains(self, request_id: Hashable, replica_idx: int = 0) -> bool:
         """Whether `request_id` is claimed on replica `replica_idx`."""
-        return self._replica_of.get(request_id) is self._replica(replica_idx)
+        replica = self._replica(replica_idx)
+        check_request_id(request_id)
+        return self._replica_of.get(request_id) is replica
 
     def alloc_dummy(self, request_id: Hashable, replica_idx: int = 0) -> None:
         """Claims a padding request whose only page is the null page."""
@@ -172,31 +281,62 @@ class PagedKVCacheManager:
         the model must run it.
 
         Raises:
-            InsufficientBlocksError: Too few free blocks. The pool, the request
-                and `data` are left exactly as they were.
+            TypeError, ValueError: A bad argument, by name: an unclaimed or
+                dummy request, a context whose tokens differ from the
+                request's, a `num_steps` that is no positive integer. Nothing
+                has changed.
+            InsufficientBlocksError: Too few free blocks (or more tokens than a
+                replica holds). The request and `data` are left as they were,
+                and so is the pool but for one thing, as in MAX's manager: the
+                failed allocation still counts as a use of the cached device
+                blocks it matched, which move to the most-recently-used end of
+                the free queue (tail first), so a retry finds the same prefix.
         """
-        ctx = cache_context(data)
-        replica = self._claimed_on(ctx.request_id, replica_idx)
-        if replica.requests[ctx.request_id].is_dummy:
+        replicas = self._replicas
+        if type(replica_idx) is int and 0 <= replica_idx < len(replicas):
+            replica = replicas[replica_idx]
+        else:
+            replica = self._replica(replica_idx)
+        ctx = data if type(data) is TextContext else cache_context(data)
+        try:
+            state = replica.requests.get(ctx.request_id)
+        except TypeError:  # an unhashable request id: `_live` names it
+            state = None
+        if state is None or state.source is not data:
+            ctx, state = self._live(data, replica)
+        if state.is_dummy:
             raise ValueError(f"request {ctx.request_id!r} is a dummy and holds only the null page")
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        replica.alloc(ctx, num_steps)
-        self._check(replica)
+        if type(num_steps) is not int or num_steps < 1:
+            num_steps = check_int("num_steps", num_steps, minimum=1)
+        if ctx.processed_length > state.num_blocks * self.page_size:
+            raise ValueError(
+                f"request {ctx.request_id!r} has processed_length {ctx.processed_length} but its "
+                f"pages hold only {state.num_blocks * self.page_size} tokens: its context ran ahead of its pages"
+            )
+        replica.alloc(ctx, state, num_steps)
+        if state.source is not data:
+            state.source, state.context = data, ctx
+        if self.enable_runtime_checks:
+            replica.check_invariants()
 
     def step(self, batches: Sequence[Sequence[object]]) -> None:
         """Commits each request's newly completed blocks to the prefix cache.
 
-        `batches[r]` holds replica r's requests. A completed block whose
-        verified twin is already cached is swapped for that twin (dedup) and
-        its own block freed.
+        `batches[r]` holds replica r's requests (one batch per replica). A
+        completed block whose verified twin is already cached is swapped for
+        that twin (dedup) and its own block freed.
+
+        Raises:
+            TypeError, ValueError: A bad batch, by name (see `runtime_inputs`),
+                or a request whose context processed tokens it holds no pages
+                for. Checked for the whole batch before anything is committed.
         """
-        for replica_idx, batch in enumerate(batches):
-            replica = self._replica(replica_idx)
-            for data in batch:
-                ctx = cache_context(data)
-                self._claimed_on(ctx.request_id, replica_idx)
-                replica.commit(ctx)
+        validated = self._validated_batches(batches)
+        for replica, batch, entries in zip(self._replicas, batches, validated, strict=True):
+            for data, (ctx, state) in zip(batch, entries, strict=True):
+                if state.source is not data and not state.is_dummy:
+                    state.source, state.context = data, ctx
+            replica.commit(entries)
             self._check(replica)
 
     def release(self, request_id: Hashable, replica_idx: int = 0) -> None:
@@ -214,17 +354,42 @@ class PagedKVCacheManager:
     def reserve(self, replica_batches: Sequence[Sequence[object]]) -> Iterator[None]:
         """Claims and allocates `replica_batches[r]` on replica r for the scope, then releases them.
 
-        For throwaway flows such as warm-up: on any error, whatever was
-        claimed so far is released before the error propagates.
+        For throwaway flows such as warm-up. Everything is checked before the
+        first claim, so a refused reservation changes nothing: one batch per
+        replica, unclaimed requests, none twice, and enough free pages on each
+        replica for every request's tokens without counting prefix hits.
+
+        Raises:
+            TypeError, ValueError: A bad batch or request, by name.
+            InsufficientBlocksError: A replica has too few free pages.
         """
+        check_sequence("replica_batches", replica_batches)
+        if len(replica_batches) != len(self._replicas):
+            raise ValueError(f"expected one batch per replica ({len(self._replicas)}), got {len(replica_batches)}")
+        planned: list[tuple[object, Hashable, int]] = []
+        for replica, batch in zip(self._replicas, replica_batches, strict=True):
+            check_sequence(f"replica_batches[{replica.index}]", batch)
+            needed = 0
+            for data in batch:
+                ctx = cache_context(data)
+                request_id = ctx.request_id
+                check_request_id(request_id)
+                owner = self._replica_of.get(request_id)
+                if owner is not None:
+                    raise ValueError(f"request {request_id!r} is already claimed on replica {owner.index}")
+                needed += -(-ctx.current_length // self.page_size)
+                planned.append((data, request_id, replica.index))
+            if needed > replica.pool.num_free:
+                raise InsufficientBlocksError(
+                    f"reserve needs up to {needed} pages on replica {replica.index}, {replica.pool.num_free} are free"
+                )
+        check_unique("request", (request_id for _, request_id, _ in planned))
         claimed: list[tuple[Hashable, int]] = []
         try:
-            for replica_idx, batch in enumerate(replica_batches):
-                for data in batch:
-                    request_id = cache_context(data).request_id
-                    self.claim(request_id, replica_idx)
-                    claimed.append((request_id, replica_idx))
-                    self.alloc(data, replica_idx)
+            for data, request_id, replica_idx in planned:
+                self.claim(request_id, replica_idx)
+                claimed.append((request_id, replica_idx))
+                self.alloc(data, replica_idx)
             yield
         finally:
             for request_id, replica_idx in reversed(claimed):
@@ -251,44 +416,89 @@ class PagedKVCacheManager:
         `max_lengths` row (upper bounds the batch must not exceed).
 
         Raises:
-            ValueError: Wrong number of batches, a batch over `max_batch_size`,
-                or a request without pages for this step (call `alloc` first).
+            TypeError, ValueError: Checked for the whole call before anything is
+                built: not one batch per replica, a batch over
+                `max_batch_size`, a request unclaimed, on another replica, twice
+                in the batch or without pages for this step (call `alloc`
+                first), or a bad `num_steps` / `max_cache_length` /
+                `batch_characteristics`, each named.
         """
-        if len(batches) != len(self._replicas):
-            raise ValueError(f"expected one batch per replica ({len(self._replicas)}), got {len(batches)}")
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        per_leaf: dict[str, list[PagedCacheInputs]] = {name: [] for name in self.params.leaves()}
-        for replica, batch in zip(self._replicas, batches, strict=True):
-            n = len(batch)
-            if n > self.max_batch_size:
-                raise ValueError(
-                    f"replica {replica.index} batch has {n} requests, max_batch_size is {self.max_batch_size}"
-                )
-            per_request: list[int] = []
-            request_ids = []
-            for data in batch:
-                ctx = cache_context(data)
-                self._claimed_on(ctx.request_id, replica.index)
-                state = replica.requests[ctx.request_id]
-                per_request += (state.row, ctx.processed_length, ctx.current_length, state.num_blocks)
-                request_ids.append(ctx.request_id)
-            rows, processed, current, held = np.array(per_request, dtype=np.int64).reshape(n, 4).T
-            tables = batch_tables(
-                replica.table,
-                rows,
-                processed,
-                current,
-                held,
-                request_ids,
-                page_size=self.page_size,
-                num_steps=num_steps,
-                max_cache_length=max_cache_length,
-                batch_characteristics=batch_characteristics,
+        self._checked_batches(batches)
+        capacity = self.total_num_pages * self.page_size
+        if type(num_steps) is not int or not 1 <= num_steps <= capacity:
+            num_steps = check_int("num_steps", num_steps, minimum=1, maximum=capacity)
+        if max_cache_length is not None:
+            max_cache_length = check_int("max_cache_length", max_cache_length, minimum=1, maximum=capacity)
+        if batch_characteristics is not None and not isinstance(batch_characteristics, BatchCharacteristics):
+            raise TypeError(
+                f"batch_characteristics must be a BatchCharacteristics or None, got {batch_characteristics!r}"
             )
+        plans = [
+            self._plan_tables(replica, batch, num_steps, max_cache_length, batch_characteristics)
+            for replica, batch in zip(self._replicas, batches, strict=True)
+        ]
+        per_leaf: dict[str, list[PagedCacheInputs]] = {name: [] for name in self._leaf_names}
+        for replica, plan in zip(self._replicas, plans, strict=True):
+            tables = replica.staging.build(replica.table, *plan[:3], **plan[3])
             for name, buffer in replica.buffers.items():
                 per_leaf[name] += device_inputs(tables, buffer.values, replica.devices)
+            replica.wait_for_loads()  # blocks loaded from a tier hold their bytes before the graph runs
         return _as_tree(self.params, per_leaf)
+
+    def _plan_tables(
+        self,
+        replica: Replica,
+        batch: Sequence[object],
+        num_steps: int,
+        max_cache_length: int | None,
+        batch_characteristics: BatchCharacteristics | None,
+    ) -> tuple[list[int], list[int], list[int] | None, dict[str, int]]:
+        """One pass over a replica's batch: checks each request (claimed here,
+        not twice, pages for this step) while collecting its table row and
+        cache length and the batch's maxima. Returns `InputStaging.build`'s
+        arguments; nothing is written until every replica's batch passed."""
+        ps = self.page_size
+        extra = num_steps - 1  # tokens written by the steps after the first
+        round_up = extra + ps - 1
+        rows: list[int] = []
+        lengths: list[int] = []
+        needs: list[int] = []
+        held_more = False
+        max_new = max_context = 0
+        for ctx, state in self._live_batch(batch, replica):
+            processed = ctx.processed_length
+            current = ctx.current_length
+            need = (current + round_up) // ps
+            held = state.num_blocks
+            if held != need and not state.is_dummy:  # a dummy's row is null pages whatever its length
+                if held < need:
+                    raise ValueError(
+                        f"request {ctx.request_id!r} holds {held} pages but needs {need} for "
+                        f"{current + extra} tokens: call alloc first"
+                    )
+                held_more = True
+            rows.append(state.row)
+            lengths.append(processed)
+            needs.append(need)
+            if current > max_context:
+                max_context = current
+            if current - processed > max_new:
+                max_new = current - processed
+        width = (max_context + round_up) // ps if rows else 0
+        if max_cache_length is not None:
+            fixed = -(-max_cache_length // ps)
+            if fixed < width:
+                raise ValueError(
+                    f"max_cache_length={max_cache_length} gives {fixed} pages, but the batch needs {width}"
+                )
+            width = fixed
+        if batch_characteristics is not None:
+            bc = batch_characteristics
+            if len(rows) > bc.batch_size or max_new > bc.max_prompt_length or max_context > bc.max_cache_valid_length:
+                raise ValueError(f"batch (size {len(rows)}, {max_new} new tokens, context {max_context}) exceeds {bc}")
+            max_new, max_context = bc.max_prompt_length, bc.max_cache_valid_length
+        sizes = {"width": width, "max_new": max_new, "max_context": max_context, "num_steps": num_steps}
+        return rows, lengths, needs if held_more else None, sizes
 
     def runtime_inputs_for_leaf(
         self,
@@ -353,14 +563,19 @@ class PagedKVCacheManager:
         return 0 if host is None else host.num_used
 
     def get_num_disk_pages(self, replica_idx: int = 0) -> int:
-        """Disk-tier pages: mokv has no disk tier."""
-        self._replica(replica_idx)
-        return 0
+        """Pages the disk tier's budget holds (0 without a disk tier)."""
+        usage = self.get_tier_usage(replica_idx).get("disk")
+        return 0 if usage is None else usage.total_pages
 
     def get_num_used_disk_pages(self, replica_idx: int = 0) -> int:
-        """Used disk-tier pages: always 0."""
-        self._replica(replica_idx)
-        return 0
+        """Page files of the disk tier this process knows of (its own, those
+        found at start-up and those it hit)."""
+        usage = self.get_tier_usage(replica_idx).get("disk")
+        return 0 if usage is None else usage.used_pages
+
+    def get_tier_usage(self, replica_idx: int = 0) -> dict[str, TierUsage]:
+        """Occupancy of each lower tier of the replica, by tier name, in lookup order."""
+        return {c.name: c.usage() for c in self._replica(replica_idx).connectors}
 
     def num_free_blocks(self, replica_idx: int = 0) -> int:
         """Blocks no request holds (free or cached) on the replica."""
@@ -376,6 +591,7 @@ class PagedKVCacheManager:
         the pages its tokens need now, ignoring prefix hits; for admission control."""
         data = cache_context(ctx)
         replica = self._replica(replica_idx)
+        check_request_id(data.request_id)
         state = replica.requests.get(data.request_id)
         held = state.num_blocks if state is not None else 0
         needed = max(0, -(-data.current_length // self.page_size) - held)
@@ -388,16 +604,56 @@ class PagedKVCacheManager:
         """Metrics summed over replicas."""
         return sum((r.metrics for r in self._replicas), KVCacheMetrics())
 
+    def get_cache_tokens_by_salt(self) -> dict[str | None, int]:
+        """Tokens served from cache, summed over replicas, per cache salt (None: unsalted)."""
+        out: Counter[str | None] = Counter()
+        for replica in self._replicas:
+            out.update(replica.cache_tokens_by_salt)
+        return dict(out)
+
     def reset_metrics(self) -> None:
-        """Zeroes every replica's metrics."""
+        """Zeroes every replica's metrics and per-salt counts (the tiers'
+        counters in `get_tier_metrics` keep counting)."""
         for replica in self._replicas:
             replica.metrics = KVCacheMetrics()
+            replica.cache_tokens_by_salt.clear()
+
+    def get_tier_metrics(self) -> dict[str, TierMetrics]:
+        """Each lower tier's counters summed over replicas, by tier name."""
+        out: dict[str, TierMetrics] = {}
+        for replica in self._replicas:
+            for connector in replica.connectors:
+                out[connector.name] = out.get(connector.name, TierMetrics()) + connector.metrics
+        return out
 
     def reset_prefix_cache(self) -> None:
-        """Forgets every cached block no request holds, on the device and host tiers."""
+        """Forgets every cached block no request holds, and every lower tier's
+        pages (on a shared disk or remote tier, for every process using it)."""
         for replica in self._replicas:
             replica.reset_prefix_cache()
             self._check(replica)
+
+    # ---------------------------------------------------------------- lifetime
+
+    def flush(self) -> None:
+        """Returns once every block saved to a lower tier is stored there
+        (written to disk, sent to the remote store), so other processes see it."""
+        for replica in self._replicas:
+            for connector in replica.connectors:
+                connector.flush()
+
+    def shutdown(self) -> None:
+        """Finishes every tier's pending copies and writes and releases their
+        threads, files and connections. The device cache stays usable; the
+        disk and remote tiers do not."""
+        for replica in self._replicas:
+            replica.shutdown()
+
+    def __enter__(self) -> PagedKVCacheManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     # ------------------------------------------------------------------ checks
 
@@ -421,3 +677,43 @@ def _as_tree(
             }
         )
     return KVCacheInputs(per_leaf[path or SINGLE_CACHE])
+
+
+_BOOKKEEPING_BYTES_PER_SLOT = 96
+"""Python-side bytes per device or host page besides its tokens (list entries, ints)."""
+
+
+def _check_memory(
+    params: AnyKVCacheParams, total_num_pages: int, total_num_host_pages: int, max_batch_size: int
+) -> None:
+    """Refuses sizes whose memory would not fit, before anything is allocated.
+
+    Each size is checked alone first, so the message names the one at fault:
+    `total_num_pages` sizes every device's block tensors (and the host-side
+    index of each replica), `total_num_host_pages` the host tier, and
+    `max_batch_size` the largest runtime inputs (a lookup table row per
+    request, as wide as the pool, double-buffered) and the block table.
+    """
+    leaves = params.leaves().values()
+    page_bytes = sum(leaf.bytes_per_page for leaf in leaves)
+    replicas = params.devices_per_replica
+    index_bytes = params.page_size * 8 + _BOOKKEEPING_BYTES_PER_SLOT
+    cpu = CPU()
+    device_bytes: Counter[Device] = Counter()
+    for refs in replicas:
+        for ref in refs:
+            device_bytes[ref.to_device()] += (total_num_pages + 1) * page_bytes
+    host = {
+        f"total_num_pages={total_num_pages}": len(replicas) * total_num_pages * index_bytes,
+        f"total_num_host_pages={total_num_host_pages}": len(replicas)
+        * total_num_host_pages
+        * (page_bytes * params.tensor_parallel_degree + index_bytes),
+        f"max_batch_size={max_batch_size}": len(replicas) * max_batch_size * (2 * (total_num_pages + 2) + 64) * 4,
+    }
+    for device, nbytes in device_bytes.items():
+        check_fits(f"total_num_pages={total_num_pages} (block tensors)", nbytes, device)
+    for what, nbytes in host.items():
+        check_fits(what, nbytes, cpu)
+    device_bytes[cpu] += sum(host.values())
+    for device, nbytes in device_bytes.items():
+        check_fits(", ".join(host), nbytes, device)

@@ -3,20 +3,37 @@ cached pages are reused, committed and given back.
 
 A replica owns a block pool (block ids are the same in every cache of a
 `MultiKVCacheParams`), a block table (one null-padded row of page ids per
-request) and optionally a host tier. The manager routes each call here after
-validating it; nothing here knows about other replicas.
+request) and the connectors of its lower tiers (`mokv.connectors`: host
+memory, disk, remote store), which it talks to only through the
+`KVConnector` interface. The manager routes each call here after validating
+it; nothing here knows about other replicas.
 
 Prefix caching, in the life of one request:
 
 * `alloc` looks up the longest verified run of cached blocks continuing the
-  request's committed blocks (device first, then host tier), takes them, and
-  moves the context's window past their tokens; then it hands out fresh
-  blocks for the rest (restoring host hits into the first of them).
+  request's committed blocks: on the device first, then on each tier in
+  order, each continuing where the previous one stopped. It takes the device
+  hits, moves the context's window past all hits' tokens, and hands out fresh
+  blocks for the rest, loading the tiers' hits into the first of them.
 * `commit` (from the manager's `step`) offers each newly full block to the
   prefix cache; a block whose verified twin is already cached is swapped for
-  the twin (dedup) and freed.
+  the twin (dedup) and freed. Newly cached blocks are saved to the
+  write-through tiers (disk, remote); the host tier takes blocks as the pool
+  evicts them.
 * `release` frees the request's blocks tail first, so a shared prefix's head
   outlives its tails in the LRU free queue.
+
+Chains: on the device and host tiers a hit's parent is checked by `uid`
+(unique per committed block in this process); the disk and remote tiers are
+shared between processes, so they check a block's cryptographic chained key
+(`mokv.connectors.keys`), its parent's key and its tokens instead.
+
+Cache salt: a request's salt starts its chain at a root of its own on every
+tier: its first block's parent hash (`hashing.salted_root`), its first
+block's parent uid (a negative uid per salt, where unsalted requests have
+`NO_UID`) and its root key. Requests with different salts therefore never
+share a block, even when their hashes collide: the parent uid check (device,
+host) and the parent key check (disk, remote) tell them apart.
 """
 
 from __future__ import annotations
@@ -25,15 +42,18 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
 from max.driver import Device
 
 from ..buffer import KVCacheBuffer
+from ..connectors.base import BlockToSave, KVConnector, PrefixQuery, SavePoint
+from ..connectors.config import TierFactory
 from ..context import CacheContext
 from ..metrics import KVCacheMetrics
 from .block_pool import NO_UID, BlockPool
-from .hashing import BlockHasher
-from .host_tier import HostTier
-from .runtime_inputs import BlockTable
+from .hashing import BlockHasher, salted_root
+from .runtime_inputs import BlockTable, InputStaging
 
 
 class InsufficientBlocksError(RuntimeError):
@@ -56,6 +76,35 @@ class RequestState:
     chain_broken: bool = False
     """A block could not be committed, so later blocks have no verifiable parent."""
     is_dummy: bool = False
+    keys: list[bytes] = field(default_factory=list)
+    """Cross-process chained key of each hashed block (only when a tier needs them)."""
+    root_key: bytes = b""
+    """The key before the request's first block (it commits to the cache salt)."""
+    root_hash: int | None = None
+    """Parent hash of the request's first block: None (the hasher's root) unless salted."""
+    source: object = None
+    """The context object the caller last passed for the request (identity check)."""
+    context: CacheContext | None = None
+    """`source` adapted: the tokens a second context object must agree with."""
+
+
+@dataclass(eq=False, slots=True)
+class PrefixHits:
+    """What `alloc` found cached for a request's next blocks."""
+
+    device: list[int]
+    """Device blocks, in order."""
+    tiers: list[tuple[KVConnector, Sequence[object]]]
+    """Then each tier's hits, continuing the chain, in lookup order."""
+    tokens: npt.NDArray[np.int64]
+    """Tokens of every looked-up block, `[blocks, page_size]`."""
+
+    @property
+    def num_tier_hits(self) -> int:
+        return sum(len(hits) for _, hits in self.tiers)
+
+
+NO_HITS = PrefixHits([], [], np.zeros((0, 0), np.int64))
 
 
 class Replica:
@@ -64,7 +113,7 @@ class Replica:
     Args:
         index: The replica's index (for error messages).
         total_num_pages: Device pages for requests (the null page is extra).
-        total_num_host_pages: Host-tier pages; 0 disables the tier.
+        tiers: Builds the replica's connectors (`mokv.connectors.config`).
         page_size: Tokens per page.
         prefix_caching: Whether full blocks are committed and reused.
         max_batch_size: Initial rows of the block table.
@@ -77,7 +126,7 @@ class Replica:
         self,
         index: int,
         total_num_pages: int,
-        total_num_host_pages: int,
+        tiers: TierFactory,
         page_size: int,
         prefix_caching: bool,
         max_batch_size: int,
@@ -93,19 +142,45 @@ class Replica:
         self.buffers = buffers
         self.hasher = hasher
         self.metrics = KVCacheMetrics()
+        self.cache_tokens_by_salt: Counter[str | None] = Counter()
+        """Tokens served from cache (any tier), per cache salt."""
+        self._salt_uids: dict[str, int] = {}
         self.requests: dict[Hashable, RequestState] = {}
         self.pool = BlockPool(total_num_pages, page_size)
-        self.host: HostTier | None = None
-        if total_num_host_pages:
-            memory = [unit for buffer in buffers.values() for unit in buffer.to_memory()]
-            self.host = HostTier(total_num_host_pages, page_size, memory, self.pool.index)
+        memory = [unit for buffer in buffers.values() for unit in buffer.to_memory()]
+        built = tiers(memory, self.pool.index)
+        self.connectors = built.connectors
+        self.keyer = built.keyer
+        self.host = built.host
+        self._evict_tiers = [c for c in self.connectors if c.saves_on is SavePoint.EVICT]
+        self._commit_tiers = [c for c in self.connectors if c.saves_on is SavePoint.COMMIT]
+        if self._evict_tiers:
             self.pool.on_evict = self._offload
         self.table = BlockTable(null_page=total_num_pages, initial_rows=max_batch_size)
+        self.staging = InputStaging(null_page=total_num_pages)
+
+    # ------------------------------------------------------------ tier seam
 
     def _offload(self, block: int) -> None:
-        assert self.host is not None
-        if self.host.offload(block):
-            self.metrics.d2h_blocks_copied += 1
+        """The pool is about to hand out cached `block`: victim tiers copy it first."""
+        item = [BlockToSave(block)]
+        for connector in self._evict_tiers:
+            self.metrics.d2h_blocks_copied += connector.save(item)
+
+    def _save_through(self, items: list[BlockToSave], source: KVConnector | None = None) -> None:
+        """Newly cached blocks go to every write-through tier but the one they came from."""
+        for connector in self._commit_tiers:
+            if connector is not source:
+                self.metrics.d2h_blocks_copied += connector.save(items)
+
+    def _save_item(self, state: RequestState, i: int, block: int, tokens: npt.NDArray[np.int64]) -> BlockToSave:
+        parent_key = state.keys[i - 1] if i else state.root_key
+        return BlockToSave(block, state.keys[i], parent_key, tokens)
+
+    def wait_for_loads(self) -> None:
+        """Returns once every tier's loads into device blocks have landed."""
+        for connector in self.connectors:
+            connector.sync()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -122,43 +197,55 @@ class Replica:
         state = self.requests[request_id]
         return self.table.read(state.row, 0, state.num_blocks)
 
-    def alloc(self, ctx: CacheContext, num_steps: int) -> None:
+    def alloc(self, ctx: CacheContext, state: RequestState, num_steps: int) -> None:
         """Gives the request pages for its next `num_steps` steps (see the module
-        docstring); on `InsufficientBlocksError` nothing has changed."""
-        state = self.requests[ctx.request_id]
+        docstring).
+
+        On `InsufficientBlocksError` only one thing has changed, as in MAX's
+        manager: the cached device blocks the request matched count as used,
+        so the unheld ones move to the most-recently-used end of the free
+        queue (tail first, like a release), and a retry finds them again.
+        """
         ps = self.page_size
         seq_len = ctx.current_length + num_steps - 1
-        if seq_len > self.total_num_pages * ps:
-            raise InsufficientBlocksError(
-                f"request {ctx.request_id!r} needs {seq_len} tokens of KV but a replica holds "
-                f"only {self.total_num_pages * ps} ({self.total_num_pages} pages of {ps} tokens)"
-            )
         num_new = -(-seq_len // ps) - state.num_blocks
-        if self.prefix_caching and ctx.active_length > 1:
-            first_admission = ctx.processed_length == 0
-            device_hits, host_hits = self._find_prefix_hits(state, ctx)
-            hit_tokens = 0
-            if device_hits or num_new > 0:
-                new_blocks = max(0, num_new - len(device_hits))
-                hit_tokens = self._extend(state, ctx, new_blocks, device_hits, host_hits)
-            if first_admission:  # as MAX's manager records it
-                ctx.cached_prefix_length = hit_tokens
-        elif num_new > 0:
-            self._extend(state, ctx, num_new, [], [])
+        active = ctx.active_length
+        if active == 1 and (num_new <= 0 or (num_new == 1 and self.pool.num_free)):
+            # Decode: no prefix lookup (the last token is never served from
+            # cache), at most one new page and one to give.
+            if num_new == 1:
+                (block,) = self.pool.allocate(1)
+                self.table.set(state.row, state.num_blocks, block)
+                state.num_blocks += 1
+            self.metrics.input_tokens += 1
+            return
+        looks_up = self.prefix_caching and active > 1
+        first_admission = ctx.processed_length == 0
+        hits = self._find_prefix_hits(state, ctx) if looks_up else NO_HITS
+        hit_tokens = 0
+        try:
+            if seq_len > self.total_num_pages * ps:
+                raise InsufficientBlocksError(
+                    f"request {ctx.request_id!r} needs {seq_len} tokens of KV (current_length "
+                    f"{ctx.current_length}, num_steps={num_steps}) but a replica holds only "
+                    f"{self.total_num_pages * ps} ({self.total_num_pages} pages of {ps} tokens)"
+                )
+            if hits.device or num_new > 0:
+                new_blocks = max(0, num_new - len(hits.device))
+                hit_tokens = self._extend(state, ctx, new_blocks, hits)
+        except InsufficientBlocksError:
+            self.pool.refresh(reversed(hits.device))
+            raise
+        if looks_up and first_admission:  # as MAX's manager records it
+            ctx.cached_prefix_length = hit_tokens
         self.metrics.input_tokens += ctx.active_length
 
-    def _extend(
-        self,
-        state: RequestState,
-        ctx: CacheContext,
-        num_new: int,
-        device_hits: list[int],
-        host_hits: list[int],
-    ) -> int:
-        """Appends cached `device_hits`, then `num_new` fresh blocks (the first
-        `len(host_hits)` of them filled from the host tier), to the request.
-        Returns the tokens served from cache."""
+    def _extend(self, state: RequestState, ctx: CacheContext, num_new: int, hits: PrefixHits) -> int:
+        """Appends cached `hits.device`, then `num_new` fresh blocks (the first
+        of them loaded with the tiers' hits), to the request. Returns the
+        tokens served from cache."""
         pool = self.pool
+        device_hits = hits.device
         free_after_hits = pool.num_free - sum(1 for b in device_hits if pool.ref_count[b] == 0)
         if num_new > free_after_hits:
             in_use = self.total_num_pages - pool.num_free
@@ -169,19 +256,15 @@ class Replica:
             )
         for block in device_hits:
             pool.touch(block)
-        host = self.host
-        if host_hits:
-            assert host is not None
-            host.pin(host_hits)
+        for connector, tier_hits in hits.tiers:
+            connector.reserve(tier_hits)
         new_blocks = pool.allocate(num_new)
         last_uid = pool.index.uid[device_hits[-1]] if device_hits else state.last_uid
-        for page, block in zip(host_hits, new_blocks, strict=False):
-            assert host is not None
-            host.restore(page, block)
-            last_uid = pool.adopt(block, host.index, page)
+        if hits.tiers:
+            last_uid = self._load_tier_hits(state, ctx, hits, new_blocks, last_uid)
         self.table.write(state.row, state.num_blocks, device_hits + new_blocks)
         state.num_blocks += len(device_hits) + len(new_blocks)
-        num_hits = len(device_hits) + len(host_hits)
+        num_hits = len(device_hits) + hits.num_tier_hits
         if not num_hits:
             return 0
         state.num_committed += num_hits
@@ -189,20 +272,62 @@ class Replica:
         cached_tokens = num_hits * self.page_size
         ctx.skip_processing(cached_tokens)
         self.metrics.cache_tokens += cached_tokens
-        self.metrics.h2d_blocks_copied += len(host_hits)
+        self.cache_tokens_by_salt[ctx.cache_salt] += cached_tokens
         return cached_tokens
 
+    def _load_tier_hits(
+        self, state: RequestState, ctx: CacheContext, hits: PrefixHits, blocks: list[int], last_uid: int
+    ) -> int:
+        """Loads each tier's hits into the first fresh `blocks` and commits
+        them to the device prefix cache; returns the last one's uid."""
+        i = state.num_committed + len(hits.device)  # the request's index of the next block
+        row = len(hits.device)  # its row of hits.tokens
+        cursor = 0
+        for connector, tier_hits in hits.tiers:
+            targets = blocks[cursor : cursor + len(tier_hits)]
+            uids = connector.load(ctx.request_id, tier_hits, targets)
+            saves = []
+            for block, uid in zip(targets, uids, strict=True):
+                parent_hash = state.hashes[i - 1] if i else state.root_hash
+                tokens = hits.tokens[row]
+                last_uid = self.pool.commit(block, state.hashes[i], last_uid, parent_hash, tokens, uid=uid)
+                if self.keyer is not None:
+                    saves.append(self._save_item(state, i, block, tokens))
+                i += 1
+                row += 1
+            cursor += len(tier_hits)
+            if connector.saves_on is SavePoint.COMMIT and saves:
+                connector.sync()  # the loaded bytes are what the other tiers copy
+                self._save_through(saves, source=connector)
+        self.metrics.h2d_blocks_copied += cursor
+        return last_uid
+
     def _hash_new_blocks(self, state: RequestState, ctx: CacheContext) -> None:
-        """Extends `state.hashes` to every full block before the last token."""
+        """Extends `state.hashes` (and `state.keys`) to every full block before the last token."""
         ps = self.page_size
         done = len(state.hashes)
         hashable = (ctx.current_length - 1) // ps
         if hashable > done:
-            parent = state.hashes[-1] if done else None
-            state.hashes.extend(self.hasher.hash_blocks(ctx.tokens[done * ps : hashable * ps], parent))
+            if not done:
+                self._start_chain(state, ctx.cache_salt)
+            parent = state.hashes[-1] if done else state.root_hash
+            tokens = ctx.tokens[done * ps : hashable * ps]
+            state.hashes.extend(self.hasher.hash_blocks(tokens, parent))
+            if self.keyer is not None:
+                parent_key = state.keys[-1] if done else state.root_key
+                state.keys.extend(self.keyer.chain(tokens.reshape(-1, ps), parent_key))
 
-    def _find_prefix_hits(self, state: RequestState, ctx: CacheContext) -> tuple[list[int], list[int]]:
-        """Verified cached blocks continuing the request: (device blocks, host pages).
+    def _start_chain(self, state: RequestState, salt: str | None) -> None:
+        """Roots the request's chain on every tier in its cache salt (see the module docstring)."""
+        if salt is not None:
+            state.root_hash = salted_root(salt)
+            if state.num_committed == 0:
+                state.last_uid = self._salt_uids.setdefault(salt, -1 - len(self._salt_uids))
+        if self.keyer is not None:
+            state.root_key = self.keyer.root(salt)
+
+    def _find_prefix_hits(self, state: RequestState, ctx: CacheContext) -> PrefixHits:
+        """Verified cached blocks continuing the request: on the device, then on each tier.
 
         Only a request whose cached state ends exactly at its committed blocks
         (a new request, in practice) can take hits.
@@ -210,67 +335,153 @@ class Replica:
         ps = self.page_size
         start = state.num_committed
         if state.chain_broken or state.num_blocks != start or ctx.processed_length != start * ps:
-            return [], []
+            return NO_HITS
         self._hash_new_blocks(state, ctx)
         wanted = state.hashes[start:]
         if not wanted:
-            return [], []
+            return NO_HITS
         tokens = ctx.tokens[start * ps : (start + len(wanted)) * ps].reshape(len(wanted), ps)
         index = self.pool.index
         device_hits = index.match(wanted, state.last_uid, tokens)
-        host_hits: list[int] = []
+        hits = PrefixHits(device_hits, [], tokens)
         n = len(device_hits)
-        if self.host is not None and n < len(wanted):
-            parent_uid = index.uid[device_hits[-1]] if device_hits else state.last_uid
-            # A hash the device still maps (to a block that failed verification)
-            # cannot be committed again, so host hits stop there.
-            rest = wanted[n:]
-            clash = next((i for i, h in enumerate(rest) if index.get(h) is not None), len(rest))
-            host_hits = self.host.index.match(rest[:clash], parent_uid, tokens[n : n + clash])
-        return device_hits, host_hits
+        if not self.connectors or n == len(wanted):
+            return hits
+        # A hash the device still maps (to a block that failed verification)
+        # cannot be committed again, so tier hits stop there.
+        end = next((i for i in range(n, len(wanted)) if index.get(wanted[i]) is not None), len(wanted))
+        parent_uid: int | None = index.uid[device_hits[-1]] if device_hits else state.last_uid
+        for connector in self.connectors:
+            if n == end:
+                break
+            if connector.needs_keys:
+                first = start + n
+                parent_key = state.keys[first - 1] if first else state.root_key
+                keys = state.keys[first : start + end]
+            else:
+                parent_key, keys = b"", ()
+            query = PrefixQuery(ctx.request_id, wanted[n:end], tokens[n:end], parent_uid, keys, parent_key)
+            found = connector.lookup(query)
+            if found:
+                hits.tiers.append((connector, found))
+                n += len(found)
+                parent_uid = None  # the chain now continues through blocks not yet on the device
+        return hits
 
-    def commit(self, ctx: CacheContext) -> None:
-        """Offers the request's blocks up to `processed_length` to the prefix
-        cache, deduplicating against verified twins."""
-        state = self.requests[ctx.request_id]
-        ps = self.page_size
-        if (
-            not self.prefix_caching
-            or state.is_dummy
-            or state.chain_broken
-            or ctx.processed_length // ps <= state.num_committed
-        ):
+    def commit(self, entries: Sequence[tuple[CacheContext, RequestState]]) -> None:
+        """Offers each request's blocks up to its `processed_length` to the
+        prefix cache, deduplicating against verified twins.
+
+        A decode step completes at most one block per request, whose parent's
+        hash is known: those blocks are hashed together in one vectorized call.
+        Newly cached blocks go to the write-through tiers.
+        """
+        if not self.prefix_caching:
             return
+        ps = self.page_size
+        due = [
+            (ctx, state)
+            for ctx, state in entries
+            if ctx.processed_length // ps > state.num_committed and not state.is_dummy and not state.chain_broken
+        ]
+        if not due:
+            return
+        # A decode step's usual case: one newly full block, right after the
+        # committed ones, whose parent hash is known. Hashed in one call, and
+        # committed with one numpy store of their tokens when no twin is cached.
+        decode = [
+            (ctx, state)
+            for ctx, state in due
+            if self.keyer is None  # keyed tiers extend the keys with the hashes (`_commit_one`)
+            and state.hashes
+            and len(state.hashes) == state.num_committed
+            and (ctx.current_length - 1) // ps == state.num_committed + 1
+            and ctx.processed_length // ps == state.num_committed + 1
+            and state.num_blocks > state.num_committed
+        ]
+        if decode:
+            tokens = np.stack([ctx.tokens[st.num_committed * ps : (st.num_committed + 1) * ps] for ctx, st in decode])
+            hashes = self.hasher.rehash(tokens, [st.hashes[-1] for _, st in decode])
+            blocks = self.table.entries([st.row for _, st in decode], [st.num_committed for _, st in decode])
+            index = self.pool.index
+            fresh: list[int] = []
+            for j, ((_, state), block_hash, block) in enumerate(zip(decode, hashes, blocks, strict=True)):
+                state.hashes.append(block_hash)
+                if index.get(block_hash) is None:
+                    state.last_uid = self.pool.commit(block, block_hash, state.last_uid, state.hashes[-2], None)
+                    state.num_committed += 1
+                    fresh.append(j)
+            if fresh:
+                index.tokens[[blocks[j] for j in fresh]] = tokens[fresh]
+        for ctx, state in due:
+            if ctx.processed_length // ps > state.num_committed:  # not done above
+                self._commit_one(ctx, state)
+
+    def _commit_one(self, ctx: CacheContext, state: RequestState) -> None:
+        ps = self.page_size
         first = state.num_committed
         full = min(ctx.processed_length // ps, state.num_blocks)
         self._hash_new_blocks(state, ctx)
         pool = self.pool
         index = pool.index
         tokens = ctx.tokens[first * ps : full * ps].reshape(full - first, ps)
-        for j, block in enumerate(self.table.read(state.row, first, full)):
+        blocks = self.table.read(state.row, first, full)
+        saves: list[BlockToSave] = []
+        hashes = state.hashes[first:full]
+        # Nothing to deduplicate (no hash cached, none twice in the run): commit the run at once.
+        if index.has_none_of(hashes) and len(set(hashes)) == len(hashes):
+            parent_hash = state.hashes[first - 1] if first else state.root_hash
+            state.last_uid = pool.commit_run(blocks, hashes, state.last_uid, parent_hash, tokens)
+            state.num_committed = full
+            if self._commit_tiers:
+                self._save_through([self._save_item(state, first + j, b, tokens[j]) for j, b in enumerate(blocks)])
+            return
+        # Token rows of newly committed blocks are stored in one numpy call at
+        # the end (`stored`), unless a lookup needs one of them sooner.
+        committed: list[int] = []
+        rows: list[int] = []
+
+        def stored() -> None:
+            if committed:
+                index.tokens[committed] = tokens[rows]
+                committed.clear()
+                rows.clear()
+
+        for j, block in enumerate(blocks):
             i = first + j
             block_hash = state.hashes[i]
             cached = index.get(block_hash)
+            if cached is not None and cached in committed:
+                stored()  # a hash collision within the request: compare real tokens
             if cached is not None and index.holds(cached, state.last_uid, tokens[j]):
                 pool.touch(cached)
                 pool.free([block])
-                self.table.write(state.row, i, [cached])
+                self.table.set(state.row, i, cached)
                 uid = index.uid[cached]
             else:
                 if cached is not None:
                     if pool.ref_count[cached]:
                         state.chain_broken = True
-                        return
+                        break
                     # An unverifiable (orphaned or colliding) entry nobody holds.
                     pool.uncommit(cached)
-                parent_hash = state.hashes[i - 1] if i else None
-                uid = pool.commit(block, block_hash, state.last_uid, parent_hash, tokens[j])
+                parent_hash = state.hashes[i - 1] if i else state.root_hash
+                uid = pool.commit(block, block_hash, state.last_uid, parent_hash, None)
+                committed.append(block)
+                rows.append(j)
+                if self._commit_tiers:
+                    saves.append(self._save_item(state, i, block, tokens[j]))
             state.last_uid = uid
             state.num_committed = i + 1
+        stored()
+        if saves:
+            self._save_through(saves)
 
     def release(self, request_id: Hashable) -> None:
         """Returns a request's pages; cached ones stay reusable until evicted."""
         state = self.requests.pop(request_id)
+        for connector in self.connectors:
+            connector.request_complete(request_id)
         if not state.is_dummy:
             blocks = self.table.read(state.row, 0, state.num_blocks)
             if self.prefix_caching:
@@ -279,10 +490,15 @@ class Replica:
         self.table.drop_row(state.row, state.num_blocks)
 
     def reset_prefix_cache(self) -> None:
-        """Forgets every cached block no request holds, on the device and host tiers."""
+        """Forgets every cached block no request holds, and every tier's pages."""
         self.pool.reset_prefix_cache()
-        if self.host is not None:
-            self.host.reset()
+        for connector in self.connectors:
+            connector.reset()
+
+    def shutdown(self) -> None:
+        """Lets every tier finish its copies and release its threads, files and connections."""
+        for connector in self.connectors:
+            connector.shutdown()
 
     def check_invariants(self) -> None:
         """Asserts the pool, the requests' table rows and the host tier agree."""

@@ -9,12 +9,15 @@ the active tokens, later steps one token each). `device_inputs` pairs them
 with each shard's block tensor.
 
 The manager keeps every claimed request's page ids in a `BlockTable`, one
-null-padded row per request, so a batch's lookup table is one fancy-indexing
-gather (plus a mask when a request holds more pages than this step needs).
+null-padded row per request, and checks a batch in one pass over its requests
+that also finds the maxima; `InputStaging` then fills persistent host arrays:
+the lookup table is one `np.take` into them (plus a mask when a request holds
+more pages than this step needs), and their `Buffer` views are reused.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +25,9 @@ import numpy.typing as npt
 from max.driver import Buffer, Device
 
 from ..contract import PagedCacheInputs
+from ..validation import check_int
+
+_UINT32_MAX = (1 << 32) - 1
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,10 @@ class BatchCharacteristics:
     batch_size: int
     max_prompt_length: int
     max_cache_valid_length: int
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "max_prompt_length", "max_cache_valid_length"):
+            check_int(name, getattr(self, name), minimum=0, maximum=_UINT32_MAX)
 
 
 class BlockTable:
@@ -77,104 +87,143 @@ class BlockTable:
             self._resize(rows, max(stop, 2 * cols))
         self._table[row, start:stop] = pages
 
+    def set(self, row: int, col: int, page: int) -> None:
+        """Writes one page id at `row[col]` (a decode step's new page)."""
+        if col >= self._table.shape[1]:
+            self._resize(self._table.shape[0], 2 * self._table.shape[1])
+        self._table[row, col] = page
+
+    def entries(self, rows: list[int], cols: list[int]) -> list[int]:
+        """`table[rows[i], cols[i]]` for each i, as ints."""
+        return self._table[rows, cols].tolist()
+
     def read(self, row: int, start: int, stop: int) -> list[int]:
         """`row[start:stop]` as ints."""
         return self._table[row, start:stop].tolist()
 
     def gather(self, rows: npt.NDArray[np.int64], width: int) -> npt.NDArray[np.uint32]:
         """A copy of the first `width` entries of each of `rows`."""
+        out = np.empty((len(rows), width), np.uint32)
+        self.gather_into(rows, out)
+        return out
+
+    def gather_into(self, rows: list[int] | npt.NDArray[np.int64], out: npt.NDArray[np.uint32]) -> None:
+        """Copies the first `out.shape[1]` entries of each of `rows` into `out`."""
+        width = out.shape[1]
         if width > self._table.shape[1]:
             self._resize(self._table.shape[0], width)
-        return self._table[rows, :width]
+        np.take(self._table[:, :width], rows, axis=0, out=out)
 
 
 @dataclass(frozen=True)
 class BatchTables:
-    """One replica's per-batch tables, on the host."""
+    """One replica's per-batch tables, on the host, as `Buffer`s aliasing `InputStaging`'s arrays."""
 
-    cache_lengths: npt.NDArray[np.uint32]
-    lookup_table: npt.NDArray[np.uint32]
-    max_lengths: npt.NDArray[np.uint32]
+    cache_lengths: Buffer
+    lookup_table: Buffer
+    max_lengths: Buffer
 
 
-def batch_tables(
-    table: BlockTable,
-    rows: npt.NDArray[np.int64],
-    processed: npt.NDArray[np.int64],
-    current: npt.NDArray[np.int64],
-    held_pages: npt.NDArray[np.int64],
-    request_ids: list,
-    *,
-    page_size: int,
-    num_steps: int,
-    max_cache_length: int | None,
-    batch_characteristics: BatchCharacteristics | None,
-) -> BatchTables:
-    """Builds one replica's tables for a batch.
+_MAX_VIEWS = 64
+"""Buffer views one set keeps (shapes change as contexts grow; old ones are dropped)."""
 
-    Args:
-        table: The replica's block table.
-        rows, processed, current, held_pages: Per batch entry: table row,
-            `processed_length`, `current_length`, pages the request holds.
-        request_ids: Per batch entry, for error messages.
-        page_size: Tokens per page.
-        num_steps: Decode steps the graph runs on these inputs (>= 1).
-        max_cache_length: Sizes the lookup table to this many tokens.
-        batch_characteristics: Upper bounds reported in `max_lengths`.
 
-    Raises:
-        ValueError: A request holds fewer pages than this step writes to, or a
-            size argument is smaller than the batch needs.
+class _Arrays:
+    """One set of flat uint32 host arrays, grown (doubling) as batches need."""
+
+    def __init__(self) -> None:
+        self.lengths = np.zeros(0, np.uint32)
+        self.lookup = np.zeros(0, np.uint32)
+        self.max_lengths = np.zeros(0, np.uint32)
+        self.views: dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, Buffer]] = {}
+        """Views already made of these arrays, by (array, shape): numpy and `Buffer`."""
+
+    def view(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, Buffer]:
+        """A contiguous `shape` view of array `name` and a `Buffer` aliasing it."""
+        made = self.views.get((name, shape))
+        if made is not None:
+            return made
+        size = math.prod(shape)
+        flat = getattr(self, name)
+        if size > flat.size:
+            flat = np.zeros(max(size, 2 * flat.size), np.uint32)
+            setattr(self, name, flat)
+            self.views = {k: v for k, v in self.views.items() if k[0] != name}
+        if len(self.views) >= _MAX_VIEWS:
+            self.views.clear()
+        array = flat[:size].reshape(shape)
+        made = self.views[(name, shape)] = (array, Buffer.from_numpy(array))
+        return made
+
+
+class InputStaging:
+    """Where one replica's per-batch tables are built, reused from call to call.
+
+    Two sets of host arrays are used in turn, and each set keeps the `Buffer`
+    views it has handed out, so a steady decode loop allocates nothing: the
+    tables of one `runtime_inputs` call stay intact through the next call
+    (which writes the other set) and are overwritten by the call after that.
+    The contract (`mokv.contract`, "Lifetimes") promises callers less: run the
+    graph before the next call.
     """
-    extra = num_steps - 1  # tokens written by the steps after the first
-    needed = (current + (extra + page_size - 1)) // page_size
-    spare = held_pages - needed
-    if spare.min(initial=0) < 0:
-        i = int(np.flatnonzero(spare < 0)[0])
-        raise ValueError(
-            f"request {request_ids[i]!r} holds {int(held_pages[i])} pages but needs "
-            f"{int(needed[i])} for {int(current[i]) + extra} tokens: call alloc first"
-        )
-    batch = len(rows)
-    max_context = int(current.max(initial=0))
-    max_new = int((current - processed).max(initial=0))
-    width = (max_context + extra + page_size - 1) // page_size if batch else 0
-    if max_cache_length is not None:
-        fixed = -(-max_cache_length // page_size)
-        if fixed < width:
-            raise ValueError(
-                f"max_cache_length={max_cache_length} gives {fixed} pages, but the batch needs {width}"
-            )
-        width = fixed
-    lookup = table.gather(rows, width)
-    if spare.max(initial=0) > 0:  # rows are null past each request's pages already
-        lookup[np.arange(width) >= needed[:, None]] = table.null_page
 
-    if batch_characteristics is not None:
-        bc = batch_characteristics
-        if batch > bc.batch_size or max_new > bc.max_prompt_length or max_context > bc.max_cache_valid_length:
-            raise ValueError(f"batch (size {batch}, {max_new} new tokens, context {max_context}) exceeds {bc}")
-        max_new, max_context = bc.max_prompt_length, bc.max_cache_valid_length
-    later = 1 if batch else 0  # each later step runs one token per request
-    max_lengths = np.array(
-        [(max_new, max_context)] + [(later, max_context + i * later) for i in range(1, num_steps)],
-        dtype=np.uint32,
-    )
-    return BatchTables(processed.astype(np.uint32), lookup, max_lengths)
+    def __init__(self, null_page: int) -> None:
+        self.null_page = null_page
+        self._sets = (_Arrays(), _Arrays())
+        self._turn = 0
+
+    def build(
+        self,
+        table: BlockTable,
+        rows: list[int],
+        cache_lengths: list[int],
+        needed: list[int] | None,
+        *,
+        width: int,
+        max_new: int,
+        max_context: int,
+        num_steps: int,
+    ) -> BatchTables:
+        """Fills the next set's arrays for a batch checked by the caller.
+
+        Args:
+            table: The replica's block table.
+            rows: Per batch entry, its row of `table`.
+            cache_lengths: Per batch entry, its `processed_length`.
+            needed: Per batch entry, the pages this step reads, when some
+                entry holds more (the rest of its row is masked to the null
+                page); None when every entry holds exactly what it needs.
+            width: The lookup table's width in pages.
+            max_new, max_context: `max_lengths` row 0.
+            num_steps: Rows of `max_lengths` (later steps run one token each).
+        """
+        arrays = self._sets[self._turn]
+        self._turn ^= 1
+        batch = len(rows)
+        lengths, lengths_buffer = arrays.view("lengths", (batch,))
+        lengths[:] = cache_lengths
+        lookup, lookup_buffer = arrays.view("lookup", (batch, width))
+        table.gather_into(rows, lookup)
+        if needed is not None:
+            lookup[np.arange(width) >= np.asarray(needed)[:, None]] = self.null_page
+        max_lengths, max_lengths_buffer = arrays.view("max_lengths", (num_steps, 2))
+        max_lengths[0] = (max_new, max_context)
+        if num_steps > 1:
+            later = 1 if batch else 0  # each later step runs one token per request
+            max_lengths[1:, 0] = later
+            max_lengths[1:, 1] = max_context + later * np.arange(1, num_steps)
+        return BatchTables(lengths_buffer, lookup_buffer, max_lengths_buffer)
 
 
 def device_inputs(tables: BatchTables, blocks: list[Buffer], devices: list[Device]) -> list[PagedCacheInputs[Buffer]]:
     """One `PagedCacheInputs` per TP shard: its block tensor and the batch's
     tables (copied to the shard's device, `max_lengths` staying on the host)."""
-    cache_lengths = Buffer.from_numpy(tables.cache_lengths)
-    lookup_table = Buffer.from_numpy(tables.lookup_table)
-    max_lengths = Buffer.from_numpy(tables.max_lengths)
     return [
         PagedCacheInputs(
             blocks=shard_blocks,
-            cache_lengths=cache_lengths if device.is_host else cache_lengths.to(device),
-            lookup_table=lookup_table if device.is_host else lookup_table.to(device),
-            max_lengths=max_lengths,
+            cache_lengths=tables.cache_lengths if device.is_host else tables.cache_lengths.to(device),
+            lookup_table=tables.lookup_table if device.is_host else tables.lookup_table.to(device),
+            max_lengths=tables.max_lengths,
         )
         for shard_blocks, device in zip(blocks, devices, strict=True)
     ]
