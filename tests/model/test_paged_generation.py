@@ -96,3 +96,17 @@ def test_chunked_prefill_and_preemption_match_dense(paged_smollm2, prompts, refe
     )
     assert stats.preemptions > 0
     assert [r.generated for r in requests] == [reference(p) for p in prompts]
+
+
+def test_each_weight_format_keys_its_own_shared_kv(paged_models, tmp_path):
+    """Shared KV tiers are keyed by the model id: KV computed under one weight
+    format must never be served to another, so the formats' ids and the tiers'
+    layout fingerprints differ."""
+    config = GenerationConfig(disk_cache=str(tmp_path))
+    models = [paged_models(fmt) for fmt in WEIGHT_FORMATS]
+    assert len({m.model_id for m in models}) == len(WEIGHT_FORMATS)
+    for model in models:
+        with model.new_manager(config):
+            pass
+    layouts = [p for p in tmp_path.iterdir() if p.is_dir()]  # the disk tier's directory per layout fingerprint
+    assert len(layouts) == len(WEIGHT_FORMATS)
