@@ -31,9 +31,13 @@ def build_emulator() -> Path:
     out = cache_dir() / "mojo" / f"emulator-{digest.hexdigest()[:16]}" / "emulator"
     if out.exists():
         return out
-    staging = Path(tempfile.mkdtemp(prefix="emulator-", dir=out.parents[1] if out.parents[1].exists() else None))
+    out.parents[1].mkdir(parents=True, exist_ok=True)
+    # Built in a private folder renamed into place, so concurrent runs never
+    # see a half-written binary.
+    staging = Path(tempfile.mkdtemp(prefix="building-emulator-", dir=out.parents[1]))
+    command = [_mojo_binary(), "build", "-I", str(KERNEL_SOURCE_DIR.parent), str(EMULATOR_SOURCE)]
     result = subprocess.run(
-        [_mojo_binary(), "build", "-I", str(KERNEL_SOURCE_DIR.parent), str(EMULATOR_SOURCE), "-o", str(staging / out.name)],
+        [*command, "-o", str(staging / out.name)],
         capture_output=True,
         text=True,
         env=dict(os.environ),
@@ -42,7 +46,6 @@ def build_emulator() -> Path:
     if result.returncode != 0:
         shutil.rmtree(staging, ignore_errors=True)
         raise RuntimeError(f"building the GPU kernel emulator failed:\n{result.stderr}")
-    out.parent.parent.mkdir(parents=True, exist_ok=True)
     try:
         staging.rename(out.parent)
     except OSError:  # another process finished first

@@ -70,7 +70,7 @@ def emulate_gather(
     return np.frombuffer(raw, b.blocks.dtype).reshape(len(rows), *b.blocks.shape[4:])
 
 
-@pytest.mark.parametrize("layout,dtype,block_len", cpu_rows.CASES)
+@pytest.mark.parametrize(("layout", "dtype", "block_len"), cpu_rows.CASES)
 @pytest.mark.parametrize("seed", range(2))
 def test_store_then_gather_match_numpy(layout, dtype, block_len, seed, emulator):
     rng = np.random.default_rng(seed)
