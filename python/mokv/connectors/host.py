@@ -11,7 +11,7 @@ host, so evicting the block again costs no second copy.
 Copies go through MAX driver `Buffer` views of the raw pages (`to_memory()`),
 so they work for any dtype and device. Host pages beside an accelerator are
 the driver's staging memory for it (`host_pages`: page-locked where the
-backend offers it, so copies are DMA transfers), beside a CPU cache plain
+backend offers it, so copies can be DMA transfers), beside a CPU cache plain
 host memory. A `Buffer` copy is only enqueued when the call returns (on the
 CPU too), so every offload and restore waits for its copies: the evicted
 block is about to be overwritten, and the restored one read by the next graph.
