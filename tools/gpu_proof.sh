@@ -51,5 +51,5 @@ step build env MOJO="$SITE/bin/mojo" tools/check_gpu_build.sh "$ARCH" || status=
 step tests python3 -m pytest tests/gpu -q -rs -p no:cacheprovider || status=1
 bench=(--quick)
 [ "${1:-}" = "--full" ] && bench=()
-step bench python3 -m mokv_examples.cli bench attention --device gpu "${bench[@]}" --out "$OUT" || status=1
+step bench python3 -c "from mokv_examples.cli import main; main()" bench attention --device gpu "${bench[@]}" --out "$OUT" || status=1
 exit $status
