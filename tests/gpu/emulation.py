@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,25 +29,14 @@ def build_emulator() -> Path:
     out = cache_dir() / "mojo" / f"emulator-{digest.hexdigest()[:16]}" / "emulator"
     if out.exists():
         return out
-    out.parents[1].mkdir(parents=True, exist_ok=True)
-    # Built in a private folder renamed into place, so concurrent runs never
-    # see a half-written binary.
-    staging = Path(tempfile.mkdtemp(prefix="building-emulator-", dir=out.parents[1]))
-    command = [_mojo_binary(), "build", "-I", str(KERNEL_SOURCE_DIR.parent), str(EMULATOR_SOURCE)]
-    result = subprocess.run(
-        [*command, "-o", str(staging / out.name)],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ),
-        check=False,
-    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f"{out.name}.{os.getpid()}")
+    # os.environ: the environment this process started with (see mokv.kernels).
+    command = [_mojo_binary(), "build", "-I", str(KERNEL_SOURCE_DIR.parent), str(EMULATOR_SOURCE), "-o", str(partial)]
+    result = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ), check=False)
     if result.returncode != 0:
-        shutil.rmtree(staging, ignore_errors=True)
         raise RuntimeError(f"building the GPU kernel emulator failed:\n{result.stderr}")
-    try:
-        staging.rename(out.parent)
-    except OSError:  # another process finished first
-        shutil.rmtree(staging, ignore_errors=True)
+    os.replace(partial, out)  # atomic: a concurrent run never sees a half-written binary
     return out
 
 

@@ -21,6 +21,7 @@ from max.dtype import DType
 
 from mokv_reference import bfloat16
 from mokv_reference import cache as ref
+from tests.gpu.cases import mixed_case, window_case
 from tests.gpu.emulation import Emulator, build_emulator, cache_meta, float32_bits
 from tests.mojo import test_attention as cpu_attention
 from tests.mojo import test_store_gather as cpu_rows
@@ -160,14 +161,9 @@ def emulate_attention(
 @pytest.mark.parametrize("multiprocessors", [1, H100_MULTIPROCESSORS], ids=["unsplit", "split"])
 @pytest.mark.parametrize("case", cpu_attention.CASES, ids=cpu_attention._case_id)
 def test_mixed_batch_matches_numpy(case, multiprocessors, emulator):
-    layout, dtype, hq, hkv, d, block = case
-    rng = np.random.default_rng(hq * 1000 + d + block)
-    rows = [cpu_attention.MIXED_ROWS[i] for i in rng.permutation(len(cpu_attention.MIXED_ROWS))]
-    b = cpu_attention.make_batch(rng, layout, dtype, rows, hq, hkv, d, block)
-    layer = int(rng.integers(0, cpu_attention.NUM_LAYERS))
-    scale = 1 / math.sqrt(d) * float(rng.uniform(0.5, 2.0))
+    b, layer, scale = mixed_case(case)
     out = emulate_attention(emulator, b, layer, scale, multiprocessors=multiprocessors)
-    cpu_attention.assert_close(out, cpu_attention.expected(b, layer, scale), dtype)
+    cpu_attention.assert_close(out, cpu_attention.expected(b, layer, scale), b.dtype)
 
 
 @pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16], ids=lambda d: d.name)
@@ -196,9 +192,7 @@ def test_head_dim_256(emulator):
 @pytest.mark.parametrize("layout", ["paged", "continuous"])
 @pytest.mark.parametrize("window", [1, 5, 100])
 def test_sliding_window(layout, window, emulator):
-    rng = np.random.default_rng(window)
-    rows = [(0, 40), (300, 1), (150, 60), (3, 1), (64, 0)]
-    b = cpu_attention.make_batch(rng, layout, DType.float32, rows, 6, 3, 64, 16 if layout == "paged" else 512)
+    b = window_case(layout, window)
     out = emulate_attention(emulator, b, 1, 0.125, window, multiprocessors=H100_MULTIPROCESSORS)
     cpu_attention.assert_close(out, cpu_attention.expected(b, 1, 0.125, window), DType.float32)
 

@@ -18,6 +18,7 @@ from mokv_reference import cache as ref
 from mokv_reference.max_attention import MaxAttentionShape, MaxPagedAttention
 from tests.attention_graph import build_attention_graph
 from tests.compile_once import compiled_per_key
+from tests.gpu.cases import mixed_case, window_case
 from tests.gpu.conftest import needs_gpu
 from tests.mojo import test_attention as cpu_attention
 from tests.mojo import test_store_gather as cpu_rows
@@ -106,22 +107,15 @@ def run_on_gpu(model, b: cpu_attention.Batch, gpu: Device, layer: int, scale: fl
 
 @pytest.mark.parametrize("case", cpu_attention.CASES, ids=cpu_attention._case_id)
 def test_mixed_batch_matches_numpy(case, gpu_attention, gpu: Device):
-    layout, dtype, hq, hkv, d, block = case
-    rng = np.random.default_rng(hq * 1000 + d + block)
-    rows = [cpu_attention.MIXED_ROWS[i] for i in rng.permutation(len(cpu_attention.MIXED_ROWS))]
-    b = cpu_attention.make_batch(rng, layout, dtype, rows, hq, hkv, d, block)
-    layer = int(rng.integers(0, cpu_attention.NUM_LAYERS))
-    scale = 1 / math.sqrt(d) * float(rng.uniform(0.5, 2.0))
-    out = run_on_gpu(gpu_attention(layout, dtype), b, gpu, layer, scale)
-    cpu_attention.assert_close(out, cpu_attention.expected(b, layer, scale), dtype)
+    b, layer, scale = mixed_case(case)
+    out = run_on_gpu(gpu_attention(b.layout, b.dtype), b, gpu, layer, scale)
+    cpu_attention.assert_close(out, cpu_attention.expected(b, layer, scale), b.dtype)
 
 
 @pytest.mark.parametrize("layout", ["paged", "continuous"])
 @pytest.mark.parametrize("window", [1, 5, 100])
 def test_sliding_window(layout, window, gpu_attention, gpu: Device):
-    rng = np.random.default_rng(window)
-    rows = [(0, 40), (300, 1), (150, 60), (3, 1), (64, 0)]
-    b = cpu_attention.make_batch(rng, layout, DType.float32, rows, 6, 3, 64, 16 if layout == "paged" else 512)
+    b = window_case(layout, window)
     out = run_on_gpu(gpu_attention(layout, DType.float32), b, gpu, 1, 0.125, window)
     cpu_attention.assert_close(out, cpu_attention.expected(b, 1, 0.125, window), DType.float32)
 
