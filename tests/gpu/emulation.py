@@ -18,21 +18,23 @@ from pathlib import Path
 
 import numpy as np
 
-from mokv.kernels import KERNEL_SOURCE_DIR, _mojo_binary, _source_digest, cache_dir
+from mokv.kernels import _source_digest, kernel_source_dir, mojo_compiler
+from mokv.paths import precompiled_kernels_dir
 
 EMULATOR_SOURCE = Path(__file__).with_name("emulator.mojo")
 
 
 def build_emulator() -> Path:
     """The emulator binary for the current kernel sources, built if missing."""
-    digest = hashlib.sha256((_source_digest(KERNEL_SOURCE_DIR) + EMULATOR_SOURCE.read_text()).encode())
-    out = cache_dir() / "mojo" / f"emulator-{digest.hexdigest()[:16]}" / "emulator"
+    sources = kernel_source_dir()
+    digest = hashlib.sha256((_source_digest(sources) + EMULATOR_SOURCE.read_text()).encode())
+    out = precompiled_kernels_dir() / f"emulator-{digest.hexdigest()[:16]}" / "emulator"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f"{out.name}.{os.getpid()}")
     # os.environ: the environment this process started with (see mokv.kernels).
-    command = [_mojo_binary(), "build", "-I", str(KERNEL_SOURCE_DIR.parent), str(EMULATOR_SOURCE), "-o", str(partial)]
+    command = [mojo_compiler(), "build", "-I", str(sources.parent), str(EMULATOR_SOURCE), "-o", str(partial)]
     result = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ), check=False)
     if result.returncode != 0:
         raise RuntimeError(f"building the GPU kernel emulator failed:\n{result.stderr}")
