@@ -21,7 +21,9 @@ from mokv_kernels.gpu.rows import gather_gpu, store_kv_gpu
 from mokv_kernels.gpu.views import InputView, MutableView, OutputView, row_major
 
 
-def _ptr[dtype: DType](ctx: DeviceContext, count: Int) raises -> Pointer[Scalar[dtype], MutUntrackedOrigin]:
+def _ptr[
+    dtype: DType
+](ctx: DeviceContext, count: Int) raises -> Pointer[Scalar[dtype], MutUntrackedOrigin]:
     var buffer = ctx.enqueue_create_buffer[dtype](count)
     var ptr = buffer.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     _ = buffer^
@@ -35,19 +37,29 @@ def _ops[collection_t: KVCollectionT](ctx: DeviceContext, collection: collection
     var keys = InputView[dtype, 3](_ptr[dtype](ctx, 1), rows, row_major(rows))
     var q = InputView[dtype, 3](_ptr[dtype](ctx, 1), rows, row_major(rows))
     var out = OutputView[dtype, 3](_ptr[dtype](ctx, 1), rows, row_major(rows))
-    var index = InputView[DType.uint32, 1](_ptr[DType.uint32](ctx, 1), IndexList[1](n), IndexList[1](1))
-    var offsets = InputView[DType.uint32, 1](_ptr[DType.uint32](ctx, 1), IndexList[1](n + 1), IndexList[1](1))
+    var index = InputView[DType.uint32, 1](
+        _ptr[DType.uint32](ctx, 1), IndexList[1](n), IndexList[1](1)
+    )
+    var offsets = InputView[DType.uint32, 1](
+        _ptr[DType.uint32](ctx, 1), IndexList[1](n + 1), IndexList[1](1)
+    )
     var layer = UInt32(n - 1)
     store_kv_gpu(launcher, collection, layer, keys, keys, offsets)
     gather_gpu(launcher, collection, out, layer, layer, index, index)
-    attention_gpu(launcher, collection, out, q, offsets, layer, Float32(n), layer, BatchBounds(n, n))
+    attention_gpu(
+        launcher, collection, out, q, offsets, layer, Float32(n), layer, BatchBounds(n, n)
+    )
 
 
 def _both_layouts[dtype: DType](ctx: DeviceContext, n: Int) raises:
     var shape = IndexList[6](n, 2, n, n, n, n)
     var blocks = MutableView[dtype, 6](_ptr[dtype](ctx, 1), shape, row_major(shape))
-    var lengths = InputView[DType.uint32, 1](_ptr[DType.uint32](ctx, 1), IndexList[1](n), IndexList[1](1))
-    var table = InputView[DType.uint32, 2](_ptr[DType.uint32](ctx, 1), IndexList[2](n, n), IndexList[2](n, 1))
+    var lengths = InputView[DType.uint32, 1](
+        _ptr[DType.uint32](ctx, 1), IndexList[1](n), IndexList[1](1)
+    )
+    var table = InputView[DType.uint32, 2](
+        _ptr[DType.uint32](ctx, 1), IndexList[2](n, n), IndexList[2](n, 1)
+    )
     _ops(ctx, paged_collection(blocks, lengths, table), n)
     _ops(ctx, continuous_collection(blocks, lengths, lengths), n)
 

@@ -55,15 +55,21 @@ struct Call:
 
 
 def _ptr[dtype: DType](mut bytes: List[UInt8]) -> Pointer[Scalar[dtype], MutUntrackedOrigin]:
-    return bytes.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[Scalar[dtype]]()
+    return (
+        bytes.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[Scalar[dtype]]()
+    )
 
 
 def _vector(call: Call, mut bytes: List[UInt8], name: String) raises -> InputView[DType.uint32, 1]:
     bytes = call.read(name)
-    return InputView[DType.uint32, 1](_ptr[DType.uint32](bytes), IndexList[1](len(bytes) // 4), IndexList[1](1))
+    return InputView[DType.uint32, 1](
+        _ptr[DType.uint32](bytes), IndexList[1](len(bytes) // 4), IndexList[1](1)
+    )
 
 
-def _run_op[collection_t: KVCollectionT](call: Call, collection: collection_t, mut blocks: List[UInt8]) raises:
+def _run_op[
+    collection_t: KVCollectionT
+](call: Call, collection: collection_t, mut blocks: List[UInt8]) raises:
     comptime dtype = collection_t.CacheType.dtype
     var op = call.text("op")
     var emulator = Emulator(call.int("multiprocessors"))
@@ -78,7 +84,9 @@ def _run_op[collection_t: KVCollectionT](call: Call, collection: collection_t, m
         var values_bytes = call.read("values")
         var keys = InputView[dtype, 3](_ptr[dtype](keys_bytes), rows, row_major(rows))
         var values = InputView[dtype, 3](_ptr[dtype](values_bytes), rows, row_major(rows))
-        store_kv_gpu(emulator, collection, layer, keys, values, _vector(call, offsets_bytes, "row_offsets"))
+        store_kv_gpu(
+            emulator, collection, layer, keys, values, _vector(call, offsets_bytes, "row_offsets")
+        )
         call.write("blocks_out", blocks)
         _ = keys_bytes^
         _ = values_bytes^
@@ -90,7 +98,9 @@ def _run_op[collection_t: KVCollectionT](call: Call, collection: collection_t, m
         var shape = IndexList[3](batch_rows.dim_size(0), heads, head_dim)
         var out = List[UInt8](length=shape.flattened_length() * size_of[Scalar[dtype]](), fill=0xFF)
         var dest = OutputView[dtype, 3](_ptr[dtype](out), shape, row_major(shape))
-        gather_gpu(emulator, collection, dest, layer, UInt32(call.int("kv_idx")), batch_rows, positions)
+        gather_gpu(
+            emulator, collection, dest, layer, UInt32(call.int("kv_idx")), batch_rows, positions
+        )
         call.write("out", out)
         _ = rows_bytes^
         _ = positions_bytes^
@@ -103,7 +113,17 @@ def _run_op[collection_t: KVCollectionT](call: Call, collection: collection_t, m
         var scale = bitcast[DType.float32](UInt32(call.int("scale_bits")))
         var bounds = BatchBounds(call.int("max_new_tokens"), call.int("max_context"))
         var offsets = _vector(call, offsets_bytes, "row_offsets")
-        attention_gpu(emulator, collection, output, q, offsets, layer, scale, UInt32(call.int("window")), bounds)
+        attention_gpu(
+            emulator,
+            collection,
+            output,
+            q,
+            offsets,
+            layer,
+            scale,
+            UInt32(call.int("window")),
+            bounds,
+        )
         call.write("out", out)
         _ = q_bytes^
     else:
@@ -113,7 +133,11 @@ def _run_op[collection_t: KVCollectionT](call: Call, collection: collection_t, m
 
 def _run[dtype: DType](call: Call) raises:
     var shape = IndexList[6](
-        call.int("num_blocks"), 2, call.int("num_layers"), call.int("block_len"), call.int("n_kv_heads"),
+        call.int("num_blocks"),
+        2,
+        call.int("num_layers"),
+        call.int("block_len"),
+        call.int("n_kv_heads"),
         call.int("head_dim"),
     )
     var blocks_bytes = call.read("blocks")
@@ -125,7 +149,9 @@ def _run[dtype: DType](call: Call) raises:
     var batch = lengths.dim_size(0)
     if call.text("layout") == "paged":
         var width = len(table_bytes) // 4 // max(batch, 1)
-        var lookup = InputView[DType.uint32, 2](table, IndexList[2](batch, width), IndexList[2](width, 1))
+        var lookup = InputView[DType.uint32, 2](
+            table, IndexList[2](batch, width), IndexList[2](width, 1)
+        )
         _run_op(call, paged_collection(blocks, lengths, lookup), blocks_bytes)
     else:
         var lookup = InputView[DType.uint32, 1](table, IndexList[1](batch), IndexList[1](1))

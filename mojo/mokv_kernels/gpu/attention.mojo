@@ -109,7 +109,12 @@ struct AttentionPlan(TrivialRegisterPassable):
 
 
 def plan_attention(
-    batch: Int, n_kv_heads: Int, group: Int, prefill_rows: Int, bounds: BatchBounds, multiprocessors: Int
+    batch: Int,
+    n_kv_heads: Int,
+    group: Int,
+    prefill_rows: Int,
+    bounds: BatchBounds,
+    multiprocessors: Int,
 ) -> AttentionPlan:
     """Picks the tile shape, then splits the context until the grid covers
     `BLOCKS_PER_MULTIPROCESSOR` blocks per multiprocessor (no split shorter
@@ -176,7 +181,9 @@ struct BlockWork(TrivialRegisterPassable):
         return self.num_tokens <= 0
 
 
-def block_work[cache_t: KVCacheT](args: AttentionArgs[cache_t], block: BlockId, tile_tokens: Int) -> BlockWork:
+def block_work[
+    cache_t: KVCacheT
+](args: AttentionArgs[cache_t], block: BlockId, tile_tokens: Int) -> BlockWork:
     """Block (x = query tile * splits + split, y = KV head, z = batch row)'s
     rows and its split's share of their context, aligned to `tile_tokens`."""
     var row = block.z
@@ -193,7 +200,16 @@ def block_work[cache_t: KVCacheT](args: AttentionArgs[cache_t], block: BlockId, 
     var hi = first_position + count
     var chunk = ceildiv(ceildiv(hi - lo, args.splits), tile_tokens) * tile_tokens
     var kv_start = min(hi, lo + split * chunk)
-    return BlockWork(row, block.y, split, start + first, count, first_position, kv_start, min(hi, kv_start + chunk))
+    return BlockWork(
+        row,
+        block.y,
+        split,
+        start + first,
+        count,
+        first_position,
+        kv_start,
+        min(hi, kv_start + chunk),
+    )
 
 
 struct SharedTiles[D: Int, BM: Int, BN: Int, LPR: Int](TrivialRegisterPassable):
@@ -251,9 +267,13 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
     var smem: Self.Tiles
     var acc: Array[Float32, Self.RPW * Self.CPL]
 
-    def __init__(out self, args: AttentionArgs[Self.cache_t], work: BlockWork, tid: Int, shared: F32Ptr):
+    def __init__(
+        out self, args: AttentionArgs[Self.cache_t], work: BlockWork, tid: Int, shared: F32Ptr
+    ):
         comptime assert Self.D % WARP == 0, "head_dim must be a multiple of 32"
-        comptime assert BLOCK_THREADS % Self.KG == 0 and Self.BM % Self.RG == 0 and Self.SR >= 1, "score layout"
+        comptime assert (
+            BLOCK_THREADS % Self.KG == 0 and Self.BM % Self.RG == 0 and Self.SR >= 1
+        ), "score layout"
         comptime assert BLOCK_THREADS % Self.BM == 0 and Self.BN % Self.LPR == 0, "softmax layout"
         comptime assert Self.BM % WARPS == 0, "value layout"
         comptime assert (Self.BN * Self.D // Self.VEC) % BLOCK_THREADS == 0, "tile load layout"
@@ -301,7 +321,9 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
             if r < rows:
                 var token = self.work.first_token + r // self.args.group
                 var index = (token * self.args.n_q_heads + self.head(r)) * Self.D + d
-                value = self.args.q[unsafe_offset=index].cast[DType.float32]() * self.args.scale_log2
+                value = (
+                    self.args.q[unsafe_offset=index].cast[DType.float32]() * self.args.scale_log2
+                )
             self.smem.at(Self.Tiles.Q, r * Self.Tiles.STRIDE + d)[] = value
         if self.tid < Self.BM:
             self.smem.at(Self.Tiles.MAX, self.tid)[] = NEG_INF
@@ -320,8 +342,12 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
             var pos = kv_start + unit // per_row
             var d = (unit % per_row) * Self.VEC + head_offset
             if pos < self.work.kv_end and row_in_cache(self.args.k_cache, self.work.row, pos):
-                keys[n] = self.args.k_cache.row_ptr(self.work.row, pos).unsafe_load[width=Self.VEC, alignment=16](d)
-                values[n] = self.args.v_cache.row_ptr(self.work.row, pos).unsafe_load[width=Self.VEC, alignment=16](d)
+                keys[n] = self.args.k_cache.row_ptr(self.work.row, pos).unsafe_load[
+                    width=Self.VEC, alignment=16
+                ](d)
+                values[n] = self.args.v_cache.row_ptr(self.work.row, pos).unsafe_load[
+                    width=Self.VEC, alignment=16
+                ](d)
         comptime for n in range(Self.UNITS):
             var unit = self.tid + n * BLOCK_THREADS
             var j = unit // per_row
@@ -343,7 +369,9 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
             comptime for k in range(Self.SR):
                 var q = q_base[unsafe_offset=k * Self.RG * Self.Tiles.STRIDE + d]
                 comptime for i in range(Self.SK):
-                    scores[k * Self.SK + i] += q * k_base[unsafe_offset=i * Self.KG * Self.Tiles.STRIDE + d]
+                    scores[k * Self.SK + i] += (
+                        q * k_base[unsafe_offset=i * Self.KG * Self.Tiles.STRIDE + d]
+                    )
         var rows = self.rows()
         comptime for k in range(Self.SR):
             var r = rg + k * Self.RG
@@ -352,8 +380,12 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
             comptime for i in range(Self.SK):
                 var j = kg + i * Self.KG
                 var key = kv_start + j
-                var visible = r < rows and key < self.work.kv_end and key <= position and key >= first_visible
-                self.smem.at(Self.Tiles.P, r * Self.BN + j)[] = scores[k * Self.SK + i] if visible else NEG_INF
+                var visible = (
+                    r < rows and key < self.work.kv_end and key <= position and key >= first_visible
+                )
+                self.smem.at(Self.Tiles.P, r * Self.BN + j)[] = scores[
+                    k * Self.SK + i
+                ] if visible else NEG_INF
 
     def partial_maxima(self):
         var r = self.tid // Self.LPR
@@ -387,7 +419,9 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
         self.smem.at(Self.Tiles.PART_SUM, r * Self.LPR + u)[] = total
         if u == 0:
             var old_max = self.smem.at(Self.Tiles.MAX, r)[]
-            self.smem.at(Self.Tiles.ALPHA, r)[] = 1 if new_max == NEG_INF else exp2(old_max - new_max)
+            self.smem.at(Self.Tiles.ALPHA, r)[] = 1 if new_max == NEG_INF else exp2(
+                old_max - new_max
+            )
 
     def accumulate(mut self):
         """Rescales the thread's outputs and adds this tile's weighted
@@ -427,9 +461,13 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
                 var total = self.smem.at(Self.Tiles.SUM, r)[]
                 if self.args.splits == 1:
                     var inv: Float32 = 1 / total if total > 0 else 0
-                    var out = self.args.out.unsafe_offset((token * self.args.n_q_heads + head) * Self.D + lane)
+                    var out = self.args.out.unsafe_offset(
+                        (token * self.args.n_q_heads + head) * Self.D + lane
+                    )
                     comptime for i in range(Self.CPL):
-                        out[unsafe_offset=i * WARP] = (self.acc[k * Self.CPL + i] * inv).cast[Self.dtype]()
+                        out[unsafe_offset=i * WARP] = (self.acc[k * Self.CPL + i] * inv).cast[
+                            Self.dtype
+                        ]()
                 else:
                     var state = self.args.partials.unsafe_offset(
                         self.args.state_offset(self.work.split, token, head, Self.D)
@@ -453,7 +491,9 @@ struct AttentionKernel[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Ker
 
     def grid(self) -> BlockId:
         return BlockId(
-            self.query_tiles * self.args.splits, self.args.k_cache.num_heads(), self.args.k_cache.batch_size()
+            self.query_tiles * self.args.splits,
+            self.args.k_cache.num_heads(),
+            self.args.k_cache.batch_size(),
         )
 
     def shared_floats(self) -> Int:
@@ -502,7 +542,9 @@ struct MergeThread[dtype: DType, D: Int](ThreadProgram):
         self.tid = tid
 
     def state(self, split: Int) -> F32Ptr:
-        var offset = ((split * self.args.total_tokens + self.token) * self.args.n_q_heads + self.head) * (Self.D + 2)
+        var offset = (
+            (split * self.args.total_tokens + self.token) * self.args.n_q_heads + self.head
+        ) * (Self.D + 2)
         return self.args.partials.unsafe_offset(offset)
 
     def step(mut self, phase: Int, arg: Int):
@@ -515,7 +557,9 @@ struct MergeThread[dtype: DType, D: Int](ThreadProgram):
             if state[unsafe_offset=Self.D] != NEG_INF:
                 total += state[unsafe_offset=Self.D + 1] * exp2(state[unsafe_offset=Self.D] - best)
         var inv: Float32 = 1 / total if total > 0 else 0
-        var out = self.args.out.unsafe_offset((self.token * self.args.n_q_heads + self.head) * Self.D)
+        var out = self.args.out.unsafe_offset(
+            (self.token * self.args.n_q_heads + self.head) * Self.D
+        )
         for d in range(self.tid, Self.D, Self.THREADS):
             var value: Float32 = 0
             for s in range(self.args.splits):
@@ -562,12 +606,17 @@ def _prefill_rows(head_dim: Int) -> Int:
     return 32 if head_dim > 128 else 64
 
 
-def _run[cache_t: KVCacheT, D: Int, L: Launcher](
-    mut launcher: L, var args: AttentionArgs[cache_t], bounds: BatchBounds
-) raises:
+def _run[
+    cache_t: KVCacheT, D: Int, L: Launcher
+](mut launcher: L, var args: AttentionArgs[cache_t], bounds: BatchBounds) raises:
     var batch = args.k_cache.batch_size()
     var plan = plan_attention(
-        batch, args.k_cache.num_heads(), args.group, _prefill_rows(D), bounds, launcher.multiprocessors()
+        batch,
+        args.k_cache.num_heads(),
+        args.group,
+        _prefill_rows(D),
+        bounds,
+        launcher.multiprocessors(),
     )
     args.tokens_per_tile = plan.tokens_per_tile
     args.splits = plan.splits
@@ -581,12 +630,16 @@ def _run[cache_t: KVCacheT, D: Int, L: Launcher](
     if plan.splits > 1:
         launcher.launch(
             MergeKernel[cache_t.dtype, D](
-                MergeArgs[cache_t.dtype](args.partials, args.out, args.total_tokens, args.n_q_heads, plan.splits)
+                MergeArgs[cache_t.dtype](
+                    args.partials, args.out, args.total_tokens, args.n_q_heads, plan.splits
+                )
             )
         )
 
 
-def attention_gpu[collection_t: KVCollectionT, L: Launcher](
+def attention_gpu[
+    collection_t: KVCollectionT, L: Launcher
+](
     mut launcher: L,
     collection: collection_t,
     output: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
@@ -614,8 +667,8 @@ def attention_gpu[collection_t: KVCollectionT, L: Launcher](
         raise Error(t"q has {n_q} heads, not a positive multiple of the cache's {n_kv} KV heads")
     if output.dim_size(0) != tokens or output.dim_size(1) != n_q or output.dim_size(2) != d:
         raise Error(
-            t"the output has shape [{output.dim_size(0)}, {output.dim_size(1)}, {output.dim_size(2)}],"
-            t" expected q's [{tokens}, {n_q}, {d}]"
+            t"the output has shape [{output.dim_size(0)}, {output.dim_size(1)},"
+            t" {output.dim_size(2)}], expected q's [{tokens}, {n_q}, {d}]"
         )
     if row_offsets.dim_size(0) != batch + 1:
         raise Error(
@@ -624,7 +677,9 @@ def attention_gpu[collection_t: KVCollectionT, L: Launcher](
         )
     var group = n_q // n_kv
     if group > _prefill_rows(d):
-        raise Error(t"{group} query heads per KV head: the GPU kernel takes at most {_prefill_rows(d)}")
+        raise Error(
+            t"{group} query heads per KV head: the GPU kernel takes at most {_prefill_rows(d)}"
+        )
     if tokens == 0 or batch == 0:
         return
     var args = AttentionArgs[cache_t](

@@ -173,7 +173,11 @@ struct GpuLauncher(Launcher):
 
     def scratch(mut self, floats: Int) raises -> F32Ptr:
         self.buffers.append(self.ctx.enqueue_create_buffer[DType.float32](max(floats, 1)))
-        return self.buffers[len(self.buffers) - 1].unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        return (
+            self.buffers[len(self.buffers) - 1]
+            .unsafe_ptr()
+            .unsafe_origin_cast[MutUntrackedOrigin]()
+        )
 
     def multiprocessors(self) -> Int:
         try:
@@ -233,7 +237,11 @@ struct Emulator(Launcher):
 
     def scratch(mut self, floats: Int) raises -> F32Ptr:
         self.scratch_buffers.append(List[Float32](length=max(floats, 1), fill=nan[DType.float32]()))
-        return self.scratch_buffers[len(self.scratch_buffers) - 1].unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        return (
+            self.scratch_buffers[len(self.scratch_buffers) - 1]
+            .unsafe_ptr()
+            .unsafe_origin_cast[MutUntrackedOrigin]()
+        )
 
     def multiprocessors(self) -> Int:
         return self.num_multiprocessors

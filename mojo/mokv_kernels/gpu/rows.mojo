@@ -57,9 +57,9 @@ def vector_width[dtype: DType](row_elems: Int, *addresses: Int) -> Int:
     return full
 
 
-def _copy_row[dtype: DType, width: Int](
-    dest: CachePtr[dtype], src: CachePtr[dtype], elems: Int, tid: Int
-):
+def _copy_row[
+    dtype: DType, width: Int
+](dest: CachePtr[dtype], src: CachePtr[dtype], elems: Int, tid: Int):
     comptime align = width * size_of[Scalar[dtype]]()
     for i in range(tid * width, elems, ROW_THREADS * width):
         dest.unsafe_store[alignment=align](i, src.unsafe_load[width=width, alignment=align](i))
@@ -122,8 +122,12 @@ struct StoreKernel[cache_t: KVCacheT, width: Int](KernelT, RowKernelBody):
             return
         var elems = self.k_cache.num_heads() * self.k_cache.head_dim()
         var src = token * elems
-        _copy_row[width=Self.width](self.k_cache.row_ptr(bs, pos), self.keys.unsafe_offset(src), elems, tid)
-        _copy_row[width=Self.width](self.v_cache.row_ptr(bs, pos), self.values.unsafe_offset(src), elems, tid)
+        _copy_row[width=Self.width](
+            self.k_cache.row_ptr(bs, pos), self.keys.unsafe_offset(src), elems, tid
+        )
+        _copy_row[width=Self.width](
+            self.v_cache.row_ptr(bs, pos), self.values.unsafe_offset(src), elems, tid
+        )
 
 
 @fieldwise_init
@@ -172,7 +176,9 @@ def _untracked[dtype: DType](t: InputTensor[dtype=dtype, ...]) -> CachePtr[dtype
     return t.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
 
 
-def store_kv_gpu[collection_t: KVCollectionT, L: Launcher](
+def store_kv_gpu[
+    collection_t: KVCollectionT, L: Launcher
+](
     mut launcher: L,
     collection: collection_t,
     layer_idx: UInt32,
@@ -207,12 +213,20 @@ def store_kv_gpu[collection_t: KVCollectionT, L: Launcher](
     var width = vector_width[dtype](elems, _address(k_src), _address(v_src))
     comptime full = 16 // size_of[Scalar[dtype]]()
     if width == full:
-        launcher.launch(StoreKernel[collection_t.CacheType, full](k_cache, v_cache, k_src, v_src, offsets, tokens))
+        launcher.launch(
+            StoreKernel[collection_t.CacheType, full](
+                k_cache, v_cache, k_src, v_src, offsets, tokens
+            )
+        )
     else:
-        launcher.launch(StoreKernel[collection_t.CacheType, 1](k_cache, v_cache, k_src, v_src, offsets, tokens))
+        launcher.launch(
+            StoreKernel[collection_t.CacheType, 1](k_cache, v_cache, k_src, v_src, offsets, tokens)
+        )
 
 
-def gather_rows_gpu[cache_t: KVCacheT, L: Launcher](
+def gather_rows_gpu[
+    cache_t: KVCacheT, L: Launcher
+](
     mut launcher: L,
     cache: cache_t,
     dest: OutputTensor[dtype=cache_t.dtype, rank=3, ...],
@@ -244,7 +258,9 @@ def gather_rows_gpu[cache_t: KVCacheT, L: Launcher](
         launcher.launch(GatherKernel[cache_t, 1](cache, dst, rows, pos, n))
 
 
-def gather_gpu[collection_t: KVCollectionT, L: Launcher](
+def gather_gpu[
+    collection_t: KVCollectionT, L: Launcher
+](
     mut launcher: L,
     collection: collection_t,
     dest: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],

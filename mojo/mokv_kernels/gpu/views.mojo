@@ -13,11 +13,15 @@ comptime _spec[dtype: DType, rank: Int] = StaticTensorSpec[
     dtype, rank, static_layout=_IndexListToTileLayout[_unknown[rank], _unknown[rank]]
 ](align_of[dtype](), AddressSpace.GENERIC)
 
-comptime InputView[dtype: DType, rank: Int] = ManagedTensorSlice[io_spec=IOSpec.Input, static_spec=_spec[dtype, rank]]
+comptime InputView[dtype: DType, rank: Int] = ManagedTensorSlice[
+    io_spec=IOSpec.Input, static_spec=_spec[dtype, rank]
+]
 comptime MutableView[dtype: DType, rank: Int] = ManagedTensorSlice[
     io_spec=IOSpec.MutableInput, static_spec=_spec[dtype, rank]
 ]
-comptime OutputView[dtype: DType, rank: Int] = ManagedTensorSlice[io_spec=IOSpec.Output, static_spec=_spec[dtype, rank]]
+comptime OutputView[dtype: DType, rank: Int] = ManagedTensorSlice[
+    io_spec=IOSpec.Output, static_spec=_spec[dtype, rank]
+]
 
 
 def row_major[rank: Int](shape: IndexList[rank]) -> IndexList[rank]:
