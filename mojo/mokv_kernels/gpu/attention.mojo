@@ -359,20 +359,23 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
                 self.smem.at(Self.Tiles.V, j * Self.D + d + e)[] = v[e]
 
     def score_tile(self, kv_start: Int):
-        """Scores of the thread's rows and keys, -inf where masked."""
+        """Scores of the thread's rows and keys, -inf where masked. A thread
+        whose rows are all past `rows()` (most of a decode block's, for small
+        GQA groups) skips the products."""
         var kg = self.tid % Self.KG
         var rg = self.tid // Self.KG
+        var rows = self.rows()
         var scores = Array[Float32, Self.SR * Self.SK](fill=0)
         var q_base = self.smem.at(Self.Tiles.Q, rg * Self.Tiles.STRIDE)
         var k_base = self.smem.at(Self.Tiles.K, kg * Self.Tiles.STRIDE)
-        for d in range(Self.D):
-            comptime for k in range(Self.SR):
-                var q = q_base[unsafe_offset=k * Self.RG * Self.Tiles.STRIDE + d]
-                comptime for i in range(Self.SK):
-                    scores[k * Self.SK + i] += (
-                        q * k_base[unsafe_offset=i * Self.KG * Self.Tiles.STRIDE + d]
-                    )
-        var rows = self.rows()
+        if rg < rows:
+            for d in range(Self.D):
+                comptime for k in range(Self.SR):
+                    var q = q_base[unsafe_offset=k * Self.RG * Self.Tiles.STRIDE + d]
+                    comptime for i in range(Self.SK):
+                        scores[k * Self.SK + i] += (
+                            q * k_base[unsafe_offset=i * Self.KG * Self.Tiles.STRIDE + d]
+                        )
         comptime for k in range(Self.SR):
             var r = rg + k * Self.RG
             var position = self.position(r)
@@ -425,9 +428,12 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
 
     def accumulate(mut self):
         """Rescales the thread's outputs and adds this tile's weighted
-        values; thread r < BM also updates row r's running max and sum."""
+        values (for the warp's rows that exist: the branch is the same in
+        the whole warp); thread r < BM also updates row r's running max and
+        sum."""
         var warp = self.tid // WARP
         var lane = self.tid % WARP
+        var rows = self.rows()
         comptime for k in range(Self.RPW):
             var alpha = self.smem.at(Self.Tiles.ALPHA, warp + k * WARPS)[]
             comptime for i in range(Self.CPL):
@@ -436,9 +442,12 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
         var v_base = self.smem.at(Self.Tiles.V, lane)
         for j in range(Self.BN):
             comptime for k in range(Self.RPW):
-                var p = p_base[unsafe_offset=k * WARPS * Self.BN + j]
-                comptime for i in range(Self.CPL):
-                    self.acc[k * Self.CPL + i] += p * v_base[unsafe_offset=j * Self.D + i * WARP]
+                if warp + k * WARPS < rows:
+                    var p = p_base[unsafe_offset=k * WARPS * Self.BN + j]
+                    comptime for i in range(Self.CPL):
+                        self.acc[k * Self.CPL + i] += (
+                            p * v_base[unsafe_offset=j * Self.D + i * WARP]
+                        )
         if self.tid < Self.BM:
             var r = self.tid
             var total = self.smem.at(Self.Tiles.SUM, r)[] * self.smem.at(Self.Tiles.ALPHA, r)[]
