@@ -10,7 +10,7 @@ export MOKV_CACHE_DIR := $(CURDIR)/.cache
 export MODULAR_CACHE_DIR := $(MOKV_CACHE_DIR)/modular
 WHEELS := $(MOKV_CACHE_DIR)/wheels
 
-.PHONY: setup model wheels demo test bench build constraints clean
+.PHONY: setup model wheels demo test lint bench build constraints clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,12 @@ demo: model
 
 test: model wheels
 	$(BIN)/python -m pytest -q
+
+# What CI checks before the tests: Python lint and formatting, Mojo formatting.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	tools/check_mojo_format.sh
 
 bench: model
 	$(BIN)/mokv bench manager --quick

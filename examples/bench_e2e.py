@@ -25,7 +25,10 @@ def workload(model: SmolLM2, n: int) -> list:
     after one warm-up prompt (index 0) with the same system prompt."""
     return [
         model.tokenizer.encode_chat(
-            [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (#{i})"}]
+            [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (#{i})"},
+            ]
         )
         for i in range(n + 1)
     ]
@@ -57,8 +60,13 @@ def plot(rows: list[dict], path: Path) -> None:
 @click.option("--quick", is_flag=True, help="Batches 1, 4 and 16 with fewer new tokens.")
 @out_dir_option("e2e")
 @click.option("--page-size", default=16, show_default=True)
-@click.option("--batch", "batch_sizes", type=click.IntRange(min=1), multiple=True,
-              help="Only these batch sizes (repeatable); `mokv bench manager` reads 32 and 64.")
+@click.option(
+    "--batch",
+    "batch_sizes",
+    type=click.IntRange(min=1),
+    multiple=True,
+    help="Only these batch sizes (repeatable); `mokv bench manager` reads 32 and 64.",
+)
 @tier_options
 def e2e(quick: bool, out_dir: Path, page_size: int, batch_sizes: tuple[int, ...], **tiers: object) -> None:
     """Throughput at batch 1, 4, 16, 32, 64 with and without prefix caching."""
@@ -70,9 +78,14 @@ def e2e(quick: bool, out_dir: Path, page_size: int, batch_sizes: tuple[int, ...]
         warm_up, *prompts = workload(model, batch)
         for prefix in (True, False):
             config = GenerationConfig(
-                max_new_tokens=max_new_tokens, page_size=page_size, num_pages=1024,
-                enable_prefix_caching=prefix, max_batch_size=batch, token_budget=2048,
-                host_pages=tiers["host_cache_pages"], disk_cache=tiers["disk_cache"],
+                max_new_tokens=max_new_tokens,
+                page_size=page_size,
+                num_pages=1024,
+                enable_prefix_caching=prefix,
+                max_batch_size=batch,
+                token_budget=2048,
+                host_pages=tiers["host_cache_pages"],
+                disk_cache=tiers["disk_cache"],
                 remote_cache=tiers["remote_cache"],
             )
             _, _, manager = generate(model, [warm_up], config)
@@ -95,11 +108,15 @@ def e2e(quick: bool, out_dir: Path, page_size: int, batch_sizes: tuple[int, ...]
             }
             rows.append(row)
             click.echo(
-                f"{row['case']:>18}: prefill {row['prefill_tokens']:5d} tok at {row['prefill_tokens_per_s']:7.0f} tok/s, "
+                f"{row['case']:>18}: prefill {row['prefill_tokens']:5d} tok"
+                f" at {row['prefill_tokens_per_s']:7.0f} tok/s, "
                 f"decode {row['decode_tokens_per_s']:6.1f} tok/s, hit rate {row['prefix_hit_rate']:.0%}, {wall:.1f} s",
                 err=True,
             )
-    header = "| case | prompt tokens | prefilled | prefill tok/s | decode tok/s | hit rate | wall s |\n|---|---|---|---|---|---|---|\n"
+    header = (
+        "| case | prompt tokens | prefilled | prefill tok/s | decode tok/s | hit rate | wall s |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
     lines = [
         f"| {r['case']} | {r['prompt_tokens']} | {r['prefill_tokens']} | {r['prefill_tokens_per_s']:.0f} | "
         f"{r['decode_tokens_per_s']:.1f} | {r['prefix_hit_rate']:.0%} | {r['wall_seconds']:.1f} |"

@@ -104,16 +104,18 @@ def to_markdown(rows: list[dict[str, Any]], label: str) -> str:
         "| case | this checkout ms | against ms | speedup | KV GB/s | max abs diff |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['case']} | {r['mokv_s'] * 1e3:.3f} | {r['against_s'] * 1e3:.3f} | {r['speedup']:.3f}x"
-            f" | {r['kv_gbps']:.1f} | {r['max_abs_diff']:.1e} |"
-        )
+    lines.extend(
+        f"| {r['case']} | {r['mokv_s'] * 1e3:.3f} | {r['against_s'] * 1e3:.3f} | {r['speedup']:.3f}x"
+        f" | {r['kv_gbps']:.1f} | {r['max_abs_diff']:.1e} |"
+        for r in rows
+    )
     return "\n".join(lines) + "\n"
 
 
 @click.command("kernels")
-@click.option("--against", "revision", required=True, help="Git revision whose kernels to compare with, e.g. HEAD or main~3.")
+@click.option(
+    "--against", "revision", required=True, help="Git revision whose kernels to compare with, e.g. HEAD or main~3."
+)
 @click.option("--quick", is_flag=True, help="The attention benchmark's quick subset.")
 @click.option("--only", default="", help="Only cases whose name contains each of these comma-separated parts.")
 @click.option("--seconds", default=3.0, show_default=True, help="Timing budget per case.")
@@ -133,5 +135,7 @@ def kernels(revision: str, quick: bool, only: str, seconds: float, out_dir: Path
         click.echo(f"{case.name} ...", err=True)
         row = compare_case(case, ours, theirs, revision, seconds)
         rows.append(row)
-        click.echo(f"  {row['mokv_s'] * 1e3:.3f} ms against {row['against_s'] * 1e3:.3f} ms: {row['speedup']:.3f}x", err=True)
+        click.echo(
+            f"  {row['mokv_s'] * 1e3:.3f} ms against {row['against_s'] * 1e3:.3f} ms: {row['speedup']:.3f}x", err=True
+        )
     write_results(out_dir, "kernels", rows, to_markdown(rows, revision))

@@ -196,18 +196,13 @@ def trace(
         backend.alloc(ctx)
 
     for b in range(case.num_batches):
-        batch = [
-            backend.new_context(f"req-{b}-{i}", prompts[b * case.batch_size + i])
-            for i in range(case.batch_size)
-        ]
+        batch = [backend.new_context(f"req-{b}-{i}", prompts[b * case.batch_size + i]) for i in range(case.batch_size)]
         timed_each("admit", admit, batch)
         for it in range(case.decode_steps + 1):
             if it:
                 timed_each("alloc", backend.alloc, batch)
             timed("runtime_inputs", backend.runtime_inputs, batch)
-            for token, ctx in zip(
-                rng.integers(0, _VOCAB, size=len(batch)).tolist(), batch, strict=True
-            ):
+            for token, ctx in zip(rng.integers(0, _VOCAB, size=len(batch)).tolist(), batch, strict=True):
                 ctx.update(token)
             timed("step", backend.step, batch)
         timed_each("release", backend.release, batch)
@@ -242,9 +237,7 @@ def run_case(case: Case, clock_name: str = "cpu") -> list[dict[str, Any]]:
     for op in OPS:
         mokv_us, max_us = (timings[k].per_call_us(op) for k in ("mokv", "max"))
         rows.append(_row(case, op, mokv_us, max_us, calls=timings["mokv"].calls[op]))
-    mokv_req, max_req = (
-        sum(timings[k].total_ns.values()) / num_requests / 1e3 for k in ("mokv", "max")
-    )
+    mokv_req, max_req = (sum(timings[k].total_ns.values()) / num_requests / 1e3 for k in ("mokv", "max"))
     rows.append(
         _row(
             case,
@@ -390,11 +383,22 @@ def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
 
 @click.command("manager")
 @click.option("--quick", is_flag=True, help="Fewer batches per case (well under five minutes).")
-@click.option("--clock", "clock_name", type=click.Choice(sorted(CLOCKS)), default="cpu", show_default=True,
-              help="cpu: this thread's CPU time (steadier on a shared machine); wall: elapsed time.")
-@click.option("--e2e", "e2e_json", type=click.Path(dir_okay=False, path_type=Path),
-              default=Path("bench-results/e2e.json"), show_default=True,
-              help="A `mokv bench e2e` result to read SmolLM2's step time from.")
+@click.option(
+    "--clock",
+    "clock_name",
+    type=click.Choice(sorted(CLOCKS)),
+    default="cpu",
+    show_default=True,
+    help="cpu: this thread's CPU time (steadier on a shared machine); wall: elapsed time.",
+)
+@click.option(
+    "--e2e",
+    "e2e_json",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("bench-results/e2e.json"),
+    show_default=True,
+    help="A `mokv bench e2e` result to read SmolLM2's step time from.",
+)
 @out_dir_option("manager")
 def manager(quick: bool, clock_name: str, e2e_json: Path, out_dir: Path) -> None:
     """mokv's PagedKVCacheManager vs MAX 26.7's on the same request trace."""

@@ -59,7 +59,11 @@ def run_soak(config: SoakConfig, progress: bool = True) -> dict[str, Any]:
     """Serves `config.requests` requests; returns the measurements."""
     rng = np.random.default_rng(0)
     params = KVCacheParams(
-        DType.float32, n_kv_heads=1, head_dim=8, num_layers=1, page_size=config.page_size,
+        DType.float32,
+        n_kv_heads=1,
+        head_dim=8,
+        num_layers=1,
+        page_size=config.page_size,
         enable_prefix_caching=True,
     )
     manager = PagedKVCacheManager(
@@ -191,8 +195,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 @click.command("soak")
 @click.option("--requests", type=click.IntRange(min=1), default=100_000, show_default=True)
-@click.option("--max-growth-mib", type=click.FloatRange(min=0), default=16.0, show_default=True,
-              help="Most resident memory growth allowed after warm-up.")
+@click.option(
+    "--max-growth-mib",
+    type=click.FloatRange(min=0),
+    default=16.0,
+    show_default=True,
+    help="Most resident memory growth allowed after warm-up.",
+)
 @out_dir_option("soak")
 def soak(requests: int, max_growth_mib: float, out_dir: Path) -> None:
     """Many requests through the paged manager (prefix caching + host tier): bounded memory, no leaked page."""

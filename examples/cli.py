@@ -10,8 +10,8 @@ from mokv_examples.bench_attention import attention as bench_attention
 from mokv_examples.bench_e2e import e2e as bench_e2e
 from mokv_examples.bench_kernels import kernels as bench_kernels
 from mokv_examples.bench_manager import manager as bench_manager
-from mokv_examples.bench_tiers import tiers as bench_tiers
 from mokv_examples.bench_soak import soak as bench_soak
+from mokv_examples.bench_tiers import tiers as bench_tiers
 from mokv_examples.chat import chat
 from mokv_examples.generate import generate
 from mokv_examples.inspect_cache import inspect_cache
@@ -25,7 +25,11 @@ def _print_report(ctx: click.Context, _param: click.Parameter, value: bool) -> N
 
 @click.group()
 @click.option(
-    "--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_report,
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_report,
     help="Versions of mokv, MAX and Mojo, and where the kernels and caches are.",
 )
 def main() -> None:

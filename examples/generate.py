@@ -30,7 +30,9 @@ def generation_options(command):
             click.option("--num-pages", default=512, show_default=True, help="Pages in the KV cache."),
             click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True),
             click.option("--max-batch-size", default=16, show_default=True, help="Most requests per step."),
-            click.option("--token-budget", default=512, show_default=True, help="Most tokens per step (chunked prefill)."),
+            click.option(
+                "--token-budget", default=512, show_default=True, help="Most tokens per step (chunked prefill)."
+            ),
             click.option("--cache-salt", help="Share cached KV only with requests of this salt (a tenant id)."),
         ]
     ):
@@ -91,7 +93,12 @@ class TokenStream:
 @click.argument("prompts", nargs=-1)
 @generation_options
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap prompts in the model's chat template.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write prompts, token ids, texts and statistics here.")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write prompts, token ids, texts and statistics here.",
+)
 def generate(prompts: tuple[str, ...], chat: bool, json_path: Path | None, **options) -> None:
     """Complete PROMPTS (default: three demo prompts) with SmolLM2-135M."""
     prompts = prompts or DEFAULT_PROMPTS

@@ -48,7 +48,7 @@ class PageSnapshot:
     def sharing(self) -> dict[int, int]:
         """Page id -> number of requests holding it."""
         ids, counts = np.unique(np.concatenate([np.asarray(b, int) for b in self.blocks]), return_counts=True)
-        return dict(zip(ids.tolist(), counts.tolist()))
+        return dict(zip(ids.tolist(), counts.tolist(), strict=True))
 
 
 def draw(snapshot: PageSnapshot, path: Path) -> None:
@@ -66,8 +66,9 @@ def draw(snapshot: PageSnapshot, path: Path) -> None:
     for row, blocks in enumerate(snapshot.blocks):
         for b in blocks:
             grid[row, column[b]] = 2 if sharing[b] > 1 else 1
-    fig, (ax_grid, ax_bars) = plt.subplots(1, 2, figsize=(13, 0.5 * len(snapshot.request_ids) + 2.5),
-                                           gridspec_kw={"width_ratios": [3, 1]})
+    fig, (ax_grid, ax_bars) = plt.subplots(
+        1, 2, figsize=(13, 0.5 * len(snapshot.request_ids) + 2.5), gridspec_kw={"width_ratios": [3, 1]}
+    )
     cmap = matplotlib.colors.ListedColormap(["#f4f4f4", "#7fa7d6", "#e4572e"])
     ax_grid.imshow(grid, aspect="auto", cmap=cmap, vmin=0, vmax=2, interpolation="nearest")
     ax_grid.set_yticks(range(len(snapshot.request_ids)), snapshot.request_ids)
@@ -76,7 +77,7 @@ def draw(snapshot: PageSnapshot, path: Path) -> None:
     ax_grid.set_xlabel("page id (held pages only)")
     ax_grid.set_title(f"pages held at step {snapshot.step}: blue private, red shared via prefix cache")
     shared = [sum(sharing[b] > 1 for b in blocks) for blocks in snapshot.blocks]
-    private = [len(blocks) - s for blocks, s in zip(snapshot.blocks, shared)]
+    private = [len(blocks) - s for blocks, s in zip(snapshot.blocks, shared, strict=True)]
     y = np.arange(len(snapshot.request_ids))
     ax_bars.barh(y, shared, color="#e4572e", label="shared")
     ax_bars.barh(y, private, left=shared, color="#7fa7d6", label="private")
@@ -127,12 +128,19 @@ def tier_lines(manager: PagedKVCacheManager) -> list[str]:
 
 
 @click.command("inspect")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-results/cache.png"), show_default=True)
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-results/cache.png"), show_default=True
+)
 @click.option("--page-size", default=16, show_default=True)
 @click.option("--max-new-tokens", default=24, show_default=True)
 @tier_options
 def inspect_cache(
-    out: Path, page_size: int, max_new_tokens: int, host_cache_pages: int, disk_cache: str | None, remote_cache: str | None
+    out: Path,
+    page_size: int,
+    max_new_tokens: int,
+    host_cache_pages: int,
+    disk_cache: str | None,
+    remote_cache: str | None,
 ) -> None:
     """Run a shared-system-prompt workload, draw the cache at its fullest, and
     show each tier's occupancy."""

@@ -234,6 +234,6 @@ def run_prompts(
             text=model.tokenizer.decode(r.generated, skip_special_tokens=True),
             preemptions=r.preemptions,
         )
-        for p, r in zip(prompts, requests)
+        for p, r in zip(prompts, requests, strict=True)
     ]
     return GenerationReport(completions, stats, metrics.cache_hit_rate, wall)

@@ -199,7 +199,7 @@ class Scheduler:
         cache_inputs = self.manager.runtime_inputs_for_leaf([contexts])
         processed = np.array([c.processed_length for c in contexts], np.int64)
         row_offsets = np.concatenate([[0], np.cumsum(chunks)]).astype(np.uint32)
-        tokens = np.concatenate([c.next_tokens[:n] for c, n in zip(contexts, chunks)])
+        tokens = np.concatenate([c.next_tokens[:n] for c, n in zip(contexts, chunks, strict=True)])
         rows = np.repeat(np.arange(len(batch)), chunks)
         positions = processed[rows] + np.arange(len(tokens)) - row_offsets[rows].astype(np.int64)
 
@@ -210,9 +210,7 @@ class Scheduler:
         return self._advance(batch, chunks, logits)
 
     def _budget_left(self, requests: list[Request]) -> int:
-        return self.token_budget - sum(
-            r.context.active_length for r in requests if r.context is not None
-        )
+        return self.token_budget - sum(r.context.active_length for r in requests if r.context is not None)
 
     def _plan_batch(self) -> tuple[list[Request], list[int]]:
         """Decodes first, then prefills, each taking what the budget leaves."""
@@ -244,11 +242,11 @@ class Scheduler:
     def _advance(
         self, batch: list[Request], chunks: list[int], logits: npt.NDArray[np.float32]
     ) -> list[tuple[Request, int]]:
-        complete = [n == r.context.active_length for r, n in zip(batch, chunks)]  # type: ignore[union-attr]
+        complete = [n == r.context.active_length for r, n in zip(batch, chunks, strict=True)]  # type: ignore[union-attr]
         sampled = self.sampler(logits[np.flatnonzero(complete)]) if any(complete) else []
         produced: list[tuple[Request, int]] = []
         tokens_iter = iter(sampled)
-        for request, n, whole in zip(batch, chunks, complete):
+        for request, n, whole in zip(batch, chunks, complete, strict=True):
             ctx = request.context
             assert ctx is not None
             if not whole:

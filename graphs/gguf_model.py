@@ -56,13 +56,10 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         if self.n_heads * self.head_dim != self.hidden_size:
             raise ValueError(
-                f"n_heads * head_dim must equal hidden_size: {self.n_heads} * {self.head_dim} "
-                f"!= {self.hidden_size}"
+                f"n_heads * head_dim must equal hidden_size: {self.n_heads} * {self.head_dim} != {self.hidden_size}"
             )
         if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(
-                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
-            )
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.head_dim % 2 != 0:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
 
@@ -99,9 +96,7 @@ def config_from_gguf(reader: gguf.GGUFReader) -> LlamaConfig:
         head_dim = int(_field(reader, "llama.attention.key_length"))
     rope_dims = int(_field(reader, "llama.rope.dimension_count"))
     if rope_dims != head_dim:
-        raise ValueError(
-            f"partial RoPE is not supported: rope.dimension_count={rope_dims}, head_dim={head_dim}"
-        )
+        raise ValueError(f"partial RoPE is not supported: rope.dimension_count={rope_dims}, head_dim={head_dim}")
     tensor_names = {t.name for t in reader.tensors}
     return LlamaConfig(
         n_layers=int(_field(reader, "llama.block_count")),

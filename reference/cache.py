@@ -47,7 +47,7 @@ def gather(
     """Token rows `(rows[i], positions[i])` of one layer's K or V."""
     block_len = blocks.shape[3]
     out = np.empty((len(rows), *blocks.shape[4:]), blocks.dtype)
-    for i, (row, pos) in enumerate(zip(rows, positions)):
+    for i, (row, pos) in enumerate(zip(rows, positions, strict=True)):
         block, offset = block_of(lookup_table, int(row), int(pos), block_len)
         out[i] = blocks[block, kv_idx, layer, offset]
     return out

@@ -11,6 +11,4 @@ OPERATIONS: Counter[str] = Counter()
 
 def summary() -> list[str]:
     """One line per machine that ran, for the terminal summary."""
-    return [
-        f"{name}: {CASES[name]} generated cases, {OPERATIONS[name]} operations" for name in sorted(CASES)
-    ]
+    return [f"{name}: {CASES[name]} generated cases, {OPERATIONS[name]} operations" for name in sorted(CASES)]

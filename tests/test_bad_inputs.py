@@ -82,8 +82,12 @@ PARAMS_CASES = cases(
     ("devices-str", params(devices="cpu"), TypeError, "'cpu'"),
     ("devices-entry", params(devices=["cpu"]), TypeError, "devices[0]"),
     ("swap-nan", params(host_kvcache_swap_space_gb=NAN), ValueError, "nan"),
-    ("swap-inf", params(enable_prefix_caching=True, enable_kvcache_swapping_to_host=True,
-                        host_kvcache_swap_space_gb=INF), ValueError, "inf"),
+    (
+        "swap-inf",
+        params(enable_prefix_caching=True, enable_kvcache_swapping_to_host=True, host_kvcache_swap_space_gb=INF),
+        ValueError,
+        "inf",
+    ),
     ("swap-negative", params(host_kvcache_swap_space_gb=-1.0), ValueError, "-1.0"),
     ("swap-str", params(host_kvcache_swap_space_gb="1"), ValueError, "'1'"),
     ("block-shape-negative", lambda: P.block_shape(-1), ValueError, "-1"),
@@ -140,8 +144,14 @@ def ctx(request_id: Any, tokens: Any) -> TextContext:
 
 def paged_manager(**kw: Any) -> PagedKVCacheManager:
     p = KVCacheParams(
-        DType.float32, 1, 2, 1, page_size=PAGE, enable_prefix_caching=True,
-        data_parallel_degree=2, devices=[DeviceRef.CPU()] * 2,
+        DType.float32,
+        1,
+        2,
+        1,
+        page_size=PAGE,
+        enable_prefix_caching=True,
+        data_parallel_degree=2,
+        devices=[DeviceRef.CPU()] * 2,
     )
     return PagedKVCacheManager(p, None, kw.pop("total_num_pages", 16), 4, True, max_batch_size=3, **kw)
 
@@ -270,27 +280,46 @@ PAGED_CASES = cases(
     ("inputs-twice-in-batch", lambda m, c: m.runtime_inputs(batches("b", "b")(m, c)), ValueError, "'b'"),
     ("inputs-unclaimed-after", lambda m, c: m.runtime_inputs(batches("b", "d")(m, c)), ValueError, "'d'"),
     ("inputs-no-pages", lambda m, c: m.runtime_inputs(batches("b", "e")(m, c)), ValueError, "'e'"),
-    ("inputs-over-batch-size", lambda m, c: m.runtime_inputs(batches("a", "b", "e", "pad")(m, c)),
-     ValueError, "4 requests"),
+    (
+        "inputs-over-batch-size",
+        lambda m, c: m.runtime_inputs(batches("a", "b", "e", "pad")(m, c)),
+        ValueError,
+        "4 requests",
+    ),
     ("inputs-steps-zero", lambda m, c: m.runtime_inputs([[], []], num_steps=0), ValueError, "0"),
     ("inputs-steps-fraction", lambda m, c: m.runtime_inputs([[], []], num_steps=2.5), TypeError, "2.5"),
     ("inputs-steps-huge", lambda m, c: m.runtime_inputs([[], []], num_steps=HUGE), ValueError, str(HUGE)),
     ("inputs-width-zero", lambda m, c: m.runtime_inputs([[], []], max_cache_length=0), ValueError, "0"),
     ("inputs-width-bool", lambda m, c: m.runtime_inputs([[], []], max_cache_length=True), TypeError, "True"),
     ("inputs-width-huge", lambda m, c: m.runtime_inputs([[], []], max_cache_length=HUGE), ValueError, str(HUGE)),
-    ("inputs-width-short", lambda m, c: m.runtime_inputs(batches("b")(m, c), max_cache_length=4),
-     ValueError, "max_cache_length=4"),
-    ("inputs-characteristics", lambda m, c: m.runtime_inputs([[], []], batch_characteristics=(1, 2, 3)),
-     TypeError, "(1, 2, 3)"),
-    ("inputs-characteristics-exceeded",
-     lambda m, c: m.runtime_inputs(batches("b")(m, c), batch_characteristics=BatchCharacteristics(1, 1, 1)),
-     ValueError, "exceeds"),
+    (
+        "inputs-width-short",
+        lambda m, c: m.runtime_inputs(batches("b")(m, c), max_cache_length=4),
+        ValueError,
+        "max_cache_length=4",
+    ),
+    (
+        "inputs-characteristics",
+        lambda m, c: m.runtime_inputs([[], []], batch_characteristics=(1, 2, 3)),
+        TypeError,
+        "(1, 2, 3)",
+    ),
+    (
+        "inputs-characteristics-exceeded",
+        lambda m, c: m.runtime_inputs(batches("b")(m, c), batch_characteristics=BatchCharacteristics(1, 1, 1)),
+        ValueError,
+        "exceeds",
+    ),
     # reserve
     ("reserve-claimed", lambda m, c: _reserve(m, [[ctx("r1", [1]), c["b"]], []]), ValueError, "'b'"),
     ("reserve-twice", lambda m, c: _reserve(m, [[ctx("r1", [1]), ctx("r1", [2])], []]), ValueError, "'r1'"),
     ("reserve-batches", lambda m, c: _reserve(m, [[ctx("r1", [1])]]), ValueError, "got 1"),
-    ("reserve-no-room", lambda m, c: _reserve(m, [[ctx("r1", [1]), ctx("r2", range(64))], []]),
-     InsufficientBlocksError, "needs up to 17 pages on replica 0"),
+    (
+        "reserve-no-room",
+        lambda m, c: _reserve(m, [[ctx("r1", [1]), ctx("r2", range(64))], []]),
+        InsufficientBlocksError,
+        "needs up to 17 pages on replica 0",
+    ),
     # queries
     ("blocks-released", lambda m, c: m.get_req_blocks("d"), ValueError, "'d'"),
     ("used-pages-no-replica", lambda m, c: m.get_num_used_pages(2), ValueError, "replica_idx=2"),
@@ -322,19 +351,30 @@ PAGED_CONSTRUCTOR_CASES = cases(
     ("pages-bool", lambda: paged_manager(total_num_pages=True), TypeError, "True"),
     ("pages-str", lambda: paged_manager(total_num_pages="8"), TypeError, "'8'"),
     ("pages-huge", lambda: paged_manager(total_num_pages=HUGE), ValueError, f"total_num_pages={HUGE}"),
-    ("host-pages-huge", lambda: PagedKVCacheManager(
-        KVCacheParams(**BASE, enable_prefix_caching=True), None, 8, HUGE, max_batch_size=2),
-     ValueError, f"total_num_host_pages={HUGE}"),
+    (
+        "host-pages-huge",
+        lambda: PagedKVCacheManager(KVCacheParams(**BASE, enable_prefix_caching=True), None, 8, HUGE, max_batch_size=2),
+        ValueError,
+        f"total_num_host_pages={HUGE}",
+    ),
     ("host-pages-negative", lambda: PagedKVCacheManager(P, None, 8, -1, max_batch_size=2), ValueError, "-1"),
-    ("host-without-prefix", lambda: PagedKVCacheManager(P, None, 8, 4, max_batch_size=2),
-     ValueError, "total_num_host_pages=4"),
+    (
+        "host-without-prefix",
+        lambda: PagedKVCacheManager(P, None, 8, 4, max_batch_size=2),
+        ValueError,
+        "total_num_host_pages=4",
+    ),
     ("batch-huge", lambda: PagedKVCacheManager(P, None, 8, max_batch_size=HUGE), ValueError, f"max_batch_size={HUGE}"),
     ("batch-zero", lambda: PagedKVCacheManager(P, None, 8, max_batch_size=0), ValueError, "0"),
     ("batch-float", lambda: PagedKVCacheManager(P, None, 8, max_batch_size=2.0), TypeError, "2.0"),
     ("checks-str", lambda: PagedKVCacheManager(P, None, 8, 0, "yes", max_batch_size=2), TypeError, "'yes'"),
     ("session-str", lambda: PagedKVCacheManager(P, "session", 8, max_batch_size=2), TypeError, "'session'"),
-    ("continuous-params", lambda: PagedKVCacheManager(
-        KVCacheParams(**BASE, cache_strategy="continuous"), None, 8, max_batch_size=2), ValueError, "continuous"),
+    (
+        "continuous-params",
+        lambda: PagedKVCacheManager(KVCacheParams(**BASE, cache_strategy="continuous"), None, 8, max_batch_size=2),
+        ValueError,
+        "continuous",
+    ),
     ("params-dict", lambda: PagedKVCacheManager(BASE, None, 8, max_batch_size=2), TypeError, "dict"),
 )
 
@@ -434,19 +474,31 @@ def test_continuous_manager_refuses_and_changes_nothing(case: Case, session: Inf
     assert continuous_snapshot(m, identities=False) == continuous_snapshot(twin, identities=False)
 
 
-def continuous(session: Any, params: Any = P, slots: Any = 3, seq: Any = SEQ, layers: Any = 2,
-               devices: Any = None) -> Callable[[], Any]:
+def continuous(
+    session: Any, params: Any = P, slots: Any = 3, seq: Any = SEQ, layers: Any = 2, devices: Any = None
+) -> Callable[[], Any]:
     return lambda: ContinuousBatchingKVCacheManager(params, slots, seq, layers, devices or [CPU()], session)
 
 
 CONTINUOUS_CONSTRUCTOR_CASES = [
-    ("prefix-caching", {"params": KVCacheParams(**BASE, enable_prefix_caching=True)}, ValueError,
-     "enable_prefix_caching=True"),
+    (
+        "prefix-caching",
+        {"params": KVCacheParams(**BASE, enable_prefix_caching=True)},
+        ValueError,
+        "enable_prefix_caching=True",
+    ),
     ("device-count", {"devices": [CPU(), CPU()]}, ValueError, "devices has 2 entries"),
     ("device-mismatch", {"params": KVCacheParams(**BASE, devices=[DeviceRef.CPU(1)])}, ValueError, "devices[0]"),
     ("device-type", {"devices": ["cpu"]}, TypeError, "'cpu'"),
-    ("replicas", {"params": KVCacheParams(**BASE, data_parallel_degree=2, devices=[DeviceRef.CPU()] * 2),
-                  "devices": [CPU(), CPU()]}, ValueError, "data_parallel_degree=2"),
+    (
+        "replicas",
+        {
+            "params": KVCacheParams(**BASE, data_parallel_degree=2, devices=[DeviceRef.CPU()] * 2),
+            "devices": [CPU(), CPU()],
+        },
+        ValueError,
+        "data_parallel_degree=2",
+    ),
     ("slots-huge", {"slots": HUGE}, ValueError, str(HUGE)),
     ("seq-huge", {"seq": 10**9}, ValueError, "max_seq_len=1000000000"),
     ("slots-bool", {"slots": True}, TypeError, "True"),
@@ -456,18 +508,25 @@ CONTINUOUS_CONSTRUCTOR_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "kwargs", "error", "names"), CONTINUOUS_CONSTRUCTOR_CASES,
-                         ids=[row[0] for row in CONTINUOUS_CONSTRUCTOR_CASES])
-def test_continuous_constructor_refuses(name: str, kwargs: dict, error: type, names: str,
-                                        session: InferenceSession) -> None:
+@pytest.mark.parametrize(
+    ("name", "kwargs", "error", "names"),
+    CONTINUOUS_CONSTRUCTOR_CASES,
+    ids=[row[0] for row in CONTINUOUS_CONSTRUCTOR_CASES],
+)
+def test_continuous_constructor_refuses(
+    name: str, kwargs: dict, error: type, names: str, session: InferenceSession
+) -> None:
     kwargs = {"session": session, **kwargs}
     raises_naming(Case(name, continuous(**kwargs), error, names))
     estimate_kwargs = {k: v for k, v in kwargs.items() if k != "session"}
     if name not in ("session-none", "slots-huge", "seq-huge"):  # the estimate needs no session and allocates nothing
         with pytest.raises(error, match=re.escape(names)):
             ContinuousBatchingKVCacheManager.estimated_memory_size(
-                estimate_kwargs.get("params", P), estimate_kwargs.get("slots", 3), estimate_kwargs.get("seq", SEQ),
-                estimate_kwargs.get("layers", 2), estimate_kwargs.get("devices", [CPU()]),
+                estimate_kwargs.get("params", P),
+                estimate_kwargs.get("slots", 3),
+                estimate_kwargs.get("seq", SEQ),
+                estimate_kwargs.get("layers", 2),
+                estimate_kwargs.get("devices", [CPU()]),
             )
 
 
@@ -529,4 +588,3 @@ GRAPH_CASES = cases(
 @pytest.mark.parametrize("case", GRAPH_CASES)
 def test_graph_wrappers_refuse(case: Case) -> None:
     raises_naming(case)
-

@@ -22,9 +22,7 @@ def test_pages_are_raw_bytes_of_each_page() -> None:
     assert buf.all_buffers == [*values, *scales] and buf.total_num_pages == 3
     units = buf.to_memory()
     assert [type(u) for u in units] == [KVCacheMemory] * 4
-    assert [(u.num_physical_pages, u.bytes_per_page) for u in units] == [(3, 2 * 4 * 2 * 8 * 4)] * 2 + [
-        (3, 16)
-    ] * 2
+    assert [(u.num_physical_pages, u.bytes_per_page) for u in units] == [(3, 2 * 4 * 2 * 8 * 4)] * 2 + [(3, 16)] * 2
     # The views alias the tensors: a page's bytes are that page's elements.
     arr = values[1].to_numpy()
     arr[2] = np.arange(arr[2].size, dtype=np.float32).reshape(arr[2].shape)

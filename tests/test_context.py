@@ -37,7 +37,7 @@ def test_prompt_is_copied_and_tokens_are_read_only() -> None:
     c = TextContext("r", prompt)
     prompt[0] = 9
     assert c.tokens.tolist() == [1, 2, 3] and c.tokens.dtype == np.int64
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="read-only"):
         c.tokens[0] = 5
 
 

@@ -56,8 +56,15 @@ def run_one_request(manager: PagedKVCacheManager, tokens, replica: int = 0) -> T
 
 @pytest.mark.parametrize(("devices", "dp"), [(2, 1), (4, 2)])
 def test_tensor_parallel_inputs_match_declared_types(devices: int, dp: int) -> None:
-    params = KVCacheParams(DType.bfloat16, n_kv_heads=4, head_dim=8, num_layers=2, page_size=4,
-                           devices=[CPU] * devices, data_parallel_degree=dp)
+    params = KVCacheParams(
+        DType.bfloat16,
+        n_kv_heads=4,
+        head_dim=8,
+        num_layers=2,
+        page_size=4,
+        devices=[CPU] * devices,
+        data_parallel_degree=dp,
+    )
     manager = PagedKVCacheManager(params, None, 8, max_batch_size=2)
     batches = [[run_one_request(manager, range(6 + r), r)] for r in range(dp)]
     inputs = manager.runtime_inputs(batches)
@@ -72,15 +79,14 @@ def test_several_caches_share_one_page_table() -> None:
     """A target and a draft cache of different shapes and dtypes: one claim,
     one allocation and one prefix hit serve both; the inputs form a tree in the
     declared order; a host-tier round trip restores both caches' bytes."""
-    common = dict(page_size=4, enable_prefix_caching=True)
+    common = {"page_size": 4, "enable_prefix_caching": True}
     params = MultiKVCacheParams(
         {
             "target": KVCacheParams(DType.float32, n_kv_heads=2, head_dim=8, num_layers=2, **common),
             "draft": KVCacheParams(DType.bfloat16, n_kv_heads=1, head_dim=16, num_layers=1, **common),
         }
     )
-    manager = PagedKVCacheManager(params, None, 6, total_num_host_pages=4, enable_runtime_checks=True,
-                                  max_batch_size=2)
+    manager = PagedKVCacheManager(params, None, 6, total_num_host_pages=4, enable_runtime_checks=True, max_batch_size=2)
     buffers = manager.get_device_buffer(0)
     assert set(buffers) == {"target", "draft"}
     a = run_one_request(manager, range(9))  # 3 pages

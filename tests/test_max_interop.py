@@ -45,15 +45,16 @@ def test_adapter_reads_what_max_holds() -> None:
     np.testing.assert_array_equal(view.tokens, np.arange(10))
     ours = TextContext("b", [1, 2])
     assert cache_context(ours) is ours
-    with pytest.raises(TypeError, match="expected a mokv.TextContext or MAX's .* got builtins.dict"):
+    with pytest.raises(TypeError, match=r"expected a mokv.TextContext or MAX's .* got builtins.dict"):
         cache_context({"request_id": "x"})
 
 
 def test_paged_manager_drives_max_contexts_as_max_does() -> None:
     """Two requests sharing a prefix through mokv's manager and MAX's own, on
     equal MAX contexts: the same pages, windows and cache bookkeeping."""
-    params = KVCacheParams(DType.float32, n_kv_heads=1, head_dim=8, num_layers=1, page_size=PAGE,
-                           enable_prefix_caching=True)
+    params = KVCacheParams(
+        DType.float32, n_kv_heads=1, head_dim=8, num_layers=1, page_size=PAGE, enable_prefix_caching=True
+    )
     ours = PagedKVCacheManager(params, None, 16, enable_runtime_checks=True, max_batch_size=4)
     theirs = MaxBackend(PAGE, 16, 4)
     prompt = np.arange(11)
@@ -104,16 +105,30 @@ def test_continuous_manager_drives_max_contexts(session) -> None:
 
 
 def max_params(**overrides) -> max_kv.MHAKVCacheParams:
-    base = dict(dtype=DType.bfloat16, n_kv_heads=4, head_dim=16, num_layers=3, page_size=16,
-                devices=[DeviceRef.CPU(), DeviceRef.CPU()], enable_prefix_caching=True)
+    base = {
+        "dtype": DType.bfloat16,
+        "n_kv_heads": 4,
+        "head_dim": 16,
+        "num_layers": 3,
+        "page_size": 16,
+        "devices": [DeviceRef.CPU(), DeviceRef.CPU()],
+        "enable_prefix_caching": True,
+    }
     return max_kv.MHAKVCacheParams(**{**base, **overrides})
 
 
 def test_max_params_convert_with_every_size_intact() -> None:
     theirs = max_params()
     ours = from_max(theirs)
-    assert ours == KVCacheParams(DType.bfloat16, n_kv_heads=4, head_dim=16, num_layers=3, page_size=16,
-                                 devices=[DeviceRef.CPU(), DeviceRef.CPU()], enable_prefix_caching=True)
+    assert ours == KVCacheParams(
+        DType.bfloat16,
+        n_kv_heads=4,
+        head_dim=16,
+        num_layers=3,
+        page_size=16,
+        devices=[DeviceRef.CPU(), DeviceRef.CPU()],
+        enable_prefix_caching=True,
+    )
     assert ours.n_kv_heads_per_device == theirs.n_kv_heads_per_device == 2
     assert ours.bytes_per_page * ours.tensor_parallel_degree == theirs.bytes_per_block
     # The managers take MAX's params directly.
@@ -156,15 +171,17 @@ def test_every_max_field_is_handled() -> None:
 
 
 def test_mla_params_are_refused() -> None:
-    mla = max_kv.MLAKVCacheParams(dtype=DType.bfloat16, head_dim=64, num_layers=1, devices=[DeviceRef.CPU()],
-                                  num_q_heads=8)
+    mla = max_kv.MLAKVCacheParams(
+        dtype=DType.bfloat16, head_dim=64, num_layers=1, devices=[DeviceRef.CPU()], num_q_heads=8
+    )
     with pytest.raises(TypeError, match="got MLAKVCacheParams"):
         from_max(mla)
 
 
 def test_max_contexts_cache_salt_isolates_their_prefixes() -> None:
-    params = KVCacheParams(DType.float32, n_kv_heads=1, head_dim=8, num_layers=1, page_size=PAGE,
-                           enable_prefix_caching=True)
+    params = KVCacheParams(
+        DType.float32, n_kv_heads=1, head_dim=8, num_layers=1, page_size=PAGE, enable_prefix_caching=True
+    )
     m = PagedKVCacheManager(params, None, 16, enable_runtime_checks=True, max_batch_size=4)
     cached = []
     for request_id, salt in (("a", "tenant-1"), ("b", "tenant-2"), ("c", "tenant-1")):

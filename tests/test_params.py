@@ -13,9 +13,7 @@ CPU = DeviceRef.CPU()
 
 
 def test_sizes_match_max() -> None:
-    ours = KVCacheParams(
-        DType.bfloat16, n_kv_heads=8, head_dim=64, num_layers=3, page_size=16, devices=[CPU, CPU]
-    )
+    ours = KVCacheParams(DType.bfloat16, n_kv_heads=8, head_dim=64, num_layers=3, page_size=16, devices=[CPU, CPU])
     theirs = MHAKVCacheParams(
         dtype=DType.bfloat16,
         n_kv_heads=8,
@@ -43,8 +41,7 @@ def test_defaults_and_replica_grouping() -> None:
     assert dp.devices_per_replica == [tuple(four[:2]), tuple(four[2:])]
     assert dp.tensor_parallel_degree == 2 and dp.n_kv_heads_per_device == 2
     assert (
-        KVCacheParams(DType.float32, 4, 8, 2, cache_strategy="continuous").cache_strategy
-        is KVCacheStrategy.CONTINUOUS
+        KVCacheParams(DType.float32, 4, 8, 2, cache_strategy="continuous").cache_strategy is KVCacheStrategy.CONTINUOUS
     )
 
 
@@ -110,5 +107,5 @@ def test_validation_names_the_bad_value(kwargs: dict, message: str) -> None:
 
 
 def test_dtype_must_be_a_max_dtype() -> None:
-    with pytest.raises(TypeError, match="dtype must be a max.dtype.DType, got 'float32'"):
+    with pytest.raises(TypeError, match=r"dtype must be a max.dtype.DType, got 'float32'"):
         KVCacheParams("float32", 4, 8, 2)  # type: ignore[arg-type]

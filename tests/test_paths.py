@@ -49,4 +49,3 @@ def test_compiled_graphs_follow_the_cache_unless_max_s_is_set(monkeypatch, tmp_p
     assert keep_compiled_graphs_in_cache_dir() == tmp_path / "modular"
     monkeypatch.setenv(MODULAR_CACHE_ENV, str(tmp_path / "theirs"))
     assert keep_compiled_graphs_in_cache_dir() == tmp_path / "theirs"
-

@@ -1,8 +1,9 @@
 """Compile check of every GPU path of mokv's ops, for a machine without a GPU.
 
 `tools/check_gpu_build.sh` builds this file with `mojo build
---target-accelerator <arch>`: that instantiates the store, gather and
-attention GPU entry points for both cache layouts and both dtypes (every head
+--target-accelerator <arch>`: that instantiates the ops' store, gather and
+attention paths for a GPU target (`store_kv_on["gpu"]` and its siblings, as
+the registered ops call them) for both cache layouts and both dtypes (every head
 size and tile shape the attention dispatches to at runtime, and the split-K
 merge), and compiles all their kernels to device code. A compile error in any
 GPU path fails the build. The binary is not meant to be run: the tensors it
@@ -13,11 +14,10 @@ from max.gpu.host import DeviceContext
 from std.sys import argv
 from std.utils import IndexList
 
-from mokv_kernels.bind import continuous_collection, paged_collection
-from mokv_kernels.cache import KVCollectionT
-from mokv_kernels.gpu.attention import BatchBounds, attention_gpu
-from mokv_kernels.gpu.block import GpuLauncher
-from mokv_kernels.gpu.rows import gather_gpu, store_kv_gpu
+from mokv_kernels.bind import bind_collection
+from mokv_kernels.cache import BatchSummary, KVCollectionT
+from mokv_kernels.attention.op import attention_on
+from mokv_kernels.store import gather_on, store_kv_on
 from mokv_kernels.gpu.views import InputView, MutableView, OutputView, row_major
 
 
@@ -32,7 +32,6 @@ def _ptr[
 
 def _ops[collection_t: KVCollectionT](ctx: DeviceContext, collection: collection_t, n: Int) raises:
     comptime dtype = collection_t.CacheType.dtype
-    var launcher = GpuLauncher(ctx)
     var rows = IndexList[3](n, n, n)
     var keys = InputView[dtype, 3](_ptr[dtype](ctx, 1), rows, row_major(rows))
     var q = InputView[dtype, 3](_ptr[dtype](ctx, 1), rows, row_major(rows))
@@ -44,11 +43,10 @@ def _ops[collection_t: KVCollectionT](ctx: DeviceContext, collection: collection
         _ptr[DType.uint32](ctx, 1), IndexList[1](n + 1), IndexList[1](1)
     )
     var layer = UInt32(n - 1)
-    store_kv_gpu(launcher, collection, layer, keys, keys, offsets)
-    gather_gpu(launcher, collection, out, layer, layer, index, index)
-    attention_gpu(
-        launcher, collection, out, q, offsets, layer, Float32(n), layer, BatchBounds(n, n)
-    )
+    store_kv_on["gpu"](ctx, collection, layer, keys, keys, offsets)
+    gather_on["gpu"](ctx, collection, out, layer, layer, index, index)
+    var summary = BatchSummary.of_max_lengths(n, n)
+    attention_on["gpu"](ctx, collection, summary, out, q, offsets, layer, Float32(n), layer)
 
 
 def _both_layouts[dtype: DType](ctx: DeviceContext, n: Int) raises:
@@ -60,8 +58,8 @@ def _both_layouts[dtype: DType](ctx: DeviceContext, n: Int) raises:
     var table = InputView[DType.uint32, 2](
         _ptr[DType.uint32](ctx, 1), IndexList[2](n, n), IndexList[2](n, 1)
     )
-    _ops(ctx, paged_collection(blocks, lengths, table), n)
-    _ops(ctx, continuous_collection(blocks, lengths, lengths), n)
+    _ops(ctx, bind_collection(blocks, lengths, table), n)
+    _ops(ctx, bind_collection(blocks, lengths, lengths), n)
 
 
 def main() raises:

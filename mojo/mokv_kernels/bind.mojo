@@ -4,20 +4,41 @@ a bad page id or slot from ever becoming an out-of-bounds write."""
 from extensibility import InputTensor, _MutableInputTensor
 
 from .cache import (
+    BatchSummary,
     CacheGeometry,
-    ContinuousBatchingKVCacheCollection,
+    ContinuousLayout,
+    KVCacheCollection,
     KVCacheT,
-    PagedKVCacheCollection,
-    U32Ptr,
+    PagedLayout,
 )
 
 
-def _geometry[dtype: DType](
+comptime LayoutFor[table_rank: Int] = PagedLayout if table_rank == 2 else ContinuousLayout
+"""The layout that a lookup table of rank `table_rank` describes: `[batch,
+max_pages_per_seq]` page ids (paged) or `[batch]` slots (continuous
+batching). MAX infers `table_rank` from the graph tensor, so one op per
+operation serves both layouts."""
+
+
+def bind_collection[
+    dtype: DType, table_rank: Int
+](
     blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
     cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
-    lookup_table_ptr: U32Ptr,
-) -> CacheGeometry:
-    return CacheGeometry(
+    lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
+) raises -> KVCacheCollection[dtype, LayoutFor[table_rank]]:
+    """The collection over `blocks` for the batch that `cache_lengths`
+    `[batch]` and `lookup_table` describe, in the layout the table's rank
+    names (`LayoutFor`)."""
+    comptime assert (
+        table_rank == 1 or table_rank == 2
+    ), "lookup_table is [batch, max_pages_per_seq] (paged) or [batch] (continuous batching)"
+    if lookup_table.dim_size(0) != cache_lengths.dim_size(0):
+        raise Error(
+            t"lookup_table has {lookup_table.dim_size(0)} rows but"
+            t" cache_lengths has {cache_lengths.dim_size(0)}"
+        )
+    var geometry = CacheGeometry(
         blocks.unsafe_ptr().unsafe_bitcast[UInt8]().unsafe_origin_cast[MutUntrackedOrigin](),
         blocks.dim_size(0),
         blocks.dim_size(2),
@@ -26,44 +47,40 @@ def _geometry[dtype: DType](
         blocks.dim_size(5),
         cache_lengths.dim_size(0),
         cache_lengths.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-        lookup_table_ptr,
+        lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
     )
+    comptime if table_rank == 2:
+        var paged = PagedLayout(lookup_table.dim_size(1))
+        return KVCacheCollection[dtype](geometry, rebind[LayoutFor[table_rank]](paged))
+    else:
+        return KVCacheCollection[dtype](geometry, rebind[LayoutFor[table_rank]](ContinuousLayout()))
 
 
-def paged_collection[dtype: DType](
-    blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
-    cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
-    lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],
-) raises -> PagedKVCacheCollection[dtype]:
-    """A paged collection over `blocks` for the batch described by
-    `cache_lengths` `[batch]` and `lookup_table` `[batch, max_pages]`."""
-    if lookup_table.dim_size(0) != cache_lengths.dim_size(0):
-        raise Error(
-            t"lookup_table has {lookup_table.dim_size(0)} rows but"
-            t" cache_lengths has {cache_lengths.dim_size(0)}"
-        )
-    var lut = lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    return PagedKVCacheCollection[dtype](
-        _geometry(blocks, cache_lengths, lut), lookup_table.dim_size(1)
-    )
-
-
-def continuous_collection[dtype: DType](
-    blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
-    cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
-    lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
-) raises -> ContinuousBatchingKVCacheCollection[dtype]:
-    """A continuous-batching collection over `blocks` for the batch described
-    by `cache_lengths` `[batch]` and `lookup_table` `[batch]` (row -> slot)."""
-    if lookup_table.dim_size(0) != cache_lengths.dim_size(0):
-        raise Error(
-            t"lookup_table has {lookup_table.dim_size(0)} rows but"
-            t" cache_lengths has {cache_lengths.dim_size(0)}"
-        )
-    var lut = lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    return ContinuousBatchingKVCacheCollection[dtype](
-        _geometry(blocks, cache_lengths, lut)
-    )
+def bind_summary[
+    table_rank: Int, dtype: DType, rank: Int
+](summary: InputTensor[dtype=dtype, rank=rank, ...]) raises -> BatchSummary:
+    """The batch summary that the fourth graph input of a cache states: for
+    a paged cache (`table_rank` 2) `max_lengths`, uint32 `[num_steps, 2]`,
+    whose row 0 is this step's; for continuous batching `is_cache_empty`, a
+    bool scalar (which MAX hands an op as a one-element tensor)."""
+    var values = summary.unsafe_ptr()
+    comptime if table_rank == 2:
+        comptime assert (
+            dtype == DType.uint32 and rank == 2
+        ), "a paged cache's fourth input is max_lengths, uint32 [num_steps, 2]"
+        if summary.dim_size(0) == 0 or summary.dim_size(1) != 2:
+            raise Error(
+                t"max_lengths has shape [{summary.dim_size(0)}, {summary.dim_size(1)}], not"
+                t" [num_steps >= 1, 2]"
+            )
+        var max_new_tokens = Int(values[unsafe_offset=0].cast[DType.uint32]())
+        var max_context = Int(values[unsafe_offset=1].cast[DType.uint32]())
+        return BatchSummary.of_max_lengths(max_new_tokens, max_context)
+    else:
+        comptime assert (
+            dtype == DType.bool and rank <= 1
+        ), "a continuous-batching cache's fourth input is is_cache_empty, a bool scalar"
+        return BatchSummary.of_is_cache_empty(Bool(values[unsafe_offset=0].cast[DType.bool]()))
 
 
 def check_layer(layer: Int, num_layers: Int) raises:
@@ -71,9 +88,7 @@ def check_layer(layer: Int, num_layers: Int) raises:
         raise Error(t"layer_idx {layer} out of range for {num_layers} layers")
 
 
-def check_token_range[cache_t: KVCacheT](
-    cache: cache_t, bs: Int, start: Int, end: Int
-) raises:
+def check_token_range[cache_t: KVCacheT](cache: cache_t, bs: Int, start: Int, end: Int) raises:
     """Raises unless `bs` is a row of the batch and tokens `start..end` of it
     map to valid blocks."""
     if bs < 0 or bs >= cache.batch_size():
@@ -94,11 +109,9 @@ def check_token_range[cache_t: KVCacheT](
         tok += cache.contiguous_tokens(tok)
 
 
-def check_rows[cache_t: KVCacheT](
-    cache: cache_t,
-    rows: InputTensor[dtype=cache_t.dtype, rank=3, ...],
-    name: StaticString,
-) raises:
+def check_rows[
+    cache_t: KVCacheT
+](cache: cache_t, rows: InputTensor[dtype=cache_t.dtype, rank=3, ...], name: StaticString) raises:
     """Raises unless `rows` is `[tokens, n_kv_heads, head_dim]` of the cache."""
     if rows.dim_size(1) != cache.num_heads() or rows.dim_size(2) != cache.head_dim():
         raise Error(

@@ -4,12 +4,16 @@ Both layouts store tokens as rows of `[n_kv_heads, head_dim]` inside one block
 tensor `[num_blocks, 2, num_layers, block_len, n_kv_heads, head_dim]`
 (index 0 of dim 1 holds keys, 1 holds values):
 
-- paged: a block is a page of `page_size` tokens; the lookup table
-  `[batch, max_pages_per_seq]` maps (row, token // page_size) to a page;
-- continuous batching: a block is one sequence's slot of `max_seq_len` tokens;
-  the lookup table `[batch]` maps a batch row to its slot.
+- paged (`PagedLayout`): a block is a page of `page_size` tokens; the lookup
+  table `[batch, max_pages_per_seq]` maps (row, token // page_size) to a page;
+- continuous batching (`ContinuousLayout`): a block is one sequence's slot of
+  `max_seq_len` tokens; the lookup table `[batch]` maps a batch row to its slot.
 
-Kernels are written against `KVCacheT` only, so both layouts share them.
+Kernels are written against `KVCacheT` only, so both layouts share them. The
+layout is a type parameter of one cache struct (`KVCache`) and one collection
+struct (`KVCacheCollection`), with MAX's names as aliases (`PagedKVCache`,
+`ContinuousBatchingKVCacheCollection`, ...): an op can then choose the layout
+at compile time and still hand the kernels a cache whose dtype is its own.
 """
 
 comptime CachePtr[dtype: DType] = Pointer[Scalar[dtype], MutUntrackedOrigin]
@@ -80,22 +84,80 @@ struct CacheGeometry(TrivialRegisterPassable):
     def offset(self, block: Int, kv_idx: Int, layer: Int, tok_in_block: Int) -> Int:
         """Element offset of one token row inside the block tensor."""
         return (
-            ((block * 2 + kv_idx) * self.num_layers + layer) * self.block_len
-            + tok_in_block
+            ((block * 2 + kv_idx) * self.num_layers + layer) * self.block_len + tok_in_block
         ) * self.row_elems()
 
     def cache_length(self, bs: Int) -> Int:
         return Int(self.cache_lengths[unsafe_offset=bs])
 
 
+trait BlockLayout(TrivialRegisterPassable):
+    """Where a batch row's tokens live in the block tensor."""
+
+    def block_index(self, geometry: CacheGeometry, bs: Int, tok_idx: Int) -> Int:
+        """The block (page or slot) holding token `tok_idx` of row `bs`."""
+        ...
+
+    def token_in_block(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
+        """The token row of that block that holds token `tok_idx`."""
+        ...
+
+    def contiguous_tokens(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
+        """Token rows from `tok_idx` on that lie back to back in memory (to
+        the end of its page or slot)."""
+        ...
+
+    def max_tokens(self, geometry: CacheGeometry) -> Int:
+        """The most tokens one sequence can hold."""
+        ...
+
+
 @fieldwise_init
-struct PagedKVCache[dtype_: DType](KVCacheT):
-    """A layer's K or V cache stored in pages of `page_size` tokens."""
+struct PagedLayout(BlockLayout):
+    """Pages of `block_len` tokens, `max_pages_per_seq` lookup-table columns
+    per row."""
+
+    var max_pages_per_seq: Int
+
+    def block_index(self, geometry: CacheGeometry, bs: Int, tok_idx: Int) -> Int:
+        var column = tok_idx // geometry.block_len
+        return Int(geometry.lookup_table[unsafe_offset=bs * self.max_pages_per_seq + column])
+
+    def token_in_block(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
+        return tok_idx % geometry.block_len
+
+    def contiguous_tokens(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
+        return geometry.block_len - tok_idx % geometry.block_len
+
+    def max_tokens(self, geometry: CacheGeometry) -> Int:
+        return self.max_pages_per_seq * geometry.block_len
+
+
+@fieldwise_init
+struct ContinuousLayout(BlockLayout):
+    """One slot of `block_len` (`max_seq_len`) tokens per sequence."""
+
+    def block_index(self, geometry: CacheGeometry, bs: Int, tok_idx: Int) -> Int:
+        return Int(geometry.lookup_table[unsafe_offset=bs])
+
+    def token_in_block(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
+        return tok_idx
+
+    def contiguous_tokens(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
+        return geometry.block_len - tok_idx
+
+    def max_tokens(self, geometry: CacheGeometry) -> Int:
+        return geometry.block_len
+
+
+@fieldwise_init
+struct KVCache[dtype_: DType, layout_t: BlockLayout](KVCacheT):
+    """A layer's K or V cache in the blocks of `layout_t`."""
 
     comptime dtype = Self.dtype_
 
     var geometry: CacheGeometry
-    var max_pages_per_seq: Int
+    var layout: Self.layout_t
     var layer: Int
     var kv_idx: Int
 
@@ -112,12 +174,7 @@ struct PagedKVCache[dtype_: DType](KVCacheT):
         return self.geometry.head_dim
 
     def block_index(self, bs: Int, tok_idx: Int) -> Int:
-        var column = tok_idx // self.geometry.block_len
-        return Int(
-            self.geometry.lookup_table[
-                unsafe_offset=bs * self.max_pages_per_seq + column
-            ]
-        )
+        return self.layout.block_index(self.geometry, bs, tok_idx)
 
     def num_blocks(self) -> Int:
         return self.geometry.num_blocks
@@ -127,60 +184,21 @@ struct PagedKVCache[dtype_: DType](KVCacheT):
             self.block_index(bs, tok_idx),
             self.kv_idx,
             self.layer,
-            tok_idx % self.geometry.block_len,
+            self.layout.token_in_block(self.geometry, tok_idx),
         )
-        return self.geometry.blocks.unsafe_bitcast[Scalar[Self.dtype_]]().unsafe_offset(
-            offset
-        )
+        return self.geometry.blocks.unsafe_bitcast[Scalar[Self.dtype_]]().unsafe_offset(offset)
 
     def contiguous_tokens(self, tok_idx: Int) -> Int:
-        return self.geometry.block_len - tok_idx % self.geometry.block_len
+        return self.layout.contiguous_tokens(self.geometry, tok_idx)
 
     def max_tokens(self) -> Int:
-        return self.max_pages_per_seq * self.geometry.block_len
+        return self.layout.max_tokens(self.geometry)
 
 
-@fieldwise_init
-struct ContinuousBatchingKVCache[dtype_: DType](KVCacheT):
-    """A layer's K or V cache with one `max_seq_len` slot per sequence."""
-
-    comptime dtype = Self.dtype_
-
-    var geometry: CacheGeometry
-    var layer: Int
-    var kv_idx: Int
-
-    def batch_size(self) -> Int:
-        return self.geometry.batch_size
-
-    def cache_length(self, bs: Int) -> Int:
-        return self.geometry.cache_length(bs)
-
-    def num_heads(self) -> Int:
-        return self.geometry.n_kv_heads
-
-    def head_dim(self) -> Int:
-        return self.geometry.head_dim
-
-    def block_index(self, bs: Int, tok_idx: Int) -> Int:
-        return Int(self.geometry.lookup_table[unsafe_offset=bs])
-
-    def num_blocks(self) -> Int:
-        return self.geometry.num_blocks
-
-    def row_ptr(self, bs: Int, tok_idx: Int) -> CachePtr[Self.dtype_]:
-        var offset = self.geometry.offset(
-            self.block_index(bs, tok_idx), self.kv_idx, self.layer, tok_idx
-        )
-        return self.geometry.blocks.unsafe_bitcast[Scalar[Self.dtype_]]().unsafe_offset(
-            offset
-        )
-
-    def contiguous_tokens(self, tok_idx: Int) -> Int:
-        return self.geometry.block_len - tok_idx
-
-    def max_tokens(self) -> Int:
-        return self.geometry.block_len
+comptime PagedKVCache[dtype: DType] = KVCache[dtype, PagedLayout]
+"""A layer's K or V cache stored in pages of `page_size` tokens."""
+comptime ContinuousBatchingKVCache[dtype: DType] = KVCache[dtype, ContinuousLayout]
+"""A layer's K or V cache with one `max_seq_len` slot per sequence."""
 
 
 trait KVCollectionT(TrivialRegisterPassable):
@@ -197,34 +215,72 @@ trait KVCollectionT(TrivialRegisterPassable):
 
 
 @fieldwise_init
-struct PagedKVCacheCollection[dtype: DType](KVCollectionT):
-    """A paged cache's layers for one batch."""
+struct KVCacheCollection[dtype: DType, layout_t: BlockLayout](KVCollectionT):
+    """A cache's layers for one batch, in the blocks of `layout_t`."""
 
-    comptime CacheType = PagedKVCache[Self.dtype]
+    comptime CacheType = KVCache[Self.dtype, Self.layout_t]
 
     var geometry: CacheGeometry
-    var max_pages_per_seq: Int
+    var layout: Self.layout_t
 
     def get_cache(self, layer: Int, kv_idx: Int) -> Self.CacheType:
-        return Self.CacheType(self.geometry, self.max_pages_per_seq, layer, kv_idx)
+        return Self.CacheType(self.geometry, self.layout, layer, kv_idx)
 
     def num_layers(self) -> Int:
         return self.geometry.num_layers
+
+
+comptime PagedKVCacheCollection[dtype: DType] = KVCacheCollection[dtype, PagedLayout]
+"""A paged cache's layers for one batch."""
+comptime ContinuousBatchingKVCacheCollection[dtype: DType] = KVCacheCollection[
+    dtype, ContinuousLayout
+]
+"""A continuous-batching cache's layers for one batch."""
 
 
 @fieldwise_init
-struct ContinuousBatchingKVCacheCollection[dtype: DType](KVCollectionT):
-    """A continuous-batching cache's layers for one batch."""
+struct BatchSummary(TrivialRegisterPassable):
+    """What the host states about a batch before any of its rows is read, from
+    a cache's fourth graph input: bounds on every row's new tokens, on its
+    context including them, and on its cache length. A bound that the input
+    does not state is `Int.MAX`.
 
-    comptime CacheType = ContinuousBatchingKVCache[Self.dtype]
+    Attention checks every row against it before its first write and plans
+    its work from it; on a GPU it is what sizes a launch without reading
+    device memory."""
 
-    var geometry: CacheGeometry
+    var max_new_tokens: Int
+    var max_context: Int
+    var max_cache_length: Int
 
-    def get_cache(self, layer: Int, kv_idx: Int) -> Self.CacheType:
-        return Self.CacheType(self.geometry, layer, kv_idx)
+    @staticmethod
+    def of_max_lengths(max_new_tokens: Int, max_context: Int) -> Self:
+        """A paged cache's `max_lengths` row 0: (most new tokens of a row,
+        longest context including them), exact or upper bounds."""
+        return Self(max_new_tokens, max_context, Int.MAX)
 
-    def num_layers(self) -> Int:
-        return self.geometry.num_layers
+    @staticmethod
+    def of_is_cache_empty(is_cache_empty: Bool) -> Self:
+        """A continuous-batching cache's `is_cache_empty`: when true, every
+        cache length is 0."""
+        return Self(Int.MAX, Int.MAX, 0 if is_cache_empty else Int.MAX)
+
+    def check_row(self, row: Int, cache_length: Int, new_tokens: Int) raises:
+        """Raises, naming the input it contradicts, unless batch row `row`
+        (`cache_length` cached tokens and `new_tokens` new ones) keeps within
+        the bounds."""
+        if new_tokens > self.max_new_tokens:
+            raise Error(
+                t"row {row} has {new_tokens} new tokens but max_lengths[0, 0] is"
+                t" {self.max_new_tokens}"
+            )
+        if cache_length + new_tokens > self.max_context:
+            raise Error(
+                t"row {row} has {cache_length} cached + {new_tokens} new ="
+                t" {cache_length + new_tokens} tokens but max_lengths[0, 1] is {self.max_context}"
+            )
+        if cache_length > self.max_cache_length:
+            raise Error(t"is_cache_empty is true but row {row} has cache_length {cache_length}")
 
 
 @fieldwise_init
@@ -237,15 +293,12 @@ struct OpaqueContinuousCollection(TrivialRegisterPassable):
     var dtype: DType
     var is_cache_empty: Bool
 
-    def typed[dtype: DType](
-        self,
-    ) raises -> ContinuousBatchingKVCacheCollection[dtype]:
+    def typed[dtype: DType](self) raises -> ContinuousBatchingKVCacheCollection[dtype]:
         if self.dtype != dtype:
             raise Error(
-                t"the cache collection holds {self.dtype} but the op was given"
-                t" {dtype} tensors"
+                t"the cache collection holds {self.dtype} but the op was given {dtype} tensors"
             )
-        return ContinuousBatchingKVCacheCollection[dtype](self.geometry)
+        return ContinuousBatchingKVCacheCollection[dtype](self.geometry, ContinuousLayout())
 
 
 @fieldwise_init

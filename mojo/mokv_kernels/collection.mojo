@@ -6,12 +6,11 @@ operand; and the opaque per-layer cache (one layer's keys or values) that
 import extensibility
 from extensibility import InputTensor, OutputTensor, _MutableInputTensor
 from max.gpu.host import DeviceContext
-from max.gpu.host.info import is_cpu
 
-from .attention import attention_over
-from .bind import check_layer, continuous_collection
-from .cache import OpaqueContinuousCache, OpaqueContinuousCollection
-from .store import gather_from, gather_rows, store_kv_into
+from .attention.op import attention_on
+from .bind import bind_collection, check_layer
+from .cache import BatchSummary, OpaqueContinuousCache, OpaqueContinuousCollection
+from .store import gather_on, gather_rows_on, store_kv_on
 
 
 @extensibility.register("mokv.collection.continuous")
@@ -20,26 +19,27 @@ struct FetchContinuousCollection:
     opaque collection value."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
         is_cache_empty: Scalar[DType.bool],
         ctx: DeviceContext,
     ) raises -> OpaqueContinuousCollection:
-        comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
-        var typed = continuous_collection(blocks, cache_lengths, lookup_table)
-        return OpaqueContinuousCollection(
-            typed.geometry, dtype, Bool(is_cache_empty)
-        )
+        var typed = bind_collection(blocks, cache_lengths, lookup_table)
+        return OpaqueContinuousCollection(typed.geometry, dtype, Bool(is_cache_empty))
 
 
 @extensibility.register("mokv.store_kv.continuous_collection")
 struct StoreKVContinuousCollection:
-    """`mokv.store_kv.continuous` taking the opaque collection."""
+    """`mokv.store_kv` taking the opaque collection."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         collection: OpaqueContinuousCollection,
         keys: InputTensor[dtype=dtype, rank=3, ...],
         values: InputTensor[dtype=dtype, rank=3, ...],
@@ -47,18 +47,19 @@ struct StoreKVContinuousCollection:
         layer_idx: UInt32,
         ctx: DeviceContext,
     ) raises:
-        comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
-        store_kv_into(
-            collection.typed[dtype](), layer_idx, keys, values, input_row_offsets
+        store_kv_on[target](
+            ctx, collection.typed[dtype](), layer_idx, keys, values, input_row_offsets
         )
 
 
 @extensibility.register("mokv.gather.continuous_collection")
 struct GatherContinuousCollection:
-    """`mokv.gather.continuous` taking the opaque collection."""
+    """`mokv.gather` taking the opaque collection."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         dest: OutputTensor[dtype=dtype, rank=3, ...],
         collection: OpaqueContinuousCollection,
         batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -67,18 +68,20 @@ struct GatherContinuousCollection:
         kv_idx: UInt32,
         ctx: DeviceContext,
     ) raises:
-        comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
-        gather_from(
-            collection.typed[dtype](), dest, layer_idx, kv_idx, batch_rows, positions
+        gather_on[target](
+            ctx, collection.typed[dtype](), dest, layer_idx, kv_idx, batch_rows, positions
         )
 
 
 @extensibility.register("mokv.attention.continuous_collection")
 struct AttentionContinuousCollection:
-    """`mokv.attention.continuous` taking the opaque collection."""
+    """`mokv.attention` taking the opaque collection, whose `is_cache_empty`
+    is the batch summary."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         output: OutputTensor[dtype=dtype, rank=3, ...],
         collection: OpaqueContinuousCollection,
         q: InputTensor[dtype=dtype, rank=3, ...],
@@ -88,10 +91,16 @@ struct AttentionContinuousCollection:
         sliding_window: UInt32,
         ctx: DeviceContext,
     ) raises:
-        comptime assert is_cpu[target](), "mokv's attention op runs on CPU only"
-        attention_over(
-            collection.typed[dtype](), output, q, input_row_offsets, layer_idx,
-            scale, sliding_window,
+        attention_on[target](
+            ctx,
+            collection.typed[dtype](),
+            BatchSummary.of_is_cache_empty(collection.is_cache_empty),
+            output,
+            q,
+            input_row_offsets,
+            layer_idx,
+            scale,
+            sliding_window,
         )
 
 
@@ -101,13 +110,14 @@ struct GetContinuousCache:
     as an opaque per-layer cache value."""
 
     @staticmethod
-    def execute[target: StaticString](
+    def execute[
+        target: StaticString
+    ](
         collection: OpaqueContinuousCollection,
         layer_idx: UInt32,
         kv_idx: UInt32,
         ctx: DeviceContext,
     ) raises -> OpaqueContinuousCache:
-        comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
         check_layer(Int(layer_idx), collection.geometry.num_layers)
         if kv_idx > 1:
             raise Error(t"kv_idx must be 0 (keys) or 1 (values), got {kv_idx}")
@@ -116,15 +126,16 @@ struct GetContinuousCache:
 
 @extensibility.register("mokv.gather.continuous_cache")
 struct GatherContinuousCache:
-    """`mokv.gather.continuous` reading one opaque per-layer cache."""
+    """`mokv.gather` reading one opaque per-layer cache."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, target: StaticString
+    ](
         dest: OutputTensor[dtype=dtype, rank=3, ...],
         cache: OpaqueContinuousCache,
         batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
         positions: InputTensor[dtype=DType.uint32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
-        gather_rows(cache.typed[dtype](), dest, batch_rows, positions)
+        gather_rows_on[target](ctx, cache.typed[dtype](), dest, batch_rows, positions)

@@ -8,17 +8,20 @@ from max.gpu.host.info import is_cpu
 from std.memory import unsafe_memcpy
 
 from .bind import (
+    bind_collection,
     check_layer,
     check_row_offsets,
     check_rows,
     check_token_range,
-    continuous_collection,
-    paged_collection,
 )
-from .cache import KVCacheT, KVCollectionT, U32Ptr
+from .cache import KVCacheT, KVCollectionT
+from .gpu.block import GpuLauncher
+from .gpu.rows import gather_gpu, gather_rows_gpu, store_kv_gpu
 
 
-def store_rows[cache_t: KVCacheT](
+def store_rows[
+    cache_t: KVCacheT
+](
     k_cache: cache_t,
     v_cache: cache_t,
     keys: InputTensor[dtype=cache_t.dtype, rank=3, ...],
@@ -34,9 +37,7 @@ def store_rows[cache_t: KVCacheT](
     var batch = k_cache.batch_size()
     check_row_offsets(row_offsets, batch, keys.dim_size(0))
     if values.dim_size(0) != keys.dim_size(0):
-        raise Error(
-            t"values have {values.dim_size(0)} tokens but keys have {keys.dim_size(0)}"
-        )
+        raise Error(t"values have {values.dim_size(0)} tokens but keys have {keys.dim_size(0)}")
     var offsets = row_offsets.unsafe_ptr()
     for bs in range(batch):
         var start = Int(offsets[unsafe_offset=bs])
@@ -68,7 +69,9 @@ def store_rows[cache_t: KVCacheT](
             done += run
 
 
-def gather_rows[cache_t: KVCacheT](
+def gather_rows[
+    cache_t: KVCacheT
+](
     cache: cache_t,
     dest: OutputTensor[dtype=cache_t.dtype, rank=3, ...],
     batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -88,14 +91,14 @@ def gather_rows[cache_t: KVCacheT](
     for i in range(n):
         unsafe_memcpy(
             dest=dst.unsafe_offset(i * row),
-            src=cache.row_ptr(
-                Int(rows[unsafe_offset=i]), Int(pos[unsafe_offset=i])
-            ),
+            src=cache.row_ptr(Int(rows[unsafe_offset=i]), Int(pos[unsafe_offset=i])),
             count=row,
         )
 
 
-def store_kv_into[collection_t: KVCollectionT](
+def store_kv_into[
+    collection_t: KVCollectionT
+](
     collection: collection_t,
     layer_idx: UInt32,
     keys: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
@@ -113,48 +116,50 @@ def store_kv_into[collection_t: KVCollectionT](
     )
 
 
-@extensibility.register("mokv.store_kv.paged")
-struct StoreKVPaged:
-    """Stores a ragged batch's new K and V of one layer into a paged cache."""
+def store_kv_on[
+    target: StaticString, collection_t: KVCollectionT
+](
+    ctx: DeviceContext,
+    collection: collection_t,
+    layer_idx: UInt32,
+    keys: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    values: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+) raises:
+    """`mokv.store_kv` on the op's target: the CPU path, or the GPU kernel
+    launched on `ctx` (`gpu.rows`)."""
+    comptime if is_cpu[target]():
+        store_kv_into(collection, layer_idx, keys, values, row_offsets)
+    else:
+        var launcher = GpuLauncher(ctx)
+        store_kv_gpu(launcher, collection, layer_idx, keys, values, row_offsets)
+
+
+@extensibility.register("mokv.store_kv")
+struct StoreKV:
+    """Stores a ragged batch's new K and V of one layer into the cache, paged
+    or continuous-batching as the lookup table's rank says (`LayoutFor`)."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, table_rank: Int, target: StaticString
+    ](
         blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
-        lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
         keys: InputTensor[dtype=dtype, rank=3, ...],
         values: InputTensor[dtype=dtype, rank=3, ...],
         input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
         layer_idx: UInt32,
         ctx: DeviceContext,
     ) raises:
-        comptime assert is_cpu[target](), "mokv's store op runs on CPU only"
-        var collection = paged_collection(blocks, cache_lengths, lookup_table)
-        store_kv_into(collection, layer_idx, keys, values, input_row_offsets)
+        var collection = bind_collection(blocks, cache_lengths, lookup_table)
+        store_kv_on[target](ctx, collection, layer_idx, keys, values, input_row_offsets)
 
 
-@extensibility.register("mokv.store_kv.continuous")
-struct StoreKVContinuous:
-    """Stores a ragged batch's new K and V of one layer into a
-    continuous-batching cache."""
-
-    @staticmethod
-    def execute[dtype: DType, target: StaticString](
-        blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
-        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
-        lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
-        keys: InputTensor[dtype=dtype, rank=3, ...],
-        values: InputTensor[dtype=dtype, rank=3, ...],
-        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
-        layer_idx: UInt32,
-        ctx: DeviceContext,
-    ) raises:
-        comptime assert is_cpu[target](), "mokv's store op runs on CPU only"
-        var collection = continuous_collection(blocks, cache_lengths, lookup_table)
-        store_kv_into(collection, layer_idx, keys, values, input_row_offsets)
-
-
-def gather_from[collection_t: KVCollectionT](
+def gather_from[
+    collection_t: KVCollectionT
+](
     collection: collection_t,
     dest: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
     layer_idx: UInt32,
@@ -169,45 +174,61 @@ def gather_from[collection_t: KVCollectionT](
     gather_rows(collection.get_cache(layer, Int(kv_idx)), dest, batch_rows, positions)
 
 
-@extensibility.register("mokv.gather.paged")
-struct GatherPaged:
+def gather_on[
+    target: StaticString, collection_t: KVCollectionT
+](
+    ctx: DeviceContext,
+    collection: collection_t,
+    dest: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    layer_idx: UInt32,
+    kv_idx: UInt32,
+    batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
+    positions: InputTensor[dtype=DType.uint32, rank=1, ...],
+) raises:
+    """`mokv.gather` on the op's target (see `store_kv_on`)."""
+    comptime if is_cpu[target]():
+        gather_from(collection, dest, layer_idx, kv_idx, batch_rows, positions)
+    else:
+        var launcher = GpuLauncher(ctx)
+        gather_gpu(launcher, collection, dest, layer_idx, kv_idx, batch_rows, positions)
+
+
+def gather_rows_on[
+    target: StaticString, cache_t: KVCacheT
+](
+    ctx: DeviceContext,
+    cache: cache_t,
+    dest: OutputTensor[dtype=cache_t.dtype, rank=3, ...],
+    batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
+    positions: InputTensor[dtype=DType.uint32, rank=1, ...],
+) raises:
+    """`gather_rows` of one layer's cache on the op's target."""
+    comptime if is_cpu[target]():
+        gather_rows(cache, dest, batch_rows, positions)
+    else:
+        var launcher = GpuLauncher(ctx)
+        gather_rows_gpu(launcher, cache, dest, batch_rows, positions)
+
+
+@extensibility.register("mokv.gather")
+struct Gather:
     """Reads token rows `(batch_rows[i], positions[i])` of one layer's K or V
-    out of a paged cache into a dense `[n, n_kv_heads, head_dim]` tensor."""
+    out of the cache (either layout, as `mokv.store_kv`) into a dense
+    `[n, n_kv_heads, head_dim]` tensor."""
 
     @staticmethod
-    def execute[dtype: DType, target: StaticString](
+    def execute[
+        dtype: DType, table_rank: Int, target: StaticString
+    ](
         dest: OutputTensor[dtype=dtype, rank=3, ...],
         blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
-        lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
         batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
         positions: InputTensor[dtype=DType.uint32, rank=1, ...],
         layer_idx: UInt32,
         kv_idx: UInt32,
         ctx: DeviceContext,
     ) raises:
-        comptime assert is_cpu[target](), "mokv's gather op runs on CPU only"
-        var collection = paged_collection(blocks, cache_lengths, lookup_table)
-        gather_from(collection, dest, layer_idx, kv_idx, batch_rows, positions)
-
-
-@extensibility.register("mokv.gather.continuous")
-struct GatherContinuous:
-    """Reads token rows of one layer's K or V out of a continuous-batching
-    cache into a dense `[n, n_kv_heads, head_dim]` tensor."""
-
-    @staticmethod
-    def execute[dtype: DType, target: StaticString](
-        dest: OutputTensor[dtype=dtype, rank=3, ...],
-        blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
-        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
-        lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
-        batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
-        positions: InputTensor[dtype=DType.uint32, rank=1, ...],
-        layer_idx: UInt32,
-        kv_idx: UInt32,
-        ctx: DeviceContext,
-    ) raises:
-        comptime assert is_cpu[target](), "mokv's gather op runs on CPU only"
-        var collection = continuous_collection(blocks, cache_lengths, lookup_table)
-        gather_from(collection, dest, layer_idx, kv_idx, batch_rows, positions)
+        var collection = bind_collection(blocks, cache_lengths, lookup_table)
+        gather_on[target](ctx, collection, dest, layer_idx, kv_idx, batch_rows, positions)

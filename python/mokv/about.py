@@ -31,10 +31,7 @@ def _cache_origin() -> str:
 def _compiled_graphs() -> str:
     if os.environ.get(MODULAR_CACHE_ENV):
         return f"{os.environ[MODULAR_CACHE_ENV]} (from ${MODULAR_CACHE_ENV})"
-    return (
-        f"MAX's default, $XDG_CACHE_HOME/modular or ~/.cache/modular "
-        f"(the mokv command uses {compiled_graphs_dir()})"
-    )
+    return f"MAX's default, $XDG_CACHE_HOME/modular or ~/.cache/modular (the mokv command uses {compiled_graphs_dir()})"
 
 
 def report() -> str:
@@ -44,12 +41,14 @@ def report() -> str:
         compiler = mojo_compiler()
     except RuntimeError as missing:
         compiler = str(missing)
-    return "\n".join([
-        f"mokv {installed_version('mokv')} ({Path(__file__).parent})",
-        f"MAX {installed_version('max')}",
-        f"Mojo {installed_version('mojo')} (compiler: {compiler})",
-        f"kernel sources: {kernel_sources_root()} ({', '.join(kernel_source_names())})",
-        f"mokv cache: {cache_dir()} ({_cache_origin()})",
-        f"  precompiled kernels: {precompiled_kernels_dir()}",
-        f"compiled graphs: {_compiled_graphs()}",
-    ])
+    return "\n".join(
+        [
+            f"mokv {installed_version('mokv')} ({Path(__file__).parent})",
+            f"MAX {installed_version('max')}",
+            f"Mojo {installed_version('mojo')} (compiler: {compiler})",
+            f"kernel sources: {kernel_sources_root()} ({', '.join(kernel_source_names())})",
+            f"mokv cache: {cache_dir()} ({_cache_origin()})",
+            f"  precompiled kernels: {precompiled_kernels_dir()}",
+            f"compiled graphs: {_compiled_graphs()}",
+        ]
+    )

@@ -93,10 +93,7 @@ class ReplicatedKVCacheMemory(KVCacheMemory):
         for i, peer in enumerate(self.peers):
             _check_page_view(peer, f"peer {i}")
             if peer.shape != self.buffer.shape:
-                raise ValueError(
-                    f"peer {i} has shape {tuple(peer.shape)}, "
-                    f"the root has {tuple(self.buffer.shape)}"
-                )
+                raise ValueError(f"peer {i} has shape {tuple(peer.shape)}, the root has {tuple(self.buffer.shape)}")
 
     @property
     def copies(self) -> list[Buffer]:
@@ -148,22 +145,15 @@ class KVCacheBuffer:
                 f"{self.values[0].shape[0]} pages to requests"
             )
         if self.replicates_kv_across_tp and len(self.values) < 2:
-            raise ValueError(
-                f"replicates_kv_across_tp=True needs at least 2 TP shards, got {len(self.values)}"
-            )
+            raise ValueError(f"replicates_kv_across_tp=True needs at least 2 TP shards, got {len(self.values)}")
         _check_uniform(self.values, "values")
         if self.scales is None:
             return
         if len(self.scales) != len(self.values):
-            raise ValueError(
-                f"scales has {len(self.scales)} buffers, values has {len(self.values)}"
-            )
+            raise ValueError(f"scales has {len(self.scales)} buffers, values has {len(self.values)}")
         _check_uniform(self.scales, "scales")
         if self.scales[0].shape[0] != self.values[0].shape[0]:
-            raise ValueError(
-                f"scales have {self.scales[0].shape[0]} pages, "
-                f"values have {self.values[0].shape[0]}"
-            )
+            raise ValueError(f"scales have {self.scales[0].shape[0]} pages, values have {self.values[0].shape[0]}")
         for i, (value, scale) in enumerate(zip(self.values, self.scales, strict=True)):
             if value.device != scale.device:
                 raise ValueError(f"shard {i}: values on {value.device}, scales on {scale.device}")

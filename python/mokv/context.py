@@ -144,9 +144,7 @@ class TextContext:
     def update(self, token: int) -> None:
         """Appends a generated token; the tokens just run now count as cached."""
         if self.max_length is not None and self._length >= self.max_length:
-            raise ValueError(
-                f"request {self.request_id!r} is already at max_length={self.max_length}"
-            )
+            raise ValueError(f"request {self.request_id!r} is already at max_length={self.max_length}")
         if self._length == self._buf.size:
             grown = np.empty(2 * self._buf.size, dtype=np.int64)
             grown[: self._length] = self._buf[: self._length]

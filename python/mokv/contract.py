@@ -56,6 +56,7 @@ class InputSpec:
 
 _PARAM_DIMS = ("num_layers", "n_kv_heads_per_device", "head_dim")
 
+
 def _blocks(slots: str, slot_len: str, slot_meaning: str) -> InputSpec:
     return InputSpec(
         "blocks",
@@ -223,5 +224,7 @@ def cache_input_types(
     same tree shape, so `.flatten()` gives `Graph(input_types=...)`. Heads are
     per device (`n_kv_heads_per_device`), as the buffers are allocated."""
     if isinstance(params, MultiKVCacheParams):
-        return MultiKVCacheInputs({name: cache_input_types(child, page_size) for name, child in params.children.items()})
+        return MultiKVCacheInputs(
+            {name: cache_input_types(child, page_size) for name, child in params.children.items()}
+        )
     return KVCacheInputs([paged_input_types(params, page_size, ref) for ref in params.devices])

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Self
+
+
+class Counters:
+    """A dataclass of counters that sum field by field (to aggregate replicas)."""
+
+    def __add__(self, other: Self) -> Self:
+        if type(other) is not type(self):
+            return NotImplemented
+        return type(self)(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})  # type: ignore[arg-type]
 
 
 @dataclass
-class KVCacheMetrics:
+class KVCacheMetrics(Counters):
     """Token and transfer counters of one replica (or, summed, of a manager)."""
 
     input_tokens: int = 0
@@ -31,11 +41,3 @@ class KVCacheMetrics:
         """Share of `prompt_tokens` served from cache (0.0 when nothing ran)."""
         total = self.prompt_tokens
         return self.cache_tokens / total if total else 0.0
-
-    def __add__(self, other: KVCacheMetrics) -> KVCacheMetrics:
-        """Field-wise sum, used to aggregate replicas."""
-        if not isinstance(other, KVCacheMetrics):
-            return NotImplemented
-        return KVCacheMetrics(
-            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
-        )

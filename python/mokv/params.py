@@ -14,7 +14,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any, TypeAlias
 
 from max.dtype import DType
@@ -28,7 +28,7 @@ SINGLE_CACHE = "cache"
 """The leaf name of a lone `KVCacheParams` in `leaves()`."""
 
 
-class KVCacheStrategy(str, Enum):
+class KVCacheStrategy(StrEnum):
     """How cache memory is laid out and handed to requests."""
 
     PAGED = "paged"
@@ -70,9 +70,7 @@ class KVCacheParams:
             strategy = KVCacheStrategy(self.cache_strategy)
         except ValueError:
             choices = ", ".join(s.value for s in KVCacheStrategy)
-            raise ValueError(
-                f"cache_strategy must be one of {choices}, got {self.cache_strategy!r}"
-            ) from None
+            raise ValueError(f"cache_strategy must be one of {choices}, got {self.cache_strategy!r}") from None
         object.__setattr__(self, "cache_strategy", strategy)
         if isinstance(self.devices, (str, DeviceRef)) or not isinstance(self.devices, Iterable):
             raise TypeError(f"devices must be a sequence of max.graph.DeviceRef, got {self.devices!r}")
@@ -117,13 +115,7 @@ class KVCacheParams:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token's keys and values take on one device, all layers."""
-        return (
-            2
-            * self.num_layers
-            * self.n_kv_heads_per_device
-            * self.head_dim
-            * self.dtype.size_in_bytes
-        )
+        return 2 * self.num_layers * self.n_kv_heads_per_device * self.head_dim * self.dtype.size_in_bytes
 
     @property
     def bytes_per_page(self) -> int:
@@ -176,8 +168,7 @@ def _check_swap_space(params: KVCacheParams | MultiKVCacheParams) -> None:
         return
     if not params.enable_prefix_caching:
         raise ValueError(
-            "enable_kvcache_swapping_to_host only keeps prefix-cached blocks, "
-            "so it needs enable_prefix_caching=True"
+            "enable_kvcache_swapping_to_host only keeps prefix-cached blocks, so it needs enable_prefix_caching=True"
         )
 
 
@@ -362,9 +353,7 @@ def from_max(params: Any) -> AnyKVCacheParams:
     if isinstance(params, max_kv.MultiKVCacheParams):
         return MultiKVCacheParams({name: from_max(child) for name, child in params.children.items()})
     if not isinstance(params, max_kv.MHAKVCacheParams) or isinstance(params, max_kv.MLAKVCacheParams):
-        raise TypeError(
-            f"mokv converts MAX's MHAKVCacheParams and MultiKVCacheParams, got {type(params).__name__}"
-        )
+        raise TypeError(f"mokv converts MAX's MHAKVCacheParams and MultiKVCacheParams, got {type(params).__name__}")
     for f in dataclasses.fields(params):
         if f.name in _FROM_MAX or f.name == "enable_prefix_caching" or f.name in _HARMLESS:
             continue

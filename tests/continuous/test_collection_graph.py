@@ -63,7 +63,7 @@ def _paged_copy(blocks: np.ndarray, slots: list[int], lengths: list[int], rng) -
     paged = np.zeros((num_pages + 1, *blocks.shape[1:3], PAGE_SIZE, *blocks.shape[4:]), blocks.dtype)
     lookup = np.full((len(slots), max(1, *pages_per_row)), num_pages, np.uint32)
     page_ids = iter(rng.permutation(num_pages))
-    for row, (slot, n_pages) in enumerate(zip(slots, pages_per_row)):
+    for row, (slot, n_pages) in enumerate(zip(slots, pages_per_row, strict=True)):
         for j in range(n_pages):
             page = next(page_ids)
             lookup[row, j] = page
@@ -72,10 +72,17 @@ def _paged_copy(blocks: np.ndarray, slots: list[int], lengths: list[int], rng) -
 
 
 def _paged_attention(model, blocks, cache_lengths, lookup, q, offsets) -> np.ndarray:
+    new = np.diff(offsets)
+    max_lengths = np.array([[new.max(), (cache_lengths + new).max()]], np.uint32)
     (out,) = model.execute(
-        Buffer.from_numpy(blocks), Buffer.from_numpy(cache_lengths), Buffer.from_numpy(lookup),
-        Buffer.from_numpy(np.zeros((1, 2), np.uint32)), Buffer.from_numpy(q), Buffer.from_numpy(offsets),
-        Buffer.from_numpy(np.array(LAYER, np.uint32)), Buffer.from_numpy(np.array(SCALE, np.float32)),
+        Buffer.from_numpy(blocks),
+        Buffer.from_numpy(cache_lengths),
+        Buffer.from_numpy(lookup),
+        Buffer.from_numpy(max_lengths),
+        Buffer.from_numpy(q),
+        Buffer.from_numpy(offsets),
+        Buffer.from_numpy(np.array(LAYER, np.uint32)),
+        Buffer.from_numpy(np.array(SCALE, np.float32)),
         Buffer.from_numpy(np.array(0, np.uint32)),
     )
     return out.to_numpy()
@@ -95,7 +102,7 @@ def test_multistep_store_and_attention_match_numpy_and_paged(collection_model, a
     new_counts = new_counts[[2, 0, 1]]
     slots = np.array(order, np.uint32)
     expected = manager.blocks[0].to_numpy().copy()
-    lengths = {s: 0 for s in seqs}
+    lengths = dict.fromkeys(seqs, 0)
     inputs = manager.fetch(order)
     assert inputs[0][3].item() is True
     for _ in range(4):
@@ -106,12 +113,17 @@ def test_multistep_store_and_attention_match_numpy_and_paged(collection_model, a
         cache_lengths = np.array([lengths[s] for s in order], np.uint32)
         np.testing.assert_array_equal(inputs[0][1].to_numpy(), cache_lengths)
         ref.store(expected, LAYER, keys, values, offsets, cache_lengths, slots)
-        for s, n in zip(order, new_counts):
+        for s, n in zip(order, new_counts, strict=True):
             lengths[s] += int(n)
         rows, positions = _all_cached(lengths, order)
         got_k, got_v, got_attention, layer_k, layer_v = collection_model.execute(
-            *inputs[0], Buffer.from_numpy(keys), Buffer.from_numpy(values), Buffer.from_numpy(offsets),
-            Buffer.from_numpy(rows), Buffer.from_numpy(positions), Buffer.from_numpy(q),
+            *inputs[0],
+            Buffer.from_numpy(keys),
+            Buffer.from_numpy(values),
+            Buffer.from_numpy(offsets),
+            Buffer.from_numpy(rows),
+            Buffer.from_numpy(positions),
+            Buffer.from_numpy(q),
         )
         np.testing.assert_array_equal(manager.blocks[0].to_numpy(), expected)
         np.testing.assert_array_equal(got_k.to_numpy(), ref.gather(expected, LAYER, 0, slots, rows, positions))
@@ -123,7 +135,7 @@ def test_multistep_store_and_attention_match_numpy_and_paged(collection_model, a
         paged, lookup = _paged_copy(expected, order, [lengths[s] for s in order], rng)
         paged_out = _paged_attention(paged_model, paged, cache_lengths, lookup, q, offsets)
         np.testing.assert_allclose(got_attention.to_numpy(), paged_out, atol=1e-6, rtol=1e-6)
-        for c, n in zip(contexts, new_counts):
+        for c, n in zip(contexts, new_counts, strict=True):
             if n:
                 c.update(0)
         manager.step([contexts])
@@ -146,8 +158,12 @@ def test_reused_slot_starts_empty(collection_model, session):
         rows, positions = np.zeros(n, np.uint32), np.arange(n, dtype=np.uint32)
         queries = np.zeros((n, N_Q_HEADS, 8), np.float32)
         got_k, *_ = collection_model.execute(
-            *manager.fetch([seq])[0], Buffer.from_numpy(keys), Buffer.from_numpy(keys),
-            Buffer.from_numpy(offsets), Buffer.from_numpy(rows), Buffer.from_numpy(positions),
+            *manager.fetch([seq])[0],
+            Buffer.from_numpy(keys),
+            Buffer.from_numpy(keys),
+            Buffer.from_numpy(offsets),
+            Buffer.from_numpy(rows),
+            Buffer.from_numpy(positions),
             Buffer.from_numpy(queries),
         )
         ctx = TextContext(request_id, np.zeros(n, np.int64))
@@ -159,7 +175,7 @@ def test_reused_slot_starts_empty(collection_model, session):
     manager.release("old")
     new = manager.claim("new")
     assert new == old and manager.cache_length("new") == 0
-    (_, lengths, _, empty), = manager.fetch([new, other])
+    ((_, lengths, _, empty),) = manager.fetch([new, other])
     assert lengths.to_numpy().tolist() == [0, 0] and empty.item() is True
     fresh = prefill("new", 4)
     # The new sequence's first tokens land at positions 0..3 of the reused slot.

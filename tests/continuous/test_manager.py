@@ -73,7 +73,8 @@ def _claim(manager, request_id, tokens):
 
 
 def test_fetch_reports_lengths_slots_and_emptiness(manager):
-    a, b = _claim(manager, "a", range(5)), _claim(manager, "b", [7])
+    a = _claim(manager, "a", range(5))
+    _claim(manager, "b", [7])
     sa, sb = manager.slot_of("a"), manager.slot_of("b")
     ((blocks, lengths, lookup, empty),) = manager.fetch([sb, sa])
     assert blocks is manager.blocks[0]
@@ -125,7 +126,7 @@ def test_alloc_past_max_seq_len_raises(manager):
 
 
 def test_devices_must_match_the_params(session):
-    with pytest.raises(ValueError, match="devices has 2 entries but params.devices has 1"):
+    with pytest.raises(ValueError, match=r"devices has 2 entries but params.devices has 1"):
         ContinuousBatchingKVCacheManager(PARAMS, 4, 32, 2, [CPU(), CPU()], session)
 
 

@@ -20,7 +20,9 @@ def test_sources_at_a_revision_are_git_s_files(tmp_path: Path):
     repo, kernels = kernels_checkout()
     tracked = subprocess.run(
         ["git", "-C", str(repo), "ls-files", "--", kernels],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     written = sorted(p.relative_to(tmp_path).as_posix() for p in folder.rglob("*") if p.is_file())
     assert written == sorted(tracked)
@@ -35,8 +37,18 @@ def test_same_kernels_give_identical_outputs(tmp_path: Path):
     same_sources = _source_digest(kernel_sources_at("HEAD", tmp_path / "src")) == _source_digest(kernel_source_dir())
     result = CliRunner().invoke(
         main,
-        ["bench", "kernels", "--against", "HEAD", "--only", "decode-float32-9x3x64-page16-b1-ctx512",
-         "--seconds", "0.2", "--out", str(tmp_path / "out")],
+        [
+            "bench",
+            "kernels",
+            "--against",
+            "HEAD",
+            "--only",
+            "decode-float32-9x3x64-page16-b1-ctx512",
+            "--seconds",
+            "0.2",
+            "--out",
+            str(tmp_path / "out"),
+        ],
     )
     assert result.exit_code == 0, result.output
     (row,) = json.loads((tmp_path / "out" / "kernels.json").read_text())

@@ -48,7 +48,9 @@ class StandInModel:
         starts, ends = row_offsets[:-1].astype(int), row_offsets[1:].astype(int)
         assert (ends > starts).all(), "every scheduled row has new tokens"
         np.testing.assert_array_equal(positions[starts], cache_lengths)
-        np.testing.assert_array_equal(np.diff(positions)[np.diff(np.repeat(np.arange(len(starts)), ends - starts)) == 0], 1)
+        np.testing.assert_array_equal(
+            np.diff(positions)[np.diff(np.repeat(np.arange(len(starts)), ends - starts)) == 0], 1
+        )
         for b, end in enumerate(ends):
             pages_touched = -(-(int(positions[end - 1]) + 1) // self.page_size)
             assert (lookup[b, :pages_touched] != self.null_page).all()
@@ -72,7 +74,11 @@ def test_every_request_matches_its_reference_loop(page_size, num_pages, token_bu
         np.concatenate([shared[: rng.integers(0, 13)], rng.integers(8, VOCAB, rng.integers(1, 21))]) for _ in range(8)
     ]
     params = KVCacheParams(
-        dtype=DType.float32, n_kv_heads=1, head_dim=8, num_layers=1, page_size=page_size,
+        dtype=DType.float32,
+        n_kv_heads=1,
+        head_dim=8,
+        num_layers=1,
+        page_size=page_size,
         enable_prefix_caching=prefix_caching,
     )
     manager = PagedKVCacheManager(params, None, num_pages, max_batch_size=8, enable_runtime_checks=True)

@@ -14,9 +14,9 @@ from std.memory import bitcast
 from std.sys import argv, size_of
 from std.utils import IndexList
 
-from mokv_kernels.bind import continuous_collection, paged_collection
-from mokv_kernels.cache import KVCollectionT
-from mokv_kernels.gpu.attention import BatchBounds, attention_gpu
+from mokv_kernels.bind import bind_collection
+from mokv_kernels.cache import BatchSummary, KVCollectionT
+from mokv_kernels.gpu.attention import attention_gpu
 from mokv_kernels.gpu.block import Emulator
 from mokv_kernels.gpu.rows import gather_gpu, store_kv_gpu
 from mokv_kernels.gpu.views import InputView, MutableView, OutputView, row_major
@@ -111,7 +111,9 @@ def _run_op[
         var out = List[UInt8](length=shape.flattened_length() * size_of[Scalar[dtype]](), fill=0xFF)
         var output = OutputView[dtype, 3](_ptr[dtype](out), shape, row_major(shape))
         var scale = bitcast[DType.float32](UInt32(call.int("scale_bits")))
-        var bounds = BatchBounds(call.int("max_new_tokens"), call.int("max_context"))
+        var summary = BatchSummary.of_max_lengths(
+            call.int("max_new_tokens"), call.int("max_context")
+        )
         var offsets = _vector(call, offsets_bytes, "row_offsets")
         attention_gpu(
             emulator,
@@ -122,7 +124,7 @@ def _run_op[
             layer,
             scale,
             UInt32(call.int("window")),
-            bounds,
+            summary,
         )
         call.write("out", out)
         _ = q_bytes^
@@ -152,10 +154,10 @@ def _run[dtype: DType](call: Call) raises:
         var lookup = InputView[DType.uint32, 2](
             table, IndexList[2](batch, width), IndexList[2](width, 1)
         )
-        _run_op(call, paged_collection(blocks, lengths, lookup), blocks_bytes)
+        _run_op(call, bind_collection(blocks, lengths, lookup), blocks_bytes)
     else:
         var lookup = InputView[DType.uint32, 1](table, IndexList[1](batch), IndexList[1](1))
-        _run_op(call, continuous_collection(blocks, lengths, lookup), blocks_bytes)
+        _run_op(call, bind_collection(blocks, lengths, lookup), blocks_bytes)
     _ = lengths_bytes^
     _ = table_bytes^
 

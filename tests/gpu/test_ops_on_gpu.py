@@ -35,9 +35,7 @@ def gpu_store_gather(gpu_session: InferenceSession, gpu_ref: DeviceRef, kernels)
 
 @pytest.fixture(scope="session")
 def gpu_attention(gpu_session: InferenceSession, gpu_ref: DeviceRef, kernels):
-    return compiled_per_key(
-        gpu_session, lambda layout, dtype: build_attention_graph(layout, dtype, kernels, gpu_ref)
-    )
+    return compiled_per_key(gpu_session, lambda layout, dtype: build_attention_graph(layout, dtype, kernels, gpu_ref))
 
 
 def _host_summary(layout: str, cache_lengths: np.ndarray, row_offsets: np.ndarray) -> Buffer:

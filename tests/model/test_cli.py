@@ -35,7 +35,7 @@ def test_generate_json_matches_tokenizer_and_greedy_reference(cli, tmp_path, smo
     assert result.exit_code == 0, result.output
     run = json.loads(out.read_text())
     assert [r["prompt"] for r in run["requests"]] == PROMPTS
-    for prompt, request in zip(PROMPTS, run["requests"]):
+    for prompt, request in zip(PROMPTS, run["requests"], strict=True):
         ids = smollm2_tokenizer.encode_chat([{"role": "user", "content": prompt}])
         assert request["prompt_token_ids"] == ids.tolist()
         assert request["token_ids"] == dense_greedy(ids, NEW_TOKENS)

@@ -60,7 +60,7 @@ def test_paged_logits_match_dense(paged_smollm2, dense_smollm2, prompts, smollm2
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_batched_greedy_matches_dense(paged_smollm2, prompts, reference, page_size, prefix_caching):
     got = _generate(paged_smollm2, prompts, page_size=page_size, enable_prefix_caching=prefix_caching)
-    for prompt, tokens in zip(prompts, got):
+    for prompt, tokens in zip(prompts, got, strict=True):
         assert len(tokens) >= min(NEW_TOKENS, len(reference(prompt)))
         assert tokens == reference(prompt)
 
@@ -88,7 +88,9 @@ def test_chunked_prefill_and_preemption_match_dense(paged_smollm2, prompts, refe
     requests, stats, _ = generate(
         paged_smollm2,
         prompts,
-        GenerationConfig(max_new_tokens=NEW_TOKENS, page_size=16, num_pages=9, token_budget=24, enable_prefix_caching=False),
+        GenerationConfig(
+            max_new_tokens=NEW_TOKENS, page_size=16, num_pages=9, token_budget=24, enable_prefix_caching=False
+        ),
     )
     assert stats.preemptions > 0
     assert [r.generated for r in requests] == [reference(p) for p in prompts]

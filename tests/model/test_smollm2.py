@@ -37,7 +37,7 @@ def _greedy_dense(
     for _ in range(max_new_tokens):
         next_ids = _logits(model, [sequences[i] for i in active], context_length).argmax(axis=1)
         still_active = []
-        for i, token in zip(active, next_ids.tolist()):
+        for i, token in zip(active, next_ids.tolist(), strict=True):
             if token in stop_ids:
                 continue
             sequences[i] = np.append(sequences[i], token)
@@ -51,7 +51,7 @@ def _greedy_dense(
 
 def test_missing_wheel_error_names_fetch_command(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(model_files.CACHE_ENV, str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="mokv_graphs.model_files fetch"):
+    with pytest.raises(FileNotFoundError, match=r"mokv_graphs\.model_files fetch"):
         model_files.smollm2_gguf_path()
 
 
@@ -72,8 +72,14 @@ def test_unpermute_inverts_the_converter_permutation() -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["Hello world", "  leading spaces\tand\ttabs\n\nnewlines ", "Prices: 12,345.67 €, 2024-01-31",
-     "naïve café — 日本語のテキスト 😀🚀", "<|im_start|>user\nhi<|im_end|>\n", "def f(x):\n    return x**2"],
+    [
+        "Hello world",
+        "  leading spaces\tand\ttabs\n\nnewlines ",
+        "Prices: 12,345.67 €, 2024-01-31",
+        "naïve café — 日本語のテキスト 😀🚀",
+        "<|im_start|>user\nhi<|im_end|>\n",
+        "def f(x):\n    return x**2",
+    ],
 )
 def test_tokenizer_round_trips(smollm2_tokenizer: GGUFTokenizer, text: str) -> None:
     ids = smollm2_tokenizer.encode(text)
@@ -120,11 +126,14 @@ def test_dense_graph_matches_numpy_reference(
 ) -> None:
     """Last-token logits of a 3-sequence ragged batch (37, 4 and 1 tokens) against the float64
     numpy forward of each sequence alone."""
-    chunks = [smollm2_tokenizer.encode_chat(FRANCE), smollm2_tokenizer.encode("The quick brown fox"),
-              np.array([1], np.int64)]
+    chunks = [
+        smollm2_tokenizer.encode_chat(FRANCE),
+        smollm2_tokenizer.encode("The quick brown fox"),
+        np.array([1], np.int64),
+    ]
     logits = _logits(dense_smollm2, chunks, smollm2.config.context_length)
     assert logits.shape == (3, smollm2.config.vocab_size) and logits.dtype == np.float32
-    for row, chunk in zip(logits, chunks):
+    for row, chunk in zip(logits, chunks, strict=True):
         expected = numpy_llama_logits(smollm2, chunk)[-1]
         np.testing.assert_allclose(row, expected, rtol=0, atol=LOGIT_RTOL_OF_MAX * np.abs(expected).max())
         assert row.argmax() == expected.argmax()
@@ -146,8 +155,8 @@ def test_greedy_generation_answers_in_english(
     tok = smollm2_tokenizer
     prompts = [tok.encode_chat(FRANCE), tok.encode_chat([{"role": "user", "content": "What is 2 + 2?"}])]
     france, arithmetic = (
-        tok.decode(ids) for ids in
-        _greedy_dense(dense_smollm2, prompts, tok.stop_token_ids, 24, smollm2.config.context_length)
+        tok.decode(ids)
+        for ids in _greedy_dense(dense_smollm2, prompts, tok.stop_token_ids, 24, smollm2.config.context_length)
     )
     assert "Paris" in france
     assert "4" in arithmetic

@@ -106,17 +106,27 @@ def _to_numpy(out: Buffer, dtype: DType) -> np.ndarray:
     return out.to_numpy()
 
 
-def run_mokv(model: Model, b: Batch, layer: int, scale: float, window: int = 0) -> np.ndarray:
-    last = (
-        Buffer.from_numpy(np.zeros((1, 2), np.uint32))
-        if b.layout == "paged"
-        else Buffer.scalar(not b.cache_lengths.any(), DType.bool)
-    )
+def batch_summary(b: Batch) -> np.ndarray | bool:
+    """The cache's fourth input for `b`, exact, as the managers build it: paged
+    `max_lengths` (most new tokens of a row, longest context including them),
+    or continuous batching's `is_cache_empty`."""
+    new = np.diff(b.row_offsets)
+    if b.layout == "paged":
+        return np.array([[new.max(initial=0), (b.cache_lengths + new).max(initial=0)]], np.uint32)
+    return not b.cache_lengths.any()
+
+
+def run_mokv(
+    model: Model, b: Batch, layer: int, scale: float, window: int = 0, summary: np.ndarray | bool | None = None
+) -> np.ndarray:
+    """Runs the attention graph on `b`, with `summary` (default: the exact one)
+    as the cache's fourth input."""
+    summary = batch_summary(b) if summary is None else summary
     (out,) = model.execute(
         _buffer(b.blocks, b.dtype),
         Buffer.from_numpy(b.cache_lengths),
         Buffer.from_numpy(b.lookup_table),
-        last,
+        Buffer.from_numpy(summary) if b.layout == "paged" else Buffer.scalar(summary, DType.bool),
         _buffer(b.q, b.dtype),
         Buffer.from_numpy(b.row_offsets),
         Buffer.from_numpy(np.array(layer, np.uint32)),
@@ -127,9 +137,7 @@ def run_mokv(model: Model, b: Batch, layer: int, scale: float, window: int = 0) 
 
 
 def expected(b: Batch, layer: int, scale: float, window: int = 0) -> np.ndarray:
-    return reference_attention(
-        b.blocks, layer, b.q, b.row_offsets, b.cache_lengths, b.lookup_table, scale, window
-    )
+    return reference_attention(b.blocks, layer, b.q, b.row_offsets, b.cache_lengths, b.lookup_table, scale, window)
 
 
 def assert_close(actual: np.ndarray, desired: np.ndarray, dtype: DType, tolerance=TOLERANCE) -> None:
@@ -266,6 +274,62 @@ def test_rejects_bad_layer(attention_graph):
         run_mokv(attention_graph("paged", DType.float32), b, NUM_LAYERS, 0.125)
 
 
+def _two_row_batch(layout: str) -> Batch:
+    """Row 0: 10 cached tokens and 1 new; row 1: 5 cached and 3 new."""
+    return make_batch(np.random.default_rng(6), layout, DType.float32, [(10, 1), (5, 3)], 4, 2, 64, 16)
+
+
+@pytest.mark.parametrize(
+    ("max_lengths", "message"),
+    [
+        ([[2, 100]], r"row 1 has 3 new tokens but max_lengths\[0, 0\] is 2"),
+        ([[3, 10]], r"row 0 has 10 cached \+ 1 new = 11 tokens but max_lengths\[0, 1\] is 10"),
+        (np.zeros((0, 2)), r"max_lengths has shape \[0, 2\], not \[num_steps >= 1, 2\]"),
+    ],
+    ids=["new-tokens", "context", "no-rows"],
+)
+def test_rejects_batch_beyond_max_lengths(max_lengths, message, attention_graph):
+    b = _two_row_batch("paged")
+    with pytest.raises(ValueError, match=message):
+        run_mokv(attention_graph("paged", DType.float32), b, 0, 0.125, summary=np.array(max_lengths, np.uint32))
+
+
+def test_rejects_cached_rows_when_is_cache_empty(attention_graph):
+    b = _two_row_batch("continuous")
+    with pytest.raises(ValueError, match="is_cache_empty is true but row 0 has cache_length 10"):
+        run_mokv(attention_graph("continuous", DType.float32), b, 0, 0.125, summary=True)
+
+
+def test_fresh_prompts_with_is_cache_empty(attention_graph):
+    rng = np.random.default_rng(8)
+    b = make_batch(rng, "continuous", DType.float32, [(0, 20), (0, 1), (0, 0), (0, 7)], 6, 3, 64, 64)
+    assert batch_summary(b) is True
+    out = run_mokv(attention_graph("continuous", DType.float32), b, 1, 0.125)
+    assert_close(out, expected(b, 1, 0.125), DType.float32)
+
+
+@pytest.mark.parametrize(
+    ("rows", "max_lengths"),
+    [
+        ([(40, 1), (300, 1), (7, 0), (0, 1)], [[16, 4096]]),
+        ([(2000, 1), (100, 30), (3, 0)], [[64, 8192], [1, 8193]]),
+    ],
+    ids=["short-decode", "long-mixed"],
+)
+def test_upper_bounds_in_max_lengths_change_nothing(rows, max_lengths, attention_graph):
+    """`max_lengths` may hold upper bounds (`BatchCharacteristics`) and rows
+    for later steps. The planner passes that exact bounds let it skip (no
+    prefill rows when at most one token is new, no splits when no context
+    exceeds `MIN_SPLIT`) must not change a bit of the output."""
+    rng = np.random.default_rng(len(rows))
+    b = make_batch(rng, "paged", DType.float32, rows, 8, 2, 64, 16)
+    model = attention_graph("paged", DType.float32)
+    exact = run_mokv(model, b, 0, 0.125)
+    bounded = run_mokv(model, b, 0, 0.125, summary=np.array(max_lengths, np.uint32))
+    np.testing.assert_array_equal(bounded, exact)
+    assert_close(exact, expected(b, 0, 0.125), DType.float32)
+
+
 # MAX's kernel is compiled per static shape (~2-3 minutes each on 2 cores):
 # one float32 graph in the default run (SmolLM2's 3:1 GQA), a bfloat16 one
 # marked slow.
@@ -299,7 +363,11 @@ def test_mixed_batch_matches_max_kernel(dtype, attention_graph, max_attention):
     layer = 1
     kernel = max_attention(shape)
     theirs = _to_numpy(
-        kernel(kernel.inputs(_buffer(b.blocks, dtype), b.cache_lengths, b.lookup_table, b.row_offsets, _buffer(b.q, dtype), layer)),
+        kernel(
+            kernel.inputs(
+                _buffer(b.blocks, dtype), b.cache_lengths, b.lookup_table, b.row_offsets, _buffer(b.q, dtype), layer
+            )
+        ),
         dtype,
     )
     ours = run_mokv(attention_graph("paged", dtype), b, layer, shape.scale)

@@ -175,7 +175,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("layout,dtype,block_len", CASES)
+@pytest.mark.parametrize(("layout", "dtype", "block_len"), CASES)
 @pytest.mark.parametrize("seed", range(4))
 def test_store_matches_numpy_and_round_trips(layout, dtype, block_len, seed, store_gather):
     rng = np.random.default_rng(seed)
@@ -217,7 +217,9 @@ def test_store_rejects_page_outside_block_tensor(store_gather):
 def test_store_rejects_bad_layer(store_gather):
     b = _batch_with_new_tokens("continuous", 3)
     with pytest.raises(ValueError, match=f"layer_idx {NUM_LAYERS} out of range for {NUM_LAYERS} layers"):
-        run(store_gather("continuous", DType.float32), b, "continuous", DType.float32, NUM_LAYERS, *written_positions(b))
+        run(
+            store_gather("continuous", DType.float32), b, "continuous", DType.float32, NUM_LAYERS, *written_positions(b)
+        )
 
 
 def test_continuous_rejects_slot_outside_block_tensor(store_gather):
@@ -252,6 +254,6 @@ def test_store_rejects_row_offsets_longer_than_batch(store_gather):
     positions = written_positions(b)
     b.row_offsets = np.append(b.row_offsets, b.row_offsets[-1])
     before = b.blocks.copy()
-    with pytest.raises(ValueError, match="input_row_offsets has .* entries but the cache describes"):
+    with pytest.raises(ValueError, match=r"input_row_offsets has .* entries but the cache describes"):
         run(store_gather("paged", DType.float32), b, "paged", DType.float32, 0, *positions)
     np.testing.assert_array_equal(b.blocks, before)

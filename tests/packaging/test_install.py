@@ -52,11 +52,15 @@ def user_cache() -> Path:
 def missing_from_wheelhouse() -> list[str]:
     """The pins of requirements.txt, and the build backend, that the wheelhouse lacks."""
     present = [parse_wheel_filename(wheel.name)[:2] for wheel in wheelhouse().glob("*.whl")]
-    wanted = [Requirement(line) for line in (REPO / "requirements.txt").read_text().splitlines()
-              if line and not line.startswith("#")]
+    wanted = [
+        Requirement(line)
+        for line in (REPO / "requirements.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
     wanted.append(Requirement("setuptools>=68"))
     return [
-        str(req) for req in wanted
+        str(req)
+        for req in wanted
         if not any(name == canonicalize_name(req.name) and req.specifier.contains(version) for name, version in present)
     ]
 
@@ -95,7 +99,12 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> dict:
     )
     run = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", readme_commands()],
-        cwd=folder, env=env, capture_output=True, text=True, check=False, timeout=540,
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=540,
     )
     assert run.returncode == 0, f"the README's commands failed:\n{run.stdout}\n{run.stderr}"
     return {"folder": folder, "env": env, "stdout": run.stdout}
@@ -111,7 +120,8 @@ def test_sdist_and_wheel_carry_every_mojo_package(project: dict):
     (wheel,) = (project["folder"] / "dist").glob("mokv-*.whl")
     with tarfile.open(sdist) as archive:
         in_sdist = sorted(
-            name.split("/python/mokv/mojo/", 1)[1] for name in archive.getnames()
+            name.split("/python/mokv/mojo/", 1)[1]
+            for name in archive.getnames()
             if "/python/mokv/mojo/" in name and name.endswith(".mojo")
         )
     with zipfile.ZipFile(wheel) as archive:
@@ -134,7 +144,12 @@ def test_readme_graph_runs_on_the_installed_package_and_matches_numpy(project: d
     (folder / "attend.py").write_text(readme_example() + SAVE_RESULT)
     run = subprocess.run(
         [str(folder / ".venv" / "bin" / "python"), "attend.py"],
-        cwd=folder, env=project["env"], capture_output=True, text=True, check=False, timeout=540,
+        cwd=folder,
+        env=project["env"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=540,
     )
     assert run.returncode == 0, f"the downstream script failed:\n{run.stdout}\n{run.stderr}"
     assert f"mokv imported from {folder / '.venv'}" in run.stdout

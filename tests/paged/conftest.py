@@ -6,49 +6,17 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from max.dtype import DType
-from max.graph import DeviceRef
 
-from mokv import KVCacheParams, PagedKVCacheManager, TextContext
+from mokv import PagedKVCacheManager, TextContext
+from tests.paged.small_cache import small_paged_manager
 
 MakeManager = Callable[..., PagedKVCacheManager]
 
 
 @pytest.fixture
 def make_manager() -> MakeManager:
-    """Builds a float32 cache with one layer, one KV head and head_dim 2, with
-    runtime invariant checks on unless asked otherwise."""
-
-    def make(
-        page_size: int = 4,
-        total_num_pages: int = 16,
-        *,
-        prefix_caching: bool = True,
-        data_parallel_degree: int = 1,
-        total_num_host_pages: int = 0,
-        max_batch_size: int = 8,
-        checks: bool = True,
-    ) -> PagedKVCacheManager:
-        params = KVCacheParams(
-            DType.float32,
-            n_kv_heads=1,
-            head_dim=2,
-            num_layers=1,
-            page_size=page_size,
-            enable_prefix_caching=prefix_caching,
-            data_parallel_degree=data_parallel_degree,
-            devices=[DeviceRef.CPU()] * data_parallel_degree,
-        )
-        return PagedKVCacheManager(
-            params,
-            None,
-            total_num_pages,
-            total_num_host_pages,
-            enable_runtime_checks=checks,
-            max_batch_size=max_batch_size,
-        )
-
-    return make
+    """Builds small caches (see `small_paged_manager`)."""
+    return small_paged_manager
 
 
 def ctx(request_id: str, tokens: list[int] | np.ndarray) -> TextContext:

@@ -12,9 +12,7 @@ _MASK = (1 << 64) - 1
 _Q = 0xFF51AFD7ED558CCD
 
 
-def reference_hashes(
-    hasher: BlockHasher, tokens: np.ndarray, parent: int | None = None
-) -> list[int]:
+def reference_hashes(hasher: BlockHasher, tokens: np.ndarray, parent: int | None = None) -> list[int]:
     """s_j = s_{j-1} * Q + sum_i (t_{j,i} XOR a_i) * w_i  (mod 2**64), token by token."""
     ps = hasher.page_size
     state = ROOT if parent is None else parent

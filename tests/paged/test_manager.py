@@ -176,9 +176,7 @@ def test_failed_alloc_keeps_the_request_and_metrics(make_manager: MakeManager) -
     b = ctx("b", range(20))  # would hit 0 and 1, then need 3 more of the 2 left over
     m.claim("b")
     before = m.get_metrics_aggregated()
-    with pytest.raises(
-        InsufficientBlocksError, match=r"needs 3 new blocks .* only 2 are free \(2/6 in use\)"
-    ):
+    with pytest.raises(InsufficientBlocksError, match=r"needs 3 new blocks .* only 2 are free \(2/6 in use\)"):
         m.alloc(b)
     assert b.processed_length == 0 and m.get_req_blocks("b") == []
     assert m.num_free_blocks() == 4 and m.get_metrics_aggregated() == before
@@ -220,9 +218,7 @@ def test_failed_alloc_refreshes_its_prefix_hits(make_manager: MakeManager) -> No
 
 @pytest.mark.parametrize("page_size", [1, 3, 16, 128])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_no_leak_after_a_random_workload(
-    make_manager: MakeManager, page_size: int, prefix_caching: bool
-) -> None:
+def test_no_leak_after_a_random_workload(make_manager: MakeManager, page_size: int, prefix_caching: bool) -> None:
     rng = np.random.default_rng(page_size)
     total = 4096 // page_size + 8
     m = make_manager(page_size, total, prefix_caching=prefix_caching, max_batch_size=64)
@@ -247,9 +243,7 @@ def test_no_leak_after_a_random_workload(
                     m.release(c.request_id)
                     del live[c.request_id]
             continue
-        prompt = np.concatenate(
-            [prefixes[rng.integers(3)], rng.integers(0, 5, size=rng.integers(1, 40))]
-        )
+        prompt = np.concatenate([prefixes[rng.integers(3)], rng.integers(0, 5, size=rng.integers(1, 40))])
         c = ctx(f"r{i}", prompt)
         m.claim(c.request_id)
         try:
@@ -271,10 +265,7 @@ def test_runtime_inputs_contents(make_manager: MakeManager) -> None:
         m.claim(c.request_id)
         m.alloc(c)
     (inputs,) = m.runtime_inputs([[a, b]]).inputs
-    assert (
-        list(inputs.blocks.shape) == [17, 2, 1, 4, 1, 2]
-        and inputs.blocks is m.get_device_buffer(0).values[0]
-    )
+    assert list(inputs.blocks.shape) == [17, 2, 1, 4, 1, 2] and inputs.blocks is m.get_device_buffer(0).values[0]
     cache_lengths, table, max_lengths = lookup(m, [a, b])
     assert cache_lengths.tolist() == [0, 0]
     assert table.tolist() == [[0, 1, 2], [3, 16, 16]]  # 16 = the null page
@@ -299,9 +290,7 @@ def test_runtime_inputs_rejects_bad_batches(make_manager: MakeManager) -> None:
     cs = [ctx(f"r{i}", range(5)) for i in range(3)]
     for c in cs:
         m.claim(c.request_id)
-    with pytest.raises(
-        ValueError, match="'r0' holds 0 pages but needs 2 for 5 tokens: call alloc first"
-    ):
+    with pytest.raises(ValueError, match="'r0' holds 0 pages but needs 2 for 5 tokens: call alloc first"):
         m.runtime_inputs([cs[:1]])
     for c in cs:
         m.alloc(c)
@@ -403,10 +392,7 @@ def test_replicas_have_separate_pools(make_manager: MakeManager) -> None:
     assert m.get_req_blocks("a1", 1) == [0, 1, 2] and m.get_req_blocks("b1", 1) == [3, 4]
     assert (m.num_free_blocks(0), m.num_free_blocks(1)) == (13, 11)
     r0, r1 = m.runtime_inputs([[a0], [a1, b1]]).inputs
-    assert (
-        r0.blocks is m.get_device_buffer(0).values[0]
-        and r1.blocks is m.get_device_buffer(1).values[0]
-    )
+    assert r0.blocks is m.get_device_buffer(0).values[0] and r1.blocks is m.get_device_buffer(1).values[0]
     assert r0.blocks is not r1.blocks
     assert r0.lookup_table.shape == (1, 3) and r1.lookup_table.shape == (2, 3)
     for c in (a0, a1, b1):

@@ -27,14 +27,13 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
-from max.dtype import DType
-from max.graph import DeviceRef
 
-from mokv import InsufficientBlocksError, KVCacheParams, PagedKVCacheManager, TextContext
+from mokv import InsufficientBlocksError, TextContext
 from mokv.paged.runtime_inputs import BatchCharacteristics
 from tests import kv_markers
 from tests.machine_base import ManagerMachine
 from tests.manager_state import paged_snapshot
+from tests.paged.small_cache import small_paged_manager
 
 _BASES = [np.random.default_rng(k).integers(0, 3, size=400) for k in range(3)]
 """Shared prompt heads, so requests hit each other's cached prefixes."""
@@ -69,13 +68,15 @@ class PagedManagerMachine(ManagerMachine):
         pages=st.integers(3, 24),
     )
     def build(self, page_size: int, replicas: int, prefix_caching: bool, host_tier: bool, pages: int) -> None:
-        params = KVCacheParams(
-            DType.float32, n_kv_heads=1, head_dim=2, num_layers=1, page_size=page_size,
-            enable_prefix_caching=prefix_caching, data_parallel_degree=replicas,
-            devices=[DeviceRef.CPU()] * replicas,
+        self.m = small_paged_manager(
+            page_size,
+            pages,
+            prefix_caching=prefix_caching,
+            data_parallel_degree=replicas,
+            total_num_host_pages=4 if prefix_caching and host_tier else 0,
+            max_batch_size=4,
+            checks=False,
         )
-        host_pages = 4 if prefix_caching and host_tier else 0
-        self.m = PagedKVCacheManager(params, None, pages, host_pages, max_batch_size=4)
         self.ps = page_size
 
     def blocks(self, replica: int) -> np.ndarray:
@@ -147,8 +148,8 @@ class PagedManagerMachine(ManagerMachine):
                 if self.ready(r) and r not in batch and len(batch) < self.m.max_batch_size:
                     batch.append(r)
         steps_fit = all(
-            r.dummy or len(self.m.get_req_blocks(r.ctx.request_id, r.replica)) * self.ps
-            >= r.ctx.current_length + num_steps - 1
+            r.dummy
+            or len(self.m.get_req_blocks(r.ctx.request_id, r.replica)) * self.ps >= r.ctx.current_length + num_steps - 1
             for batch in batches
             for r in batch
         )

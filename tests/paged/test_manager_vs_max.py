@@ -58,7 +58,8 @@ class Lockstep:
                 backend.alloc(c)
                 outcomes.append(True)
             except Exception as e:  # MAX raises its own InsufficientBlocksError class
-                assert "block" in str(e).lower() or "pages" in str(e).lower(), e
+                # lockstep: either outcome is allowed as long as both agree
+                assert "block" in str(e).lower() or "pages" in str(e).lower(), e  # noqa: PT017
                 outcomes.append(False)
         assert outcomes[0] == outcomes[1], f"{rid}: mokv ok={outcomes[0]}, MAX ok={outcomes[1]}"
         if not outcomes[0]:
@@ -105,9 +106,7 @@ def compare_inputs(mine, ref, null_page: int) -> None:
     ("page_size", "total_num_pages", "prompt_scale"),
     [(1, 150, 1), (3, 50, 1), (16, 20, 4), (128, 10, 24)],
 )
-def test_random_workload_matches_max(
-    page_size: int, total_num_pages: int, prompt_scale: int
-) -> None:
+def test_random_workload_matches_max(page_size: int, total_num_pages: int, prompt_scale: int) -> None:
     rng = np.random.default_rng(page_size)
     run = Lockstep(page_size, total_num_pages, max_batch_size=8)
     prefixes = [rng.integers(0, 4, size=prompt_scale * rng.integers(4, 40)) for _ in range(3)]
@@ -146,8 +145,10 @@ def test_a_failed_admission_refreshes_its_prefix_as_max_does() -> None:
     run.release("A")
     run.release("G")
     assert run.admit("H", np.array([20, 21, 22, 23]))
-    pair = (run.ours.new_context("C", np.array([1, 2, 3, 4, 40, 41, 42])),
-            run.theirs.new_context("C", np.array([1, 2, 3, 4, 40, 41, 42])))
+    pair = (
+        run.ours.new_context("C", np.array([1, 2, 3, 4, 40, 41, 42])),
+        run.theirs.new_context("C", np.array([1, 2, 3, 4, 40, 41, 42])),
+    )
     run.ours.claim(pair[0])
     run.theirs.claim(pair[1])
     run.live["C"] = pair

@@ -22,8 +22,8 @@ Two tile shapes: decode (`DECODE_ROWS` = 8 query rows, a decode step of a
 GQA group up to 8 heads: flash decoding) and prefill (64 query rows, or 32
 for head_dim 256), chosen by the host from the batch summary.
 
-The grid is sized on the host from `BatchBounds` (most new tokens of a row,
-longest context) without reading device memory; each block reads its row's
+The grid is sized on the host from the batch summary (`BatchBounds`: most
+new tokens of a row, longest context) without reading device memory; each block reads its row's
 offsets and cache length itself. Rows with more new tokens than the bound are
 not fully covered: the bound must hold (the manager's `max_lengths` does).
 
@@ -37,7 +37,7 @@ from std.sys import size_of
 from std.utils.numerics import neg_inf
 
 from ..bind import check_layer
-from ..cache import CachePtr, KVCacheT, KVCollectionT, U32Ptr
+from ..cache import BatchSummary, CachePtr, KVCacheT, KVCollectionT, U32Ptr
 from .block import BlockExecutor, BlockId, F32Ptr, KernelT, Launcher, ThreadProgram
 from .rows import row_in_cache
 
@@ -72,28 +72,16 @@ struct BatchBounds(TrivialRegisterPassable):
     var max_context: Int
 
     @staticmethod
-    def from_max_lengths(
-        max_lengths: InputTensor[dtype=DType.uint32, rank=2, ...], total_tokens: Int
-    ) raises -> Self:
-        """From the paged cache's host-side `max_lengths` row 0 (most new
-        tokens of a row, longest context including them)."""
-        if max_lengths.dim_size(0) < 1 or max_lengths.dim_size(1) != 2:
-            raise Error(
-                t"max_lengths has shape [{max_lengths.dim_size(0)}, {max_lengths.dim_size(1)}],"
-                t" expected [num_steps >= 1, 2]"
-            )
-        var p = max_lengths.unsafe_ptr()
-        var new_tokens = min(Int(p[unsafe_offset=0]), total_tokens)
-        return Self(new_tokens, max(Int(p[unsafe_offset=1]), new_tokens))
-
-    @staticmethod
-    def for_continuous(is_cache_empty: Bool, total_tokens: Int, max_seq_len: Int) -> Self:
-        """A continuous-batching batch: no row has more new tokens than the
-        batch, nor a longer context than its slot (or than its new tokens,
-        when every cache is empty)."""
-        if is_cache_empty:
-            return Self(total_tokens, total_tokens)
-        return Self(total_tokens, max_seq_len)
+    def of(summary: BatchSummary, total_tokens: Int, max_tokens: Int) -> Self:
+        """The bounds that the batch summary states, capped by what the
+        batch can hold: no row has more new tokens than the batch, nor a
+        longer context than its lookup-table row addresses (or than its new
+        tokens, when every cache is empty)."""
+        var new_tokens = min(summary.max_new_tokens, total_tokens)
+        var context = min(summary.max_context, max_tokens)
+        if summary.max_cache_length == 0:
+            context = min(context, new_tokens)
+        return Self(new_tokens, max(context, new_tokens))
 
 
 @fieldwise_init
@@ -657,10 +645,10 @@ def attention_gpu[
     layer_idx: UInt32,
     scale: Float32,
     sliding_window: UInt32,
-    bounds: BatchBounds,
+    summary: BatchSummary,
 ) raises:
     """`mokv.attention` on a GPU. The host checks shapes and heads; the grid
-    comes from `bounds` (see the module docstring)."""
+    comes from the batch summary (see the module docstring)."""
     comptime cache_t = collection_t.CacheType
     var layer = Int(layer_idx)
     check_layer(layer, collection.num_layers())
@@ -691,6 +679,7 @@ def attention_gpu[
         )
     if tokens == 0 or batch == 0:
         return
+    var bounds = BatchBounds.of(summary, tokens, k_cache.max_tokens())
     var args = AttentionArgs[cache_t](
         k_cache,
         collection.get_cache(layer, 1),

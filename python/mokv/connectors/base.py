@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
+
+from ..metrics import Counters
 
 
 class SavePoint(enum.Enum):
@@ -91,7 +93,7 @@ class TierUsage:
 
 
 @dataclass
-class TierMetrics:
+class TierMetrics(Counters):
     """Counters of one tier (summed over replicas by the manager)."""
 
     lookups: int = 0
@@ -114,11 +116,6 @@ class TierMetrics:
     """Saves given up (writer backlog full, tier disabled or unreachable)."""
     errors: int = 0
     """I/O or connection failures, each served as a miss."""
-
-    def __add__(self, other: TierMetrics) -> TierMetrics:
-        if not isinstance(other, TierMetrics):
-            return NotImplemented
-        return TierMetrics(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     @property
     def read_gb_per_s(self) -> float:

@@ -134,15 +134,22 @@ class DiskStore(PageStore):
         if size is not None:
             self._bytes -= size
 
+    def _remember_if_present(self, key: bytes, size: int) -> None:
+        """Remembers a file a reader or writer thread just touched, unless an
+        eviction deleted it meanwhile (evictions unlink under the lock, so the
+        check cannot race one of ours)."""
+        with self._lock:
+            if self._path(key).exists():
+                self._remember(key, size)
+            else:
+                self._forget(key)
+
     def _evict_over_budget(self) -> None:
-        victims = []
         with self._lock:
             while self._bytes > self.max_bytes and self._files:
                 key, size = self._files.popitem(last=False)
                 self._bytes -= size
-                victims.append(key)
-        for key in victims:
-            _unlink(self._path(key))
+                _unlink(self._path(key))
 
     # ------------------------------------------------------------------- reads
 
@@ -163,8 +170,7 @@ class DiskStore(PageStore):
                 self.errors += 1
             logger.debug("disk KV tier: cannot read a page file: %s", error)
             return None
-        with self._lock:
-            self._remember(key, len(record))
+        self._remember_if_present(key, len(record))
         return record
 
     # ------------------------------------------------------------------ writes
@@ -196,14 +202,13 @@ class DiskStore(PageStore):
                     self.errors += 1
                 logger.debug("disk KV tier: cannot write a page file: %s", error)
             return False
-        with self._lock:
-            self._remember(key, sum(len(part) for part in parts))
+        self._remember_if_present(key, sum(len(part) for part in parts))
         return True
 
     def discard(self, key: bytes) -> None:
         with self._lock:
             self._forget(key)
-        _unlink(self._path(key))
+            _unlink(self._path(key))
 
     def clear(self) -> None:
         with self._lock:

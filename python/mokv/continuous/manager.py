@@ -151,9 +151,7 @@ class ContinuousBatchingKVCacheManager:
         if request_id in self._slot_of:
             raise ValueError(f"request {request_id!r} is already claimed (slot {self._slot_of[request_id]})")
         if not self._free:
-            raise ValueError(
-                f"cannot claim {request_id!r}: all {self.max_cache_batch_size} slots are taken"
-            )
+            raise ValueError(f"cannot claim {request_id!r}: all {self.max_cache_batch_size} slots are taken")
         slot = self._free.pop(0)
         self._slot_of[request_id] = slot
         return slot

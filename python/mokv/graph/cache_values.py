@@ -1,6 +1,6 @@
 """The cache as a model graph sees it: the contract's per-device records
 (`mokv.contract`) holding graph values, plus what the op wrappers need from
-them (which op variant to call and the operands that stand for the cache).
+them (the operands that stand for the cache).
 
 Dimensions that change from batch to batch (batch size, pages, lookup-table
 width, multi-step rows) are symbolic, so one compiled graph serves every batch.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import ClassVar, Protocol, Self
+from typing import Protocol, Self
 
 from max.graph import BufferValue, DeviceRef, Dim, TensorType, TensorValue, Value
 
@@ -18,15 +18,23 @@ from ..contract import ContinuousCacheInputs, PagedCacheInputs
 
 
 class CacheLayout(Protocol):
-    """What every cache value offers the op wrappers: which op variant to call
-    and the operands that stand for the cache in it."""
-
-    layout: ClassVar[str]
+    """What every cache value offers the op wrappers: the operands that stand
+    for the cache in an op."""
 
     @property
     def device(self) -> DeviceRef: ...
 
-    def operands(self) -> list[Value]: ...
+    def operands(self) -> list[Value]:
+        """What every op takes for the cache: `blocks, cache_lengths,
+        lookup_table`, or the opaque collection."""
+        ...
+
+    def dispatch_operand(self) -> Value | None:
+        """The cache's fourth input, the host-side summary of the batch that
+        attention checks every row against and plans from (it follows
+        `operands()`): `max_lengths` or `is_cache_empty`. None when
+        `operands()` carries it already, as the opaque collection does."""
+        ...
 
     def row_type(self, rows: int | str | Dim) -> TensorType:
         """The type of `rows` token rows `[rows, kv_heads, head_dim]` of this cache."""
@@ -66,11 +74,13 @@ class _ComponentCache:
 class PagedCacheValues(_ComponentCache, PagedCacheInputs[Value]):
     """A paged cache inside a graph: one device's `PAGED_INPUTS` as graph values."""
 
-    layout: ClassVar[str] = "paged"
+    def dispatch_operand(self) -> Value:
+        return self.max_lengths
 
 
 @dataclass(frozen=True)
 class ContinuousCacheValues(_ComponentCache, ContinuousCacheInputs[Value]):
     """A continuous-batching cache inside a graph: one device's `CONTINUOUS_INPUTS`."""
 
-    layout: ClassVar[str] = "continuous"
+    def dispatch_operand(self) -> Value:
+        return self.is_cache_empty

@@ -7,8 +7,6 @@ out of it as a `ContinuousBatchingKVCache`."""
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from max.dtype import DType
 from max.graph import (
     DeviceRef,
@@ -39,7 +37,9 @@ def ContinuousBatchingKVCacheType() -> _OpaqueType:
 class ContinuousBatchingKVCache(_OpaqueValue):
     """One layer's keys or values of a batch's continuous-batching cache."""
 
-    def __init__(self, value: Value, collection: ContinuousBatchingKVCacheCollection, layer_idx: int, kv_idx: int) -> None:
+    def __init__(
+        self, value: Value, collection: ContinuousBatchingKVCacheCollection, layer_idx: int, kv_idx: int
+    ) -> None:
         super().__init__(value)
         self.collection = collection
         self.layer_idx = layer_idx
@@ -62,8 +62,6 @@ class ContinuousBatchingKVCache(_OpaqueValue):
 class ContinuousBatchingKVCacheCollection(_OpaqueValue):
     """The collection inside a graph: all layers' K and V caches of one batch."""
 
-    layout: ClassVar[str] = "continuous_collection"
-
     def __init__(self, value: Value, params: CacheShape) -> None:
         super().__init__(value)
         self.params = params
@@ -74,6 +72,10 @@ class ContinuousBatchingKVCacheCollection(_OpaqueValue):
 
     def operands(self) -> list[Value]:
         return [self]
+
+    def dispatch_operand(self) -> None:
+        """None: the collection carries `is_cache_empty` itself."""
+        return None
 
     def row_type(self, rows: int | str | Dim) -> TensorType:
         p = self.params

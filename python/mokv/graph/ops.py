@@ -1,5 +1,11 @@
 """Wrappers that put mokv's Mojo ops into a graph: the one place that knows op names.
 
+Each operation is one Mojo op for the component tensors of either layout
+(`mokv.store_kv`, `mokv.gather`, `mokv.attention`): the op tells a paged cache
+from a continuous-batching one at compile time by the rank of its lookup table.
+The opaque continuous-batching collection, a single operand, has its own
+variant of each (`mokv.<operation>.continuous_collection`).
+
 Each wrapper checks its arguments first (`mokv.graph.arguments`): a wrong
 dtype, rank, head layout or index raises `TypeError` / `ValueError` naming it
 while the graph is built, not as a kernel error at compile time.
@@ -12,6 +18,7 @@ from max.graph import DeviceRef, TensorType, TensorValue, ops
 
 from .arguments import check_attention, check_gather_kv, check_store_kv
 from .cache_values import CacheLayout
+from .continuous_collection import ContinuousBatchingKVCacheCollection
 
 
 def _scalar(value: float | TensorValue, dtype: DType = DType.uint32) -> TensorValue:
@@ -20,6 +27,12 @@ def _scalar(value: float | TensorValue, dtype: DType = DType.uint32) -> TensorVa
     if isinstance(value, TensorValue):
         return value
     return ops.constant(value, dtype, device=DeviceRef.CPU())
+
+
+def _op_name(operation: str, cache: CacheLayout) -> str:
+    if isinstance(cache, ContinuousBatchingKVCacheCollection):
+        return f"mokv.{operation}.continuous_collection"
+    return f"mokv.{operation}"
 
 
 def store_kv(
@@ -35,7 +48,7 @@ def store_kv(
     sequences."""
     check_store_kv(cache, layer_idx, keys, values, input_row_offsets)
     ops.inplace_custom(
-        f"mokv.store_kv.{cache.layout}",
+        _op_name("store_kv", cache),
         device=cache.device,
         values=[*cache.operands(), keys, values, input_row_offsets, _scalar(layer_idx)],
     )
@@ -53,7 +66,7 @@ def gather_kv(
     `[n, kv_heads, head_dim]` tensor."""
     check_gather_kv(cache, layer_idx, kv_idx, batch_rows, positions)
     (rows,) = ops.inplace_custom(
-        f"mokv.gather.{cache.layout}",
+        _op_name("gather", cache),
         device=cache.device,
         values=[*cache.operands(), batch_rows, positions, _scalar(layer_idx), _scalar(kv_idx)],
         out_types=[cache.row_type(positions.shape[0])],
@@ -81,13 +94,21 @@ def attention(
     typically `1 / sqrt(head_dim)`); `sliding_window` is a uint32 scalar, 0 for
     none. Returns `[total_new_tokens, n_q_heads, head_dim]` in q's dtype,
     computed in float32.
+
+    The op also reads the cache's host-side summary of the batch
+    (`cache.dispatch_operand()`: `max_lengths` or `is_cache_empty`) and raises
+    before its first write, naming the row, if a row has more new tokens than
+    `max_lengths[0, 0]`, a longer context than `max_lengths[0, 1]`, or a
+    nonzero cache length while `is_cache_empty` is true.
     """
     check_attention(cache, layer_idx, q, input_row_offsets, scale, sliding_window)
+    summary = cache.dispatch_operand()
     (out,) = ops.inplace_custom(
-        f"mokv.attention.{cache.layout}",
+        _op_name("attention", cache),
         device=cache.device,
         values=[
             *cache.operands(),
+            *([] if summary is None else [summary]),
             q,
             input_row_offsets,
             _scalar(layer_idx),

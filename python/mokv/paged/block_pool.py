@@ -74,9 +74,7 @@ class PageIndex:
         With `tokens` None the caller stores the slot's row of `self.tokens`
         itself (several slots in one numpy call) before the next lookup."""
         if block_hash in self._by_hash:
-            raise ValueError(
-                f"hash {block_hash:#x} is already committed to slot {self._by_hash[block_hash]}"
-            )
+            raise ValueError(f"hash {block_hash:#x} is already committed to slot {self._by_hash[block_hash]}")
         if self.hash[slot] is not None:
             raise ValueError(f"slot {slot} is already committed")
         self._by_hash[block_hash] = slot
@@ -143,9 +141,7 @@ class PageIndex:
             return False
         return self.tokens[slot].tobytes() == np.asarray(tokens, np.int64).tobytes()
 
-    def match(
-        self, hashes: Sequence[int], parent_uid: int, tokens: npt.NDArray[np.integer]
-    ) -> list[int]:
+    def match(self, hashes: Sequence[int], parent_uid: int, tokens: npt.NDArray[np.integer]) -> list[int]:
         """The longest run of slots continuing a chain, verified.
 
         Args:
@@ -178,16 +174,12 @@ class PageIndex:
         """Asserts every committed hash names a slot holding exactly those tokens."""
         for block_hash, slot in self._by_hash.items():
             if self.hash[slot] != block_hash:
-                raise AssertionError(
-                    f"hash {block_hash:#x} maps to slot {slot} committed as {self.hash[slot]}"
-                )
+                raise AssertionError(f"hash {block_hash:#x} maps to slot {slot} committed as {self.hash[slot]}")
         slots = list(self._by_hash.values())
         expected = hasher.rehash(self.tokens[slots], [self.parent_hash[s] for s in slots])
         for slot, block_hash in zip(slots, expected, strict=True):
             if block_hash != self.hash[slot]:
-                raise AssertionError(
-                    f"slot {slot}'s tokens hash to {block_hash:#x}, not {self.hash[slot]:#x}"
-                )
+                raise AssertionError(f"slot {slot}'s tokens hash to {block_hash:#x}, not {self.hash[slot]:#x}")
         if len(self.hash) - self.hash.count(None) != len(self._by_hash):
             raise AssertionError("some slots carry hashes the index does not map to them")
 
@@ -321,9 +313,7 @@ class BlockPool:
             )
         for block, count in holders.items():
             if self.ref_count[block] != count:
-                raise AssertionError(
-                    f"block {block} has ref count {self.ref_count[block]} but {count} holders"
-                )
+                raise AssertionError(f"block {block} has ref count {self.ref_count[block]} but {count} holders")
         if self.ref_count.count(0) != self.num_blocks - len(used):
             raise AssertionError("a block nobody holds has a nonzero ref count")
         self.index.check(hasher)

@@ -101,9 +101,7 @@ class PagedKVCacheManager:
     ) -> None:
         params = resolve_params(params)
         if params.cache_strategy is not KVCacheStrategy.PAGED:
-            raise ValueError(
-                f"PagedKVCacheManager needs cache_strategy=PAGED, got {params.cache_strategy.value}"
-            )
+            raise ValueError(f"PagedKVCacheManager needs cache_strategy=PAGED, got {params.cache_strategy.value}")
         if session is not None and not isinstance(session, InferenceSession):
             raise TypeError(f"session must be a max.engine.InferenceSession or None, got {session!r}")
         total_num_pages = check_int("total_num_pages", total_num_pages, minimum=1)
@@ -160,9 +158,7 @@ class PagedKVCacheManager:
         if type(replica_idx) is not int:
             replica_idx = check_int("replica_idx", replica_idx)
         if not 0 <= replica_idx < len(self._replicas):
-            raise ValueError(
-                f"replica_idx={replica_idx} is out of range: there are {len(self._replicas)} replicas"
-            )
+            raise ValueError(f"replica_idx={replica_idx} is out of range: there are {len(self._replicas)} replicas")
         return self._replicas[replica_idx]
 
     def _claimed_on(self, request_id: Hashable, replica_idx: int) -> Replica:
@@ -206,13 +202,10 @@ class PagedKVCacheManager:
                 check_sequence(f"batches[{replica.index}]", batch)
             if len(batch) > self.max_batch_size:
                 raise ValueError(
-                    f"replica {replica.index} batch has {len(batch)} requests, "
-                    f"max_batch_size is {self.max_batch_size}"
+                    f"replica {replica.index} batch has {len(batch)} requests, max_batch_size is {self.max_batch_size}"
                 )
 
-    def _validated_batches(
-        self, batches: Sequence[Sequence[object]]
-    ) -> list[list[tuple[CacheContext, RequestState]]]:
+    def _validated_batches(self, batches: Sequence[Sequence[object]]) -> list[list[tuple[CacheContext, RequestState]]]:
         """Checks a whole per-replica batch list before any of it is acted on
         (`_checked_batches`, then each request: claimed on that replica, not
         twice, no token processed without a page for it)."""
@@ -372,9 +365,7 @@ class PagedKVCacheManager:
         """
         check_sequence("replica_batches", replica_batches)
         if len(replica_batches) != len(self._replicas):
-            raise ValueError(
-                f"expected one batch per replica ({len(self._replicas)}), got {len(replica_batches)}"
-            )
+            raise ValueError(f"expected one batch per replica ({len(self._replicas)}), got {len(replica_batches)}")
         planned: list[tuple[object, Hashable, int]] = []
         for replica, batch in zip(self._replicas, replica_batches, strict=True):
             check_sequence(f"replica_batches[{replica.index}]", batch)
@@ -390,8 +381,7 @@ class PagedKVCacheManager:
                 planned.append((data, request_id, replica.index))
             if needed > replica.pool.num_free:
                 raise InsufficientBlocksError(
-                    f"reserve needs up to {needed} pages on replica {replica.index}, "
-                    f"{replica.pool.num_free} are free"
+                    f"reserve needs up to {needed} pages on replica {replica.index}, {replica.pool.num_free} are free"
                 )
         check_unique("request", (request_id for _, request_id, _ in planned))
         claimed: list[tuple[Hashable, int]] = []
@@ -505,9 +495,7 @@ class PagedKVCacheManager:
         if batch_characteristics is not None:
             bc = batch_characteristics
             if len(rows) > bc.batch_size or max_new > bc.max_prompt_length or max_context > bc.max_cache_valid_length:
-                raise ValueError(
-                    f"batch (size {len(rows)}, {max_new} new tokens, context {max_context}) exceeds {bc}"
-                )
+                raise ValueError(f"batch (size {len(rows)}, {max_new} new tokens, context {max_context}) exceeds {bc}")
             max_new, max_context = bc.max_prompt_length, bc.max_cache_valid_length
         sizes = {"width": width, "max_new": max_new, "max_context": max_context, "num_steps": num_steps}
         return rows, lengths, needs if held_more else None, sizes

@@ -1,0 +1,40 @@
+"""Small paged caches (float32, one layer, one KV head, head_dim 2) that build in
+milliseconds: what the manager's unit and property tests run on."""
+
+from __future__ import annotations
+
+from max.dtype import DType
+from max.graph import DeviceRef
+
+from mokv import KVCacheParams, PagedKVCacheManager
+
+
+def small_paged_manager(
+    page_size: int = 4,
+    total_num_pages: int = 16,
+    *,
+    prefix_caching: bool = True,
+    data_parallel_degree: int = 1,
+    total_num_host_pages: int = 0,
+    max_batch_size: int = 8,
+    checks: bool = True,
+) -> PagedKVCacheManager:
+    """A manager over a small cache, with its runtime invariant checks on unless asked otherwise."""
+    params = KVCacheParams(
+        DType.float32,
+        n_kv_heads=1,
+        head_dim=2,
+        num_layers=1,
+        page_size=page_size,
+        enable_prefix_caching=prefix_caching,
+        data_parallel_degree=data_parallel_degree,
+        devices=[DeviceRef.CPU()] * data_parallel_degree,
+    )
+    return PagedKVCacheManager(
+        params,
+        None,
+        total_num_pages,
+        total_num_host_pages,
+        enable_runtime_checks=checks,
+        max_batch_size=max_batch_size,
+    )
