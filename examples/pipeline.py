@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
-from max.driver import CPU, Buffer
+from max.driver import CPU, Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession, Model
+from max.graph import DeviceRef
 
 from mokv import KVCacheInputs, KVCacheParams, PagedKVCacheManager
 from mokv.connectors import KVConnectorConfig
@@ -60,16 +61,24 @@ class GenerationReport:
 
 
 class SmolLM2:
-    """The compiled SmolLM2 graph over a paged cache. The graph leaves the page
-    size symbolic, so one compiled model serves caches of any page size."""
+    """The compiled SmolLM2 graph over a paged cache, weights and cache on
+    `device` (the CPU unless given). The graph leaves the page size symbolic,
+    so one compiled model serves caches of any page size."""
 
     model_id = "SmolLM2-135M-Instruct.Q4_1.gguf/float32-graph"
     """Names the weights and graph numerics the KV comes from: shared cache
     tiers keep it apart from any other model's KV."""
 
-    def __init__(self, session: InferenceSession | None = None, log: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        session: InferenceSession | None = None,
+        log: Callable[[str], None] | None = None,
+        device: Device | None = None,
+    ) -> None:
         log = log or (lambda msg: print(msg, file=sys.stderr))
-        self.session = session or InferenceSession(devices=[CPU()])
+        self.device = device or CPU()
+        self.device_ref = DeviceRef.from_device(self.device)
+        self.session = session or InferenceSession(devices=[CPU()] if self.device.is_host else [CPU(), self.device])
         started = time.perf_counter()
         self.checkpoint: LlamaCheckpoint = load_llama()
         self.tokenizer: GGUFTokenizer = load_tokenizer()
@@ -78,7 +87,8 @@ class SmolLM2:
             "(minutes the first time, then loaded from the compile cache)..."
         )
         started = time.perf_counter()
-        self.model: Model = load_llama_model(self.session, self.checkpoint, PagedCacheAttention(self.cache_params()))
+        attention = PagedCacheAttention(self.cache_params(), self.device_ref)
+        self.model: Model = load_llama_model(self.session, self.checkpoint, attention, self.device_ref)
         log(f"graph ready in {time.perf_counter() - started:.1f} s")
 
     def cache_params(self, page_size: int = 16, enable_prefix_caching: bool = False) -> KVCacheParams:
@@ -92,6 +102,7 @@ class SmolLM2:
             num_layers=c.n_layers,
             page_size=page_size,
             enable_prefix_caching=enable_prefix_caching,
+            devices=[self.device_ref],
         )
 
     def step(
@@ -102,9 +113,10 @@ class SmolLM2:
         cache: KVCacheInputs,
     ) -> npt.NDArray[np.float32]:
         """One ragged step: stores the tokens' K/V and returns last-token logits."""
-        (logits,) = self.model.execute(
-            Buffer.from_numpy(tokens), Buffer.from_numpy(row_offsets), Buffer.from_numpy(positions), *cache.flatten()
-        )
+        inputs = [Buffer.from_numpy(a) for a in (tokens, row_offsets, positions)]
+        if not self.device.is_host:
+            inputs = [buffer.to(self.device) for buffer in inputs]
+        (logits,) = self.model.execute(*inputs, *cache.flatten())
         return logits.to_numpy()
 
     def encode(self, prompt: str, chat: bool) -> npt.NDArray[np.int64]:

@@ -1,4 +1,5 @@
-"""A ragged-batch Llama decoder as a MAX graph (float32, CPU), with pluggable attention.
+"""A ragged-batch Llama decoder as a MAX graph (float32, on one device: the CPU unless told), with
+pluggable attention.
 
 Graph contract (``T`` = total tokens in the step, ``B`` = sequences; both symbolic, so one
 compiled graph serves every batch shape):
@@ -27,6 +28,7 @@ cheaper), so building the layer as a shared subgraph (``ops.call``) saved nothin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,17 +40,17 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
 from mokv_graphs.attention_backends import AttentionBackend
 from mokv_graphs.gguf_model import LlamaCheckpoint, LlamaConfig
 
-DEVICE = DeviceRef.CPU()
+CPU = DeviceRef.CPU()
 TOTAL_TOKENS = "total_tokens"
 ROW_OFFSETS_LEN = "input_row_offsets_len"
 
 
-def llama_input_types() -> list[TensorType]:
+def llama_input_types(device: DeviceRef = CPU) -> list[TensorType]:
     """The model's own graph inputs: ``tokens``, ``input_row_offsets``, ``positions``."""
     return [
-        TensorType(DType.int64, [TOTAL_TOKENS], device=DEVICE),
-        TensorType(DType.uint32, [ROW_OFFSETS_LEN], device=DEVICE),
-        TensorType(DType.int64, [TOTAL_TOKENS], device=DEVICE),
+        TensorType(DType.int64, [TOTAL_TOKENS], device=device),
+        TensorType(DType.uint32, [ROW_OFFSETS_LEN], device=device),
+        TensorType(DType.int64, [TOTAL_TOKENS], device=device),
     ]
 
 
@@ -71,9 +73,9 @@ def _apply_rope(x: TensorValue, cos: TensorValue, sin: TensorValue) -> TensorVal
     return ops.concat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _weight(name: str, *shape: int) -> Weight:
-    """A float32 CPU weight, bound by ``name`` from the checkpoint at load time."""
-    return Weight(name, DType.float32, list(shape), DEVICE)
+def _weight(name: str, *shape: int, device: DeviceRef) -> Weight:
+    """A float32 weight on ``device``, bound by ``name`` from the checkpoint at load time."""
+    return Weight(name, DType.float32, list(shape), device)
 
 
 def _linear(x: TensorValue, w: Weight) -> TensorValue:
@@ -81,50 +83,54 @@ def _linear(x: TensorValue, w: Weight) -> TensorValue:
     return ops.matmul(x, ops.transpose(w, 0, 1))
 
 
-def build_llama_graph(config: LlamaConfig, attention: AttentionBackend, name: str = "llama") -> Graph:
-    """The Llama decoder graph of ``config`` with ``attention`` (see the module contract)."""
+def build_llama_graph(
+    config: LlamaConfig, attention: AttentionBackend, name: str = "llama", device: DeviceRef = CPU
+) -> Graph:
+    """The Llama decoder graph of ``config`` with ``attention`` (see the module contract), its
+    inputs and weights on ``device``."""
     c = config
-    input_types = [*llama_input_types(), *attention.input_types()]
+    input_types = [*llama_input_types(device), *attention.input_types()]
+    weight = functools.partial(_weight, device=device)
     with Graph(name, input_types=input_types, custom_extensions=attention.custom_extensions) as graph:
         tokens, row_offsets, positions, *backend_inputs = graph.inputs
         tokens, row_offsets, positions = tokens.tensor, row_offsets.tensor, positions.tensor
         total = tokens.shape[0]
 
-        embedding = _weight("token_embd.weight", c.vocab_size, c.hidden_size)
+        embedding = weight("token_embd.weight", c.vocab_size, c.hidden_size)
         h = ops.gather(embedding, tokens, axis=0)  # [T, hidden]
         rope_shape = (c.context_length, c.head_dim // 2)
-        cos = ops.unsqueeze(ops.gather(_weight("rope.cos", *rope_shape), positions, axis=0), 1)
-        sin = ops.unsqueeze(ops.gather(_weight("rope.sin", *rope_shape), positions, axis=0), 1)
+        cos = ops.unsqueeze(ops.gather(weight("rope.cos", *rope_shape), positions, axis=0), 1)
+        sin = ops.unsqueeze(ops.gather(weight("rope.sin", *rope_shape), positions, axis=0), 1)
         kv_dim = c.n_kv_heads * c.head_dim
 
         for i in range(c.n_layers):
             p = f"blk.{i}."
-            x = ops.rms_norm(h, _weight(p + "attn_norm.weight", c.hidden_size), c.rms_norm_eps)
+            x = ops.rms_norm(h, weight(p + "attn_norm.weight", c.hidden_size), c.rms_norm_eps)
             q = ops.reshape(
-                _linear(x, _weight(p + "attn_q.weight", c.hidden_size, c.hidden_size)), [total, c.n_heads, c.head_dim]
+                _linear(x, weight(p + "attn_q.weight", c.hidden_size, c.hidden_size)), [total, c.n_heads, c.head_dim]
             )
             k = ops.reshape(
-                _linear(x, _weight(p + "attn_k.weight", kv_dim, c.hidden_size)), [total, c.n_kv_heads, c.head_dim]
+                _linear(x, weight(p + "attn_k.weight", kv_dim, c.hidden_size)), [total, c.n_kv_heads, c.head_dim]
             )
             v = ops.reshape(
-                _linear(x, _weight(p + "attn_v.weight", kv_dim, c.hidden_size)), [total, c.n_kv_heads, c.head_dim]
+                _linear(x, weight(p + "attn_v.weight", kv_dim, c.hidden_size)), [total, c.n_kv_heads, c.head_dim]
             )
             attn = attention(i, _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v, row_offsets, backend_inputs)
             h = h + _linear(
                 ops.reshape(attn, [total, c.hidden_size]),
-                _weight(p + "attn_output.weight", c.hidden_size, c.hidden_size),
+                weight(p + "attn_output.weight", c.hidden_size, c.hidden_size),
             )
 
-            x = ops.rms_norm(h, _weight(p + "ffn_norm.weight", c.hidden_size), c.rms_norm_eps)
-            gate = _linear(x, _weight(p + "ffn_gate.weight", c.ffn_hidden_size, c.hidden_size))
-            up = _linear(x, _weight(p + "ffn_up.weight", c.ffn_hidden_size, c.hidden_size))
-            h = h + _linear(ops.silu(gate) * up, _weight(p + "ffn_down.weight", c.hidden_size, c.ffn_hidden_size))
+            x = ops.rms_norm(h, weight(p + "ffn_norm.weight", c.hidden_size), c.rms_norm_eps)
+            gate = _linear(x, weight(p + "ffn_gate.weight", c.ffn_hidden_size, c.hidden_size))
+            up = _linear(x, weight(p + "ffn_up.weight", c.ffn_hidden_size, c.hidden_size))
+            h = h + _linear(ops.silu(gate) * up, weight(p + "ffn_down.weight", c.hidden_size, c.ffn_hidden_size))
 
         last_rows = ops.cast(row_offsets[1:], DType.int64) - 1
         last = ops.rms_norm(
-            ops.gather(h, last_rows, axis=0), _weight("output_norm.weight", c.hidden_size), c.rms_norm_eps
+            ops.gather(h, last_rows, axis=0), weight("output_norm.weight", c.hidden_size), c.rms_norm_eps
         )
-        lm_head = embedding if c.tied_embeddings else _weight(c.lm_head_name, c.vocab_size, c.hidden_size)
+        lm_head = embedding if c.tied_embeddings else weight(c.lm_head_name, c.vocab_size, c.hidden_size)
         graph.output(_linear(last, lm_head))
     return graph
 
@@ -135,10 +141,13 @@ def llama_weights_registry(checkpoint: LlamaCheckpoint) -> dict[str, np.ndarray]
     return {**checkpoint.weights, "rope.cos": cos, "rope.sin": sin}
 
 
-def load_llama_model(session: InferenceSession, checkpoint: LlamaCheckpoint, attention: AttentionBackend) -> Model:
-    """Build and compile the graph and bind its weights. MAX aliases the arrays rather than
-    copying them, so the checkpoint's memory-mapped files must outlive the model."""
-    graph = build_llama_graph(checkpoint.config, attention)
+def load_llama_model(
+    session: InferenceSession, checkpoint: LlamaCheckpoint, attention: AttentionBackend, device: DeviceRef = CPU
+) -> Model:
+    """Build and compile the graph on ``device`` and bind its weights. On the CPU MAX aliases the
+    arrays rather than copying them, so the checkpoint's memory-mapped files must outlive the
+    model."""
+    graph = build_llama_graph(checkpoint.config, attention, device=device)
     return session.load(graph, weights_registry=llama_weights_registry(checkpoint))
 
 

@@ -8,9 +8,11 @@ otherwise says so).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
-from max.driver import Buffer
+from max.driver import Buffer, Device
 from max.engine import InferenceSession, Model
 
 from mokv_examples.pipeline import SmolLM2
@@ -43,21 +45,32 @@ def paged_smollm2(session: InferenceSession) -> SmolLM2:
     return SmolLM2(session, log=lambda _: None)
 
 
-@pytest.fixture(scope="session")
-def dense_greedy(dense_smollm2: Model, smollm2: LlamaCheckpoint, smollm2_tokenizer: GGUFTokenizer):
+def dense_greedy_fn(
+    dense: Model, checkpoint: LlamaCheckpoint, tokenizer: GGUFTokenizer, device: Device | None = None
+) -> Callable[[np.ndarray, int], list[int]]:
     """``f(prompt, n)``: the first ``n`` greedy tokens of ``prompt`` (fewer if a stop token
-    comes first), recomputing the whole sequence every step with no cache. Memoised per
-    prompt, extended on demand, so tests comparing against the same prompts share the work."""
+    comes first) from the dense graph ``dense`` on ``device`` (the CPU unless given),
+    recomputing the whole sequence every step with no cache. Memoised per prompt, extended
+    on demand, so tests comparing against the same prompts share the work."""
     memo: dict[tuple[int, ...], list[int]] = {}
-    stop_ids = smollm2_tokenizer.stop_token_ids
+    stop_ids = tokenizer.stop_token_ids
 
     def greedy(prompt: np.ndarray, n: int) -> list[int]:
         out = memo.setdefault(tuple(prompt.tolist()), [])
         while len(out) < n and not (out and out[-1] in stop_ids):
             tokens = np.concatenate([prompt, np.asarray(out, np.int64)])
-            batch = ragged_batch([tokens], context_length=smollm2.config.context_length)
-            (logits,) = dense_smollm2.execute(*(Buffer.from_numpy(a) for a in batch.inputs()))
+            batch = ragged_batch([tokens], context_length=checkpoint.config.context_length)
+            inputs = [Buffer.from_numpy(a) for a in batch.inputs()]
+            if device is not None:
+                inputs = [b.to(device) for b in inputs]
+            (logits,) = dense.execute(*inputs)
             out.append(int(np.argmax(logits.to_numpy()[0])))
         return out[:n]
 
     return greedy
+
+
+@pytest.fixture(scope="session")
+def dense_greedy(dense_smollm2: Model, smollm2: LlamaCheckpoint, smollm2_tokenizer: GGUFTokenizer):
+    """`dense_greedy_fn` of the CPU dense graph."""
+    return dense_greedy_fn(dense_smollm2, smollm2, smollm2_tokenizer)
