@@ -10,7 +10,7 @@ export MOKV_CACHE_DIR := $(CURDIR)/.cache
 export MODULAR_CACHE_DIR := $(MOKV_CACHE_DIR)/modular
 WHEELS := $(MOKV_CACHE_DIR)/wheels
 
-.PHONY: setup model wheels demo test lint bench bench-llama-cpp build constraints clean
+.PHONY: setup model wheels demo test lint gpu-build-check bench bench-llama-cpp build constraints clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,10 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	tools/check_mojo_format.sh
+
+# Every GPU path of the ops compiled to device code for sm_90 and gfx942 (no GPU needed).
+gpu-build-check: setup
+	tools/check_gpu_build.sh
 
 bench: model
 	$(BIN)/mokv bench manager --quick

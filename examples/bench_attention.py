@@ -16,6 +16,16 @@ kernels' outputs. bfloat16 decode rows also time mokv on the same values
 stored as float32, in the same rounds, for the bfloat16/float32 tokens/s ratio.
 MAX's kernel is compiled per (dtype, heads, head_dim, page size): a full run
 compiles 8 of its graphs (~1.5-3 minutes each on 2 cores) before timing.
+
+`--device gpu` runs the same comparison on a GPU against MAX's built-in GPU
+kernel (flash decoding for decode batches): decode at batch 1..128 and
+context 1k..32k, prefill chunks of 512..8k tokens, bfloat16 (and a few
+float32 rows). Every timed call ends with a device synchronize, so a row is
+the call's wall time, launch overhead included for both kernels. The memory
+yardstick is then a 1 GiB device-to-device copy: its traffic (read plus
+write) per second stands for the achievable HBM bandwidth, against which the
+KV read rate of decode is set. Without a GPU it says so and exits. (This
+mode has not yet run on a GPU.)
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from typing import Any
 
 import click
 import numpy as np
-from max.driver import CPU, Buffer
+from max.driver import CPU, Accelerator, Buffer, Device, accelerator_architecture_name, accelerator_count
 from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType
@@ -112,6 +122,37 @@ def quick_cases() -> list[Case]:
     ]
 
 
+GPU_KV_TOKEN_LIMIT = 1 << 20
+"""Most context tokens in one decode case (4 GiB of bfloat16 Llama KV, which
+the host builds as float32 first)."""
+
+
+def gpu_full_cases() -> list[Case]:
+    decode = [
+        Case("decode", DType.bfloat16, heads, 128, batch, context)
+        for heads in (LLAMA, SMOLLM2)
+        for batch in (1, 8, 32, 128)
+        for context in (1024, 8192, 32768)
+        if batch * context <= GPU_KV_TOKEN_LIMIT
+    ]
+    decode += [Case("decode", DType.bfloat16, LLAMA, 16, batch, 4096) for batch in (1, 32)]
+    decode += [Case("decode", DType.float32, LLAMA, 128, batch, 8192) for batch in (1, 32)]
+    # (cached prefix, chunk)
+    prefill = [(0, 512), (0, 2048), (0, 8192), (8192, 512), (8192, 2048), (24576, 8192)]
+    return decode + [Case("prefill", DType.bfloat16, LLAMA, 128, 1, cached + chunk, chunk) for cached, chunk in prefill]
+
+
+def gpu_quick_cases() -> list[Case]:
+    """Llama heads in bfloat16, page 128: one MAX graph."""
+    return [
+        Case("decode", DType.bfloat16, LLAMA, 128, 1, 32768),
+        Case("decode", DType.bfloat16, LLAMA, 128, 32, 4096),
+        Case("decode", DType.bfloat16, LLAMA, 128, 128, 1024),
+        Case("prefill", DType.bfloat16, LLAMA, 128, 1, 2048, 2048),
+        Case("prefill", DType.bfloat16, LLAMA, 128, 1, 8192 + 512, 512),
+    ]
+
+
 @dataclass
 class SymbolicCache:
     """A one-layer cache whose head count and head size stay symbolic."""
@@ -122,17 +163,20 @@ class SymbolicCache:
     head_dim: int | str = "head_dim"
 
 
-def build_mokv_graph(dtype: DType, package: Path) -> Graph:
+def build_mokv_graph(dtype: DType, package: Path, device: DeviceRef | None = None) -> Graph:
     """mokv's attention (from the kernel `package`) over a one-layer paged
-    cache, every size symbolic, so one compile per dtype serves every case."""
+    cache on `device` (the CPU unless given), every size symbolic, so one
+    compile per dtype serves every case."""
     cpu = DeviceRef.CPU()
+    device = device or cpu
     inputs = [
-        *mokv_graph.paged_input_types(SymbolicCache(dtype)),
-        TensorType(dtype, ["total_new_tokens", "n_q_heads", "head_dim"], cpu),
-        TensorType(DType.uint32, ["batch_plus_one"], cpu),
+        *mokv_graph.paged_input_types(SymbolicCache(dtype), device=device),
+        TensorType(dtype, ["total_new_tokens", "n_q_heads", "head_dim"], device),
+        TensorType(DType.uint32, ["batch_plus_one"], device),
         TensorType(DType.float32, [], cpu),
     ]
-    with Graph(f"bench_attention_{dtype.name}", input_types=inputs, custom_extensions=[package]) as g:
+    name = f"bench_attention_{dtype.name}" + ("" if device == cpu else f"_{device.device_type}")
+    with Graph(name, input_types=inputs, custom_extensions=[package]) as g:
         cache = mokv_graph.PagedCacheValues.from_inputs(g.inputs[:4])
         q, offsets, scale = (v.tensor for v in g.inputs[4:])
         g.output(mokv_graph.attention(cache, 0, q, offsets, scale))
@@ -148,10 +192,12 @@ def _fill(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     return np.resize(pattern, size).reshape(shape)
 
 
-def _buffer(values: np.ndarray, dtype: DType) -> Buffer:
+def _buffer(values: np.ndarray, dtype: DType, device: Device) -> Buffer:
     if dtype == DType.bfloat16:
-        return Buffer.from_numpy(bfloat16.to_bits(values)).view(DType.bfloat16)
-    return Buffer.from_numpy(values)
+        host = Buffer.from_numpy(bfloat16.to_bits(values)).view(DType.bfloat16)
+    else:
+        host = Buffer.from_numpy(values)
+    return host if device.is_host else host.to(device)
 
 
 def to_float(out: Buffer, dtype: DType) -> np.ndarray:
@@ -163,7 +209,8 @@ def to_float(out: Buffer, dtype: DType) -> np.ndarray:
 
 @dataclass
 class Inputs:
-    """One case's data in one storage dtype, shared by both kernels."""
+    """One case's data in one storage dtype, shared by both kernels; `blocks`
+    and `q` on `device`."""
 
     blocks: Buffer
     q: Buffer
@@ -171,24 +218,35 @@ class Inputs:
     lookup_table: np.ndarray
     row_offsets: np.ndarray
     max_lengths: np.ndarray
+    device: Device
 
     def mokv_args(self, scale: float) -> list[Buffer]:
-        """mokv's graph inputs: the paged cache, then q, offsets and scale."""
+        """mokv's graph inputs: the paged cache (its `max_lengths` summary on
+        the host, the rest on the device), then q, offsets and scale."""
+
+        def on_device(array: np.ndarray) -> Buffer:
+            host = Buffer.from_numpy(array)
+            return host if self.device.is_host else host.to(self.device)
+
         return [
             self.blocks,
-            Buffer.from_numpy(self.cache_lengths),
-            Buffer.from_numpy(self.lookup_table),
+            on_device(self.cache_lengths),
+            on_device(self.lookup_table),
             Buffer.from_numpy(self.max_lengths),
             self.q,
-            Buffer.from_numpy(self.row_offsets),
+            on_device(self.row_offsets),
             Buffer.from_numpy(np.array(scale, np.float32)),
         ]
 
 
-def make_inputs(case: Case, rng: np.random.Generator, dtypes: tuple[DType, ...]) -> dict[DType, Inputs]:
-    """The case's cache and queries in each of `dtypes` (same values). Every
-    sequence's pages are drawn at random from a shared pool (MAX's null page
-    last), so consecutive pages of a sequence are not adjacent in memory."""
+def make_inputs(
+    case: Case, rng: np.random.Generator, dtypes: tuple[DType, ...], device: Device | None = None
+) -> dict[DType, Inputs]:
+    """The case's cache and queries in each of `dtypes` (same values), on
+    `device` (the CPU unless given). Every sequence's pages are drawn at
+    random from a shared pool (MAX's null page last), so consecutive pages of
+    a sequence are not adjacent in memory."""
+    device = device or CPU()
     hq, hkv, d = case.heads
     pages_per_seq = -(-case.context // case.page_size)
     num_pages = case.batch * pages_per_seq
@@ -199,7 +257,15 @@ def make_inputs(case: Case, rng: np.random.Generator, dtypes: tuple[DType, ...])
     row_offsets = (np.arange(case.batch + 1) * case.new_tokens).astype(np.uint32)
     max_lengths = np.array([[case.new_tokens, case.context]], np.uint32)
     return {
-        dtype: Inputs(_buffer(blocks, dtype), _buffer(q, dtype), cache_lengths, lookup, row_offsets, max_lengths)
+        dtype: Inputs(
+            _buffer(blocks, dtype, device),
+            _buffer(q, dtype, device),
+            cache_lengths,
+            lookup,
+            row_offsets,
+            max_lengths,
+            device,
+        )
         for dtype in dtypes
     }
 
@@ -246,42 +312,82 @@ class CopyProbe:
         return self.src.nbytes / statistics.median(times) / 1e9
 
 
-class Kernels:
-    """Compiled graphs, built on first use: mokv's per dtype (from the kernel
-    `package`, by default this checkout's), MAX's per shape."""
+class GpuCopyProbe:
+    """The GPU's memory yardstick: a 1 GiB device-to-device copy, whose read
+    plus write traffic per second stands for the achievable HBM bandwidth."""
 
-    def __init__(self, session: InferenceSession, package: Path | None = None) -> None:
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.src = Buffer(DType.uint8, [1 << 30], device=device)
+        self.dst = Buffer(DType.uint8, [1 << 30], device=device)
+        self.dst.inplace_copy_from(self.src)
+        device.synchronize()
+
+    def gbps(self, runs: int = 5) -> float:
+        """Bytes moved (read + written) per second, median of `runs`, in GB/s."""
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            self.dst.inplace_copy_from(self.src)
+            self.device.synchronize()
+            times.append(time.perf_counter() - t0)
+        return 2 * self.src.num_elements / statistics.median(times) / 1e9
+
+
+class Kernels:
+    """Compiled graphs on `device` (the CPU unless given), built on first use:
+    mokv's per dtype (from the kernel `package`, by default this checkout's),
+    MAX's per shape."""
+
+    def __init__(self, session: InferenceSession, package: Path | None = None, device: Device | None = None) -> None:
         self.session = session
         self.package = package or kernel_package()
+        self.device = device or CPU()
         self.mokv: dict[DType, Model] = {}
         self.max: dict[MaxAttentionShape, MaxPagedAttention] = {}
 
     def mokv_model(self, dtype: DType) -> Model:
         if dtype not in self.mokv:
-            self.mokv[dtype] = self.session.load(build_mokv_graph(dtype, self.package))
+            graph = build_mokv_graph(dtype, self.package, DeviceRef.from_device(self.device))
+            self.mokv[dtype] = self.session.load(graph)
         return self.mokv[dtype]
 
     def max_kernel(self, shape: MaxAttentionShape) -> MaxPagedAttention:
         if shape not in self.max:
-            self.max[shape] = MaxPagedAttention.compile(self.session, shape)
+            self.max[shape] = MaxPagedAttention.compile(self.session, shape, self.device)
         return self.max[shape]
 
+    def finished(self, call: Callable[[], Any]) -> Callable[[], Any]:
+        """`call`, then a wait for the device (a no-op wait on the CPU, whose
+        `execute` returns when the work is done)."""
+        if self.device.is_host:
+            return call
 
-def run_case(case: Case, kernels: Kernels, copy: CopyProbe, budget_s: float) -> dict[str, Any]:
-    """Times one case. A bfloat16 decode case also times mokv on the same
-    values stored as float32, in the same rounds, for the tokens/s ratio."""
+        def synchronized() -> Any:
+            result = call()
+            self.device.synchronize()
+            return result
+
+        return synchronized
+
+
+def run_case(case: Case, kernels: Kernels, copy: CopyProbe | GpuCopyProbe, budget_s: float) -> dict[str, Any]:
+    """Times one case. A bfloat16 decode case on the CPU also times mokv on
+    the same values stored as float32, in the same rounds, for the tokens/s
+    ratio."""
     hq, hkv, d = case.heads
     scale = 1 / math.sqrt(d)
-    with_f32 = case.dtype == DType.bfloat16 and case.phase == "decode"
-    data = make_inputs(case, np.random.default_rng(0), (case.dtype, DType.float32) if with_f32 else (case.dtype,))
+    with_f32 = case.dtype == DType.bfloat16 and case.phase == "decode" and kernels.device.is_host
+    dtypes = (case.dtype, DType.float32) if with_f32 else (case.dtype,)
+    data = make_inputs(case, np.random.default_rng(0), dtypes, kernels.device)
     mine = data[case.dtype]
     mokv = kernels.mokv_model(case.dtype)
     mokv_args = mine.mokv_args(scale)
     max_kernel = kernels.max_kernel(case.max_shape())
     max_args = max_kernel.inputs(mine.blocks, mine.cache_lengths, mine.lookup_table, mine.row_offsets, mine.q, 0)
     calls: dict[str, Callable[[], Any]] = {
-        "mokv": lambda: mokv.execute(*mokv_args),
-        "max": lambda: max_kernel(max_args),
+        "mokv": kernels.finished(lambda: mokv.execute(*mokv_args)),
+        "max": kernels.finished(lambda: max_kernel(max_args)),
     }
     if with_f32:
         mokv_f32 = kernels.mokv_model(DType.float32)
@@ -292,6 +398,7 @@ def run_case(case: Case, kernels: Kernels, copy: CopyProbe, budget_s: float) -> 
     copy_rate = copy.gbps()
     times = time_alternately(calls, min_runs=5, budget_s=budget_s)
     row = {
+        "device": "cpu" if kernels.device.is_host else "gpu",
         "case": case.name,
         "phase": case.phase,
         "dtype": case.dtype.name,
@@ -302,6 +409,7 @@ def run_case(case: Case, kernels: Kernels, copy: CopyProbe, budget_s: float) -> 
         "batch": case.batch,
         "context": case.context,
         "new_tokens": case.new_tokens,
+        "kv_bytes": case.kv_bytes,
         "mokv_s": times["mokv"],
         "max_s": times["max"],
         "speedup": times["max"] / times["mokv"],
@@ -317,15 +425,40 @@ def run_case(case: Case, kernels: Kernels, copy: CopyProbe, budget_s: float) -> 
     return row
 
 
+def _span(values: list[float]) -> str:
+    """min, median and max of a ratio over the cases it covers."""
+    if not values:
+        return "no cases"
+    cases = f"{len(values)} case" + ("s" if len(values) > 1 else "")
+    return f"min {min(values):.2f}, median {statistics.median(values):.2f}, max {max(values):.2f} ({cases})"
+
+
+MEMORY_BOUND_BYTES = 1 << 28
+"""A GPU decode case reading at least this much KV is memory-bound: the
+launch overhead in its wall time is small."""
+
+
+def gpu_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """The GPU targets: decode at least MAX's speed and 80% of the HBM
+    bandwidth where memory-bound, prefill at least 0.8x MAX's."""
+    decode = [r for r in rows if r["phase"] == "decode"]
+    bound = [r for r in decode if r["kv_bytes"] >= MEMORY_BOUND_BYTES]
+    prefill = [r for r in rows if r["phase"] == "prefill"]
+    return [
+        f"- decode, speedup over MAX's GPU kernel (target >= 1): {_span([r['speedup'] for r in decode])}",
+        (
+            "- decode reading >= 256 MiB of KV, KV read rate / device copy traffic (target >= 0.8):"
+            f" {_span([r['kv_gbps'] / r['copy_gbps'] for r in bound])}"
+        ),
+        f"- prefill, speedup over MAX (target >= 0.8): {_span([r['speedup'] for r in prefill])}",
+    ]
+
+
 def summary(rows: list[dict[str, Any]]) -> list[str]:
     """One line per target: the range of each ratio over the cases it covers."""
-
-    def span(values: list[float]) -> str:
-        if not values:
-            return "no cases"
-        cases = f"{len(values)} case" + ("s" if len(values) > 1 else "")
-        return f"min {min(values):.2f}, median {statistics.median(values):.2f}, max {max(values):.2f} ({cases})"
-
+    if rows and rows[0]["device"] == "gpu":
+        return gpu_summary(rows)
+    span = _span
     long_decode = [r for r in rows if r["phase"] == "decode" and r["context"] >= 2048]
     return [
         f"- decode at 2k+ context, speedup over MAX (target >= 3): {span([r['speedup'] for r in long_decode])}",
@@ -363,12 +496,36 @@ def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
 
 @click.command("attention")
 @click.option("--quick", is_flag=True, help="A representative subset (under five minutes, MAX's compiles included).")
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "gpu"]),
+    default="cpu",
+    show_default=True,
+    help="Where both kernels run; gpu writes attention-gpu.json/.md and exits with a message when there is no GPU.",
+)
 @out_dir_option("attention")
-def attention(quick: bool, out_dir: Path) -> None:
+def attention(quick: bool, device: str, out_dir: Path) -> None:
     """Paged flash attention: mokv's kernel against MAX's built-in, decode and prefill."""
-    cases = quick_cases() if quick else full_cases()
-    kernels = Kernels(InferenceSession(devices=[CPU()]))
-    copy = CopyProbe()
+    copy: CopyProbe | GpuCopyProbe
+    if device == "gpu":
+        if accelerator_count() == 0:
+            click.echo(
+                "mokv bench attention --device gpu: skipped, MAX sees no GPU on this machine; nothing was timed",
+                err=True,
+            )
+            return
+        gpu = Accelerator()
+        cases = gpu_quick_cases() if quick else gpu_full_cases()
+        kernels = Kernels(InferenceSession(devices=[CPU(), gpu]), device=gpu)
+        copy = GpuCopyProbe(gpu)
+        where = f"GPU {accelerator_architecture_name()}"
+        yardstick = "copy = traffic (read + write) of a 1 GiB device-to-device copy"
+    else:
+        cases = quick_cases() if quick else full_cases()
+        kernels = Kernels(InferenceSession(devices=[CPU()]))
+        copy = CopyProbe()
+        where = f"{platform.machine()}, {os.cpu_count()} cores"
+        yardstick = "copy = np.copyto of 1 GiB"
     rows = []
     for case in cases:
         click.echo(f"{case.name} ...", err=True)
@@ -380,9 +537,8 @@ def attention(quick: bool, out_dir: Path) -> None:
             err=True,
         )
     header = (
-        f"## Paged attention, mokv vs MAX 26.7 ({platform.machine()}, {os.cpu_count()} cores"
-        f"{', quick' if quick else ''}): median seconds per call, timed alternately;"
-        " copy = np.copyto of 1 GiB measured next to each case"
+        f"## Paged attention, mokv vs MAX 26.7 ({where}{', quick' if quick else ''}):"
+        f" median seconds per call, timed alternately; {yardstick}, measured next to each case"
     )
     markdown = to_markdown(rows, header)
-    write_results(out_dir, "attention", rows, markdown)
+    write_results(out_dir, "attention" if device == "cpu" else "attention-gpu", rows, markdown)

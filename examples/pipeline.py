@@ -15,9 +15,10 @@ from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
-from max.driver import CPU, Buffer
+from max.driver import CPU, Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession, Model
+from max.graph import DeviceRef
 
 from mokv import KVCacheParams, PagedKVCacheManager
 from mokv.connectors import KVConnectorConfig
@@ -47,7 +48,8 @@ class CacheBackend(Protocol):
     name: str
 
     def attention(self, params: KVCacheParams) -> AttentionBackend:
-        """The graph's attention over this cache, for the cache geometry `params`."""
+        """The graph's attention over this cache, for the cache geometry `params`
+        (on `params.devices[0]`)."""
         ...
 
     def manager(
@@ -76,7 +78,7 @@ class MokvCache:
     name = "mokv"
 
     def attention(self, params: KVCacheParams) -> AttentionBackend:
-        return PagedCacheAttention(params)
+        return PagedCacheAttention(params, params.devices[0])
 
     def manager(
         self,
@@ -138,7 +140,8 @@ class GenerationReport:
 
 class SmolLM2:
     """The compiled SmolLM2 graph over a paged cache (`cache`, mokv's by default),
-    with its weights in format `weights` (`mokv_graphs.weight_formats`)."""
+    with its weights in format `weights` (`mokv_graphs.weight_formats`), weights
+    and cache on `device` (the CPU unless given)."""
 
     def __init__(
         self,
@@ -146,9 +149,14 @@ class SmolLM2:
         log: Callable[[str], None] | None = None,
         weights: str = WEIGHT_FORMATS[0],
         cache: CacheBackend | None = None,
+        device: Device | None = None,
     ) -> None:
         log = log or (lambda msg: print(msg, file=sys.stderr))
-        self.session = session or InferenceSession(devices=[CPU()])
+        self.device = device or CPU()
+        self.device_ref = DeviceRef.from_device(self.device)
+        if not self.device.is_host and weights != "f32":
+            raise ValueError(f"weights {weights!r}: the block-format weight kernels run on the CPU; use 'f32' on a GPU")
+        self.session = session or InferenceSession(devices=[CPU()] if self.device.is_host else [CPU(), self.device])
         self.cache = cache or MokvCache()
         started = time.perf_counter()
         self.checkpoint: LlamaCheckpoint = load_llama(weights=weights, log=log)
@@ -157,7 +165,7 @@ class SmolLM2:
         label = f"compiling the graph on {self.cache.name}'s cache (minutes the first time, then cached)"
         with ticking(label, log):
             self.model: Model = load_llama_model(
-                self.session, self.checkpoint, self.cache.attention(self.cache_params())
+                self.session, self.checkpoint, self.cache.attention(self.cache_params()), self.device_ref
             )
 
     @property
@@ -196,6 +204,7 @@ class SmolLM2:
             num_layers=c.n_layers,
             page_size=page_size,
             enable_prefix_caching=enable_prefix_caching,
+            devices=[self.device_ref],
         )
 
     def step(
@@ -209,9 +218,10 @@ class SmolLM2:
         """One ragged step: stores the tokens' K/V and returns the logits of `logit_rows`
         (default: each sequence's last token)."""
         rows = last_token_rows(row_offsets) if logit_rows is None else logit_rows
-        (logits,) = self.model.execute(
-            *(Buffer.from_numpy(a) for a in (tokens, row_offsets, positions, rows)), *cache.flatten()
-        )
+        inputs = [Buffer.from_numpy(a) for a in (tokens, row_offsets, positions, rows)]
+        if not self.device.is_host:
+            inputs = [buffer.to(self.device) for buffer in inputs]
+        (logits,) = self.model.execute(*inputs, *cache.flatten())
         return logits.to_numpy()
 
     def encode(self, prompt: str, chat: bool) -> npt.NDArray[np.int64]:

@@ -42,20 +42,20 @@ from mokv_graphs.attention_backends import AttentionBackend
 from mokv_graphs.gguf_model import LlamaCheckpoint, LlamaConfig
 from mokv_graphs.weight_formats import declare_weight, embedding, linear, quant_kernel_package, uses_quant_kernels
 
-DEVICE = DeviceRef.CPU()
+CPU = DeviceRef.CPU()
 TOTAL_TOKENS = "total_tokens"
 ROW_OFFSETS_LEN = "input_row_offsets_len"
 LOGIT_ROWS = "logit_rows"
 
 
-def llama_input_types() -> list[TensorType]:
-    """The model's own graph inputs: ``tokens``, ``input_row_offsets``, ``positions``,
-    ``logit_rows``."""
+def llama_input_types(device: DeviceRef = CPU) -> list[TensorType]:
+    """The model's own graph inputs on ``device``: ``tokens``, ``input_row_offsets``,
+    ``positions``, ``logit_rows``."""
     return [
-        TensorType(DType.int64, [TOTAL_TOKENS], device=DEVICE),
-        TensorType(DType.uint32, [ROW_OFFSETS_LEN], device=DEVICE),
-        TensorType(DType.int64, [TOTAL_TOKENS], device=DEVICE),
-        TensorType(DType.int64, [LOGIT_ROWS], device=DEVICE),
+        TensorType(DType.int64, [TOTAL_TOKENS], device=device),
+        TensorType(DType.uint32, [ROW_OFFSETS_LEN], device=device),
+        TensorType(DType.int64, [TOTAL_TOKENS], device=device),
+        TensorType(DType.int64, [LOGIT_ROWS], device=device),
     ]
 
 
@@ -82,23 +82,24 @@ class _LlamaWeights:
     """The graph's weights, each declared in its checkpoint encoding (see
     ``mokv_graphs.weight_formats``), with the products that read them."""
 
-    def __init__(self, config: LlamaConfig, encodings: Mapping[str, str]) -> None:
+    def __init__(self, config: LlamaConfig, encodings: Mapping[str, str], device: DeviceRef) -> None:
         self.config = config
         self.encodings = encodings
+        self.device = device
         self._declared: dict[str, Weight] = {}  # tied embeddings use one weight twice
 
     def _matrix(self, name: str, rows: int, columns: int) -> Weight:
         if name not in self._declared:
-            self._declared[name] = declare_weight(name, self.encodings[name], rows, columns, DEVICE)
+            self._declared[name] = declare_weight(name, self.encodings[name], rows, columns, self.device)
         return self._declared[name]
 
     def vector(self, name: str) -> Weight:
         """A float32 ``[hidden]`` weight (the RMS norms)."""
-        return Weight(name, DType.float32, [self.config.hidden_size], DEVICE)
+        return Weight(name, DType.float32, [self.config.hidden_size], self.device)
 
     def table(self, name: str, *shape: int) -> Weight:
         """A float32 table read by ``ops.gather`` (the RoPE tables)."""
-        return Weight(name, DType.float32, list(shape), DEVICE)
+        return Weight(name, DType.float32, list(shape), self.device)
 
     def linear(self, x: TensorValue, name: str, out_features: int) -> TensorValue:
         """``x @ W.T`` for the ``[out_features, x.shape[-1]]`` matrix ``name``."""
@@ -111,13 +112,17 @@ class _LlamaWeights:
 
 
 def build_llama_graph(
-    config: LlamaConfig, attention: AttentionBackend, encodings: Mapping[str, str], name: str = "llama"
+    config: LlamaConfig,
+    attention: AttentionBackend,
+    encodings: Mapping[str, str],
+    name: str = "llama",
+    device: DeviceRef = CPU,
 ) -> Graph:
     """The Llama decoder graph of ``config`` with ``attention`` (see the module contract),
-    reading each weight in its ``encodings`` entry."""
+    reading each weight in its ``encodings`` entry, its inputs and weights on ``device``."""
     c = config
-    w = _LlamaWeights(config, encodings)
-    input_types = [*llama_input_types(), *attention.input_types()]
+    w = _LlamaWeights(config, encodings, device)
+    input_types = [*llama_input_types(device), *attention.input_types()]
     extensions = list(attention.custom_extensions)
     if uses_quant_kernels(encodings):
         extensions.append(quant_kernel_package())
@@ -157,10 +162,13 @@ def llama_weights_registry(checkpoint: LlamaCheckpoint) -> dict[str, np.ndarray]
     return {**checkpoint.weights, "rope.cos": cos, "rope.sin": sin}
 
 
-def load_llama_model(session: InferenceSession, checkpoint: LlamaCheckpoint, attention: AttentionBackend) -> Model:
-    """Build and compile the graph and bind its weights. MAX aliases the arrays rather than
-    copying them, so the checkpoint's memory-mapped files must outlive the model."""
-    graph = build_llama_graph(checkpoint.config, attention, checkpoint.encodings)
+def load_llama_model(
+    session: InferenceSession, checkpoint: LlamaCheckpoint, attention: AttentionBackend, device: DeviceRef = CPU
+) -> Model:
+    """Build and compile the graph on ``device`` and bind its weights. On the CPU MAX aliases the
+    arrays rather than copying them, so the checkpoint's memory-mapped files must outlive the
+    model."""
+    graph = build_llama_graph(checkpoint.config, attention, checkpoint.encodings, device=device)
     return session.load(graph, weights_registry=llama_weights_registry(checkpoint))
 
 

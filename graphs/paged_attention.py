@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from max.graph import BufferType, TensorType, TensorValue, Value
+from max.graph import BufferType, DeviceRef, TensorType, TensorValue, Value
 
 from mokv.contract import CacheShape
 from mokv.graph import PagedCacheValues, attention, paged_input_types, store_kv
@@ -18,17 +18,19 @@ from mokv.kernels import kernel_package
 
 class PagedCacheAttention:
     """`AttentionBackend` over a `PagedKVCacheManager`'s runtime inputs (blocks,
-    cache_lengths, lookup_table, max_lengths), appended after the model's inputs."""
+    cache_lengths, lookup_table, max_lengths), appended after the model's inputs;
+    the cache lives on `device`, as the model does."""
 
-    def __init__(self, cache_shape: CacheShape) -> None:
+    def __init__(self, cache_shape: CacheShape, device: DeviceRef | None = None) -> None:
         self.cache_shape = cache_shape
+        self.device = device or DeviceRef.CPU()
 
     @property
     def custom_extensions(self) -> list[Path]:
         return [kernel_package()]
 
     def input_types(self) -> list[TensorType | BufferType]:
-        return paged_input_types(self.cache_shape)
+        return paged_input_types(self.cache_shape, device=self.device)
 
     def __call__(
         self,

@@ -33,19 +33,24 @@ class SymbolicShape:
     head_dim: int | str = "head_dim"
 
 
-def build_attention_graph(layout: str, dtype: DType, kernels: Path) -> Graph:
-    """`(cache..., q, input_row_offsets, layer, scale, window) -> attention`."""
+def build_attention_graph(layout: str, dtype: DType, kernels: Path, device: DeviceRef = CPU_REF) -> Graph:
+    """`(cache..., q, input_row_offsets, layer, scale, window) -> attention`,
+    the cache, q and offsets on `device`, the scalars on the host."""
     shape = SymbolicShape(dtype)
-    cache_types = paged_input_types(shape) if layout == "paged" else continuous_input_types(shape)
+    if layout == "paged":
+        cache_types = paged_input_types(shape, device=device)
+    else:
+        cache_types = continuous_input_types(shape, device=device)
     inputs = [
         *cache_types,
-        TensorType(dtype, ["total_new_tokens", "n_q_heads", "head_dim"], CPU_REF),
-        TensorType(DType.uint32, ["batch_plus_one"], CPU_REF),
+        TensorType(dtype, ["total_new_tokens", "n_q_heads", "head_dim"], device),
+        TensorType(DType.uint32, ["batch_plus_one"], device),
         TensorType(DType.uint32, [], CPU_REF),
         TensorType(DType.float32, [], CPU_REF),
         TensorType(DType.uint32, [], CPU_REF),
     ]
-    with Graph(f"attention_{layout}_{dtype}", input_types=inputs, custom_extensions=[kernels]) as g:
+    name = f"attention_{layout}_{dtype}" + ("" if device == CPU_REF else f"_{device.device_type}")
+    with Graph(name, input_types=inputs, custom_extensions=[kernels]) as g:
         values = PagedCacheValues if layout == "paged" else ContinuousCacheValues
         cache = values.from_inputs(g.inputs[:4])
         q, offsets, layer, scale, window = (v.tensor for v in g.inputs[4:])

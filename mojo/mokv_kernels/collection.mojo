@@ -6,12 +6,11 @@ operand; and the opaque per-layer cache (one layer's keys or values) that
 import extensibility
 from extensibility import InputTensor, OutputTensor, _MutableInputTensor
 from max.gpu.host import DeviceContext
-from max.gpu.host.info import is_cpu
 
-from .attention.op import attention_over
+from .attention.op import attention_on
 from .bind import bind_collection, check_layer
 from .cache import BatchSummary, OpaqueContinuousCache, OpaqueContinuousCollection
-from .store import gather_from, gather_rows, store_kv_into
+from .store import gather_on, gather_rows_on, store_kv_on
 
 
 @extensibility.register("mokv.collection.continuous")
@@ -29,7 +28,6 @@ struct FetchContinuousCollection:
         is_cache_empty: Scalar[DType.bool],
         ctx: DeviceContext,
     ) raises -> OpaqueContinuousCollection:
-        comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
         var typed = bind_collection(blocks, cache_lengths, lookup_table)
         return OpaqueContinuousCollection(typed.geometry, dtype, Bool(is_cache_empty))
 
@@ -49,8 +47,9 @@ struct StoreKVContinuousCollection:
         layer_idx: UInt32,
         ctx: DeviceContext,
     ) raises:
-        comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
-        store_kv_into(collection.typed[dtype](), layer_idx, keys, values, input_row_offsets)
+        store_kv_on[target](
+            ctx, collection.typed[dtype](), layer_idx, keys, values, input_row_offsets
+        )
 
 
 @extensibility.register("mokv.gather.continuous_collection")
@@ -69,8 +68,9 @@ struct GatherContinuousCollection:
         kv_idx: UInt32,
         ctx: DeviceContext,
     ) raises:
-        comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
-        gather_from(collection.typed[dtype](), dest, layer_idx, kv_idx, batch_rows, positions)
+        gather_on[target](
+            ctx, collection.typed[dtype](), dest, layer_idx, kv_idx, batch_rows, positions
+        )
 
 
 @extensibility.register("mokv.attention.continuous_collection")
@@ -91,8 +91,8 @@ struct AttentionContinuousCollection:
         sliding_window: UInt32,
         ctx: DeviceContext,
     ) raises:
-        comptime assert is_cpu[target](), "mokv's attention op runs on CPU only"
-        attention_over(
+        attention_on[target](
+            ctx,
             collection.typed[dtype](),
             BatchSummary.of_is_cache_empty(collection.is_cache_empty),
             output,
@@ -118,7 +118,6 @@ struct GetContinuousCache:
         kv_idx: UInt32,
         ctx: DeviceContext,
     ) raises -> OpaqueContinuousCache:
-        comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
         check_layer(Int(layer_idx), collection.geometry.num_layers)
         if kv_idx > 1:
             raise Error(t"kv_idx must be 0 (keys) or 1 (values), got {kv_idx}")
@@ -139,5 +138,4 @@ struct GatherContinuousCache:
         positions: InputTensor[dtype=DType.uint32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        comptime assert is_cpu[target](), "mokv's cache ops run on CPU only"
-        gather_rows(cache.typed[dtype](), dest, batch_rows, positions)
+        gather_rows_on[target](ctx, cache.typed[dtype](), dest, batch_rows, positions)

@@ -15,6 +15,8 @@ from .bind import (
     check_token_range,
 )
 from .cache import KVCacheT, KVCollectionT
+from .gpu.block import GpuLauncher
+from .gpu.rows import gather_gpu, gather_rows_gpu, store_kv_gpu
 
 
 def store_rows[
@@ -114,6 +116,25 @@ def store_kv_into[
     )
 
 
+def store_kv_on[
+    target: StaticString, collection_t: KVCollectionT
+](
+    ctx: DeviceContext,
+    collection: collection_t,
+    layer_idx: UInt32,
+    keys: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    values: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+) raises:
+    """`mokv.store_kv` on the op's target: the CPU path, or the GPU kernel
+    launched on `ctx` (`gpu.rows`)."""
+    comptime if is_cpu[target]():
+        store_kv_into(collection, layer_idx, keys, values, row_offsets)
+    else:
+        var launcher = GpuLauncher(ctx)
+        store_kv_gpu(launcher, collection, layer_idx, keys, values, row_offsets)
+
+
 @extensibility.register("mokv.store_kv")
 struct StoreKV:
     """Stores a ragged batch's new K and V of one layer into the cache, paged
@@ -132,9 +153,8 @@ struct StoreKV:
         layer_idx: UInt32,
         ctx: DeviceContext,
     ) raises:
-        comptime assert is_cpu[target](), "mokv's store op runs on CPU only"
         var collection = bind_collection(blocks, cache_lengths, lookup_table)
-        store_kv_into(collection, layer_idx, keys, values, input_row_offsets)
+        store_kv_on[target](ctx, collection, layer_idx, keys, values, input_row_offsets)
 
 
 def gather_from[
@@ -152,6 +172,42 @@ def gather_from[
     if kv_idx > 1:
         raise Error(t"kv_idx must be 0 (keys) or 1 (values), got {kv_idx}")
     gather_rows(collection.get_cache(layer, Int(kv_idx)), dest, batch_rows, positions)
+
+
+def gather_on[
+    target: StaticString, collection_t: KVCollectionT
+](
+    ctx: DeviceContext,
+    collection: collection_t,
+    dest: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    layer_idx: UInt32,
+    kv_idx: UInt32,
+    batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
+    positions: InputTensor[dtype=DType.uint32, rank=1, ...],
+) raises:
+    """`mokv.gather` on the op's target (see `store_kv_on`)."""
+    comptime if is_cpu[target]():
+        gather_from(collection, dest, layer_idx, kv_idx, batch_rows, positions)
+    else:
+        var launcher = GpuLauncher(ctx)
+        gather_gpu(launcher, collection, dest, layer_idx, kv_idx, batch_rows, positions)
+
+
+def gather_rows_on[
+    target: StaticString, cache_t: KVCacheT
+](
+    ctx: DeviceContext,
+    cache: cache_t,
+    dest: OutputTensor[dtype=cache_t.dtype, rank=3, ...],
+    batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
+    positions: InputTensor[dtype=DType.uint32, rank=1, ...],
+) raises:
+    """`gather_rows` of one layer's cache on the op's target."""
+    comptime if is_cpu[target]():
+        gather_rows(cache, dest, batch_rows, positions)
+    else:
+        var launcher = GpuLauncher(ctx)
+        gather_rows_gpu(launcher, cache, dest, batch_rows, positions)
 
 
 @extensibility.register("mokv.gather")
@@ -174,6 +230,5 @@ struct Gather:
         kv_idx: UInt32,
         ctx: DeviceContext,
     ) raises:
-        comptime assert is_cpu[target](), "mokv's gather op runs on CPU only"
         var collection = bind_collection(blocks, cache_lengths, lookup_table)
-        gather_from(collection, dest, layer_idx, kv_idx, batch_rows, positions)
+        gather_on[target](ctx, collection, dest, layer_idx, kv_idx, batch_rows, positions)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from max.driver import Buffer
+from max.driver import Buffer, Device
 from max.engine import InferenceSession, Model
 
 from mokv_examples.pipeline import SmolLM2
@@ -98,31 +98,35 @@ def paged_smollm2(paged_models) -> SmolLM2:
     return paged_models(DEFAULT_FORMAT)
 
 
+def dense_greedy_fn(
+    dense: Model, checkpoint: LlamaCheckpoint, tokenizer: GGUFTokenizer, device: Device | None = None
+) -> Callable[[np.ndarray, int], list[int]]:
+    """``f(prompt, n)``: the first ``n`` greedy tokens of ``prompt`` (fewer if a stop token
+    comes first) from the dense graph ``dense`` on ``device`` (the CPU unless given),
+    recomputing the whole sequence every step with no cache. Memoised per prompt, extended
+    on demand, so tests comparing against the same prompts share the work."""
+    memo: dict[tuple[int, ...], list[int]] = {}
+    stop_ids = tokenizer.stop_token_ids
+
+    def greedy(prompt: np.ndarray, n: int) -> list[int]:
+        out = memo.setdefault(tuple(prompt.tolist()), [])
+        while len(out) < n and not (out and out[-1] in stop_ids):
+            tokens = np.concatenate([prompt, np.asarray(out, np.int64)])
+            batch = ragged_batch([tokens], context_length=checkpoint.config.context_length)
+            inputs = [Buffer.from_numpy(a) for a in batch.inputs()]
+            if device is not None:
+                inputs = [b.to(device) for b in inputs]
+            (logits,) = dense.execute(*inputs)
+            out.append(int(np.argmax(logits.to_numpy()[0])))
+        return out[:n]
+
+    return greedy
+
+
 @pytest.fixture(scope="session")
 def greedy_references(dense_models, smollm2_tokenizer: GGUFTokenizer, smollm2) -> Callable[[str], Greedy]:
-    """``get(format)(prompt, n)``: the first ``n`` greedy tokens of ``prompt`` (fewer if a stop
-    token comes first) from that format's dense graph, recomputing the whole sequence every
-    step with no cache. Memoised per prompt, extended on demand, so tests comparing against
-    the same prompts share the work."""
-    stop_ids = smollm2_tokenizer.stop_token_ids
-    context_length = smollm2.config.context_length
-
-    def reference(weight_format: str) -> Greedy:
-        model = dense_models(weight_format)
-        memo: dict[tuple[int, ...], list[int]] = {}
-
-        def greedy(prompt: np.ndarray, n: int) -> list[int]:
-            out = memo.setdefault(tuple(prompt.tolist()), [])
-            while len(out) < n and not (out and out[-1] in stop_ids):
-                tokens = np.concatenate([prompt, np.asarray(out, np.int64)])
-                batch = ragged_batch([tokens], context_length=context_length)
-                (logits,) = model.execute(*(Buffer.from_numpy(a) for a in batch.inputs()))
-                out.append(int(np.argmax(logits.to_numpy()[0])))
-            return out[:n]
-
-        return greedy
-
-    return _memo(reference)
+    """``get(format)``: `dense_greedy_fn` of that format's dense graph on the CPU."""
+    return _memo(lambda weight_format: dense_greedy_fn(dense_models(weight_format), smollm2, smollm2_tokenizer))
 
 
 @pytest.fixture(scope="session")

@@ -42,25 +42,27 @@ def _cache_values(layout: str, values):
     return (PagedCacheValues if layout == "paged" else ContinuousCacheValues).from_inputs(values)
 
 
-def _cache_types(layout: str, dtype: DType):
+def _cache_types(layout: str, dtype: DType, device: DeviceRef):
     """Cache input types with the page size / slot length left symbolic."""
     if layout == "paged":
-        return paged_input_types(Shape(dtype))
-    return continuous_input_types(Shape(dtype))
+        return paged_input_types(Shape(dtype), device=device)
+    return continuous_input_types(Shape(dtype), device=device)
 
 
 def _scalar_type() -> TensorType:
     return TensorType(DType.uint32, [], CPU_REF)
 
 
-def build_store_gather_graph(layout: str, dtype: DType, kernels: Path) -> Graph:
+def build_store_gather_graph(layout: str, dtype: DType, kernels: Path, device: DeviceRef = CPU_REF) -> Graph:
     """Stores new K/V of a runtime layer, then gathers the requested rows of that
-    layer's keys and values (the ops run in graph order, on one device chain)."""
-    rows = TensorType(dtype, ["total_new_tokens", N_KV_HEADS, HEAD_DIM], CPU_REF)
-    offsets = TensorType(DType.uint32, ["batch_plus_one"], CPU_REF)
-    index = TensorType(DType.uint32, ["n"], CPU_REF)
-    inputs = [*_cache_types(layout, dtype), rows, rows, offsets, _scalar_type(), index, index]
-    with Graph(f"store_gather_{layout}_{dtype}", input_types=inputs, custom_extensions=[kernels]) as g:
+    layer's keys and values (the ops run in graph order, on one device chain),
+    everything but the layer index on `device`."""
+    rows = TensorType(dtype, ["total_new_tokens", N_KV_HEADS, HEAD_DIM], device)
+    offsets = TensorType(DType.uint32, ["batch_plus_one"], device)
+    index = TensorType(DType.uint32, ["n"], device)
+    inputs = [*_cache_types(layout, dtype, device), rows, rows, offsets, _scalar_type(), index, index]
+    name = f"store_gather_{layout}_{dtype}" + ("" if device == CPU_REF else f"_{device.device_type}")
+    with Graph(name, input_types=inputs, custom_extensions=[kernels]) as g:
         cache = _cache_values(layout, g.inputs[:4])
         keys, values, row_offsets, layer, batch_rows, positions = (v.tensor for v in g.inputs[4:])
         store_kv(cache, layer, keys, values, row_offsets)

@@ -18,5 +18,6 @@ The package, one concept per module:
 - `plan`: cutting a batch into work items;
 - `op`: checking the inputs, running the plan, and the registered ops.
 
-CPU only: the ops assert `is_cpu[target]()`.
+These are the CPU kernels; on a GPU target the ops launch `mokv_kernels.gpu`'s
+(`attention_on`).
 """

@@ -16,6 +16,8 @@ from ..bind import (
     check_token_range,
 )
 from ..cache import BatchSummary, KVCollectionT
+from ..gpu.attention import attention_gpu
+from ..gpu.block import GpuLauncher
 from .config import LOG2E, W
 from .decode import _decode_any_group
 from .plan import WorkItem, _plan
@@ -103,6 +105,40 @@ def attention_over[
     _ = groups^
 
 
+def attention_on[
+    target: StaticString, collection_t: KVCollectionT
+](
+    ctx: DeviceContext,
+    collection: collection_t,
+    summary: BatchSummary,
+    output: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    q: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+    layer_idx: UInt32,
+    scale: Float32,
+    sliding_window: UInt32,
+) raises:
+    """`mokv.attention` on the op's target: the CPU path, or the GPU kernels
+    launched on `ctx` (`gpu.attention`), whose grid the summary sizes."""
+    comptime if is_cpu[target]():
+        attention_over(
+            collection, summary, output, q, row_offsets, layer_idx, scale, sliding_window
+        )
+    else:
+        var launcher = GpuLauncher(ctx)
+        attention_gpu(
+            launcher,
+            collection,
+            output,
+            q,
+            row_offsets,
+            layer_idx,
+            scale,
+            sliding_window,
+            summary,
+        )
+
+
 @extensibility.register("mokv.attention")
 struct Attention:
     """Flash attention of a ragged batch over one layer of the cache, paged or
@@ -139,9 +175,16 @@ struct Attention:
         sliding_window: UInt32,
         ctx: DeviceContext,
     ) raises:
-        comptime assert is_cpu[target](), "mokv's attention op runs on CPU only"
         var collection = bind_collection(blocks, cache_lengths, lookup_table)
         var summary = bind_summary[table_rank](batch_summary)
-        attention_over(
-            collection, summary, output, q, input_row_offsets, layer_idx, scale, sliding_window
+        attention_on[target](
+            ctx,
+            collection,
+            summary,
+            output,
+            q,
+            input_row_offsets,
+            layer_idx,
+            scale,
+            sliding_window,
         )

@@ -9,10 +9,12 @@ least-recently-used first. The tier is inclusive: a restored page stays on the
 host, so evicting the block again costs no second copy.
 
 Copies go through MAX driver `Buffer` views of the raw pages (`to_memory()`),
-so they work for any dtype and device; host pages live in CPU `Buffer`s. A
-`Buffer` copy is only enqueued when the call returns (on the CPU too), so every
-offload and restore waits for its copies: the evicted block is about to be
-overwritten, and the restored one read by the next graph.
+so they work for any dtype and device. Host pages beside an accelerator are
+the driver's staging memory for it (`host_pages`: page-locked where the
+backend offers it, so copies can be DMA transfers), beside a CPU cache plain
+host memory. A `Buffer` copy is only enqueued when the call returns (on the
+CPU too), so every offload and restore waits for its copies: the evicted
+block is about to be overwritten, and the restored one read by the next graph.
 """
 
 from __future__ import annotations
@@ -21,13 +23,23 @@ import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
-from max.driver import CPU, Buffer
+from max.driver import CPU, Buffer, Device, Usage
 from max.dtype import DType
 
 from ..buffer import KVCacheMemory
 from ..paged.block_pool import PageIndex
 from ..paged.hashing import BlockHasher
 from .base import BlockToSave, PrefixQuery, SavePoint, TierMetrics, TierUsage
+
+
+def host_pages(num_pages: int, bytes_per_page: int, device: Device) -> Buffer:
+    """Host memory for `num_pages` pages copied to and from `device`: the
+    driver's staging memory for an accelerator (`Usage.STAGING`, page-locked
+    where the backend offers it), plain host memory for a CPU device."""
+    shape = [num_pages, bytes_per_page]
+    if device.is_host:
+        return Buffer.zeros(shape, DType.uint8, device=CPU())
+    return Buffer(DType.uint8, shape, device=device, usage=Usage.STAGING)
 
 
 class HostConnector:
@@ -57,9 +69,7 @@ class HostConnector:
         self._device_memory = device_memory
         self._device_index = device_index
         self._page_bytes = sum(unit.bytes_per_page for unit in device_memory)
-        self._pages = [
-            Buffer.zeros([num_pages, unit.bytes_per_page], DType.uint8, device=CPU()) for unit in device_memory
-        ]
+        self._pages = [host_pages(num_pages, unit.bytes_per_page, unit.buffer.device) for unit in device_memory]
         self._lru: OrderedDict[int, None] = OrderedDict()
         """Occupied, unpinned pages; least recently used first."""
         self._empty = list(range(num_pages - 1, -1, -1))

@@ -93,7 +93,7 @@ class ContinuousBatchingKVCacheManager:
         self._slot_of: dict[Hashable, int] = {}
         self._context_of: dict[Hashable, tuple[object, CacheContext]] = {}
         """Per request, the context object last passed and its adapted view (identity checks)."""
-        self._increment_model: Model | None = None
+        self._increment_models: dict[DeviceRef, Model] = {}
 
     def block_shape(self, n_sequences: int) -> list[int]:
         """`[n_sequences, 2, num_layers, max_seq_len, n_kv_heads_per_device, head_dim]`.
@@ -342,11 +342,12 @@ class ContinuousBatchingKVCacheManager:
                 non-decreasing vector; or lengths that would pass `max_seq_len`.
         """
         row_offsets = self._checked_increment(kv_cache_inputs, prev_model_inputs)
-        model = self._increment_graph()
         not_empty = Buffer.scalar(False, DType.bool)
         updated = []
         for blocks, cache_lengths, lookup_table, _ in kv_cache_inputs:
-            (new_lengths,) = model.execute(cache_lengths, row_offsets)
+            device = cache_lengths.device
+            offsets = row_offsets if row_offsets.device == device else row_offsets.to(device)
+            (new_lengths,) = self._increment_graph(DeviceRef.from_device(device)).execute(cache_lengths, offsets)
             updated.append((blocks, new_lengths, lookup_table, not_empty))
         return updated
 
@@ -398,21 +399,22 @@ class ContinuousBatchingKVCacheManager:
                 )
         return row_offsets
 
-    def _increment_graph(self) -> Model:
-        if self._increment_model is None:
-            cpu = DeviceRef.CPU()
+    def _increment_graph(self, device: DeviceRef) -> Model:
+        """`cache_lengths + diff(input_row_offsets)` on `device`, where that
+        device's cache lengths live; compiled once per device."""
+        if device not in self._increment_models:
             with Graph(
                 "mokv_increment_cache_lengths",
                 input_types=[
-                    TensorType(DType.uint32, ["batch_size"], cpu),
-                    TensorType(DType.uint32, ["batch_size_plus_one"], cpu),
+                    TensorType(DType.uint32, ["batch_size"], device),
+                    TensorType(DType.uint32, ["batch_size_plus_one"], device),
                 ],
             ) as graph:
                 lengths, offsets = (v.tensor for v in graph.inputs)
                 new_tokens = offsets[1:] - offsets[:-1]
                 graph.output(lengths + ops.rebind(new_tokens, lengths.shape))
-            self._increment_model = self.session.load(graph)
-        return self._increment_model
+            self._increment_models[device] = self.session.load(graph)
+        return self._increment_models[device]
 
 
 def _check_vector(name: str, value: object) -> None:

@@ -1,0 +1,705 @@
+"""Flash attention of a ragged batch over the cache, on a GPU.
+
+Same semantics as the CPU op (see `..attention`): new token i of batch row b
+sits at position `cache_lengths[b] + i` and attends to positions
+`0 ..= cache_lengths[b] + i` of its own sequence (the last W with a sliding
+window), query head h reading KV head `h // group`.
+
+One thread block (CTA) per (query tile, KV head, batch row, split):
+
+- its query rows are `tokens_per_tile` consecutive new tokens of the row
+  times the `group` query heads sharing the KV head, so every K/V element
+  loaded into shared memory serves the whole GQA group;
+- it walks its share of the context in tiles of `BN` tokens: K and V of the
+  tile are staged in shared memory as float32, scores go through an online
+  softmax (running max and sum per query row, base 2, float32), and each
+  thread keeps its share of the output rows in registers;
+- split-K: when the grid would not cover the device, the context is cut into
+  `splits` ranges, each block writes its unnormalised state (output, max,
+  sum) to scratch, and `MergeKernel` combines them per (token, head).
+
+Two tile shapes: decode (`DECODE_ROWS` = 8 query rows, a decode step of a
+GQA group up to 8 heads: flash decoding) and prefill (64 query rows, or 32
+for head_dim 256), chosen by the host from the batch summary.
+
+The grid is sized on the host from the batch summary (`BatchBounds`: most
+new tokens of a row, longest context) without reading device memory; each block reads its row's
+offsets and cache length itself. Rows with more new tokens than the bound are
+not fully covered: the bound must hold (the manager's `max_lengths` does).
+
+Not yet here: Hopper's wgmma and bulk tensor copies, double-buffered tiles.
+The products are float32 FMAs on shared-memory tiles.
+"""
+
+from extensibility import InputTensor, OutputTensor
+from std.math import ceildiv, exp2
+from std.sys import size_of
+from std.utils.numerics import neg_inf
+
+from ..bind import check_layer
+from ..cache import BatchSummary, CachePtr, KVCacheT, KVCollectionT, U32Ptr
+from .block import BlockExecutor, BlockId, F32Ptr, KernelT, Launcher, ThreadProgram
+from .rows import row_in_cache
+
+comptime BLOCK_THREADS = 128
+comptime WARP = 32
+comptime WARPS = BLOCK_THREADS // WARP
+comptime DECODE_ROWS = 8
+"""Query rows of a decode block: one token times a GQA group of up to 8."""
+comptime MIN_SPLIT_TOKENS = 256
+"""Fewest context tokens worth a split of their own."""
+comptime MAX_SPLITS = 64
+comptime BLOCKS_PER_MULTIPROCESSOR = 4
+"""Blocks per multiprocessor the grid aims for before splitting the context."""
+comptime LOG2E: Float32 = 1.4426950408889634
+comptime NEG_INF = neg_inf[DType.float32]()
+
+# Phases of an attention block (`AttentionThread.step`).
+comptime LOAD_Q = 0
+comptime LOAD_KV = 1
+comptime SCORES = 2
+comptime ROW_MAX = 3
+comptime EXPONENTIATE = 4
+comptime ACCUMULATE = 5
+comptime FINISH = 6
+
+
+@fieldwise_init
+struct BatchBounds(TrivialRegisterPassable):
+    """Host-side upper bounds of a batch, which size the grid."""
+
+    var max_new_tokens: Int
+    var max_context: Int
+
+    @staticmethod
+    def of(summary: BatchSummary, total_tokens: Int, max_tokens: Int) -> Self:
+        """The bounds that the batch summary states, capped by what the
+        batch can hold: no row has more new tokens than the batch, nor a
+        longer context than its lookup-table row addresses (or than its new
+        tokens, when every cache is empty)."""
+        var new_tokens = min(summary.max_new_tokens, total_tokens)
+        var context = min(summary.max_context, max_tokens)
+        if summary.max_cache_length == 0:
+            context = min(context, new_tokens)
+        return Self(new_tokens, max(context, new_tokens))
+
+
+@fieldwise_init
+struct AttentionPlan(TrivialRegisterPassable):
+    """How a batch is cut into blocks."""
+
+    var decode: Bool
+    """Decode tile shape (`DECODE_ROWS` query rows) or prefill's."""
+    var tokens_per_tile: Int
+    var query_tiles: Int
+    """Tiles per batch row: enough for the row with the most new tokens."""
+    var splits: Int
+
+
+def plan_attention(
+    batch: Int,
+    n_kv_heads: Int,
+    group: Int,
+    prefill_rows: Int,
+    bounds: BatchBounds,
+    multiprocessors: Int,
+) -> AttentionPlan:
+    """Picks the tile shape, then splits the context until the grid covers
+    `BLOCKS_PER_MULTIPROCESSOR` blocks per multiprocessor (no split shorter
+    than `MIN_SPLIT_TOKENS`)."""
+    var max_new = max(bounds.max_new_tokens, 1)
+    var decode = max_new * group <= DECODE_ROWS
+    var tokens_per_tile = (DECODE_ROWS if decode else prefill_rows) // group
+    var query_tiles = ceildiv(max_new, tokens_per_tile)
+    var blocks = query_tiles * n_kv_heads * batch
+    var wanted = BLOCKS_PER_MULTIPROCESSOR * multiprocessors
+    var splits = 1
+    if blocks < wanted:
+        var by_context = max(1, bounds.max_context // MIN_SPLIT_TOKENS)
+        splits = max(1, min(ceildiv(wanted, blocks), by_context, MAX_SPLITS))
+    return AttentionPlan(decode, tokens_per_tile, query_tiles, splits)
+
+
+@fieldwise_init
+struct AttentionArgs[cache_t: KVCacheT](TrivialRegisterPassable):
+    """What every attention block reads."""
+
+    var k_cache: Self.cache_t
+    var v_cache: Self.cache_t
+    var q: CachePtr[Self.cache_t.dtype]
+    var out: CachePtr[Self.cache_t.dtype]
+    var row_offsets: U32Ptr
+    var partials: F32Ptr
+    """Split states `[splits, total_tokens, n_q_heads, head_dim + 2]`
+    (output, then max and sum), when `splits > 1`."""
+    var total_tokens: Int
+    var n_q_heads: Int
+    var group: Int
+    var scale_log2: Float32
+    var window: Int
+    var tokens_per_tile: Int
+    var splits: Int
+
+    def visible_start(self, position: Int) -> Int:
+        """First position the token at `position` attends to."""
+        if self.window > 0:
+            return max(0, position + 1 - self.window)
+        return 0
+
+    def state_offset(self, split: Int, token: Int, head: Int, head_dim: Int) -> Int:
+        return ((split * self.total_tokens + token) * self.n_q_heads + head) * (head_dim + 2)
+
+
+@fieldwise_init
+struct BlockWork(TrivialRegisterPassable):
+    """One block's query rows and context range; the same in all its threads."""
+
+    var row: Int
+    var kv_head: Int
+    var split: Int
+    var first_token: Int
+    """Index into q/out of the block's first new token."""
+    var num_tokens: Int
+    var first_position: Int
+    """Position of that token in its sequence."""
+    var kv_start: Int
+    var kv_end: Int
+
+    def empty(self) -> Bool:
+        return self.num_tokens <= 0
+
+
+def block_work[
+    cache_t: KVCacheT
+](args: AttentionArgs[cache_t], block: BlockId, tile_tokens: Int) -> BlockWork:
+    """Block (x = query tile * splits + split, y = KV head, z = batch row)'s
+    rows and its split's share of their context, aligned to `tile_tokens`."""
+    var row = block.z
+    var tile = block.x // args.splits
+    var split = block.x % args.splits
+    var start = Int(args.row_offsets[unsafe_offset=row])
+    var end = Int(args.row_offsets[unsafe_offset=row + 1])
+    var first = tile * args.tokens_per_tile
+    var count = min(args.tokens_per_tile, end - start - first)
+    if end > args.total_tokens or count <= 0:
+        return BlockWork(row, block.y, split, 0, 0, 0, 0, 0)
+    var first_position = args.k_cache.cache_length(row) + first
+    var lo = args.visible_start(first_position)
+    var hi = first_position + count
+    var chunk = ceildiv(ceildiv(hi - lo, args.splits), tile_tokens) * tile_tokens
+    var kv_start = min(hi, lo + split * chunk)
+    return BlockWork(
+        row,
+        block.y,
+        split,
+        start + first,
+        count,
+        first_position,
+        kv_start,
+        min(hi, kv_start + chunk),
+    )
+
+
+struct SharedTiles[D: Int, BM: Int, BN: Int, LPR: Int](TrivialRegisterPassable):
+    """The block's shared memory, float32: queries `[BM, D + 1]`, keys
+    `[BN, D + 1]` (rows padded by one word, so a warp reading one column of
+    several rows hits distinct banks), values `[BN, D]`, probabilities
+    `[BM, BN]`, then per query row its running max, running sum and this
+    tile's rescale factor, and `LPR` partial maxima and sums."""
+
+    comptime STRIDE = Self.D + 1
+    comptime Q = 0
+    comptime K = Self.Q + Self.BM * Self.STRIDE
+    comptime V = Self.K + Self.BN * Self.STRIDE
+    comptime P = Self.V + Self.BN * Self.D
+    comptime MAX = Self.P + Self.BM * Self.BN
+    comptime SUM = Self.MAX + Self.BM
+    comptime ALPHA = Self.SUM + Self.BM
+    comptime PART_MAX = Self.ALPHA + Self.BM
+    comptime PART_SUM = Self.PART_MAX + Self.BM * Self.LPR
+    comptime FLOATS = Self.PART_SUM + Self.BM * Self.LPR
+
+    var base: F32Ptr
+
+    def __init__(out self, base: F32Ptr):
+        self.base = base
+
+    def at(self, region: Int, index: Int) -> F32Ptr:
+        return self.base.unsafe_offset(region + index)
+
+
+struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](ThreadProgram):
+    """One thread of an attention block. Thread layouts per phase:
+
+    - scores: `KG = BN / SK` key groups by `RG` row groups; the thread scores
+      rows `rg + RG * k` against keys `kg + KG * i`;
+    - softmax: `LPR` threads per query row, each over `BN / LPR` keys;
+    - values: warp w owns rows `w + WARPS * k`, lane c columns `c + 32 * i`
+      (`acc`, the thread's registers across tiles)."""
+
+    comptime dtype = Self.cache_t.dtype
+    comptime KG = Self.BN // Self.SK
+    comptime RG = BLOCK_THREADS // Self.KG
+    comptime SR = Self.BM // Self.RG
+    comptime LPR = BLOCK_THREADS // Self.BM
+    comptime KPL = Self.BN // Self.LPR
+    comptime RPW = Self.BM // WARPS
+    comptime CPL = Self.D // WARP
+    comptime VEC = 16 // size_of[Scalar[Self.dtype]]()
+    comptime UNITS = Self.BN * Self.D // Self.VEC // BLOCK_THREADS
+    comptime Tiles = SharedTiles[Self.D, Self.BM, Self.BN, Self.LPR]
+
+    var args: AttentionArgs[Self.cache_t]
+    var work: BlockWork
+    var tid: Int
+    var smem: Self.Tiles
+    var acc: Array[Float32, Self.RPW * Self.CPL]
+
+    def __init__(
+        out self, args: AttentionArgs[Self.cache_t], work: BlockWork, tid: Int, shared: F32Ptr
+    ):
+        comptime assert Self.D % WARP == 0, "head_dim must be a multiple of 32"
+        comptime assert (
+            BLOCK_THREADS % Self.KG == 0 and Self.BM % Self.RG == 0 and Self.SR >= 1
+        ), "score layout"
+        comptime assert BLOCK_THREADS % Self.BM == 0 and Self.BN % Self.LPR == 0, "softmax layout"
+        comptime assert Self.BM % WARPS == 0, "value layout"
+        comptime assert (Self.BN * Self.D // Self.VEC) % BLOCK_THREADS == 0, "tile load layout"
+        self.args = args
+        self.work = work
+        self.tid = tid
+        self.smem = Self.Tiles(shared)
+        self.acc = Array[Float32, Self.RPW * Self.CPL](fill=0)
+
+    def rows(self) -> Int:
+        """Query rows of the block that exist: tokens times the group."""
+        return self.work.num_tokens * self.args.group
+
+    def position(self, r: Int) -> Int:
+        """Position of query row `r`'s token (rows are token-major)."""
+        return self.work.first_position + r // self.args.group
+
+    def head(self, r: Int) -> Int:
+        return self.work.kv_head * self.args.group + r % self.args.group
+
+    def step(mut self, phase: Int, arg: Int):
+        if phase == LOAD_Q:
+            self.load_queries()
+        elif phase == LOAD_KV:
+            self.load_tile(arg)
+        elif phase == SCORES:
+            self.score_tile(arg)
+        elif phase == ROW_MAX:
+            self.partial_maxima()
+        elif phase == EXPONENTIATE:
+            self.exponentiate()
+        elif phase == ACCUMULATE:
+            self.accumulate()
+        else:
+            self.finish()
+
+    def load_queries(self):
+        """Scaled queries into shared memory (zero rows past `rows()`), and
+        every row's running max and sum reset."""
+        var rows = self.rows()
+        for e in range(self.tid, Self.BM * Self.D, BLOCK_THREADS):
+            var r = e // Self.D
+            var d = e % Self.D
+            var value: Float32 = 0
+            if r < rows:
+                var token = self.work.first_token + r // self.args.group
+                var index = (token * self.args.n_q_heads + self.head(r)) * Self.D + d
+                value = (
+                    self.args.q[unsafe_offset=index].cast[DType.float32]() * self.args.scale_log2
+                )
+            self.smem.at(Self.Tiles.Q, r * Self.Tiles.STRIDE + d)[] = value
+        if self.tid < Self.BM:
+            self.smem.at(Self.Tiles.MAX, self.tid)[] = NEG_INF
+            self.smem.at(Self.Tiles.SUM, self.tid)[] = 0
+
+    def load_tile(self, kv_start: Int):
+        """K and V of positions `kv_start ..< kv_start + BN` into shared
+        memory as float32; positions outside the block's range (or the
+        cache) as zeros. Every load is issued before the first store."""
+        comptime per_row = Self.D // Self.VEC
+        var keys = Array[SIMD[Self.dtype, Self.VEC], Self.UNITS](fill=0)
+        var values = Array[SIMD[Self.dtype, Self.VEC], Self.UNITS](fill=0)
+        var head_offset = self.work.kv_head * Self.D
+        comptime for n in range(Self.UNITS):
+            var unit = self.tid + n * BLOCK_THREADS
+            var pos = kv_start + unit // per_row
+            var d = (unit % per_row) * Self.VEC + head_offset
+            if pos < self.work.kv_end and row_in_cache(self.args.k_cache, self.work.row, pos):
+                keys[n] = self.args.k_cache.row_ptr(self.work.row, pos).unsafe_load[
+                    width=Self.VEC, alignment=16
+                ](d)
+                values[n] = self.args.v_cache.row_ptr(self.work.row, pos).unsafe_load[
+                    width=Self.VEC, alignment=16
+                ](d)
+        comptime for n in range(Self.UNITS):
+            var unit = self.tid + n * BLOCK_THREADS
+            var j = unit // per_row
+            var d = (unit % per_row) * Self.VEC
+            var k = keys[n].cast[DType.float32]()
+            var v = values[n].cast[DType.float32]()
+            comptime for e in range(Self.VEC):
+                self.smem.at(Self.Tiles.K, j * Self.Tiles.STRIDE + d + e)[] = k[e]
+                self.smem.at(Self.Tiles.V, j * Self.D + d + e)[] = v[e]
+
+    def score_tile(self, kv_start: Int):
+        """Scores of the thread's rows and keys, -inf where masked. A thread
+        whose rows are all past `rows()` (most of a decode block's, for small
+        GQA groups) skips the products."""
+        var kg = self.tid % Self.KG
+        var rg = self.tid // Self.KG
+        var rows = self.rows()
+        var scores = Array[Float32, Self.SR * Self.SK](fill=0)
+        var q_base = self.smem.at(Self.Tiles.Q, rg * Self.Tiles.STRIDE)
+        var k_base = self.smem.at(Self.Tiles.K, kg * Self.Tiles.STRIDE)
+        if rg < rows:
+            for d in range(Self.D):
+                comptime for k in range(Self.SR):
+                    var q = q_base[unsafe_offset=k * Self.RG * Self.Tiles.STRIDE + d]
+                    comptime for i in range(Self.SK):
+                        scores[k * Self.SK + i] += (
+                            q * k_base[unsafe_offset=i * Self.KG * Self.Tiles.STRIDE + d]
+                        )
+        comptime for k in range(Self.SR):
+            var r = rg + k * Self.RG
+            var position = self.position(r)
+            var first_visible = self.args.visible_start(position)
+            comptime for i in range(Self.SK):
+                var j = kg + i * Self.KG
+                var key = kv_start + j
+                var visible = (
+                    r < rows and key < self.work.kv_end and key <= position and key >= first_visible
+                )
+                self.smem.at(Self.Tiles.P, r * Self.BN + j)[] = scores[
+                    k * Self.SK + i
+                ] if visible else NEG_INF
+
+    def partial_maxima(self):
+        var r = self.tid // Self.LPR
+        var u = self.tid % Self.LPR
+        var best = NEG_INF
+        for i in range(Self.KPL):
+            best = max(best, self.smem.at(Self.Tiles.P, r * Self.BN + u + i * Self.LPR)[])
+        self.smem.at(Self.Tiles.PART_MAX, r * Self.LPR + u)[] = best
+
+    def new_max(self, r: Int) -> Float32:
+        """Row `r`'s running max including this tile."""
+        var best = self.smem.at(Self.Tiles.MAX, r)[]
+        for u in range(Self.LPR):
+            best = max(best, self.smem.at(Self.Tiles.PART_MAX, r * Self.LPR + u)[])
+        return best
+
+    def exponentiate(self):
+        """Scores become `exp2(score - new max)`; partial sums, and each
+        row's factor for rescaling what it accumulated before this tile."""
+        var r = self.tid // Self.LPR
+        var u = self.tid % Self.LPR
+        var new_max = self.new_max(r)
+        var total: Float32 = 0
+        for i in range(Self.KPL):
+            var p = self.smem.at(Self.Tiles.P, r * Self.BN + u + i * Self.LPR)
+            var weight: Float32 = 0
+            if new_max != NEG_INF:
+                weight = exp2(p[] - new_max)
+            p[] = weight
+            total += weight
+        self.smem.at(Self.Tiles.PART_SUM, r * Self.LPR + u)[] = total
+        if u == 0:
+            var old_max = self.smem.at(Self.Tiles.MAX, r)[]
+            self.smem.at(Self.Tiles.ALPHA, r)[] = 1 if new_max == NEG_INF else exp2(
+                old_max - new_max
+            )
+
+    def accumulate(mut self):
+        """Rescales the thread's outputs and adds this tile's weighted
+        values (for the warp's rows that exist: the branch is the same in
+        the whole warp); thread r < BM also updates row r's running max and
+        sum."""
+        var warp = self.tid // WARP
+        var lane = self.tid % WARP
+        var rows = self.rows()
+        comptime for k in range(Self.RPW):
+            var alpha = self.smem.at(Self.Tiles.ALPHA, warp + k * WARPS)[]
+            comptime for i in range(Self.CPL):
+                self.acc[k * Self.CPL + i] *= alpha
+        var p_base = self.smem.at(Self.Tiles.P, warp * Self.BN)
+        var v_base = self.smem.at(Self.Tiles.V, lane)
+        for j in range(Self.BN):
+            comptime for k in range(Self.RPW):
+                if warp + k * WARPS < rows:
+                    var p = p_base[unsafe_offset=k * WARPS * Self.BN + j]
+                    comptime for i in range(Self.CPL):
+                        self.acc[k * Self.CPL + i] += (
+                            p * v_base[unsafe_offset=j * Self.D + i * WARP]
+                        )
+        if self.tid < Self.BM:
+            var r = self.tid
+            var total = self.smem.at(Self.Tiles.SUM, r)[] * self.smem.at(Self.Tiles.ALPHA, r)[]
+            for u in range(Self.LPR):
+                total += self.smem.at(Self.Tiles.PART_SUM, r * Self.LPR + u)[]
+            var new_max = self.new_max(r)
+            self.smem.at(Self.Tiles.SUM, r)[] = total
+            self.smem.at(Self.Tiles.MAX, r)[] = new_max
+
+    def finish(self):
+        """Normalised outputs, or this split's state for the merge."""
+        var warp = self.tid // WARP
+        var lane = self.tid % WARP
+        var rows = self.rows()
+        comptime for k in range(Self.RPW):
+            var r = warp + k * WARPS
+            if r < rows:
+                var token = self.work.first_token + r // self.args.group
+                var head = self.head(r)
+                var total = self.smem.at(Self.Tiles.SUM, r)[]
+                if self.args.splits == 1:
+                    var inv: Float32 = 1 / total if total > 0 else 0
+                    var out = self.args.out.unsafe_offset(
+                        (token * self.args.n_q_heads + head) * Self.D + lane
+                    )
+                    comptime for i in range(Self.CPL):
+                        out[unsafe_offset=i * WARP] = (self.acc[k * Self.CPL + i] * inv).cast[
+                            Self.dtype
+                        ]()
+                else:
+                    var state = self.args.partials.unsafe_offset(
+                        self.args.state_offset(self.work.split, token, head, Self.D)
+                    )
+                    comptime for i in range(Self.CPL):
+                        state[unsafe_offset=lane + i * WARP] = self.acc[k * Self.CPL + i]
+                    if lane == 0:
+                        state[unsafe_offset=Self.D] = self.smem.at(Self.Tiles.MAX, r)[]
+                        state[unsafe_offset=Self.D + 1] = total
+
+
+@fieldwise_init
+struct AttentionKernel[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](KernelT):
+    """Grid (query tiles * splits, KV heads, batch rows) of attention blocks."""
+
+    comptime Program = AttentionThread[Self.cache_t, Self.D, Self.BM, Self.BN, Self.SK]
+    comptime THREADS = BLOCK_THREADS
+
+    var args: AttentionArgs[Self.cache_t]
+    var query_tiles: Int
+
+    def grid(self) -> BlockId:
+        return BlockId(
+            self.query_tiles * self.args.splits,
+            self.args.k_cache.num_heads(),
+            self.args.k_cache.batch_size(),
+        )
+
+    def shared_floats(self) -> Int:
+        return Self.Program.Tiles.FLOATS
+
+    def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:
+        return Self.Program(self.args, block_work(self.args, block, Self.BN), tid, shared)
+
+    def schedule[E: BlockExecutor](self, mut threads: E, block: BlockId):
+        var work = block_work(self.args, block, Self.BN)
+        if work.empty():
+            return
+        threads.each(LOAD_Q, 0)
+        threads.sync()
+        var kv = work.kv_start
+        while kv < work.kv_end:
+            threads.each(LOAD_KV, kv)
+            threads.sync()
+            threads.each(SCORES, kv)
+            threads.sync()
+            threads.each(ROW_MAX, 0)
+            threads.sync()
+            threads.each(EXPONENTIATE, 0)
+            threads.sync()
+            threads.each(ACCUMULATE, 0)
+            threads.sync()
+            kv += Self.BN
+        threads.each(FINISH, 0)
+
+
+struct MergeThread[dtype: DType, D: Int](ThreadProgram):
+    """Combines the split states of one (token, query head): each state is
+    rescaled from its own max to the common one."""
+
+    comptime THREADS = 64
+
+    var args: MergeArgs[Self.dtype]
+    var token: Int
+    var head: Int
+    var tid: Int
+
+    def __init__(out self, args: MergeArgs[Self.dtype], token: Int, head: Int, tid: Int):
+        self.args = args
+        self.token = token
+        self.head = head
+        self.tid = tid
+
+    def state(self, split: Int) -> F32Ptr:
+        var offset = (
+            (split * self.args.total_tokens + self.token) * self.args.n_q_heads + self.head
+        ) * (Self.D + 2)
+        return self.args.partials.unsafe_offset(offset)
+
+    def step(mut self, phase: Int, arg: Int):
+        var best = NEG_INF
+        for s in range(self.args.splits):
+            best = max(best, self.state(s)[unsafe_offset=Self.D])
+        var total: Float32 = 0
+        for s in range(self.args.splits):
+            var state = self.state(s)
+            if state[unsafe_offset=Self.D] != NEG_INF:
+                total += state[unsafe_offset=Self.D + 1] * exp2(state[unsafe_offset=Self.D] - best)
+        var inv: Float32 = 1 / total if total > 0 else 0
+        var out = self.args.out.unsafe_offset(
+            (self.token * self.args.n_q_heads + self.head) * Self.D
+        )
+        for d in range(self.tid, Self.D, Self.THREADS):
+            var value: Float32 = 0
+            for s in range(self.args.splits):
+                var state = self.state(s)
+                if state[unsafe_offset=Self.D] != NEG_INF:
+                    value += state[unsafe_offset=d] * exp2(state[unsafe_offset=Self.D] - best)
+            out[unsafe_offset=d] = (value * inv).cast[Self.dtype]()
+
+
+@fieldwise_init
+struct MergeArgs[dtype: DType](TrivialRegisterPassable):
+    var partials: F32Ptr
+    var out: CachePtr[Self.dtype]
+    var total_tokens: Int
+    var n_q_heads: Int
+    var splits: Int
+
+
+@fieldwise_init
+struct MergeKernel[dtype: DType, D: Int](KernelT):
+    """Grid (tokens, query heads): one block per output row of a split batch."""
+
+    comptime Program = MergeThread[Self.dtype, Self.D]
+    comptime THREADS = MergeThread[Self.dtype, Self.D].THREADS
+
+    var args: MergeArgs[Self.dtype]
+
+    def grid(self) -> BlockId:
+        return BlockId(self.args.total_tokens, self.args.n_q_heads, 1)
+
+    def shared_floats(self) -> Int:
+        return 0
+
+    def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:
+        return Self.Program(self.args, block.x, block.y, tid)
+
+    def schedule[E: BlockExecutor](self, mut threads: E, block: BlockId):
+        threads.each(0, 0)
+
+
+def _prefill_rows(head_dim: Int) -> Int:
+    """Query rows of a prefill block: 64, or 32 for head_dim 256 (shared
+    memory)."""
+    return 32 if head_dim > 128 else 64
+
+
+def _run[
+    cache_t: KVCacheT, D: Int, L: Launcher
+](mut launcher: L, var args: AttentionArgs[cache_t], bounds: BatchBounds) raises:
+    var batch = args.k_cache.batch_size()
+    var plan = plan_attention(
+        batch,
+        args.k_cache.num_heads(),
+        args.group,
+        _prefill_rows(D),
+        bounds,
+        launcher.multiprocessors(),
+    )
+    args.tokens_per_tile = plan.tokens_per_tile
+    args.splits = plan.splits
+    if plan.splits > 1:
+        args.partials = launcher.scratch(plan.splits * args.total_tokens * args.n_q_heads * (D + 2))
+    if plan.decode:
+        launcher.launch(AttentionKernel[cache_t, D, DECODE_ROWS, 32, 2](args, plan.query_tiles))
+    else:
+        comptime rows = 32 if D > 128 else 64
+        launcher.launch(AttentionKernel[cache_t, D, rows, 32, 4](args, plan.query_tiles))
+    if plan.splits > 1:
+        launcher.launch(
+            MergeKernel[cache_t.dtype, D](
+                MergeArgs[cache_t.dtype](
+                    args.partials, args.out, args.total_tokens, args.n_q_heads, plan.splits
+                )
+            )
+        )
+
+
+def attention_gpu[
+    collection_t: KVCollectionT, L: Launcher
+](
+    mut launcher: L,
+    collection: collection_t,
+    output: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    q: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+    layer_idx: UInt32,
+    scale: Float32,
+    sliding_window: UInt32,
+    summary: BatchSummary,
+) raises:
+    """`mokv.attention` on a GPU. The host checks shapes and heads; the grid
+    comes from the batch summary (see the module docstring)."""
+    comptime cache_t = collection_t.CacheType
+    var layer = Int(layer_idx)
+    check_layer(layer, collection.num_layers())
+    var k_cache = collection.get_cache(layer, 0)
+    var batch = k_cache.batch_size()
+    var n_kv = k_cache.num_heads()
+    var d = k_cache.head_dim()
+    var tokens = q.dim_size(0)
+    var n_q = q.dim_size(1)
+    if q.dim_size(2) != d:
+        raise Error(t"q has head_dim {q.dim_size(2)} but the cache rows have {d}")
+    if n_q == 0 or n_q % n_kv != 0:
+        raise Error(t"q has {n_q} heads, not a positive multiple of the cache's {n_kv} KV heads")
+    if output.dim_size(0) != tokens or output.dim_size(1) != n_q or output.dim_size(2) != d:
+        raise Error(
+            t"the output has shape [{output.dim_size(0)}, {output.dim_size(1)},"
+            t" {output.dim_size(2)}], expected q's [{tokens}, {n_q}, {d}]"
+        )
+    if row_offsets.dim_size(0) != batch + 1:
+        raise Error(
+            t"input_row_offsets has {row_offsets.dim_size(0)} entries but the"
+            t" cache describes {batch} rows (expected {batch + 1})"
+        )
+    var group = n_q // n_kv
+    if group > _prefill_rows(d):
+        raise Error(
+            t"{group} query heads per KV head: the GPU kernel takes at most {_prefill_rows(d)}"
+        )
+    if tokens == 0 or batch == 0:
+        return
+    var bounds = BatchBounds.of(summary, tokens, k_cache.max_tokens())
+    var args = AttentionArgs[cache_t](
+        k_cache,
+        collection.get_cache(layer, 1),
+        q.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        row_offsets.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[Float32](),
+        tokens,
+        n_q,
+        group,
+        scale * LOG2E,
+        Int(sliding_window),
+        1,
+        1,
+    )
+    if d == 64:
+        _run[cache_t, 64](launcher, args, bounds)
+    elif d == 128:
+        _run[cache_t, 128](launcher, args, bounds)
+    elif d == 256:
+        _run[cache_t, 256](launcher, args, bounds)
+    else:
+        raise Error(t"head_dim {d}: the GPU attention kernel takes 64, 128 or 256")

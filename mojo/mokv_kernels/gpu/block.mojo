@@ -1,0 +1,247 @@
+"""How mokv's GPU kernels are written, launched and emulated.
+
+A kernel (`KernelT`) is a grid of thread blocks. Each block runs a
+`schedule`: a sequence of phases, each executed by every thread of the block
+(`ThreadProgram.step`), with `sync` (a block barrier) between phases that
+communicate through shared memory. A thread's registers are the fields of its
+`ThreadProgram`.
+
+That split lets one kernel body run two ways:
+
+- on a GPU (`GpuLauncher`): one `ThreadProgram` per hardware thread, `sync`
+  is `barrier()`, shared memory is the block's dynamic shared memory;
+- on the CPU (`Emulator`), with no GPU at all: every block of the grid in
+  turn, its threads' programs held in a list and shared memory a host array
+  filled with NaN (so a read of a value no phase wrote shows up). Phases
+  queued since the last `sync` run thread by thread, highest thread first,
+  each thread running all of them before the next thread starts: the
+  interleaving a missing barrier allows, so a phase that reads what another
+  thread wrote without a `sync` in between reads NaN or stale data.
+
+The emulator is how the kernels' index arithmetic, masking, splitting and
+merging are tested on machines without a GPU; it cannot show timing, warp
+behaviour or anything the hardware adds.
+"""
+
+from max.gpu import barrier, block_idx, thread_idx
+from max.gpu.host import DeviceAttribute, DeviceBuffer, DeviceContext, Dim, FuncAttribute
+from max.gpu.memory import external_memory
+from std.memory import AddressSpace
+from std.utils.numerics import nan
+
+comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
+
+comptime DEFAULT_SHARED_BYTES = 48 * 1024
+"""Dynamic shared memory a launch gets without opting in to more."""
+
+
+@fieldwise_init
+struct BlockId(TrivialRegisterPassable):
+    """A thread block's coordinates in its grid."""
+
+    var x: Int
+    var y: Int
+    var z: Int
+
+
+trait ThreadProgram(Copyable, Deinitable):
+    """One thread of a block: its registers (the fields) and its code for
+    each phase of the block's schedule."""
+
+    def step(mut self, phase: Int, arg: Int):
+        """Runs phase `phase` (with the schedule's argument `arg`)."""
+        ...
+
+
+trait BlockExecutor:
+    """Runs a block's phases on its threads."""
+
+    def each(mut self, phase: Int, arg: Int):
+        """Every thread runs `phase`."""
+        ...
+
+    def sync(mut self):
+        """Block barrier: every phase before it completes, in every thread,
+        before any phase after it starts."""
+        ...
+
+
+trait KernelT(TrivialRegisterPassable):
+    """A grid of blocks of `THREADS` threads, all running `schedule`."""
+
+    comptime Program: ThreadProgram
+    comptime THREADS: Int
+
+    def grid(self) -> BlockId:
+        """Blocks along x, y and z."""
+        ...
+
+    def shared_floats(self) -> Int:
+        """Float32 words of shared memory per block."""
+        ...
+
+    def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:
+        """Thread `tid`'s program in block `block`."""
+        ...
+
+    def schedule[E: BlockExecutor](self, mut threads: E, block: BlockId):
+        """Block `block`'s phases, in order. Control flow may depend only on
+        values that are the same in every thread of the block."""
+        ...
+
+
+struct GpuBlock[P: ThreadProgram](BlockExecutor):
+    """The executor inside a GPU thread: it runs its own program."""
+
+    var me: Self.P
+
+    def __init__(out self, var me: Self.P):
+        self.me = me^
+
+    def each(mut self, phase: Int, arg: Int):
+        self.me.step(phase, arg)
+
+    def sync(mut self):
+        barrier()
+
+
+def _shared_memory() -> F32Ptr:
+    return (
+        external_memory[Float32, address_space=AddressSpace.SHARED, alignment=16]()
+        .unsafe_address_space_cast[AddressSpace.GENERIC]()
+        .unsafe_origin_cast[MutUntrackedOrigin]()
+    )
+
+
+trait Launcher:
+    """Where kernels run: a GPU stream (`GpuLauncher`) or the CPU emulator."""
+
+    def launch[K: KernelT](mut self, kernel: K) raises:
+        """Runs (or enqueues) `kernel`'s whole grid."""
+        ...
+
+    def scratch(mut self, floats: Int) raises -> F32Ptr:
+        """Float32 scratch memory that lives as long as the launcher."""
+        ...
+
+    def multiprocessors(self) -> Int:
+        """Blocks that run at once, roughly: what a grid must cover to keep
+        the device busy."""
+        ...
+
+
+def _dim(n: Int) raises -> Int:
+    if n <= 0 or n > 2**31 - 1:
+        raise Error(t"grid dimension {n} is outside 1..2^31-1")
+    return n
+
+
+struct GpuLauncher(Launcher):
+    """Enqueues kernels on a `DeviceContext`'s stream. Scratch buffers are
+    freed when the launcher is destroyed; the device frees them in stream
+    order, after the kernels enqueued before."""
+
+    var ctx: DeviceContext
+    var buffers: List[DeviceBuffer[DType.float32]]
+
+    def __init__(out self, ctx: DeviceContext):
+        self.ctx = ctx
+        self.buffers = List[DeviceBuffer[DType.float32]]()
+
+    def launch[K: KernelT](mut self, kernel: K) raises:
+        var grid = kernel.grid()
+        if grid.x == 0 or grid.y == 0 or grid.z == 0:
+            return
+        if grid.y > 65535 or grid.z > 65535:
+            raise Error(t"grid {grid.x} x {grid.y} x {grid.z} exceeds 65535 blocks along y or z")
+        var shared_bytes = kernel.shared_floats() * 4
+
+        def run_block() {var kernel}:
+            var block = BlockId(Int(block_idx.x), Int(block_idx.y), Int(block_idx.z))
+            var threads = GpuBlock(kernel.program(block, Int(thread_idx.x), _shared_memory()))
+            kernel.schedule(threads, block)
+
+        self.ctx.enqueue_function(
+            run_block,
+            grid_dim=Dim(_dim(grid.x), grid.y, grid.z),
+            block_dim=K.THREADS,
+            shared_mem_bytes=shared_bytes,
+            func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(
+                UInt32(max(shared_bytes, DEFAULT_SHARED_BYTES))
+            ),
+        )
+
+    def scratch(mut self, floats: Int) raises -> F32Ptr:
+        self.buffers.append(self.ctx.enqueue_create_buffer[DType.float32](max(floats, 1)))
+        return (
+            self.buffers[len(self.buffers) - 1]
+            .unsafe_ptr()
+            .unsafe_origin_cast[MutUntrackedOrigin]()
+        )
+
+    def multiprocessors(self) -> Int:
+        try:
+            return self.ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
+        except:
+            return 1
+
+
+struct EmulatedBlock[P: ThreadProgram](BlockExecutor):
+    """Every thread of one block on the CPU (see the module docstring)."""
+
+    var threads: List[Self.P]
+    var pending: List[Tuple[Int, Int]]
+
+    def __init__(out self, var threads: List[Self.P]):
+        self.threads = threads^
+        self.pending = List[Tuple[Int, Int]]()
+
+    def each(mut self, phase: Int, arg: Int):
+        self.pending.append((phase, arg))
+
+    def sync(mut self):
+        for t in range(len(self.threads) - 1, -1, -1):
+            for i in range(len(self.pending)):
+                self.threads[t].step(self.pending[i][0], self.pending[i][1])
+        self.pending.clear()
+
+
+struct Emulator(Launcher):
+    """Runs kernels on the CPU, block after block (see the module docstring).
+    For tests: slow, and only as exact as the host's float32 arithmetic."""
+
+    var scratch_buffers: List[List[Float32]]
+    var num_multiprocessors: Int
+
+    def __init__(out self, num_multiprocessors: Int):
+        self.scratch_buffers = List[List[Float32]]()
+        self.num_multiprocessors = num_multiprocessors
+
+    def launch[K: KernelT](mut self, kernel: K) raises:
+        var grid = kernel.grid()
+        var shared = List[Float32](length=max(kernel.shared_floats(), 1), fill=0)
+        var shared_ptr = shared.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        for z in range(grid.z):
+            for y in range(grid.y):
+                for x in range(grid.x):
+                    for i in range(len(shared)):
+                        shared[i] = nan[DType.float32]()
+                    var block = BlockId(x, y, z)
+                    var programs = List[K.Program]()
+                    for tid in range(K.THREADS):
+                        programs.append(kernel.program(block, tid, shared_ptr))
+                    var threads = EmulatedBlock(programs^)
+                    kernel.schedule(threads, block)
+                    threads.sync()
+        _ = shared^
+
+    def scratch(mut self, floats: Int) raises -> F32Ptr:
+        self.scratch_buffers.append(List[Float32](length=max(floats, 1), fill=nan[DType.float32]()))
+        return (
+            self.scratch_buffers[len(self.scratch_buffers) - 1]
+            .unsafe_ptr()
+            .unsafe_origin_cast[MutUntrackedOrigin]()
+        )
+
+    def multiprocessors(self) -> Int:
+        return self.num_multiprocessors

@@ -1,0 +1,88 @@
+"""Driving the GPU ops' kernels under the CPU emulator (`emulator.mojo`).
+
+The emulator binary is built once per kernel-source revision into the cache
+directory (~1.5 min on 2 cores). Each call writes its arrays as raw files,
+runs the binary on them and reads back what the op wrote: the kernels' own
+code, run thread by thread on the CPU, so their index arithmetic, masking,
+split-K and merge are checked against the numpy references on a machine
+without a GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mokv.kernels import _source_digest, kernel_source_dir, mojo_compiler
+from mokv.paths import precompiled_kernels_dir
+
+EMULATOR_SOURCE = Path(__file__).with_name("emulator.mojo")
+
+
+def build_emulator() -> Path:
+    """The emulator binary for the current kernel sources, built if missing."""
+    sources = kernel_source_dir()
+    digest = hashlib.sha256((_source_digest(sources) + EMULATOR_SOURCE.read_text()).encode())
+    out = precompiled_kernels_dir() / f"emulator-{digest.hexdigest()[:16]}" / "emulator"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f"{out.name}.{os.getpid()}")
+    # os.environ: the environment this process started with (see mokv.kernels).
+    command = [mojo_compiler(), "build", "-I", str(sources.parent), str(EMULATOR_SOURCE), "-o", str(partial)]
+    result = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ), check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"building the GPU kernel emulator failed:\n{result.stderr}")
+    os.replace(partial, out)  # atomic: a concurrent run never sees a half-written binary
+    return out
+
+
+@dataclass
+class Emulator:
+    """Runs one op per call in a fresh directory under `workdir`."""
+
+    binary: Path
+    workdir: Path
+    calls: int = 0
+
+    def run(self, meta: dict[str, object], arrays: dict[str, np.ndarray], output: str) -> bytes:
+        """Writes `meta.txt` and `<name>.bin` per array, runs the emulator and
+        returns the raw bytes of its `<output>.bin`. Raises `RuntimeError`
+        with the emulator's message when the op raised."""
+        self.calls += 1
+        call_dir = self.workdir / f"call{self.calls}"
+        call_dir.mkdir()
+        (call_dir / "meta.txt").write_text("".join(f"{k} {v}\n" for k, v in meta.items()))
+        for name, array in arrays.items():
+            np.ascontiguousarray(array).tofile(call_dir / f"{name}.bin")
+        result = subprocess.run([str(self.binary), str(call_dir)], capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"emulated {meta['op']} failed: {result.stdout}{result.stderr}")
+        return (call_dir / f"{output}.bin").read_bytes()
+
+
+def cache_meta(op: str, layout: str, dtype: str, blocks: np.ndarray, layer: int, multiprocessors: int = 1) -> dict:
+    """The meta entries every call has: the op, the layout and the block tensor's shape."""
+    num_blocks, _, num_layers, block_len, n_kv_heads, head_dim = blocks.shape
+    return {
+        "op": op,
+        "layout": layout,
+        "dtype": dtype,
+        "num_blocks": num_blocks,
+        "num_layers": num_layers,
+        "block_len": block_len,
+        "n_kv_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "layer": layer,
+        "multiprocessors": multiprocessors,
+    }
+
+
+def float32_bits(value: float) -> int:
+    """The bits of `value` as a float32, so it crosses to the emulator exactly."""
+    return int(np.array(value, np.float32).view(np.uint32))

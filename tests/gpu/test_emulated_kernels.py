@@ -1,0 +1,231 @@
+"""The GPU kernels of store, gather and attention, run under the CPU emulator
+(no GPU needed), against the same numpy references and on the same random
+ragged batches as the CPU ops' tests.
+
+The emulator runs each block's threads phase by phase, and the threads of a
+block run ahead of one another between barriers (see
+`mokv_kernels.gpu.block`), so these tests also catch a missing barrier; they
+say nothing about speed or about anything only the hardware does. Attention
+runs twice per case: on a 1-multiprocessor device (one block per query tile
+and KV head) and on a 132-multiprocessor one, where the planner splits the
+context (split-K) and the merge kernel combines the splits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from max.dtype import DType
+
+from mokv_reference import bfloat16
+from mokv_reference import cache as ref
+from tests.gpu.cases import mixed_case, window_case
+from tests.gpu.emulation import Emulator, build_emulator, cache_meta, float32_bits
+from tests.mojo import test_attention as cpu_attention
+from tests.mojo import test_store_gather as cpu_rows
+
+H100_MULTIPROCESSORS = 132
+
+
+@pytest.fixture(scope="session")
+def emulator(tmp_path_factory) -> Emulator:
+    return Emulator(build_emulator(), tmp_path_factory.mktemp("emulator"))
+
+
+# -- store and gather ---------------------------------------------------------
+
+
+def _bits(array: np.ndarray, dtype: DType) -> np.ndarray:
+    return array.view(np.uint16) if dtype == DType.bfloat16 else array
+
+
+def emulate_store(emulator: Emulator, b: cpu_rows.Batch, layout: str, dtype: DType, layer: int) -> np.ndarray:
+    """The block tensor after the emulated store."""
+    meta = cache_meta("store", layout, dtype.name, b.blocks, layer) | {"tokens": len(b.keys)}
+    arrays = {
+        "blocks": b.blocks,
+        "cache_lengths": b.cache_lengths,
+        "lookup_table": b.lookup_table,
+        "keys": b.keys,
+        "values": b.values,
+        "row_offsets": b.row_offsets,
+    }
+    raw = emulator.run(meta, arrays, "blocks_out")
+    return np.frombuffer(raw, b.blocks.dtype).reshape(b.blocks.shape)
+
+
+def emulate_gather(
+    emulator: Emulator, b: cpu_rows.Batch, layout: str, dtype: DType, layer: int, kv_idx: int, rows, positions
+) -> np.ndarray:
+    meta = cache_meta("gather", layout, dtype.name, b.blocks, layer) | {"kv_idx": kv_idx}
+    arrays = {
+        "blocks": b.blocks,
+        "cache_lengths": b.cache_lengths,
+        "lookup_table": b.lookup_table,
+        "batch_rows": np.asarray(rows, np.uint32),
+        "positions": np.asarray(positions, np.uint32),
+    }
+    raw = emulator.run(meta, arrays, "out")
+    return np.frombuffer(raw, b.blocks.dtype).reshape(len(rows), *b.blocks.shape[4:])
+
+
+@pytest.mark.parametrize(("layout", "dtype", "block_len"), cpu_rows.CASES)
+@pytest.mark.parametrize("seed", range(2))
+def test_store_then_gather_match_numpy(layout, dtype, block_len, seed, emulator):
+    rng = np.random.default_rng(seed)
+    b = cpu_rows.random_batch(rng, layout, dtype, block_len)
+    layer = int(rng.integers(0, cpu_rows.NUM_LAYERS))
+    expected = b.blocks.copy()
+    ref.store(expected, layer, b.keys, b.values, b.row_offsets, b.cache_lengths, b.lookup_table)
+
+    stored = emulate_store(emulator, b, layout, dtype, layer)
+    # Bit-exact, and nothing outside the new rows touched.
+    np.testing.assert_array_equal(_bits(stored, dtype), _bits(expected, dtype))
+
+    b.blocks = stored
+    rows, positions = cpu_rows.written_positions(b)
+    for kv_idx, new_rows in ((0, b.keys), (1, b.values)):
+        gathered = emulate_gather(emulator, b, layout, dtype, layer, kv_idx, rows, positions)
+        np.testing.assert_array_equal(_bits(gathered, dtype), _bits(new_rows, dtype))
+
+
+def test_store_skips_tokens_outside_the_block_tensor(emulator):
+    """On a GPU a bad page id cannot be reported before the first write: the
+    tokens that map to it are skipped, every other token is stored."""
+    rng = np.random.default_rng(7)
+    b = cpu_rows.random_batch(rng, "paged", DType.float32, 16)
+    while not b.row_offsets[-1]:
+        b = cpu_rows.random_batch(rng, "paged", DType.float32, 16)
+    row = int(np.flatnonzero(np.diff(b.row_offsets))[0])
+    column = int(b.cache_lengths[row]) // 16
+    page = int(b.lookup_table[row, column])
+    expected = b.blocks.copy()
+    ref.store(expected, 0, b.keys, b.values, b.row_offsets, b.cache_lengths, b.lookup_table)
+    expected[page] = b.blocks[page]  # the page only that column of that row writes to
+    b.lookup_table[row, column] = b.blocks.shape[0] + 10
+    np.testing.assert_array_equal(emulate_store(emulator, b, "paged", DType.float32, 0), expected)
+
+
+def test_gather_writes_zeros_for_rows_not_in_the_cache(emulator):
+    rng = np.random.default_rng(3)
+    b = cpu_rows.random_batch(rng, "continuous", DType.float32, 64)
+    batch = len(b.cache_lengths)
+    rows = np.array([0, batch, 0], np.uint32)  # a batch row out of range
+    positions = np.array([1, 0, 64], np.uint32)  # a position past the slot
+    out = emulate_gather(emulator, b, "continuous", DType.float32, 1, 0, rows, positions)
+    np.testing.assert_array_equal(out[0], ref.gather(b.blocks, 1, 0, b.lookup_table, rows[:1], positions[:1])[0])
+    assert not out[1:].any()
+
+
+# -- attention ----------------------------------------------------------------
+
+
+def emulate_attention(
+    emulator: Emulator,
+    b: cpu_attention.Batch,
+    layer: int,
+    scale: float,
+    window: int = 0,
+    multiprocessors: int = 1,
+    bounds: tuple[int, int] | None = None,
+) -> np.ndarray:
+    """The emulated attention op's output (float32 values). `bounds` (most new
+    tokens, longest context) default to the batch's own."""
+    new = np.diff(b.row_offsets.astype(np.int64))
+    if bounds is None:
+        bounds = (int(new.max()), int((b.cache_lengths + new).max()))
+    meta = cache_meta("attention", b.layout, b.dtype.name, b.blocks, layer, multiprocessors) | {
+        "tokens": b.q.shape[0],
+        "n_q_heads": b.q.shape[1],
+        "scale_bits": float32_bits(scale),
+        "window": window,
+        "max_new_tokens": bounds[0],
+        "max_context": bounds[1],
+    }
+    to_storage = bfloat16.to_bits if b.dtype == DType.bfloat16 else np.ascontiguousarray
+    arrays = {
+        "blocks": to_storage(b.blocks),
+        "cache_lengths": b.cache_lengths,
+        "lookup_table": b.lookup_table,
+        "q": to_storage(b.q),
+        "row_offsets": b.row_offsets,
+    }
+    raw = emulator.run(meta, arrays, "out")
+    if b.dtype == DType.bfloat16:
+        return bfloat16.from_bits(np.frombuffer(raw, np.uint16)).reshape(b.q.shape)
+    return np.frombuffer(raw, np.float32).reshape(b.q.shape)
+
+
+@pytest.mark.parametrize("multiprocessors", [1, H100_MULTIPROCESSORS], ids=["unsplit", "split"])
+@pytest.mark.parametrize("case", cpu_attention.CASES, ids=cpu_attention._case_id)
+def test_mixed_batch_matches_numpy(case, multiprocessors, emulator):
+    b, layer, scale = mixed_case(case)
+    out = emulate_attention(emulator, b, layer, scale, multiprocessors=multiprocessors)
+    cpu_attention.assert_close(out, cpu_attention.expected(b, layer, scale), b.dtype)
+
+
+@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16], ids=lambda d: d.name)
+@pytest.mark.parametrize(
+    ("rows", "n_q", "n_kv", "head_dim"),
+    [([(6000, 1)], 8, 2, 128), ([(3000, 1), (4500, 1), (20, 1)], 32, 8, 128), ([(2000, 2), (900, 1)], 9, 3, 64)],
+    ids=["one-long", "three-gqa32x8", "two-token-decode"],
+)
+def test_decode_split_over_the_context(rows, n_q, n_kv, head_dim, dtype, emulator):
+    """Few decode rows on a large device: flash decoding splits each row's
+    context over many blocks and merges them."""
+    rng = np.random.default_rng(len(rows) + n_q)
+    b = cpu_attention.make_batch(rng, "paged", dtype, rows, n_q, n_kv, head_dim, 16)
+    scale = 1 / math.sqrt(head_dim)
+    out = emulate_attention(emulator, b, 1, scale, multiprocessors=H100_MULTIPROCESSORS)
+    cpu_attention.assert_close(out, cpu_attention.expected(b, 1, scale), dtype)
+
+
+def test_head_dim_256(emulator):
+    rng = np.random.default_rng(256)
+    b = cpu_attention.make_batch(rng, "paged", DType.float32, [(0, 40), (300, 1), (90, 33)], 4, 2, 256, 32)
+    out = emulate_attention(emulator, b, 0, 1 / 16, multiprocessors=H100_MULTIPROCESSORS)
+    cpu_attention.assert_close(out, cpu_attention.expected(b, 0, 1 / 16), DType.float32)
+
+
+@pytest.mark.parametrize("layout", ["paged", "continuous"])
+@pytest.mark.parametrize("window", [1, 5, 100])
+def test_sliding_window(layout, window, emulator):
+    b = window_case(layout, window)
+    out = emulate_attention(emulator, b, 1, 0.125, window, multiprocessors=H100_MULTIPROCESSORS)
+    cpu_attention.assert_close(out, cpu_attention.expected(b, 1, 0.125, window), DType.float32)
+
+
+@pytest.mark.parametrize("multiprocessors", [1, H100_MULTIPROCESSORS], ids=["unsplit", "split"])
+def test_loose_bounds(multiprocessors, emulator):
+    """Bounds above the batch's own (a continuous cache knows only its token
+    count and slot length) size a larger grid, whose extra blocks find no
+    work, and may split the context differently."""
+    rng = np.random.default_rng(21)
+    b = cpu_attention.make_batch(rng, "continuous", DType.float32, [(0, 37), (211, 1), (130, 70)], 12, 3, 64, 1536)
+    out = emulate_attention(emulator, b, 0, 0.125, multiprocessors=multiprocessors, bounds=(len(b.q), 1536))
+    cpu_attention.assert_close(out, cpu_attention.expected(b, 0, 0.125), DType.float32)
+
+
+def test_large_scores_stay_stable(emulator):
+    rng = np.random.default_rng(9)
+    b = cpu_attention.make_batch(rng, "paged", DType.float32, [(3000, 1), (40, 30)], 4, 2, 64, 16)
+    b.q *= 4
+    out = emulate_attention(emulator, b, 0, 3.0, multiprocessors=H100_MULTIPROCESSORS)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, cpu_attention.expected(b, 0, 3.0), atol=5e-4, rtol=5e-4)
+
+
+def test_rejects_heads_not_multiple_of_kv_heads(emulator):
+    rng = np.random.default_rng(2)
+    b = cpu_attention.make_batch(rng, "paged", DType.float32, [(5, 3)], 4, 3, 64, 16)
+    with pytest.raises(RuntimeError, match="q has 4 heads, not a positive multiple of the cache's 3 KV heads"):
+        emulate_attention(emulator, b, 0, 0.125)
+
+
+def test_rejects_unsupported_head_dim(emulator):
+    rng = np.random.default_rng(2)
+    b = cpu_attention.make_batch(rng, "paged", DType.float32, [(5, 3)], 4, 2, 96, 16)
+    with pytest.raises(RuntimeError, match="head_dim 96: the GPU attention kernel takes 64, 128 or 256"):
+        emulate_attention(emulator, b, 0, 0.125)

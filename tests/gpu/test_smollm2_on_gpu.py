@@ -1,0 +1,52 @@
+"""SmolLM2-135M on a GPU: greedy tokens through mokv's paged cache (the real
+scheduler: batched prefill, chunked prefill, decode, prefix caching) equal
+to the dense no-cache graph's on the same GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from max.driver import Device
+from max.engine import InferenceSession
+from max.graph import DeviceRef
+
+from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
+from mokv_graphs.attention_backends import DenseCausalAttention
+from mokv_graphs.llama import load_llama_model
+from tests.gpu.conftest import needs_gpu
+from tests.model.conftest import dense_greedy_fn
+from tests.model.test_paged_generation import QUESTIONS, SYSTEM
+
+pytestmark = needs_gpu("SmolLM2-135M greedy generation on mokv's paged cache against the dense graph")
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def gpu_smollm2(gpu_session: InferenceSession, gpu: Device) -> SmolLM2:
+    return SmolLM2(gpu_session, log=lambda _: None, weights="f32", device=gpu)  # block kernels: CPU only
+
+
+@pytest.fixture(scope="module")
+def gpu_dense_greedy(gpu_session: InferenceSession, gpu: Device, gpu_ref: DeviceRef, gpu_smollm2: SmolLM2):
+    """Greedy tokens of the dense (no-cache) graph on the GPU, same weights."""
+    dense = load_llama_model(gpu_session, gpu_smollm2.checkpoint, DenseCausalAttention(), gpu_ref)
+    return dense_greedy_fn(dense, gpu_smollm2.checkpoint, gpu_smollm2.tokenizer, gpu)
+
+
+@pytest.fixture(scope="module")
+def prompts(gpu_smollm2: SmolLM2) -> list[np.ndarray]:
+    """The CPU generation tests' chat prompts: a shared system prompt, three questions."""
+    return [
+        gpu_smollm2.tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+        for q in QUESTIONS
+    ]
+
+
+@pytest.mark.parametrize("page_size", [16, 128])
+@pytest.mark.parametrize("token_budget", [512, 24], ids=["whole-prefill", "chunked-prefill"])
+def test_paged_greedy_matches_dense(page_size, token_budget, gpu_smollm2, gpu_dense_greedy, prompts):
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, page_size=page_size, token_budget=token_budget)
+    requests, _, _ = generate(gpu_smollm2, prompts, config)
+    for prompt, request in zip(prompts, requests, strict=True):
+        assert request.generated == gpu_dense_greedy(prompt, NEW_TOKENS)
