@@ -26,22 +26,17 @@ GGUF's own layout.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 from max.dtype import DType
 from max.graph import DeviceRef, TensorType, TensorValue, Weight, ops
 
-from mokv import kernels
+from mokv.kernels import kernel_package
 
 WEIGHT_FORMATS = ("gguf", "f32")
 """Every weight format a checkpoint can be loaded in; the first is the default."""
 
-QUANT_KERNEL_DIR = Path(__file__).resolve().parents[1] / "mojo" / "mokv_quant"
 ROW_MULTIPLE = 4
 """Block matrices have a multiple of this many rows (the kernels' register blocks)."""
 
@@ -65,35 +60,13 @@ BLOCK_ENCODINGS = {e.name: e for e in (BlockEncoding("q4_1", 32, 20), BlockEncod
 """The block encodings mokv's kernels read, by the name the kernels know them by."""
 
 
-@cache
-def quant_kernel_package() -> Path:
-    """The precompiled ``mokv_quant`` package, built once per source revision.
+QUANT_KERNELS = "mokv_quant"
+"""The Mojo package of the block-format weight kernels (shipped beside `mokv_kernels`)."""
 
-    Stop-gap until ``mokv.kernels.kernel_package`` names a package after its directory (today
-    every build is ``mokv_kernels.mojoc``, and a ``.mojoc`` file's name is the Mojo module name
-    its ops are imported under): the same digest-keyed build, under the right name.
-    """
-    digest = kernels._source_digest(QUANT_KERNEL_DIR)
-    out = kernels.cache_dir() / "mojo" / f"mokv_quant-{digest}" / "mokv_quant.mojoc"
-    if out.exists():
-        return out
-    staging = out.parents[1] / f"building-{os.getpid()}"
-    staging.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(
-        [kernels._mojo_binary(), "precompile", str(QUANT_KERNEL_DIR), "-o", str(staging / out.name)],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ),
-        check=False,
-    )
-    if result.returncode != 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise RuntimeError(f"mojo precompile of {QUANT_KERNEL_DIR} failed:\n{result.stderr}")
-    try:
-        staging.rename(out.parent)
-    except OSError:  # another process finished first
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+
+def quant_kernel_package() -> Path:
+    """The precompiled ``mokv_quant`` package, built once per source revision."""
+    return kernel_package(QUANT_KERNELS)
 
 
 def uses_quant_kernels(encodings: dict[str, str]) -> bool:
