@@ -24,6 +24,7 @@ from max.nn.kernels import flash_attention_ragged, store_k_cache_ragged, store_v
 from max.nn.kv_cache import MHAKVCacheParams
 
 from mokv import InsufficientBlocksError, KVCacheParams
+from mokv.context import MaxTextContextAdapter
 
 
 def max_params(params: KVCacheParams) -> MHAKVCacheParams:
@@ -73,28 +74,19 @@ class MaxCacheAttention:
         )
 
 
-class MaxRequestContext:
-    """MAX's `TextContext` seen through the calls the scheduler makes on mokv's."""
+class MaxRequestContext(MaxTextContextAdapter):
+    """MAX's `TextContext` seen through the calls the scheduler makes on mokv's: mokv's
+    adapter of MAX's context (what mokv's manager reads) plus the scheduler's calls."""
 
     def __init__(self, request_id: str, tokens: npt.NDArray[np.int64]) -> None:
         from max.pipelines.context import TextContext, TokenBuffer
         from max.pipelines.modeling.types import RequestID
 
-        self.context = TextContext(
-            request_id=RequestID(request_id), max_length=1 << 20, tokens=TokenBuffer(np.array(tokens, np.int64))
+        super().__init__(
+            TextContext(
+                request_id=RequestID(request_id), max_length=1 << 20, tokens=TokenBuffer(np.array(tokens, np.int64))
+            )
         )
-
-    @property
-    def request_id(self) -> Hashable:
-        return self.context.request_id
-
-    @property
-    def processed_length(self) -> int:
-        return self.context.tokens.processed_length
-
-    @property
-    def active_length(self) -> int:
-        return self.context.tokens.active_length
 
     @property
     def next_tokens(self) -> npt.NDArray[np.int64]:
