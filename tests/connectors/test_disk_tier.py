@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -128,7 +129,8 @@ def test_the_budget_evicts_least_recently_used_files(tmp_path: Path) -> None:
     with make_manager(disk_offload_dir=tmp_path, disk_offload_max_gb=budget_gb) as m:
         for i, prompt in enumerate(prompts[:4]):
             run_prompt(m, f"p{i}", prompt)
-        m.flush()
+            m.flush()  # written in order, with distinct mtimes: the next process's scan orders by them
+            time.sleep(0.02)
         assert m.get_num_disk_pages() == 4 and m.get_num_used_disk_pages() == 4
     with make_manager(disk_offload_dir=tmp_path, disk_offload_max_gb=budget_gb) as m:
         assert admit(m, "hit0", prompts[0]).processed_length == PAGE_SIZE  # p0 is now most recent

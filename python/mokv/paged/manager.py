@@ -146,6 +146,15 @@ class PagedKVCacheManager:
             for index, refs in enumerate(params.devices_per_replica)
         ]
         self._replica_of: dict[Hashable, Replica] = {}
+        self._requests_version = 0
+        """Bumped whenever a request is claimed or released or takes a new context
+        object: what a remembered batch resolution (`_live_batch`) depends on."""
+        self._resolved: list[tuple[int, list[int], list[tuple[CacheContext, RequestState]]] | None] = [
+            None for _ in self._replicas
+        ]
+        """Per replica, the last batch resolved on the fast path: (requests version,
+        the entries' ids, the resolution). A serving loop passes the same batch to
+        `runtime_inputs`, `step` and again next step."""
 
     # ----------------------------------------------------------------- routing
 
@@ -227,15 +236,25 @@ class PagedKVCacheManager:
     def _live_batch(self, batch: Sequence[object], replica: Replica) -> list[tuple[CacheContext, RequestState]]:
         """`_live` for each entry of one replica's batch, none twice. The common
         case (a mokv `TextContext` passed before) takes a few operations; anything
-        else goes through `_live`, which raises with the reason or accepts it."""
+        else goes through `_live`, which raises with the reason or accepts it.
+
+        The same objects as last time, with no request claimed, released or given
+        a new context object since, resolve as last time (the caller must not
+        modify the returned list)."""
+        ids = list(map(id, batch))
+        resolved = self._resolved[replica.index]
+        if resolved is not None and resolved[0] == self._requests_version and resolved[1] == ids:
+            return resolved[2]
         get = replica.requests.get
         entries = []
+        all_known = True
         try:
             for data in batch:
                 ctx = data if type(data) is TextContext else cache_context(data)
                 state = get(ctx.request_id)
                 if state is None or state.source is not data:
                     ctx, state = self._live(data, replica)
+                    all_known = False
                 entries.append((ctx, state))
         except TypeError:
             for data in batch:  # an unhashable request id: name it
@@ -243,6 +262,8 @@ class PagedKVCacheManager:
             raise
         if len({id(state) for _, state in entries}) != len(entries):
             check_unique("request", (ctx.request_id for ctx, _ in entries))
+        if all_known:  # the entries stay these objects' states until the version moves
+            self._resolved[replica.index] = (self._requests_version, ids, entries)
         return entries
 
     # --------------------------------------------------------------- lifecycle
@@ -259,6 +280,7 @@ class PagedKVCacheManager:
             raise ValueError(f"request {request_id!r} is already claimed on replica {owner.index}")
         replica.claim(request_id, dummy=dummy)
         self._replica_of[request_id] = replica
+        self._requests_version += 1
 
     def contains(self, request_id: Hashable, replica_idx: int = 0) -> bool:
         """Whether `request_id` is claimed on replica `replica_idx`."""
@@ -316,6 +338,7 @@ class PagedKVCacheManager:
         replica.alloc(ctx, state, num_steps)
         if state.source is not data:
             state.source, state.context = data, ctx
+            self._requests_version += 1
         if self.enable_runtime_checks:
             replica.check_invariants()
 
@@ -336,6 +359,7 @@ class PagedKVCacheManager:
             for data, (ctx, state) in zip(batch, entries, strict=True):
                 if state.source is not data and not state.is_dummy:
                     state.source, state.context = data, ctx
+                    self._requests_version += 1
             replica.commit(entries)
             self._check(replica)
 
@@ -348,6 +372,7 @@ class PagedKVCacheManager:
         replica = self._claimed_on(request_id, replica_idx)
         replica.release(request_id)
         del self._replica_of[request_id]
+        self._requests_version += 1
         self._check(replica)
 
     @contextlib.contextmanager
