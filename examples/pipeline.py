@@ -65,7 +65,7 @@ class CacheBackend(Protocol):
         caching, and the KV tiers below the device asked for."""
         ...
 
-    def context(self, request_id: str, tokens: npt.NDArray[np.int64], cache_salt: str | None) -> RequestContext:
+    def context(self, request_id: str, tokens: npt.NDArray[np.int64], cache_salt: str | None = None) -> RequestContext:
         """A new request's context, of the kind this cache's manager reads."""
         ...
 
@@ -93,7 +93,7 @@ class MokvCache:
             params, session, num_pages, host_pages, max_batch_size=max_batch_size, connector_config=connectors
         )
 
-    def context(self, request_id: str, tokens: npt.NDArray[np.int64], cache_salt: str | None) -> RequestContext:
+    def context(self, request_id: str, tokens: npt.NDArray[np.int64], cache_salt: str | None = None) -> RequestContext:
         return mokv_context(request_id, tokens, cache_salt)
 
 
