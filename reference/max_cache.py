@@ -194,7 +194,9 @@ class MaxCache:
             )
         return MaxCacheManager(params, session, num_pages, max_batch_size)
 
-    def context(self, request_id: str, tokens: npt.NDArray[np.int64], cache_salt: str | None = None) -> MaxRequestContext:
+    def context(
+        self, request_id: str, tokens: npt.NDArray[np.int64], cache_salt: str | None = None
+    ) -> MaxRequestContext:
         if cache_salt is not None:
             raise ValueError("the MAX cache backend here takes no cache salt")
         return MaxRequestContext(request_id, tokens)

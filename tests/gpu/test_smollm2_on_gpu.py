@@ -14,8 +14,7 @@ from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
 from mokv_graphs.attention_backends import DenseCausalAttention
 from mokv_graphs.llama import load_llama_model
 from tests.gpu.conftest import needs_gpu
-from tests.model.conftest import dense_greedy_fn
-from tests.model.conftest import QUESTIONS, SYSTEM
+from tests.model.conftest import QUESTIONS, SYSTEM, dense_greedy_fn
 
 pytestmark = needs_gpu("SmolLM2-135M greedy generation on mokv's paged cache against the dense graph")
 
