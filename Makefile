@@ -10,7 +10,7 @@ export MOKV_CACHE_DIR := $(CURDIR)/.cache
 export MODULAR_CACHE_DIR := $(MOKV_CACHE_DIR)/modular
 WHEELS := $(MOKV_CACHE_DIR)/wheels
 
-.PHONY: setup model wheels demo test lint gpu-build-check bench build constraints clean
+.PHONY: setup model wheels demo test lint gpu-build-check bench bench-llama-cpp build constraints clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,12 @@ bench: model
 	$(BIN)/mokv bench manager --quick
 	$(BIN)/mokv bench attention --quick
 	$(BIN)/mokv bench e2e --quick
+
+# llama.cpp's column of the end-to-end benchmark: installs the optional llama-cpp-python
+# extra first (it builds llama.cpp from source, about 8 minutes on 2 cores).
+bench-llama-cpp: model
+	$(BIN)/pip install --disable-pip-version-check -q -r requirements-bench.txt
+	$(BIN)/mokv bench e2e --quick --against-llama-cpp
 
 build: setup
 	$(BIN)/python -c "from mokv.kernels import kernel_package; print(kernel_package())"

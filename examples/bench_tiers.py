@@ -37,7 +37,7 @@ from mokv.connectors import KVConnectorConfig
 from mokv_examples.bench_results import out_dir_option, write_results
 from mokv_examples.inspect_cache import SYSTEM_PROMPT
 from mokv_examples.local_redis import LocalRedis
-from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate, make_manager
+from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
 
 TOPICS = (
     "page tables",
@@ -204,7 +204,7 @@ def run_second_process(spec: dict) -> list[dict]:
     rows = []
     for tier, tiers in (("disk", {"disk_cache": spec["disk"]}), ("remote", {"remote_cache": spec["remote"]})):
         config = GenerationConfig(**spec["config"], **tiers)
-        with make_manager(model, config) as manager:
+        with model.new_manager(config) as manager:
             _, ttft = run_turns(model, manager, config, [list(c) for c in chats], turns=1)
             row = tier_row(f"second process, {tier} only", manager, ttft, 0.0)
         rows.append(row)
@@ -317,12 +317,12 @@ def tiers(
             {"host": {}, "disk": {"disk_offload_dir": disk}, "remote": {"remote_url": remote_cache}},
         )
         warm_up = GenerationConfig(**base)
-        with make_manager(model, warm_up) as manager:  # untimed: the first steps of a process run slower
+        with model.new_manager(warm_up) as manager:  # untimed: the first steps of a process run slower
             run_turns(model, manager, warm_up, conversations(model, 1), turns=1)
         rows = []
         for name, tiers_of in configs.items():
             config = GenerationConfig(**base, **tiers_of)
-            with make_manager(model, config) as manager:
+            with model.new_manager(config) as manager:
                 manager.reset_prefix_cache()  # start empty on every tier (the disk and the server too)
                 manager.reset_metrics()
                 started = time.perf_counter()

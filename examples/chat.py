@@ -3,11 +3,14 @@ cache between turns, so each turn only prefills what is new."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import click
 
-from mokv import PagedKVCacheManager
-from mokv_examples.generate import TokenStream, generation_options, make_config
-from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate, make_manager
+from mokv_examples.generate import generation_options, make_config
+from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
+from mokv_examples.scheduler import CacheManager
+from mokv_examples.streaming import TokenStream
 
 
 @click.command()
@@ -15,15 +18,22 @@ from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate, make_man
 @click.option("--system", default="You are a helpful assistant.", show_default=True, help="System prompt.")
 def chat(system: str, **options) -> None:
     """Chat with SmolLM2-135M (an empty line or Ctrl-D ends the conversation)."""
-    config = make_config(**options)
-    model = SmolLM2()
-    config.enable_prefix_caching = True
-    with make_manager(model, config, max_batch_size=1) as manager:
+    weights = options.pop("weights")
+    config = replace(make_config(**options), enable_prefix_caching=True)
+    model = SmolLM2(weights=weights)
+    manager = model.new_manager(config, max_batch_size=1)
+    try:
         converse(model, manager, config, system)
+    finally:
+        manager.shutdown()
 
 
-def converse(model: SmolLM2, manager: PagedKVCacheManager, config: GenerationConfig, system: str) -> None:
+def converse(model: SmolLM2, manager: CacheManager, config: GenerationConfig, system: str) -> None:
     """Turns until an empty line or Ctrl-D."""
+
+    def decode(ids: list[int]) -> str:
+        return model.tokenizer.decode(ids, skip_special_tokens=True)
+
     messages = [{"role": "system", "content": system}]
     while True:
         try:
@@ -36,12 +46,10 @@ def converse(model: SmolLM2, manager: PagedKVCacheManager, config: GenerationCon
         before = manager.get_metrics_aggregated()
         click.echo("assistant> ", nl=False)
         (request,), _, _ = generate(
-            model, [model.tokenizer.encode_chat(messages)], config, TokenStream(model), manager=manager
+            model, [model.tokenizer.encode_chat(messages)], config, TokenStream(decode), manager=manager
         )
         click.echo()
         after = manager.get_metrics_aggregated()
         reused = after.cache_tokens - before.cache_tokens
         click.echo(f"[{reused} of {len(request.prompt)} prompt tokens came from the cache]", err=True)
-        messages.append(
-            {"role": "assistant", "content": model.tokenizer.decode(request.generated, skip_special_tokens=True)}
-        )
+        messages.append({"role": "assistant", "content": decode(request.generated)})

@@ -1,16 +1,17 @@
 """`mokv generate`: SmolLM2 completing prompts with continuous batching and
-prefix caching on mokv's paged cache."""
+prefix caching on mokv's paged cache, answers shown as they are generated
+(`streaming.py` says how)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
 
-from mokv_examples.pipeline import GenerationConfig, SmolLM2, run_prompts
-from mokv_examples.scheduler import Request
+from mokv_examples.pipeline import GenerationConfig, SmolLM2, request_id, run_prompts
+from mokv_examples.streaming import answer_display
+from mokv_graphs.weight_formats import WEIGHT_FORMATS
 
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
@@ -19,10 +20,23 @@ DEFAULT_PROMPTS = (
 )
 
 
+def weights_option(command):
+    """`--weights`: the weight format of the model graph."""
+    return click.option(
+        "--weights",
+        type=click.Choice(WEIGHT_FORMATS),
+        default=WEIGHT_FORMATS[0],
+        show_default=True,
+        help="gguf: the GGUF's own Q4_1/Q8_0 blocks, dequantized in registers by mokv's kernels; "
+        "f32: the weights dequantized to float32 once (the reference).",
+    )(command)
+
+
 def generation_options(command):
-    """The cache and sampling options shared by `generate` and `chat`."""
+    """The model, cache and sampling options shared by `generate` and `chat`."""
     for option in reversed(
         [
+            weights_option,
             click.option("--max-new-tokens", default=64, show_default=True, help="Tokens to generate per prompt."),
             click.option("--temperature", default=0.0, show_default=True, help="0 is greedy and deterministic."),
             click.option("--seed", default=0, show_default=True, help="Sampling seed (temperature > 0)."),
@@ -74,57 +88,53 @@ def make_config(**options) -> GenerationConfig:
     )
 
 
-class TokenStream:
-    """Prints one request's text as it grows (decoding the whole tail each time,
-    so multi-token characters come out whole)."""
-
-    def __init__(self, model: SmolLM2) -> None:
-        self.model = model
-        self.printed = 0
-
-    def __call__(self, request: Request, token: int) -> None:
-        text = self.model.tokenizer.decode(request.generated, skip_special_tokens=True)
-        sys.stdout.write(text[self.printed :])
-        sys.stdout.flush()
-        self.printed = len(text)
-
-
 @click.command()
 @click.argument("prompts", nargs=-1)
 @generation_options
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap prompts in the model's chat template.")
+@click.option(
+    "--logprobs",
+    default=0,
+    show_default=True,
+    help="Record each generated token's log-probability and its N likeliest alternatives (in --json).",
+)
 @click.option(
     "--json",
     "json_path",
     type=click.Path(dir_okay=False, path_type=Path),
     help="Write prompts, token ids, texts and statistics here.",
 )
-def generate(prompts: tuple[str, ...], chat: bool, json_path: Path | None, **options) -> None:
+def generate(
+    prompts: tuple[str, ...], chat: bool, logprobs: int, json_path: Path | None, weights: str, **options
+) -> None:
     """Complete PROMPTS (default: three demo prompts) with SmolLM2-135M."""
     prompts = prompts or DEFAULT_PROMPTS
     config = make_config(**options)
-    model = SmolLM2()
+    model = SmolLM2(weights=weights)
+
+    def decode(ids: list[int]) -> str:
+        return model.tokenizer.decode(ids, skip_special_tokens=True)
+
+    display = answer_display(prompts, [request_id(i) for i in range(len(prompts))], decode)
+    report = run_prompts(model, prompts, config, chat, on_token=display, logprobs=logprobs)
     if len(prompts) == 1:
-        report = run_prompts(model, prompts, config, chat, on_token=TokenStream(model))
         click.echo()
-    else:
-        with click.progressbar(length=len(prompts) * config.max_new_tokens, label="generating", file=sys.stderr) as bar:
-            report = run_prompts(model, prompts, config, chat, on_token=lambda r, t: bar.update(1))
-        for completion in report.completions:
-            click.echo(f"\n>>> {completion.prompt}\n{completion.text.strip()}")
     summary = report.summary()
     click.echo(
-        f"\n{summary['requests']} requests: prefill {summary['prefill_tokens']} tokens at "
-        f"{summary['prefill_tokens_per_s']:.0f} tok/s, decode {summary['decode_tokens']} tokens at "
-        f"{summary['decode_tokens_per_s']:.1f} tok/s, prefix hit rate {summary['prefix_hit_rate']:.1%}, "
-        f"peak pages used {summary['peak_pages_used']}/{config.num_pages}, "
-        f"{summary['preemptions']} preemptions, {summary['wall_seconds']:.1f} s",
+        f"\n{summary['requests']} requests ({weights} weights): "
+        f"time to first token {summary['time_to_first_token_s']:.2f} s "
+        f"(mean; longest {summary['max_time_to_first_token_s']:.2f} s), "
+        f"decode {summary['decode_tokens_per_s']:.1f} tok/s "
+        f"({summary['decode_tokens']} tokens), prefill {summary['prefill_tokens_per_s']:.0f} tok/s "
+        f"({summary['prefill_tokens']} tokens), prefix hit rate {summary['prefix_hit_rate']:.1%}, "
+        f"peak pages {summary['peak_pages_used']}/{config.num_pages}, {summary['preemptions']} preemptions, "
+        f"{summary['wall_seconds']:.1f} s",
         err=True,
     )
     if json_path is not None:
         payload = {
             "requests": [vars(c) for c in report.completions],
-            "config": config.report(),
+            "config": {**config.report(), "weights": weights, "logprobs": logprobs},
             "stats": summary,
         }
         json_path.write_text(json.dumps(payload, indent=1))

@@ -1,5 +1,9 @@
-"""SmolLM2 on mokv's paged cache: the model graph, the manager and the scheduler
-wired together, so the CLI commands and the tests drive one thing."""
+"""SmolLM2 on a paged KV cache: the model graph, the manager and the scheduler
+wired together, so the CLI commands and the tests drive one thing.
+
+The cache is a `CacheBackend`: mokv's own (`MokvCache`, the default), or, for
+side-by-side benchmarks and tests, MAX's (`mokv_reference.max_cache.MaxCache`),
+each bringing its graph's attention backend, its manager and its contexts."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -15,13 +20,81 @@ from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import DeviceRef
 
-from mokv import KVCacheInputs, KVCacheParams, PagedKVCacheManager
+from mokv import KVCacheParams, PagedKVCacheManager
 from mokv.connectors import KVConnectorConfig
-from mokv_examples.scheduler import Request, Sampler, Scheduler, StepStats
+from mokv_examples.progress import ticking
+from mokv_examples.scheduler import (
+    CacheInputs,
+    CacheManager,
+    ModelStep,
+    Request,
+    RequestContext,
+    Sampler,
+    Scheduler,
+    StepStats,
+    mokv_context,
+)
+from mokv_graphs.attention_backends import AttentionBackend
 from mokv_graphs.gguf_model import LlamaCheckpoint, load_llama
-from mokv_graphs.llama import load_llama_model
+from mokv_graphs.llama import last_token_rows, load_llama_model
 from mokv_graphs.paged_attention import PagedCacheAttention
 from mokv_graphs.tokenizer import GGUFTokenizer, load_tokenizer
+from mokv_graphs.weight_formats import WEIGHT_FORMATS
+
+
+class CacheBackend(Protocol):
+    """Where a pipeline keeps its KV cache."""
+
+    name: str
+
+    def attention(self, params: KVCacheParams) -> AttentionBackend:
+        """The graph's attention over this cache, for the cache geometry `params`
+        (on `params.devices[0]`)."""
+        ...
+
+    def manager(
+        self,
+        params: KVCacheParams,
+        session: InferenceSession,
+        num_pages: int,
+        max_batch_size: int,
+        host_pages: int = 0,
+        connectors: KVConnectorConfig | None = None,
+    ) -> CacheManager:
+        """A manager of `num_pages` pages with `params`' page size and prefix
+        caching, and the KV tiers below the device asked for."""
+        ...
+
+    def context(self, request_id: str, tokens: npt.NDArray[np.int64], cache_salt: str | None = None) -> RequestContext:
+        """A new request's context, of the kind this cache's manager reads."""
+        ...
+
+
+class MokvCache:
+    """mokv's paged cache: `PagedKVCacheManager` and mokv's store and flash attention
+    kernels. The graph leaves the page size symbolic, so one compiled model serves
+    managers of every page size."""
+
+    name = "mokv"
+
+    def attention(self, params: KVCacheParams) -> AttentionBackend:
+        return PagedCacheAttention(params, params.devices[0])
+
+    def manager(
+        self,
+        params: KVCacheParams,
+        session: InferenceSession,
+        num_pages: int,
+        max_batch_size: int,
+        host_pages: int = 0,
+        connectors: KVConnectorConfig | None = None,
+    ) -> CacheManager:
+        return PagedKVCacheManager(
+            params, session, num_pages, host_pages, max_batch_size=max_batch_size, connector_config=connectors
+        )
+
+    def context(self, request_id: str, tokens: npt.NDArray[np.int64], cache_salt: str | None = None) -> RequestContext:
+        return mokv_context(request_id, tokens, cache_salt)
 
 
 @dataclass
@@ -33,6 +106,8 @@ class Completion:
     token_ids: list[int]
     text: str
     preemptions: int
+    time_to_first_token: float
+    logprobs: list[dict] | None = None
 
 
 @dataclass
@@ -46,8 +121,11 @@ class GenerationReport:
 
     def summary(self) -> dict[str, float]:
         s = self.stats
+        first_tokens = [c.time_to_first_token for c in self.completions]
         return {
             "requests": len(self.completions),
+            "time_to_first_token_s": float(np.mean(first_tokens)) if first_tokens else 0.0,
+            "max_time_to_first_token_s": max(first_tokens, default=0.0),
             "prefill_tokens": s.prefill_tokens,
             "decode_tokens": s.decode_tokens,
             "prefill_tokens_per_s": s.prefill_tokens_per_s,
@@ -61,35 +139,59 @@ class GenerationReport:
 
 
 class SmolLM2:
-    """The compiled SmolLM2 graph over a paged cache, weights and cache on
-    `device` (the CPU unless given). The graph leaves the page size symbolic,
-    so one compiled model serves caches of any page size."""
-
-    model_id = "SmolLM2-135M-Instruct.Q4_1.gguf/float32-graph"
-    """Names the weights and graph numerics the KV comes from: shared cache
-    tiers keep it apart from any other model's KV."""
+    """The compiled SmolLM2 graph over a paged cache (`cache`, mokv's by default),
+    with its weights in format `weights` (`mokv_graphs.weight_formats`), weights
+    and cache on `device` (the CPU unless given)."""
 
     def __init__(
         self,
         session: InferenceSession | None = None,
         log: Callable[[str], None] | None = None,
+        weights: str = WEIGHT_FORMATS[0],
+        cache: CacheBackend | None = None,
         device: Device | None = None,
     ) -> None:
         log = log or (lambda msg: print(msg, file=sys.stderr))
         self.device = device or CPU()
         self.device_ref = DeviceRef.from_device(self.device)
+        if not self.device.is_host and weights != "f32":
+            raise ValueError(f"weights {weights!r}: the block-format weight kernels run on the CPU; use 'f32' on a GPU")
         self.session = session or InferenceSession(devices=[CPU()] if self.device.is_host else [CPU(), self.device])
+        self.cache = cache or MokvCache()
         started = time.perf_counter()
-        self.checkpoint: LlamaCheckpoint = load_llama()
+        self.checkpoint: LlamaCheckpoint = load_llama(weights=weights, log=log)
         self.tokenizer: GGUFTokenizer = load_tokenizer()
-        log(
-            f"loaded SmolLM2 weights and tokenizer in {time.perf_counter() - started:.1f} s; compiling the graph "
-            "(minutes the first time, then loaded from the compile cache)..."
+        log(f"loaded SmolLM2 ({weights} weights) and its tokenizer in {time.perf_counter() - started:.1f} s")
+        label = f"compiling the graph on {self.cache.name}'s cache (minutes the first time, then cached)"
+        with ticking(label, log):
+            self.model: Model = load_llama_model(
+                self.session, self.checkpoint, self.cache.attention(self.cache_params()), self.device_ref
+            )
+
+    @property
+    def weight_format(self) -> str:
+        return self.checkpoint.weight_format
+
+    @property
+    def model_id(self) -> str:
+        """Names the weights and graph numerics the KV comes from: shared cache
+        tiers keep it apart from any other model's KV, and from this model's
+        under another weight format."""
+        return f"SmolLM2-135M-Instruct.Q4_1.gguf/{self.weight_format}-weights/float32-activations"
+
+    def new_manager(self, config: GenerationConfig, max_batch_size: int | None = None) -> CacheManager:
+        """A fresh cache manager for `config`'s page size, pages, prefix caching
+        and KV tiers; call `shutdown()` on it when done so the tiers'
+        background writes finish."""
+        params = self.cache_params(config.page_size, config.enable_prefix_caching)
+        return self.cache.manager(
+            params,
+            self.session,
+            config.num_pages,
+            max_batch_size or config.max_batch_size,
+            config.host_pages if config.enable_prefix_caching else 0,
+            config.connector_config(self.model_id),
         )
-        started = time.perf_counter()
-        attention = PagedCacheAttention(self.cache_params(), self.device_ref)
-        self.model: Model = load_llama_model(self.session, self.checkpoint, attention, self.device_ref)
-        log(f"graph ready in {time.perf_counter() - started:.1f} s")
 
     def cache_params(self, page_size: int = 16, enable_prefix_caching: bool = False) -> KVCacheParams:
         """The model's cache geometry (the graph only reads the shape: its page
@@ -110,10 +212,13 @@ class SmolLM2:
         tokens: npt.NDArray[np.int64],
         row_offsets: npt.NDArray[np.uint32],
         positions: npt.NDArray[np.int64],
-        cache: KVCacheInputs,
+        cache: CacheInputs,
+        logit_rows: npt.NDArray[np.int64] | None = None,
     ) -> npt.NDArray[np.float32]:
-        """One ragged step: stores the tokens' K/V and returns last-token logits."""
-        inputs = [Buffer.from_numpy(a) for a in (tokens, row_offsets, positions)]
+        """One ragged step: stores the tokens' K/V and returns the logits of `logit_rows`
+        (default: each sequence's last token)."""
+        rows = last_token_rows(row_offsets) if logit_rows is None else logit_rows
+        inputs = [Buffer.from_numpy(a) for a in (tokens, row_offsets, positions, rows)]
         if not self.device.is_host:
             inputs = [buffer.to(self.device) for buffer in inputs]
         (logits,) = self.model.execute(*inputs, *cache.flatten())
@@ -169,27 +274,37 @@ class GenerationConfig:
         return out
 
 
+def request_id(index: int) -> str:
+    """The id of the `index`-th prompt of a `generate` call."""
+    return f"req-{index}"
+
+
 def generate(
     model: SmolLM2,
     prompt_token_ids: Sequence[npt.NDArray[np.int64]],
     config: GenerationConfig,
     on_token: Callable[[Request, int], None] | None = None,
     on_step: Callable[[Scheduler], None] | None = None,
-    manager: PagedKVCacheManager | None = None,
-) -> tuple[list[Request], StepStats, PagedKVCacheManager]:
+    manager: CacheManager | None = None,
+    logprobs: int = 0,
+    step: ModelStep | None = None,
+) -> tuple[list[Request], StepStats, CacheManager]:
     """Runs every prompt to completion with continuous batching, on `manager`
-    if given (a chat keeps one across turns so its history stays cached)."""
-    manager = manager or make_manager(model, config)
+    if given (a chat keeps one across turns so its history stays cached), with
+    `model.step` or a `step` that wraps it (a benchmark's timer)."""
+    manager = manager or model.new_manager(config)
     scheduler = Scheduler(
         manager,
-        model.step,
+        step or model.step,
         token_budget=config.token_budget,
         max_batch_size=config.max_batch_size,
         sampler=Sampler(config.temperature, config.seed),
         stop_token_ids=model.tokenizer.stop_token_ids,
+        new_context=model.cache.context,
+        logprobs=logprobs,
     )
     requests = [
-        Request(f"req-{i}", ids, config.max_new_tokens, cache_salt=config.cache_salt)
+        Request(request_id(i), ids, config.max_new_tokens, cache_salt=config.cache_salt)
         for i, ids in enumerate(prompt_token_ids)
     ]
     for request in requests:
@@ -198,31 +313,18 @@ def generate(
     return requests, stats, manager
 
 
-def make_manager(model: SmolLM2, config: GenerationConfig, max_batch_size: int | None = None) -> PagedKVCacheManager:
-    """The paged cache `config` asks for, with its disk and remote tiers; call
-    `shutdown()` on it when done so their background writes finish."""
-    params = model.cache_params(config.page_size, config.enable_prefix_caching)
-    return PagedKVCacheManager(
-        params,
-        model.session,
-        config.num_pages,
-        config.host_pages if config.enable_prefix_caching else 0,
-        max_batch_size=max_batch_size or config.max_batch_size,
-        connector_config=config.connector_config(model.model_id),
-    )
-
-
 def run_prompts(
     model: SmolLM2,
     prompts: Sequence[str],
     config: GenerationConfig,
     chat: bool = True,
     on_token: Callable[[Request, int], None] | None = None,
+    logprobs: int = 0,
 ) -> GenerationReport:
     """Tokenizes, generates and decodes: the whole `mokv generate` job."""
     ids = [model.encode(p, chat) for p in prompts]
     started = time.perf_counter()
-    requests, stats, manager = generate(model, ids, config, on_token)
+    requests, stats, manager = generate(model, ids, config, on_token, logprobs=logprobs)
     wall = time.perf_counter() - started
     manager.shutdown()
     metrics = manager.get_metrics_aggregated()
@@ -233,6 +335,8 @@ def run_prompts(
             token_ids=list(r.generated),
             text=model.tokenizer.decode(r.generated, skip_special_tokens=True),
             preemptions=r.preemptions,
+            time_to_first_token=r.time_to_first_token or 0.0,
+            logprobs=[lp.as_json() for lp in r.logprobs] if logprobs else None,
         )
         for p, r in zip(prompts, requests, strict=True)
     ]

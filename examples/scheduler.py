@@ -12,24 +12,78 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from mokv import (
-    InsufficientBlocksError,
-    KVCacheInputs,
-    PagedKVCacheManager,
-    TextContext,
-)
+from mokv import InsufficientBlocksError, TextContext
+from mokv_examples.logprobs import TokenLogprob, token_logprobs
+
+
+class CacheInputs(Protocol):
+    """A manager's graph inputs for one step."""
+
+    def flatten(self) -> list[Any]: ...
+
+
+class RequestContext(Protocol):
+    """What the scheduler reads and advances of a request's context (mokv's `TextContext`)."""
+
+    @property
+    def request_id(self) -> Hashable: ...
+
+    @property
+    def processed_length(self) -> int: ...
+
+    @property
+    def active_length(self) -> int: ...
+
+    @property
+    def next_tokens(self) -> npt.NDArray[np.int64]: ...
+
+    def update(self, token: int) -> None: ...
+
+    def skip_processing(self, n: int) -> None: ...
+
+
+class CacheManager(Protocol):
+    """The manager calls the scheduler makes: mokv's `PagedKVCacheManager`, or an adapter
+    with the same calls over another cache (`mokv_reference.max_cache`)."""
+
+    total_num_pages: int
+    max_batch_size: int
+
+    def claim(self, request_id: Hashable) -> None: ...
+
+    def alloc(self, ctx: Any) -> None: ...
+
+    def release(self, request_id: Hashable) -> None: ...
+
+    def runtime_inputs_for_leaf(self, batches: Sequence[Sequence[Any]]) -> CacheInputs: ...
+
+    def step(self, batches: Sequence[Sequence[Any]]) -> None: ...
+
+    def get_num_used_pages(self) -> int: ...
+
+    def shutdown(self) -> None: ...
+
 
 ModelStep = Callable[
-    [npt.NDArray[np.int64], npt.NDArray[np.uint32], npt.NDArray[np.int64], KVCacheInputs],
+    [npt.NDArray[np.int64], npt.NDArray[np.uint32], npt.NDArray[np.int64], CacheInputs],
     npt.NDArray[np.float32],
 ]
 """(tokens, input_row_offsets, positions, cache inputs) -> last-token logits `[batch, vocab]`."""
+
+ContextFactory = Callable[[str, npt.NDArray[np.int64], str | None], RequestContext]
+"""(request id, tokens, cache salt) -> a context the manager accepts; `mokv_context` by default."""
+
+
+def mokv_context(request_id: str, tokens: npt.NDArray[np.int64], cache_salt: str | None) -> TextContext:
+    """mokv's own `TextContext`: what `PagedKVCacheManager` reads."""
+    return TextContext(request_id, tokens, cache_salt=cache_salt)
 
 
 @dataclass
@@ -42,19 +96,33 @@ class Request:
     generated: list[int] = field(default_factory=list)
     finished: bool = False
     preemptions: int = 0
-    context: TextContext | None = None
+    context: RequestContext | None = None
     cache_salt: str | None = None
     """Shares cached KV only with requests of the same salt (a tenant, say)."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """Each generated token's log-probability and top alternatives (when the scheduler
+    was asked for them)."""
+    submitted_at: float | None = None
+    """`time.perf_counter()` when the request was added to a scheduler."""
+    first_token_at: float | None = None
+    """`time.perf_counter()` when its first token was produced."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         self.prompt = np.asarray(self.prompt, np.int64)
 
-    def fresh_context(self) -> TextContext:
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from submission to the first generated token."""
+        if self.submitted_at is None or self.first_token_at is None:
+            return None
+        return self.first_token_at - self.submitted_at
+
+    def fresh_context(self, new_context: ContextFactory = mokv_context) -> RequestContext:
         """A context over the prompt plus everything generated (for (re)admission)."""
         history = np.concatenate([self.prompt, np.asarray(self.generated, np.int64)])
-        return TextContext(self.request_id, history, cache_salt=self.cache_salt)
+        return new_context(self.request_id, history, self.cache_salt)
 
 
 @dataclass
@@ -99,20 +167,30 @@ class Sampler:
 
 
 class Scheduler:
-    """Drives a model step function and a `PagedKVCacheManager` (replica 0)."""
+    """Drives a model step function and a `PagedKVCacheManager` (replica 0).
+
+    With `logprobs` > 0, every generated token's log-probability and its `logprobs` most
+    likely alternatives are recorded on its request.
+    """
 
     def __init__(
         self,
-        manager: PagedKVCacheManager,
+        manager: CacheManager,
         model_step: ModelStep,
         *,
         token_budget: int = 512,
         max_batch_size: int | None = None,
         sampler: Sampler | None = None,
         stop_token_ids: Sequence[int] = (),
+        new_context: ContextFactory = mokv_context,
+        logprobs: int = 0,
     ) -> None:
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        if logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {logprobs}")
+        self.new_context = new_context
+        self.logprobs = logprobs
         self.manager = manager
         self.model_step = model_step
         self.token_budget = token_budget
@@ -126,6 +204,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queues a request; it is admitted when pages and budget allow."""
+        if request.submitted_at is None:
+            request.submitted_at = time.perf_counter()
         self.waiting.append(request)
 
     @property
@@ -136,7 +216,7 @@ class Scheduler:
 
     def _admit(self, request: Request) -> bool:
         """Claims and allocates pages for a waiting request; False if none fit."""
-        ctx = request.fresh_context()
+        ctx = request.fresh_context(self.new_context)
         self.manager.claim(ctx.request_id)
         try:
             self.manager.alloc(ctx)
@@ -243,9 +323,12 @@ class Scheduler:
         self, batch: list[Request], chunks: list[int], logits: npt.NDArray[np.float32]
     ) -> list[tuple[Request, int]]:
         complete = [n == r.context.active_length for r, n in zip(batch, chunks, strict=True)]  # type: ignore[union-attr]
-        sampled = self.sampler(logits[np.flatnonzero(complete)]) if any(complete) else []
+        rows = np.flatnonzero(complete)
+        sampled = self.sampler(logits[rows]) if len(rows) else np.zeros(0, np.int64)
+        scores = iter(token_logprobs(logits[rows], sampled, self.logprobs) if self.logprobs and len(rows) else ())
         produced: list[tuple[Request, int]] = []
         tokens_iter = iter(sampled)
+        now = time.perf_counter()
         for request, n, whole in zip(batch, chunks, complete, strict=True):
             ctx = request.context
             assert ctx is not None
@@ -253,6 +336,10 @@ class Scheduler:
                 ctx.skip_processing(n)  # a prefill chunk: its KV is now cached
                 continue
             token = int(next(tokens_iter))
+            if request.first_token_at is None:
+                request.first_token_at = now
+            if self.logprobs:
+                request.logprobs.append(next(scores))
             request.generated.append(token)
             ctx.update(token)
             produced.append((request, token))

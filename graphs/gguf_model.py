@@ -1,21 +1,25 @@
-"""Llama hyper-parameters and float32 weights from a GGUF file, cached as ``.npy`` files.
+"""Llama hyper-parameters and weights from a GGUF file, cached as ``.npy`` files.
 
-Reading SmolLM2's GGUF costs ~5 s (the ``gguf`` reader parses 49k vocabulary strings one by
-one) and dequantizing its Q4_1/Q8_0 tensors another ~2.5 s, so the first load writes every
-dequantized tensor to ``<cache>/models/<gguf stem>.<bytes>.f32-v1/`` as one ``.npy`` each, plus
-``config.json``. Later loads memory-map those files read-only (milliseconds; pages come in as
-the graph or the numpy reference touches them, and are shared between processes).
+Two weight formats (``mokv_graphs.weight_formats``): ``f32`` dequantizes every tensor to
+float32; ``gguf`` keeps each tensor's own GGUF blocks (SmolLM2: Q4_1 layers, a Q8_0 embedding,
+F32 norms) as ``uint8`` rows ``[out_features, blocks * block_bytes]``. Reading SmolLM2's GGUF
+costs ~5 s (the ``gguf`` reader parses 49k vocabulary strings one by one) and dequantizing
+another ~2.5 s, so the first load of a format writes every tensor to
+``<cache>/models/<gguf stem>.<bytes>.<format>-v1/`` as one ``.npy`` each, plus ``config.json``.
+Later loads memory-map those files read-only (milliseconds; pages come in as the graph or the
+numpy reference touches them, and are shared between processes).
 
 Weight naming and layout: tensors keep their GGUF names (``token_embd.weight``,
-``blk.{i}.attn_q.weight``, ``output_norm.weight``, ...) and their numpy shape from
-``gguf.quants.dequantize``, which for matrices is ``[out_features, in_features]`` (so a
-projection is ``x @ w.T``, as in PyTorch and ``max.nn.Linear``).
+``blk.{i}.attn_q.weight``, ``output_norm.weight``, ...); matrices are ``[out_features,
+in_features]`` (so a projection is ``x @ w.T``, as in PyTorch and ``max.nn.Linear``), and a
+block row holds the same weights as the float32 row it dequantizes to.
 
 RoPE layout: llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` inside every head
 so that its RoPE can rotate adjacent pairs ``(2i, 2i+1)``. We undo that permutation here, so
 the weights are in the Hugging Face order and the graph uses the *half-split* RoPE form
 (rotate ``x[i]`` with ``x[i + head_dim/2]``). Every consumer of :func:`load_llama` gets
 half-split weights; the numpy reference re-applies the permutation on its own to check this.
+The permutation moves whole rows, so it applies to rows of blocks just as well.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,9 +35,10 @@ import gguf
 import numpy as np
 
 from mokv_graphs.model_files import derived_cache_path, smollm2_gguf_path
+from mokv_graphs.weight_formats import BLOCK_ENCODINGS, WEIGHT_FORMATS
 
-# Bump the version when the cached file layout or the transformation of the weights changes.
-_CACHE_KIND = "f32-v1"
+# Bumped when the cached file layout or the transformation of the weights changes.
+_CACHE_VERSION = "v1"
 _CONFIG_FILE = "config.json"
 
 
@@ -71,10 +76,16 @@ class LlamaConfig:
 
 @dataclass(frozen=True)
 class LlamaCheckpoint:
-    """A config with its float32 weights (GGUF names, half-split RoPE row order)."""
+    """A config with its weights (GGUF names, half-split RoPE row order) in one weight format.
+
+    ``encodings[name]`` says how ``weights[name]`` is stored: ``"f32"``, or a block encoding
+    of ``mokv_graphs.weight_formats.BLOCK_ENCODINGS`` (``uint8`` rows of blocks).
+    """
 
     config: LlamaConfig
     weights: Mapping[str, np.ndarray]
+    encodings: Mapping[str, str]
+    weight_format: str = "f32"
 
 
 def _field(reader: gguf.GGUFReader, key: str) -> object:
@@ -125,17 +136,40 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def dequantize_gguf(reader: gguf.GGUFReader, config: LlamaConfig) -> dict[str, np.ndarray]:
+def _half_split_rows(name: str, w: np.ndarray, config: LlamaConfig) -> np.ndarray:
+    """``w`` with Q/K rows reordered for half-split RoPE; other tensors as they are."""
+    if name.endswith("attn_q.weight"):
+        return unpermute_rope_rows(w, config.n_heads)
+    if name.endswith("attn_k.weight"):
+        return unpermute_rope_rows(w, config.n_kv_heads)
+    return w
+
+
+def dequantize_gguf(reader: gguf.GGUFReader, config: LlamaConfig) -> LlamaCheckpoint:
     """All tensors as float32 ``[out, in]`` arrays, Q/K rows reordered for half-split RoPE."""
     weights: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
         w = np.ascontiguousarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
-        if tensor.name.endswith("attn_q.weight"):
-            w = unpermute_rope_rows(w, config.n_heads)
-        elif tensor.name.endswith("attn_k.weight"):
-            w = unpermute_rope_rows(w, config.n_kv_heads)
-        weights[tensor.name] = w
-    return weights
+        weights[tensor.name] = _half_split_rows(tensor.name, w, config)
+    return LlamaCheckpoint(config, weights, dict.fromkeys(weights, "f32"), "f32")
+
+
+def gguf_blocks(reader: gguf.GGUFReader, config: LlamaConfig) -> LlamaCheckpoint:
+    """Every tensor as the GGUF stores it: float32 tensors as float32, block encodings as
+    ``uint8`` rows of blocks; Q/K rows reordered for half-split RoPE."""
+    weights: dict[str, np.ndarray] = {}
+    encodings: dict[str, str] = {}
+    for tensor in reader.tensors:
+        encoding = tensor.tensor_type.name.lower()
+        if encoding not in BLOCK_ENCODINGS and encoding != "f32":
+            known = ", ".join(["F32", *(e.upper() for e in BLOCK_ENCODINGS)])
+            raise ValueError(f"tensor {tensor.name} is {tensor.tensor_type.name}; mokv reads {known}")
+        weights[tensor.name] = np.ascontiguousarray(_half_split_rows(tensor.name, np.asarray(tensor.data), config))
+        encodings[tensor.name] = encoding
+    return LlamaCheckpoint(config, weights, encodings, "gguf")
+
+
+_CONVERTERS = {"f32": dequantize_gguf, "gguf": gguf_blocks}
 
 
 def _read_cache(cache_dir: Path) -> LlamaCheckpoint | None:
@@ -144,7 +178,8 @@ def _read_cache(cache_dir: Path) -> LlamaCheckpoint | None:
         return None
     meta = json.loads(config_file.read_text())
     weights = {name: np.load(cache_dir / f"{name}.npy", mmap_mode="r") for name in meta["tensors"]}
-    return LlamaCheckpoint(LlamaConfig(**meta["config"]), weights)
+    encodings = meta.get("encodings", dict.fromkeys(weights, "f32"))
+    return LlamaCheckpoint(LlamaConfig(**meta["config"]), weights, encodings, meta.get("weight_format", "f32"))
 
 
 def _write_cache(cache_dir: Path, checkpoint: LlamaCheckpoint) -> None:
@@ -155,7 +190,12 @@ def _write_cache(cache_dir: Path, checkpoint: LlamaCheckpoint) -> None:
     tmp.mkdir(parents=True)
     for name, w in checkpoint.weights.items():
         np.save(tmp / f"{name}.npy", w)
-    meta = {"config": asdict(checkpoint.config), "tensors": sorted(checkpoint.weights)}
+    meta = {
+        "config": asdict(checkpoint.config),
+        "tensors": sorted(checkpoint.weights),
+        "encodings": dict(checkpoint.encodings),
+        "weight_format": checkpoint.weight_format,
+    }
     (tmp / _CONFIG_FILE).write_text(json.dumps(meta, indent=1))
     shutil.rmtree(cache_dir, ignore_errors=True)  # only a damaged cache (no config.json) is here
     try:
@@ -164,22 +204,29 @@ def _write_cache(cache_dir: Path, checkpoint: LlamaCheckpoint) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_llama(gguf_path: Path | None = None) -> LlamaCheckpoint:
-    """Config and float32 weights of a llama GGUF (default: SmolLM2-135M-Instruct).
+def load_llama(
+    gguf_path: Path | None = None, weights: str = "f32", log: Callable[[str], None] | None = None
+) -> LlamaCheckpoint:
+    """Config and weights of a llama GGUF (default: SmolLM2-135M-Instruct) in weight format
+    ``weights`` (``"f32"`` or ``"gguf"``).
 
-    The first call per GGUF dequantizes and writes the ``.npy`` cache; later calls memory-map
-    it. The returned arrays are read-only.
+    The first call per GGUF and format converts it and writes the ``.npy`` cache (saying so
+    through ``log``, as it takes several seconds); later calls memory-map it. The returned
+    arrays are read-only.
     """
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     path = Path(gguf_path) if gguf_path is not None else smollm2_gguf_path()
-    cache_dir = derived_cache_path(path, _CACHE_KIND)
+    cache_dir = derived_cache_path(path, f"{weights}-{_CACHE_VERSION}")
     cached = _read_cache(cache_dir)
     if cached is not None:
         return cached
+    if log is not None:
+        log(f"converting {path.name} to {weights} weights in {cache_dir} (once; about 10 s)...")
     reader = gguf.GGUFReader(path)
-    config = config_from_gguf(reader)
-    _write_cache(cache_dir, LlamaCheckpoint(config, dequantize_gguf(reader, config)))
+    _write_cache(cache_dir, _CONVERTERS[weights](reader, config_from_gguf(reader)))
     # Read back rather than return the arrays just built: every caller then gets the same
-    # read-only memory maps, and the 540 MB of freshly dequantized arrays are freed.
+    # read-only memory maps, and the freshly converted arrays are freed.
     cached = _read_cache(cache_dir)
     if cached is None:
         raise RuntimeError(f"weight cache {cache_dir} has no {_CONFIG_FILE} right after being written")

@@ -1,5 +1,4 @@
-"""A ragged-batch Llama decoder as a MAX graph (float32, on one device: the CPU unless told), with
-pluggable attention.
+"""A ragged-batch Llama decoder as a MAX graph (float32, CPU), with pluggable attention.
 
 Graph contract (``T`` = total tokens in the step, ``B`` = sequences; both symbolic, so one
 compiled graph serves every batch shape):
@@ -10,13 +9,16 @@ inputs, in order
                           ``offsets[0] == 0``, every sequence has at least one token.
     ``positions``         ``[T]`` int64: each token's absolute position in its own sequence
                           (``< config.context_length``), computed on the host.
+    ``logit_rows``        ``[R]`` int64: the rows (of ``T``) whose logits are returned: each
+                          sequence's last token when generating, every token when scoring.
     then the attention backend's ``input_types()``, in its order.
 output
-    ``[B, vocab_size]`` float32: logits of the last token of each sequence.
+    ``[R, vocab_size]`` float32: logits of the ``logit_rows`` tokens, in that order.
 
 Weights are graph :class:`~max.graph.Weight` s bound at load time (:func:`llama_weights_registry`:
 the checkpoint's tensors under their GGUF names plus the RoPE tables ``rope.cos``/``rope.sin``),
-not constants: a constant is serialized into the graph's IR on every build (the two RoPE tables
+each in its checkpoint encoding (``mokv_graphs.weight_formats``: float32, or GGUF blocks read by
+mokv's kernels), not constants: a constant is serialized into the graph's IR on every build (the two RoPE tables
 alone cost ~1.3 s of Python and 7 MB of IR). RoPE uses the half-split form (the checkpoint's Q/K
 rows are already in that order), with cos/sin computed in float64 on the host and gathered by
 position.
@@ -28,8 +30,7 @@ cheaper), so building the layer as a shared subgraph (``ops.call``) saved nothin
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,18 +40,22 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
 
 from mokv_graphs.attention_backends import AttentionBackend
 from mokv_graphs.gguf_model import LlamaCheckpoint, LlamaConfig
+from mokv_graphs.weight_formats import declare_weight, embedding, linear, quant_kernel_package, uses_quant_kernels
 
 CPU = DeviceRef.CPU()
 TOTAL_TOKENS = "total_tokens"
 ROW_OFFSETS_LEN = "input_row_offsets_len"
+LOGIT_ROWS = "logit_rows"
 
 
 def llama_input_types(device: DeviceRef = CPU) -> list[TensorType]:
-    """The model's own graph inputs: ``tokens``, ``input_row_offsets``, ``positions``."""
+    """The model's own graph inputs on ``device``: ``tokens``, ``input_row_offsets``,
+    ``positions``, ``logit_rows``."""
     return [
         TensorType(DType.int64, [TOTAL_TOKENS], device=device),
         TensorType(DType.uint32, [ROW_OFFSETS_LEN], device=device),
         TensorType(DType.int64, [TOTAL_TOKENS], device=device),
+        TensorType(DType.int64, [LOGIT_ROWS], device=device),
     ]
 
 
@@ -73,65 +78,81 @@ def _apply_rope(x: TensorValue, cos: TensorValue, sin: TensorValue) -> TensorVal
     return ops.concat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _weight(name: str, *shape: int, device: DeviceRef) -> Weight:
-    """A float32 weight on ``device``, bound by ``name`` from the checkpoint at load time."""
-    return Weight(name, DType.float32, list(shape), device)
+class _LlamaWeights:
+    """The graph's weights, each declared in its checkpoint encoding (see
+    ``mokv_graphs.weight_formats``), with the products that read them."""
 
+    def __init__(self, config: LlamaConfig, encodings: Mapping[str, str], device: DeviceRef) -> None:
+        self.config = config
+        self.encodings = encodings
+        self.device = device
+        self._declared: dict[str, Weight] = {}  # tied embeddings use one weight twice
 
-def _linear(x: TensorValue, w: Weight) -> TensorValue:
-    """``x @ w.T`` for a ``[out, in]`` weight (the GGUF/PyTorch layout)."""
-    return ops.matmul(x, ops.transpose(w, 0, 1))
+    def _matrix(self, name: str, rows: int, columns: int) -> Weight:
+        if name not in self._declared:
+            self._declared[name] = declare_weight(name, self.encodings[name], rows, columns, self.device)
+        return self._declared[name]
+
+    def vector(self, name: str) -> Weight:
+        """A float32 ``[hidden]`` weight (the RMS norms)."""
+        return Weight(name, DType.float32, [self.config.hidden_size], self.device)
+
+    def table(self, name: str, *shape: int) -> Weight:
+        """A float32 table read by ``ops.gather`` (the RoPE tables)."""
+        return Weight(name, DType.float32, list(shape), self.device)
+
+    def linear(self, x: TensorValue, name: str, out_features: int) -> TensorValue:
+        """``x @ W.T`` for the ``[out_features, x.shape[-1]]`` matrix ``name``."""
+        return linear(x, self._matrix(name, out_features, int(x.shape[-1])), self.encodings[name])
+
+    def embed(self, tokens: TensorValue) -> TensorValue:
+        c = self.config
+        table = self._matrix("token_embd.weight", c.vocab_size, c.hidden_size)
+        return embedding(table, tokens, self.encodings["token_embd.weight"], c.hidden_size)
 
 
 def build_llama_graph(
-    config: LlamaConfig, attention: AttentionBackend, name: str = "llama", device: DeviceRef = CPU
+    config: LlamaConfig,
+    attention: AttentionBackend,
+    encodings: Mapping[str, str],
+    name: str = "llama",
+    device: DeviceRef = CPU,
 ) -> Graph:
-    """The Llama decoder graph of ``config`` with ``attention`` (see the module contract), its
-    inputs and weights on ``device``."""
+    """The Llama decoder graph of ``config`` with ``attention`` (see the module contract),
+    reading each weight in its ``encodings`` entry, its inputs and weights on ``device``."""
     c = config
+    w = _LlamaWeights(config, encodings, device)
     input_types = [*llama_input_types(device), *attention.input_types()]
-    weight = functools.partial(_weight, device=device)
-    with Graph(name, input_types=input_types, custom_extensions=attention.custom_extensions) as graph:
-        tokens, row_offsets, positions, *backend_inputs = graph.inputs
+    extensions = list(attention.custom_extensions)
+    if uses_quant_kernels(encodings):
+        extensions.append(quant_kernel_package())
+    with Graph(name, input_types=input_types, custom_extensions=extensions) as graph:
+        tokens, row_offsets, positions, logit_rows, *backend_inputs = graph.inputs
         tokens, row_offsets, positions = tokens.tensor, row_offsets.tensor, positions.tensor
         total = tokens.shape[0]
 
-        embedding = weight("token_embd.weight", c.vocab_size, c.hidden_size)
-        h = ops.gather(embedding, tokens, axis=0)  # [T, hidden]
+        h = w.embed(tokens)  # [T, hidden]
         rope_shape = (c.context_length, c.head_dim // 2)
-        cos = ops.unsqueeze(ops.gather(weight("rope.cos", *rope_shape), positions, axis=0), 1)
-        sin = ops.unsqueeze(ops.gather(weight("rope.sin", *rope_shape), positions, axis=0), 1)
+        cos = ops.unsqueeze(ops.gather(w.table("rope.cos", *rope_shape), positions, axis=0), 1)
+        sin = ops.unsqueeze(ops.gather(w.table("rope.sin", *rope_shape), positions, axis=0), 1)
         kv_dim = c.n_kv_heads * c.head_dim
 
         for i in range(c.n_layers):
             p = f"blk.{i}."
-            x = ops.rms_norm(h, weight(p + "attn_norm.weight", c.hidden_size), c.rms_norm_eps)
-            q = ops.reshape(
-                _linear(x, weight(p + "attn_q.weight", c.hidden_size, c.hidden_size)), [total, c.n_heads, c.head_dim]
-            )
-            k = ops.reshape(
-                _linear(x, weight(p + "attn_k.weight", kv_dim, c.hidden_size)), [total, c.n_kv_heads, c.head_dim]
-            )
-            v = ops.reshape(
-                _linear(x, weight(p + "attn_v.weight", kv_dim, c.hidden_size)), [total, c.n_kv_heads, c.head_dim]
-            )
+            x = ops.rms_norm(h, w.vector(p + "attn_norm.weight"), c.rms_norm_eps)
+            q = ops.reshape(w.linear(x, p + "attn_q.weight", c.hidden_size), [total, c.n_heads, c.head_dim])
+            k = ops.reshape(w.linear(x, p + "attn_k.weight", kv_dim), [total, c.n_kv_heads, c.head_dim])
+            v = ops.reshape(w.linear(x, p + "attn_v.weight", kv_dim), [total, c.n_kv_heads, c.head_dim])
             attn = attention(i, _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v, row_offsets, backend_inputs)
-            h = h + _linear(
-                ops.reshape(attn, [total, c.hidden_size]),
-                weight(p + "attn_output.weight", c.hidden_size, c.hidden_size),
-            )
+            h = h + w.linear(ops.reshape(attn, [total, c.hidden_size]), p + "attn_output.weight", c.hidden_size)
 
-            x = ops.rms_norm(h, weight(p + "ffn_norm.weight", c.hidden_size), c.rms_norm_eps)
-            gate = _linear(x, weight(p + "ffn_gate.weight", c.ffn_hidden_size, c.hidden_size))
-            up = _linear(x, weight(p + "ffn_up.weight", c.ffn_hidden_size, c.hidden_size))
-            h = h + _linear(ops.silu(gate) * up, weight(p + "ffn_down.weight", c.hidden_size, c.ffn_hidden_size))
+            x = ops.rms_norm(h, w.vector(p + "ffn_norm.weight"), c.rms_norm_eps)
+            gate = w.linear(x, p + "ffn_gate.weight", c.ffn_hidden_size)
+            up = w.linear(x, p + "ffn_up.weight", c.ffn_hidden_size)
+            h = h + w.linear(ops.silu(gate) * up, p + "ffn_down.weight", c.hidden_size)
 
-        last_rows = ops.cast(row_offsets[1:], DType.int64) - 1
-        last = ops.rms_norm(
-            ops.gather(h, last_rows, axis=0), weight("output_norm.weight", c.hidden_size), c.rms_norm_eps
-        )
-        lm_head = embedding if c.tied_embeddings else weight(c.lm_head_name, c.vocab_size, c.hidden_size)
-        graph.output(_linear(last, lm_head))
+        last = ops.rms_norm(ops.gather(h, logit_rows.tensor, axis=0), w.vector("output_norm.weight"), c.rms_norm_eps)
+        graph.output(w.linear(last, c.lm_head_name, c.vocab_size))
     return graph
 
 
@@ -147,7 +168,7 @@ def load_llama_model(
     """Build and compile the graph on ``device`` and bind its weights. On the CPU MAX aliases the
     arrays rather than copying them, so the checkpoint's memory-mapped files must outlive the
     model."""
-    graph = build_llama_graph(checkpoint.config, attention, device=device)
+    graph = build_llama_graph(checkpoint.config, attention, checkpoint.encodings, device=device)
     return session.load(graph, weights_registry=llama_weights_registry(checkpoint))
 
 
@@ -158,19 +179,30 @@ class RaggedBatch:
     tokens: np.ndarray  # [T] int64
     input_row_offsets: np.ndarray  # [B + 1] uint32
     positions: np.ndarray  # [T] int64
+    logit_rows: np.ndarray  # [R] int64
 
-    def inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self.tokens, self.input_row_offsets, self.positions
+    def inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return self.tokens, self.input_row_offsets, self.positions, self.logit_rows
+
+
+def last_token_rows(input_row_offsets: np.ndarray) -> np.ndarray:
+    """``logit_rows`` selecting each sequence's last token."""
+    return input_row_offsets[1:].astype(np.int64) - 1
 
 
 def ragged_batch(
-    chunks: Sequence[np.ndarray], start_positions: Sequence[int] | None = None, *, context_length: int
+    chunks: Sequence[np.ndarray],
+    start_positions: Sequence[int] | None = None,
+    *,
+    context_length: int,
+    all_logits: bool = False,
 ) -> RaggedBatch:
     """Concatenate per-sequence token chunks into the graph's ragged inputs.
 
     ``start_positions[b]`` is the position of chunk ``b``'s first token (the number of tokens
     of that sequence already processed, e.g. in a KV cache); all zeros when omitted, as for
-    the cache-free backend, which always sees whole sequences.
+    the cache-free backend, which always sees whole sequences. The step returns the logits of
+    each chunk's last token, or with ``all_logits`` of every token.
     """
     if not chunks:
         raise ValueError("a batch needs at least one sequence")
@@ -186,4 +218,6 @@ def ragged_batch(
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     positions = np.arange(offsets[-1], dtype=np.int64) + np.repeat(starts - offsets[:-1], lengths)
     tokens = np.concatenate([np.asarray(c, dtype=np.int64) for c in chunks])
-    return RaggedBatch(tokens, offsets.astype(np.uint32), positions)
+    offsets = offsets.astype(np.uint32)
+    rows = np.arange(len(tokens), dtype=np.int64) if all_logits else last_token_rows(offsets)
+    return RaggedBatch(tokens, offsets, positions, rows)

@@ -120,3 +120,24 @@ def test_request_larger_than_the_cache_is_refused():
     scheduler.add(Request("big", np.arange(10, 30), 4))
     with pytest.raises(Exception, match="does not fit in an empty cache of 2 pages"):
         scheduler.run()
+
+
+def test_logprobs_and_first_token_times_are_recorded_per_token():
+    """With `logprobs=3`, every generated token carries its log-probability under the
+    step's logits and the 3 likeliest tokens, the greedy choice first; every request
+    has a first-token time after its submission."""
+    params = KVCacheParams(dtype=DType.float32, n_kv_heads=1, head_dim=8, num_layers=1, page_size=4)
+    manager = PagedKVCacheManager(params, None, 32, max_batch_size=4, enable_runtime_checks=True)
+    scheduler = Scheduler(manager, StandInModel(4, null_page=32), token_budget=8, logprobs=3)
+    requests = [Request(f"r{i}", np.arange(10 + i, 20 + 2 * i), 5) for i in range(3)]
+    for request in requests:
+        scheduler.add(request)
+    scheduler.run()
+    # The stand-in's logits are 1 for the next token and 0 elsewhere.
+    chosen = float(1 - np.log(np.e + VOCAB - 1))
+    for request in requests:
+        assert [lp.token_id for lp in request.logprobs] == request.generated
+        for lp in request.logprobs:
+            assert lp.logprob == pytest.approx(chosen)
+            assert len(lp.top) == 3 and lp.top[0] == (lp.token_id, pytest.approx(chosen))
+        assert request.time_to_first_token is not None and request.time_to_first_token > 0

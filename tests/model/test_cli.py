@@ -13,17 +13,26 @@ from click.testing import CliRunner
 from mokv_examples import chat as chat_module
 from mokv_examples import generate as generate_module
 from mokv_examples import inspect_cache
+from mokv_examples import score as score_module
 from mokv_examples.cli import main
+from mokv_examples.logprobs import log_softmax
 from mokv_examples.pipeline import GenerationConfig
+from mokv_graphs.llama import ragged_batch
+from tests.model.conftest import DEFAULT_FORMAT, logprob_tolerance
 
 PROMPTS = ["What is the capital of France?", "Name a prime number."]
 NEW_TOKENS = 8
 
 
 @pytest.fixture
-def cli(monkeypatch, paged_smollm2):
-    for module in (chat_module, generate_module, inspect_cache):
-        monkeypatch.setattr(module, "SmolLM2", lambda: paged_smollm2)
+def cli(monkeypatch, paged_models):
+    """The CLI with its models taken from the session's compiled ones."""
+
+    def compiled(session=None, weights=DEFAULT_FORMAT, **_):
+        return paged_models(weights)
+
+    for module in (chat_module, generate_module, inspect_cache, score_module):
+        monkeypatch.setattr(module, "SmolLM2", compiled)
     return CliRunner()
 
 
@@ -47,6 +56,40 @@ def test_generate_json_matches_tokenizer_and_greedy_reference(cli, tmp_path, smo
     assert stats["decode_tokens"] == generated - len(PROMPTS)
     assert stats["prefill_tokens"] == sum(len(r["prompt_token_ids"]) for r in run["requests"])
     assert stats["prefill_tokens_per_s"] > 0 and stats["decode_tokens_per_s"] > 0
+    assert 0 < stats["time_to_first_token_s"] <= stats["max_time_to_first_token_s"] < stats["wall_seconds"]
+    assert "time to first token" in result.output
+
+
+def test_generate_logprobs_are_the_dense_graphs(cli, tmp_path, smollm2_tokenizer, dense_models, smollm2):
+    """`--logprobs 3`: each greedy token is the likeliest of its 3 alternatives, and its
+    log-probability is the dense graph's for that position."""
+    out = tmp_path / "run.json"
+    prompt = PROMPTS[0]
+    result = cli.invoke(main, ["generate", prompt, "--max-new-tokens", "4", "--logprobs", "3", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    (request,) = json.loads(out.read_text())["requests"]
+    ids = request["prompt_token_ids"] + request["token_ids"]
+    batch = ragged_batch([np.array(ids)], context_length=smollm2.config.context_length, all_logits=True)
+    logits = dense_models(DEFAULT_FORMAT).execute(*batch.inputs())[0].to_numpy()
+    dense, tolerance = log_softmax(logits), logprob_tolerance(logits)
+    first = len(request["prompt_token_ids"]) - 1
+    for i, (token, scores) in enumerate(zip(request["token_ids"], request["logprobs"], strict=True)):
+        assert scores["token_id"] == token and scores["top"][0][0] == token and len(scores["top"]) == 3
+        assert abs(scores["logprob"] - dense[first + i, token]) <= tolerance[first + i]
+
+
+def test_score_compares_weight_formats(cli, tmp_path):
+    out = tmp_path / "score.json"
+    text = "The cat sat on the mat. It was a sunny day, and the cat was happy."
+    result = cli.invoke(main, ["score", text, "--against", "f32", "--show", "3", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    run = json.loads(out.read_text())
+    assert set(run["formats"]) == {DEFAULT_FORMAT, "f32"}
+    assert run["comparison"]["top1_agreement"] >= 0.8
+    for fmt, scored in run["formats"].items():
+        assert len(scored["scores"]) == len(run["token_ids"]) - 1
+        assert f"{fmt}: {len(scored['scores'])} tokens scored" in result.output
+    assert "top-1 agreement" in result.output
 
 
 def test_inspect_snapshot_shares_the_system_prompt_pages(paged_smollm2):

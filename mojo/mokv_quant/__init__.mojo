@@ -1,0 +1,1 @@
+"""Weight kernels of mokv: matmuls and embedding lookups over GGUF blocks."""

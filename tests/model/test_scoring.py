@@ -1,0 +1,51 @@
+"""Teacher-forced scoring (`mokv score`) through the paged cache against the dense graph's
+logits of the same text, for every weight format."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from max.driver import Buffer
+
+from mokv_examples.logprobs import log_softmax
+from mokv_examples.score import agreement, score_tokens
+from mokv_graphs.llama import ragged_batch
+from mokv_graphs.weight_formats import WEIGHT_FORMATS
+from tests.model.conftest import logprob_tolerance
+
+TEXT = (
+    "The key-value cache stores the attention keys and values of every token a model has already "
+    "seen, so that generating the next token only computes the newest one. Pages of a fixed size "
+    "let many requests share one pool of memory."
+)
+
+
+@pytest.mark.parametrize("weight_format", WEIGHT_FORMATS)
+def test_paged_logprobs_match_dense(weight_format, paged_models, dense_models, smollm2_tokenizer, smollm2):
+    """Scored in chunks of 16 tokens (so later chunks attend to cached pages), every token's
+    log-probability is within the bound the paged/dense logit tolerance implies."""
+    ids = smollm2_tokenizer.encode(TEXT)
+    scored = score_tokens(paged_models(weight_format), ids, top_k=3, token_budget=16)
+    batch = ragged_batch([ids], context_length=smollm2.config.context_length, all_logits=True)
+    (logits,) = dense_models(weight_format).execute(*(Buffer.from_numpy(a) for a in batch.inputs()))
+    dense_logits = logits.to_numpy()[:-1]
+    dense = log_softmax(dense_logits)[np.arange(len(ids) - 1), ids[1:]]
+    paged = np.array([s.logprob for s in scored.scores])
+    tolerance = logprob_tolerance(dense_logits)
+    assert len(paged) == len(ids) - 1
+    assert (np.abs(paged - dense) <= tolerance).all(), (
+        f"worst gap/tolerance {(np.abs(paged - dense) / tolerance).max()}"
+    )
+    assert scored.perplexity == pytest.approx(np.exp(-dense.mean()), rel=1e-3)
+    vocab = smollm2.config.vocab_size
+    assert 1 < scored.perplexity < vocab / 100, "an English sentence is far likelier than uniform chance"
+
+
+def test_agreement_counts_matching_top_tokens(paged_models, smollm2_tokenizer):
+    ids = smollm2_tokenizer.encode(TEXT)
+    model = paged_models(WEIGHT_FORMATS[0])
+    one, two = score_tokens(model, ids, top_k=1), score_tokens(model, ids, top_k=1, token_budget=7)
+    result = agreement(one, two)
+    assert result["top1_agreement"] == 1.0 and result["max_logprob_gap"] < 1e-2
+    with pytest.raises(ValueError, match="different tokens"):
+        agreement(one, score_tokens(model, ids[:-1], top_k=1))

@@ -1,0 +1,126 @@
+"""mokv_quant's block kernels against numpy: the matmul over Q4_1 / Q8_0 blocks
+within float32 summation error of `x @ w.T` (w as `gguf` dequantizes it), and the
+embedding lookup equal to `gguf`'s own dequantization. Blocks are made by `gguf`'s
+quantizer from random weights and passed as the GGUF stores them."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from max.driver import Buffer
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+from max.graph import DeviceRef, Graph, TensorType, ops
+
+from mokv_graphs.weight_formats import BLOCK_ENCODINGS, declare_weight, quant_kernel_package
+
+CPU = DeviceRef.CPU()
+GGML_TYPES = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+
+@pytest.fixture(scope="module")
+def quant_graph(session: InferenceSession) -> Model:
+    """One graph, every dim symbolic: `(x, w_q4_1, w_q8_0, ids) -> (x @ w_q4_1.T, x @ w_q8_0.T,
+    rows ids of w_q4_1, rows ids of w_q8_0)`."""
+    x_type = TensorType(DType.float32, ["m", "k"], CPU)
+    w_types = [TensorType(DType.uint8, [f"rows_{e}", f"row_bytes_{e}"], CPU) for e in BLOCK_ENCODINGS]
+    with Graph(
+        "quant_kernels",
+        input_types=[x_type, *w_types, TensorType(DType.int64, ["ids"], CPU)],
+        custom_extensions=[quant_kernel_package()],
+    ) as graph:
+        x, *weights, ids = (v.tensor for v in graph.inputs)
+        outputs = []
+        for encoding, w in zip(BLOCK_ENCODINGS, weights, strict=True):
+            outputs.append(
+                ops.custom(
+                    "mokv_quant.matmul",
+                    CPU,
+                    [x, w],
+                    [TensorType(DType.float32, [x.shape[0], w.shape[0]], CPU)],
+                    parameters={"encoding": encoding},
+                )[0]
+            )
+        for encoding, w in zip(BLOCK_ENCODINGS, weights, strict=True):
+            outputs.append(
+                ops.custom(
+                    "mokv_quant.gather_rows",
+                    CPU,
+                    [w, ids],
+                    [TensorType(DType.float32, [ids.shape[0], x.shape[1]], CPU)],
+                    parameters={"encoding": encoding},
+                )[0]
+            )
+        graph.output(*outputs)
+    return session.load(graph)
+
+
+def _blocks(encoding: str, rows: int, columns: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF rows of blocks of random weights, and their float32 values as gguf decodes them."""
+    w = np.random.default_rng(seed).standard_normal((rows, columns)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, GGML_TYPES[encoding])
+    return blocks, gguf.quants.dequantize(blocks, GGML_TYPES[encoding]).astype(np.float64)
+
+
+def _summation_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The float32 rounding error a `k`-term dot product may carry, `(k + 2) * u * sum|x w|`
+    (u = 2^-24; the 2 covers the fused `d * q + m` against gguf's two roundings)."""
+    return (x.shape[1] + 2) * 2.0**-24 * (np.abs(x) @ np.abs(w).T)
+
+
+def _run(model: Model, x: np.ndarray, weights: dict[str, np.ndarray], ids: np.ndarray) -> list[np.ndarray]:
+    args = [x, *(weights[e] for e in BLOCK_ENCODINGS), ids]
+    return [o.to_numpy() for o in model.execute(*(Buffer.from_numpy(np.ascontiguousarray(a)) for a in args))]
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 8, 32), (3, 24, 64), (4, 16, 96), (5, 40, 64), (13, 32, 576), (33, 4, 32)]
+)
+def test_matmul_is_the_float32_product_of_the_dequantized_weights(quant_graph: Model, m: int, n: int, k: int) -> None:
+    rng = np.random.default_rng(m * 1000 + n + k)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
+    stored, exact = {}, {}
+    for i, encoding in enumerate(BLOCK_ENCODINGS):
+        stored[encoding], exact[encoding] = _blocks(encoding, n, k, seed=i + k)
+    outputs = _run(quant_graph, x, stored, np.zeros(1, np.int64))
+    for encoding, y in zip(BLOCK_ENCODINGS, outputs, strict=False):
+        expected = x.astype(np.float64) @ exact[encoding].T
+        bound = _summation_bound(x.astype(np.float64), exact[encoding])
+        assert y.shape == (m, n)
+        assert (np.abs(y - expected) <= bound).all(), (
+            f"{encoding}: worst error/bound {(np.abs(y - expected) / bound).max()}"
+        )
+
+
+def test_gather_rows_dequantize_like_gguf(quant_graph: Model) -> None:
+    rows, k = 48, 96
+    stored, exact = {}, {}
+    for i, encoding in enumerate(BLOCK_ENCODINGS):
+        stored[encoding], exact[encoding] = _blocks(encoding, rows, k, seed=10 + i)
+    ids = np.array([0, 7, 8, 47, 13, 13], np.int64)
+    gathered = _run(quant_graph, np.zeros((1, k), np.float32), stored, ids)[len(BLOCK_ENCODINGS) :]
+    for encoding, rows_out in zip(BLOCK_ENCODINGS, gathered, strict=True):
+        # One rounding (d * q + m fused) against gguf's two: at most an ulp apart.
+        np.testing.assert_allclose(rows_out, exact[encoding][ids], rtol=2e-7, atol=1e-7)
+
+
+def test_gather_rejects_a_token_id_outside_the_table(quant_graph: Model) -> None:
+    stored = {e: _blocks(e, 8, 32, seed=0)[0] for e in BLOCK_ENCODINGS}
+    with pytest.raises(ValueError, match="token id 8 is outside the table's 8 rows"):
+        _run(quant_graph, np.zeros((1, 32), np.float32), stored, np.array([8], np.int64))
+
+
+def test_matmul_rejects_weights_of_another_width(quant_graph: Model) -> None:
+    stored = {e: _blocks(e, 8, 64, seed=0)[0] for e in BLOCK_ENCODINGS}
+    with pytest.raises(ValueError, match="x has 32 columns but the q4_1 weight rows are 40 bytes"):
+        _run(quant_graph, np.zeros((2, 32), np.float32), stored, np.zeros(1, np.int64))
+
+
+def test_formats_reject_shapes_the_kernels_cannot_read() -> None:
+    with pytest.raises(ValueError, match="w has 10 rows; mokv's block kernels need a multiple of 4"):
+        declare_weight("w", "q8_0", 10, 32, CPU)
+    with pytest.raises(ValueError, match="unknown weight encoding 'q5_k'"):
+        declare_weight("w", "q5_k", 8, 32, CPU)
+    with pytest.raises(ValueError, match="q4_1 rows hold multiples of 32 values, not 40"):
+        declare_weight("w", "q4_1", 8, 40, CPU)
