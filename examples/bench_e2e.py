@@ -196,6 +196,7 @@ def run_llama_cpp(case: Case, llama: llama_cpp_bench.LlamaCpp) -> float | None:
     """llama.cpp's tokens/s for a batch-1 case (it has no batched decode here)."""
     if len(case.prompts) != 1:
         return None
+    time.sleep(llama_cpp_bench.SPIN_DOWN_SECONDS)  # MAX's threads stop spinning first
     if case.measures == "prefill":
         llama.prefill_seconds(case.prompts[0])  # warm-up
         return len(case.prompts[0]) / min(llama.prefill_seconds(case.prompts[0]) for _ in range(3))

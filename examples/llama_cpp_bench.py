@@ -18,6 +18,12 @@ import numpy.typing as npt
 
 INSTALL_HINT = "pip install -r requirements-bench.txt (builds llama.cpp from source, about 8 minutes on 2 cores)"
 
+SPIN_DOWN_SECONDS = 2.5
+"""How long to let this process's MAX worker threads go idle before timing llama.cpp.
+They spin-wait for between 1 and 2 s after a graph runs (measured: llama.cpp decoded
+31-40 tokens/s within 1 s of a mokv step, 124-131 after 2 s or more), which would
+take the cores llama.cpp's threads need."""
+
 
 def unavailable_reason() -> str | None:
     """Why llama.cpp cannot run here, or None when it can."""
@@ -63,4 +69,9 @@ class LlamaCpp:
         return tokens, time.perf_counter() - started
 
     def _greedy(self) -> int:
-        return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        """The likeliest next token, from the logits of the last token evaluated (the
+        high-level `scores` array is left empty unless every row's logits are kept)."""
+        import llama_cpp
+
+        logits = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),))))
