@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Compiles every GPU path of mokv's ops to device code, on a machine with or
-# without a GPU: `tools/gpu_build_check.mojo` built for NVIDIA Hopper (sm_90)
+# without a GPU: `tools/gpu_build_check.mojo` (every registered op's `execute`
+# instantiated for a GPU target) built for NVIDIA Hopper (sm_90)
 # and AMD MI300 (gfx942), the two builds side by side. A compile error in
 # any GPU kernel fails it, and so does a build that embeds fewer device
 # modules than the ops launch (a launch the compiler proved unreachable is
 # not compiled, so it would not be checked).
 #
 # Usage: tools/check_gpu_build.sh [arch ...]   (default: sm_90 gfx942)
-# Takes about 30 s of CPU per architecture on an idle 2-core machine.
+# Takes about 15-30 s of CPU per architecture on an idle 2-core machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

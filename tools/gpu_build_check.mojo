@@ -1,23 +1,29 @@
 """Compile check of every GPU path of mokv's ops, for a machine without a GPU.
 
 `tools/check_gpu_build.sh` builds this file with `mojo build
---target-accelerator <arch>`: that instantiates the ops' store, gather and
-attention paths for a GPU target (`store_kv_on["gpu"]` and its siblings, as
-the registered ops call them) for both cache layouts and both dtypes (every head
-size and tile shape the attention dispatches to at runtime, and the split-K
-merge), and compiles all their kernels to device code. A compile error in any
-GPU path fails the build. The binary is not meant to be run: the tensors it
-builds are empty.
+--target-accelerator <arch>`: that instantiates every registered op's
+`execute` (`mokv.store_kv`, `mokv.gather`, `mokv.attention` for both cache
+layouts, and the opaque continuous-collection ops) with `target="gpu"`, as MAX
+does for a graph on a GPU, for both dtypes, and compiles all the kernels they
+launch (every head size and tile shape the attention dispatches to at runtime,
+and the split-K merge) to device code. A compile error in any GPU path fails
+the build. The binary is not meant to be run: the tensors it builds are empty.
 """
 
 from max.gpu.host import DeviceContext
 from std.sys import argv
 from std.utils import IndexList
 
-from mokv_kernels.bind import bind_collection
-from mokv_kernels.cache import BatchSummary, KVCollectionT
-from mokv_kernels.attention.op import attention_on
-from mokv_kernels.store import gather_on, store_kv_on
+from mokv_kernels.attention.op import Attention
+from mokv_kernels.collection import (
+    AttentionContinuousCollection,
+    FetchContinuousCollection,
+    GatherContinuousCache,
+    GatherContinuousCollection,
+    GetContinuousCache,
+    StoreKVContinuousCollection,
+)
+from mokv_kernels.store import Gather, StoreKV
 from mokv_kernels.gpu.views import InputView, MutableView, OutputView, row_major
 
 
@@ -30,36 +36,54 @@ def _ptr[
     return ptr
 
 
-def _ops[collection_t: KVCollectionT](ctx: DeviceContext, collection: collection_t, n: Int) raises:
-    comptime dtype = collection_t.CacheType.dtype
-    var rows = IndexList[3](n, n, n)
-    var keys = InputView[dtype, 3](_ptr[dtype](ctx, 1), rows, row_major(rows))
-    var q = InputView[dtype, 3](_ptr[dtype](ctx, 1), rows, row_major(rows))
-    var out = OutputView[dtype, 3](_ptr[dtype](ctx, 1), rows, row_major(rows))
-    var index = InputView[DType.uint32, 1](
-        _ptr[DType.uint32](ctx, 1), IndexList[1](n), IndexList[1](1)
-    )
-    var offsets = InputView[DType.uint32, 1](
-        _ptr[DType.uint32](ctx, 1), IndexList[1](n + 1), IndexList[1](1)
-    )
-    var layer = UInt32(n - 1)
-    store_kv_on["gpu"](ctx, collection, layer, keys, keys, offsets)
-    gather_on["gpu"](ctx, collection, out, layer, layer, index, index)
-    var summary = BatchSummary.of_max_lengths(n, n)
-    attention_on["gpu"](ctx, collection, summary, out, q, offsets, layer, Float32(n), layer)
+def _view[dtype: DType, rank: Int](ctx: DeviceContext, n: Int) raises -> InputView[dtype, rank]:
+    var shape = IndexList[rank](fill=n)
+    return InputView[dtype, rank](_ptr[dtype](ctx, 1), shape, row_major(shape))
 
 
-def _both_layouts[dtype: DType](ctx: DeviceContext, n: Int) raises:
+def _output[dtype: DType](ctx: DeviceContext, n: Int) raises -> OutputView[dtype, 3]:
+    var shape = IndexList[3](fill=n)
+    return OutputView[dtype, 3](_ptr[dtype](ctx, 1), shape, row_major(shape))
+
+
+def _registered_ops[dtype: DType](ctx: DeviceContext, n: Int) raises:
+    comptime gpu: StaticString = "gpu"
     var shape = IndexList[6](n, 2, n, n, n, n)
     var blocks = MutableView[dtype, 6](_ptr[dtype](ctx, 1), shape, row_major(shape))
-    var lengths = InputView[DType.uint32, 1](
-        _ptr[DType.uint32](ctx, 1), IndexList[1](n), IndexList[1](1)
+    var lengths = _view[DType.uint32, 1](ctx, n)
+    var page_table = _view[DType.uint32, 2](ctx, n)
+    var max_lengths = _view[DType.uint32, 2](ctx, n)
+    var is_cache_empty = _view[DType.bool, 1](ctx, n)
+    var tokens = _view[dtype, 3](ctx, n)
+    var index = _view[DType.uint32, 1](ctx, n)
+    var out = _output[dtype](ctx, n)
+    var layer = UInt32(n - 1)
+    var scale = Float32(n)
+
+    # The ops over the graph's tensors: paged (a rank-2 lookup table), then
+    # continuous batching (a rank-1 one).
+    StoreKV.execute[dtype, 2, gpu](blocks, lengths, page_table, tokens, tokens, index, layer, ctx)
+    Gather.execute[dtype, 2, gpu](out, blocks, lengths, page_table, index, index, layer, layer, ctx)
+    Attention.execute[dtype, 2, DType.uint32, 2, gpu](
+        out, blocks, lengths, page_table, max_lengths, tokens, index, layer, scale, layer, ctx
     )
-    var table = InputView[DType.uint32, 2](
-        _ptr[DType.uint32](ctx, 1), IndexList[2](n, n), IndexList[2](n, 1)
+    StoreKV.execute[dtype, 1, gpu](blocks, lengths, lengths, tokens, tokens, index, layer, ctx)
+    Gather.execute[dtype, 1, gpu](out, blocks, lengths, lengths, index, index, layer, layer, ctx)
+    Attention.execute[dtype, 1, DType.bool, 1, gpu](
+        out, blocks, lengths, lengths, is_cache_empty, tokens, index, layer, scale, layer, ctx
     )
-    _ops(ctx, bind_collection(blocks, lengths, table), n)
-    _ops(ctx, bind_collection(blocks, lengths, lengths), n)
+
+    # The ops over the opaque continuous-batching collection.
+    var collection = FetchContinuousCollection.execute[dtype, gpu](
+        blocks, lengths, lengths, Scalar[DType.bool](n == 1), ctx
+    )
+    StoreKVContinuousCollection.execute[dtype, gpu](collection, tokens, tokens, index, layer, ctx)
+    GatherContinuousCollection.execute[dtype, gpu](out, collection, index, index, layer, layer, ctx)
+    AttentionContinuousCollection.execute[dtype, gpu](
+        out, collection, tokens, index, layer, scale, layer, ctx
+    )
+    var cache = GetContinuousCache.execute[gpu](collection, layer, layer, ctx)
+    GatherContinuousCache.execute[dtype, gpu](out, cache, index, index, ctx)
 
 
 def main() raises:
@@ -68,5 +92,5 @@ def main() raises:
     # compile) every launch behind them.
     var n = len(argv())
     var ctx = DeviceContext()
-    _both_layouts[DType.float32](ctx, n)
-    _both_layouts[DType.bfloat16](ctx, n)
+    _registered_ops[DType.float32](ctx, n)
+    _registered_ops[DType.bfloat16](ctx, n)
