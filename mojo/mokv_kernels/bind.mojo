@@ -9,8 +9,11 @@ from .cache import (
     ContinuousLayout,
     KVCacheCollection,
     KVCacheT,
+    KVCollectionT,
     PagedLayout,
+    ScaleTable,
 )
+from .quant import is_quantized
 
 
 comptime LayoutFor[table_rank: Int] = PagedLayout if table_rank == 2 else ContinuousLayout
@@ -21,15 +24,18 @@ operation serves both layouts."""
 
 
 def bind_collection[
-    dtype: DType, table_rank: Int
+    blocks_dtype: DType, table_rank: Int, //, dtype: DType = blocks_dtype
 ](
-    blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
+    blocks: _MutableInputTensor[dtype=blocks_dtype, rank=6, ...],
     cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
     lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
+    scales: Optional[ScaleTable] = None,
 ) raises -> KVCacheCollection[dtype, LayoutFor[table_rank]]:
-    """The collection over `blocks` for the batch that `cache_lengths`
-    `[batch]` and `lookup_table` describe, in the layout the table's rank
-    names (`LayoutFor`)."""
+    """The collection over `blocks` (and, quantized, `scales`: see
+    `bind_scales`) for the batch that `cache_lengths` `[batch]` and
+    `lookup_table` describe, in the layout the table's rank names
+    (`LayoutFor`). Its elements are `dtype`: the blocks' own, or the codes
+    their bits hold (`quant.codes_in`)."""
     comptime assert (
         table_rank == 1 or table_rank == 2
     ), "lookup_table is [batch, max_pages_per_seq] (paged) or [batch] (continuous batching)"
@@ -38,8 +44,9 @@ def bind_collection[
             t"lookup_table has {lookup_table.dim_size(0)} rows but"
             t" cache_lengths has {cache_lengths.dim_size(0)}"
         )
+    var base = blocks.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var geometry = CacheGeometry(
-        blocks.unsafe_ptr().unsafe_bitcast[UInt8]().unsafe_origin_cast[MutUntrackedOrigin](),
+        base.unsafe_bitcast[UInt8](),
         blocks.dim_size(0),
         blocks.dim_size(2),
         blocks.dim_size(3),
@@ -48,12 +55,53 @@ def bind_collection[
         cache_lengths.dim_size(0),
         cache_lengths.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
         lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        scales.value() if scales else ScaleTable.empty(base.unsafe_bitcast[Float32]()),
     )
     comptime if table_rank == 2:
         var paged = PagedLayout(lookup_table.dim_size(1))
         return KVCacheCollection[dtype](geometry, rebind[LayoutFor[table_rank]](paged))
     else:
         return KVCacheCollection[dtype](geometry, rebind[LayoutFor[table_rank]](ContinuousLayout()))
+
+
+def bind_scales[
+    dtype: DType
+](
+    blocks: _MutableInputTensor[rank=6, ...],
+    scales: _MutableInputTensor[dtype=DType.float32, rank=6, ...],
+) raises -> ScaleTable:
+    """The scale table of a quantized cache: float32 `[num_blocks, 2,
+    num_layers, block_len // tokens_per_scale, n_kv_heads, granules]`,
+    checked against the blocks, its scale-block shape read off its dims."""
+    comptime assert is_quantized[dtype](), "only float8_e4m3fn and int8 blocks have scales"
+    var block_len = blocks.dim_size(3)
+    var head_dim = blocks.dim_size(5)
+    var shape_ok = (
+        scales.dim_size(0) == blocks.dim_size(0)
+        and scales.dim_size(1) == 2
+        and scales.dim_size(2) == blocks.dim_size(2)
+        and scales.dim_size(4) == blocks.dim_size(4)
+    )
+    var rows = scales.dim_size(3)
+    var granules = scales.dim_size(5)
+    if (
+        not shape_ok
+        or rows == 0
+        or block_len % rows != 0
+        or granules == 0
+        or head_dim % granules != 0
+    ):
+        raise Error(
+            t"scales have shape [{scales.dim_size(0)}, {scales.dim_size(1)},"
+            t" {scales.dim_size(2)}, {rows}, {scales.dim_size(4)}, {granules}], which does"
+            t" not fit blocks [{blocks.dim_size(0)}, 2, {blocks.dim_size(2)}, {block_len},"
+            t" {blocks.dim_size(4)}, {head_dim}]: expected [{blocks.dim_size(0)}, 2,"
+            t" {blocks.dim_size(2)}, a divisor of {block_len}, {blocks.dim_size(4)}, a"
+            t" divisor of {head_dim}]"
+        )
+    return ScaleTable(
+        scales.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), block_len // rows, granules
+    )
 
 
 def bind_summary[
@@ -81,6 +129,17 @@ def bind_summary[
             dtype == DType.bool and rank <= 1
         ), "a continuous-batching cache's fourth input is is_cache_empty, a bool scalar"
         return BatchSummary.of_is_cache_empty(Bool(values[unsafe_offset=0].cast[DType.bool]()))
+
+
+def layer_cache[
+    collection_t: KVCollectionT
+](collection: collection_t, layer_idx: UInt32, kv_idx: UInt32) raises -> collection_t.CacheType:
+    """Layer `layer_idx`'s keys (`kv_idx` 0) or values (1), both checked."""
+    var layer = Int(layer_idx)
+    check_layer(layer, collection.num_layers())
+    if kv_idx > 1:
+        raise Error(t"kv_idx must be 0 (keys) or 1 (values), got {kv_idx}")
+    return collection.get_cache(layer, Int(kv_idx))
 
 
 def check_layer(layer: Int, num_layers: Int) raises:
@@ -111,7 +170,7 @@ def check_token_range[cache_t: KVCacheT](cache: cache_t, bs: Int, start: Int, en
 
 def check_rows[
     cache_t: KVCacheT
-](cache: cache_t, rows: InputTensor[dtype=cache_t.dtype, rank=3, ...], name: StaticString) raises:
+](cache: cache_t, rows: InputTensor[rank=3, ...], name: StaticString) raises:
     """Raises unless `rows` is `[tokens, n_kv_heads, head_dim]` of the cache."""
     if rows.dim_size(1) != cache.num_heads() or rows.dim_size(2) != cache.head_dim():
         raise Error(

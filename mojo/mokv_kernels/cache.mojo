@@ -9,6 +9,12 @@ tensor `[num_blocks, 2, num_layers, block_len, n_kv_heads, head_dim]`
 - continuous batching (`ContinuousLayout`): a block is one sequence's slot of
   `max_seq_len` tokens; the lookup table `[batch]` maps a batch row to its slot.
 
+A quantized cache (`float8_e4m3fn` or `int8` blocks, `quant`) keeps float32
+scales beside the blocks, `[num_blocks, 2, num_layers, block_len //
+tokens_per_scale, n_kv_heads, granules]`: one per granule of
+`head_dim // granules` elements of one head of `tokens_per_scale` tokens
+(`ScaleTable`). Every cache answers `scale_row`; an unquantized one has none.
+
 Kernels are written against `KVCacheT` only, so both layouts share them. The
 layout is a type parameter of one cache struct (`KVCache`) and one collection
 struct (`KVCacheCollection`), with MAX's names as aliases (`PagedKVCache`,
@@ -18,6 +24,7 @@ at compile time and still hand the kernels a cache whose dtype is its own.
 
 comptime CachePtr[dtype: DType] = Pointer[Scalar[dtype], MutUntrackedOrigin]
 comptime U32Ptr = Pointer[UInt32, MutUntrackedOrigin]
+comptime ScalePtr = Pointer[Float32, MutUntrackedOrigin]
 
 
 trait KVCacheT(TrivialRegisterPassable):
@@ -62,6 +69,35 @@ trait KVCacheT(TrivialRegisterPassable):
         """The most tokens one sequence can hold."""
         ...
 
+    def scale_row(self, bs: Int, tok_idx: Int) -> ScalePtr:
+        """A quantized cache's `[n_kv_heads, granules]` scales of token
+        `tok_idx` (shared by the `tokens_per_scale` tokens of its scale
+        block); meaningless for an unquantized cache."""
+        ...
+
+    def scales(self) -> ScaleTable:
+        """The scale table's shape (empty when unquantized)."""
+        ...
+
+
+@fieldwise_init
+struct ScaleTable(TrivialRegisterPassable):
+    """Where a quantized cache's scales are, and what one covers."""
+
+    var scales: ScalePtr
+    var tokens_per_scale: Int
+    var granules: Int
+    """Scales per head row: each covers `head_dim // granules` elements."""
+
+    @staticmethod
+    def empty(anywhere: ScalePtr) -> Self:
+        """The table of an unquantized cache: no scales, so `anywhere` (a
+        pointer is never null) is never read."""
+        return Self(anywhere, 1, 0)
+
+    def rows_per_block(self, block_len: Int) -> Int:
+        return block_len // self.tokens_per_scale
+
 
 @fieldwise_init
 struct CacheGeometry(TrivialRegisterPassable):
@@ -77,6 +113,7 @@ struct CacheGeometry(TrivialRegisterPassable):
     var batch_size: Int
     var cache_lengths: U32Ptr
     var lookup_table: U32Ptr
+    var scales: ScaleTable
 
     def row_elems(self) -> Int:
         return self.n_kv_heads * self.head_dim
@@ -86,6 +123,14 @@ struct CacheGeometry(TrivialRegisterPassable):
         return (
             ((block * 2 + kv_idx) * self.num_layers + layer) * self.block_len + tok_in_block
         ) * self.row_elems()
+
+    def scale_offset(self, block: Int, kv_idx: Int, layer: Int, tok_in_block: Int) -> Int:
+        """Element offset of one token's scales inside the scale table."""
+        var rows = self.scales.rows_per_block(self.block_len)
+        var row = ((block * 2 + kv_idx) * self.num_layers + layer) * rows + (
+            tok_in_block // self.scales.tokens_per_scale
+        )
+        return row * self.n_kv_heads * self.scales.granules
 
     def cache_length(self, bs: Int) -> Int:
         return Int(self.cache_lengths[unsafe_offset=bs])
@@ -187,6 +232,18 @@ struct KVCache[dtype_: DType, layout_t: BlockLayout](KVCacheT):
             self.layout.token_in_block(self.geometry, tok_idx),
         )
         return self.geometry.blocks.unsafe_bitcast[Scalar[Self.dtype_]]().unsafe_offset(offset)
+
+    def scale_row(self, bs: Int, tok_idx: Int) -> ScalePtr:
+        var offset = self.geometry.scale_offset(
+            self.block_index(bs, tok_idx),
+            self.kv_idx,
+            self.layer,
+            self.layout.token_in_block(self.geometry, tok_idx),
+        )
+        return self.geometry.scales.scales.unsafe_offset(offset)
+
+    def scales(self) -> ScaleTable:
+        return self.geometry.scales
 
     def contiguous_tokens(self, tok_idx: Int) -> Int:
         return self.layout.contiguous_tokens(self.geometry, tok_idx)

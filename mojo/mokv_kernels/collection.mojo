@@ -8,9 +8,9 @@ from extensibility import InputTensor, OutputTensor, _MutableInputTensor
 from max.gpu.host import DeviceContext
 
 from .attention.op import attention_on
-from .bind import bind_collection, check_layer
+from .bind import bind_collection, check_layer, layer_cache
 from .cache import BatchSummary, OpaqueContinuousCache, OpaqueContinuousCollection
-from .store import gather_on, gather_rows_on, store_kv_on
+from .store import gather_rows_on, store_kv_on
 
 
 @extensibility.register("mokv.collection.continuous")
@@ -68,9 +68,8 @@ struct GatherContinuousCollection:
         kv_idx: UInt32,
         ctx: DeviceContext,
     ) raises:
-        gather_on[target](
-            ctx, collection.typed[dtype](), dest, layer_idx, kv_idx, batch_rows, positions
-        )
+        var cache = layer_cache(collection.typed[dtype](), layer_idx, kv_idx)
+        gather_rows_on[target](ctx, cache, dest, batch_rows, positions)
 
 
 @extensibility.register("mokv.attention.continuous_collection")

@@ -9,29 +9,33 @@ from std.memory import unsafe_memcpy
 
 from .bind import (
     bind_collection,
+    bind_scales,
     check_layer,
     check_row_offsets,
     check_rows,
     check_token_range,
+    layer_cache,
 )
-from .cache import KVCacheT, KVCollectionT
+from .cache import CachePtr, KVCacheT, KVCollectionT
+from .quant import codes_in, is_quantized, load_dequantized, store_quantized
 from .gpu.block import GpuLauncher
-from .gpu.rows import gather_gpu, gather_rows_gpu, store_kv_gpu
+from .gpu.rows import gather_rows_gpu, store_kv_gpu
 
 
 def store_rows[
-    cache_t: KVCacheT
+    cache_t: KVCacheT, src_dtype: DType
 ](
     k_cache: cache_t,
     v_cache: cache_t,
-    keys: InputTensor[dtype=cache_t.dtype, rank=3, ...],
-    values: InputTensor[dtype=cache_t.dtype, rank=3, ...],
+    keys: InputTensor[dtype=src_dtype, rank=3, ...],
+    values: InputTensor[dtype=src_dtype, rank=3, ...],
     row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
 ) raises:
-    """Copies each row's new keys and values to positions `cache_length ..
+    """Writes each row's new keys and values to positions `cache_length ..
     cache_length + n` of its sequence in one pass over the new tokens: for
     each contiguous run (to the end of a page or slot), the keys and then
-    the values. Every check runs before the first write."""
+    the values, copied, or quantized with their scales (`store_quantized`)
+    into a quantized cache. Every check runs before the first write."""
     check_rows(k_cache, keys, "keys")
     check_rows(v_cache, values, "values")
     var batch = k_cache.batch_size()
@@ -46,8 +50,8 @@ def store_rows[
         check_token_range(k_cache, bs, tok, tok + end - start)
 
     var row = k_cache.num_heads() * k_cache.head_dim()
-    var k_src = keys.unsafe_ptr()
-    var v_src = values.unsafe_ptr()
+    var k_src = keys.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var v_src = values.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     for bs in range(batch):
         var start = Int(offsets[unsafe_offset=bs])
         var n = Int(offsets[unsafe_offset=bs + 1]) - start
@@ -56,29 +60,36 @@ def store_rows[
         while done < n:
             var run = min(n - done, k_cache.contiguous_tokens(tok + done))
             var src_offset = (start + done) * row
-            unsafe_memcpy(
-                dest=k_cache.row_ptr(bs, tok + done),
-                src=k_src.unsafe_offset(src_offset),
-                count=run * row,
-            )
-            unsafe_memcpy(
-                dest=v_cache.row_ptr(bs, tok + done),
-                src=v_src.unsafe_offset(src_offset),
-                count=run * row,
-            )
+            comptime if is_quantized[cache_t.dtype]():
+                store_quantized(k_cache, bs, tok + done, run, k_src.unsafe_offset(src_offset))
+                store_quantized(v_cache, bs, tok + done, run, v_src.unsafe_offset(src_offset))
+            else:
+                comptime assert (
+                    src_dtype == cache_t.dtype
+                ), "keys and values of an unquantized cache have its dtype"
+                unsafe_memcpy(
+                    dest=k_cache.row_ptr(bs, tok + done),
+                    src=rebind[CachePtr[cache_t.dtype]](k_src.unsafe_offset(src_offset)),
+                    count=run * row,
+                )
+                unsafe_memcpy(
+                    dest=v_cache.row_ptr(bs, tok + done),
+                    src=rebind[CachePtr[cache_t.dtype]](v_src.unsafe_offset(src_offset)),
+                    count=run * row,
+                )
             done += run
 
 
 def gather_rows[
-    cache_t: KVCacheT
+    cache_t: KVCacheT, dest_dtype: DType
 ](
     cache: cache_t,
-    dest: OutputTensor[dtype=cache_t.dtype, rank=3, ...],
+    dest: OutputTensor[dtype=dest_dtype, rank=3, ...],
     batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
     positions: InputTensor[dtype=DType.uint32, rank=1, ...],
 ) raises:
-    """Copies token row `positions[i]` of batch row `batch_rows[i]` to
-    `dest[i]`, for every i."""
+    """Writes token row `positions[i]` of batch row `batch_rows[i]` to
+    `dest[i]`, for every i: copied, or dequantized from a quantized cache."""
     var row = cache.num_heads() * cache.head_dim()
     var n = dest.dim_size(0)
     var rows = batch_rows.unsafe_ptr()
@@ -87,22 +98,77 @@ def gather_rows[
         var bs = Int(rows[unsafe_offset=i])
         var tok = Int(pos[unsafe_offset=i])
         check_token_range(cache, bs, tok, tok + 1)
-    var dst = dest.unsafe_ptr()
+    var dst = dest.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     for i in range(n):
+        var bs = Int(rows[unsafe_offset=i])
+        var tok = Int(pos[unsafe_offset=i])
+        comptime if is_quantized[cache_t.dtype]():
+            load_dequantized(cache, bs, tok, dst.unsafe_offset(i * row))
+        else:
+            comptime assert (
+                dest_dtype == cache_t.dtype
+            ), "rows of an unquantized cache have its dtype"
+            unsafe_memcpy(
+                dest=rebind[CachePtr[cache_t.dtype]](dst.unsafe_offset(i * row)),
+                src=cache.row_ptr(bs, tok),
+                count=row,
+            )
+
+
+def gather_codes[
+    cache_t: KVCacheT, codes_dtype: DType
+](
+    cache: cache_t,
+    codes: OutputTensor[dtype=codes_dtype, rank=3, ...],
+    scales: OutputTensor[dtype=DType.float32, rank=3, ...],
+    batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
+    positions: InputTensor[dtype=DType.uint32, rank=1, ...],
+) raises:
+    """A quantized cache's token rows as stored: codes `[n, n_kv_heads,
+    head_dim]` (as the blocks' graph dtype holds them) and their scales
+    `[n, n_kv_heads, granules]`."""
+    var table = cache.scales()
+    var row = cache.num_heads() * cache.head_dim()
+    var scale_row = cache.num_heads() * table.granules
+    if scales.dim_size(1) != cache.num_heads() or scales.dim_size(2) != table.granules:
+        raise Error(
+            t"the scales output is [*, {scales.dim_size(1)}, {scales.dim_size(2)}] but the"
+            t" cache's scale rows are [*, {cache.num_heads()}, {table.granules}]"
+        )
+    var n = codes.dim_size(0)
+    var rows = batch_rows.unsafe_ptr()
+    var pos = positions.unsafe_ptr()
+    for i in range(n):
+        var bs = Int(rows[unsafe_offset=i])
+        var tok = Int(pos[unsafe_offset=i])
+        check_token_range(cache, bs, tok, tok + 1)
+    for i in range(n):
+        var bs = Int(rows[unsafe_offset=i])
+        var tok = Int(pos[unsafe_offset=i])
         unsafe_memcpy(
-            dest=dst.unsafe_offset(i * row),
-            src=cache.row_ptr(Int(rows[unsafe_offset=i]), Int(pos[unsafe_offset=i])),
+            dest=codes.unsafe_ptr()
+            .unsafe_origin_cast[MutUntrackedOrigin]()
+            .unsafe_bitcast[Scalar[cache_t.dtype]]()
+            .unsafe_offset(i * row),
+            src=cache.row_ptr(bs, tok),
             count=row,
+        )
+        unsafe_memcpy(
+            dest=scales.unsafe_ptr()
+            .unsafe_origin_cast[MutUntrackedOrigin]()
+            .unsafe_offset(i * scale_row),
+            src=cache.scale_row(bs, tok),
+            count=scale_row,
         )
 
 
 def store_kv_into[
-    collection_t: KVCollectionT
+    collection_t: KVCollectionT, src_dtype: DType
 ](
     collection: collection_t,
     layer_idx: UInt32,
-    keys: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
-    values: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    keys: InputTensor[dtype=src_dtype, rank=3, ...],
+    values: InputTensor[dtype=src_dtype, rank=3, ...],
     row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
 ) raises:
     var layer = Int(layer_idx)
@@ -116,14 +182,20 @@ def store_kv_into[
     )
 
 
+def no_quantized_gpu_path[dtype: DType]() raises:
+    """Raises on a GPU for a quantized cache: its kernels are CPU-only."""
+    comptime if is_quantized[dtype]():
+        raise Error(t"a {dtype} (quantized) KV cache has no GPU path yet; it runs on the CPU")
+
+
 def store_kv_on[
-    target: StaticString, collection_t: KVCollectionT
+    target: StaticString, collection_t: KVCollectionT, src_dtype: DType
 ](
     ctx: DeviceContext,
     collection: collection_t,
     layer_idx: UInt32,
-    keys: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
-    values: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    keys: InputTensor[dtype=src_dtype, rank=3, ...],
+    values: InputTensor[dtype=src_dtype, rank=3, ...],
     row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
 ) raises:
     """`mokv.store_kv` on the op's target: the CPU path, or the GPU kernel
@@ -131,8 +203,10 @@ def store_kv_on[
     comptime if is_cpu[target]():
         store_kv_into(collection, layer_idx, keys, values, row_offsets)
     else:
-        var launcher = GpuLauncher(ctx)
-        store_kv_gpu(launcher, collection, layer_idx, keys, values, row_offsets)
+        no_quantized_gpu_path[collection_t.CacheType.dtype]()
+        comptime if src_dtype == collection_t.CacheType.dtype:
+            var launcher = GpuLauncher(ctx)
+            store_kv_gpu(launcher, collection, layer_idx, keys, values, row_offsets)
 
 
 @extensibility.register("mokv.store_kv")
@@ -157,48 +231,39 @@ struct StoreKV:
         store_kv_on[target](ctx, collection, layer_idx, keys, values, input_row_offsets)
 
 
-def gather_from[
-    collection_t: KVCollectionT
-](
-    collection: collection_t,
-    dest: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
-    layer_idx: UInt32,
-    kv_idx: UInt32,
-    batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
-    positions: InputTensor[dtype=DType.uint32, rank=1, ...],
-) raises:
-    var layer = Int(layer_idx)
-    check_layer(layer, collection.num_layers())
-    if kv_idx > 1:
-        raise Error(t"kv_idx must be 0 (keys) or 1 (values), got {kv_idx}")
-    gather_rows(collection.get_cache(layer, Int(kv_idx)), dest, batch_rows, positions)
+@extensibility.register("mokv.store_kv.quantized")
+struct StoreKVQuantized:
+    """`mokv.store_kv` into a quantized cache: `float8_e4m3fn` or `int8`
+    blocks with their float32 scales (`bind_scales`), the new keys and
+    values in the model's dtype, quantized as they are stored."""
 
-
-def gather_on[
-    target: StaticString, collection_t: KVCollectionT
-](
-    ctx: DeviceContext,
-    collection: collection_t,
-    dest: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
-    layer_idx: UInt32,
-    kv_idx: UInt32,
-    batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
-    positions: InputTensor[dtype=DType.uint32, rank=1, ...],
-) raises:
-    """`mokv.gather` on the op's target (see `store_kv_on`)."""
-    comptime if is_cpu[target]():
-        gather_from(collection, dest, layer_idx, kv_idx, batch_rows, positions)
-    else:
-        var launcher = GpuLauncher(ctx)
-        gather_gpu(launcher, collection, dest, layer_idx, kv_idx, batch_rows, positions)
+    @staticmethod
+    def execute[
+        dtype: DType, cache_dtype: DType, table_rank: Int, target: StaticString
+    ](
+        blocks: _MutableInputTensor[dtype=cache_dtype, rank=6, ...],
+        scales: _MutableInputTensor[dtype=DType.float32, rank=6, ...],
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
+        keys: InputTensor[dtype=dtype, rank=3, ...],
+        values: InputTensor[dtype=dtype, rank=3, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        layer_idx: UInt32,
+        ctx: DeviceContext,
+    ) raises:
+        comptime code_dtype = codes_in[cache_dtype]()
+        var collection = bind_collection[code_dtype](
+            blocks, cache_lengths, lookup_table, bind_scales[code_dtype](blocks, scales)
+        )
+        store_kv_on[target](ctx, collection, layer_idx, keys, values, input_row_offsets)
 
 
 def gather_rows_on[
-    target: StaticString, cache_t: KVCacheT
+    target: StaticString, cache_t: KVCacheT, dest_dtype: DType
 ](
     ctx: DeviceContext,
     cache: cache_t,
-    dest: OutputTensor[dtype=cache_t.dtype, rank=3, ...],
+    dest: OutputTensor[dtype=dest_dtype, rank=3, ...],
     batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
     positions: InputTensor[dtype=DType.uint32, rank=1, ...],
 ) raises:
@@ -206,8 +271,10 @@ def gather_rows_on[
     comptime if is_cpu[target]():
         gather_rows(cache, dest, batch_rows, positions)
     else:
-        var launcher = GpuLauncher(ctx)
-        gather_rows_gpu(launcher, cache, dest, batch_rows, positions)
+        no_quantized_gpu_path[cache_t.dtype]()
+        comptime if dest_dtype == cache_t.dtype:
+            var launcher = GpuLauncher(ctx)
+            gather_rows_gpu(launcher, cache, dest, batch_rows, positions)
 
 
 @extensibility.register("mokv.gather")
@@ -231,4 +298,64 @@ struct Gather:
         ctx: DeviceContext,
     ) raises:
         var collection = bind_collection(blocks, cache_lengths, lookup_table)
-        gather_on[target](ctx, collection, dest, layer_idx, kv_idx, batch_rows, positions)
+        var cache = layer_cache(collection, layer_idx, kv_idx)
+        gather_rows_on[target](ctx, cache, dest, batch_rows, positions)
+
+
+@extensibility.register("mokv.gather.quantized")
+struct GatherQuantized:
+    """`mokv.gather` from a quantized cache: the rows dequantized into the
+    output's dtype (float32 or bfloat16)."""
+
+    @staticmethod
+    def execute[
+        dtype: DType, cache_dtype: DType, table_rank: Int, target: StaticString
+    ](
+        dest: OutputTensor[dtype=dtype, rank=3, ...],
+        blocks: _MutableInputTensor[dtype=cache_dtype, rank=6, ...],
+        scales: _MutableInputTensor[dtype=DType.float32, rank=6, ...],
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
+        batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
+        positions: InputTensor[dtype=DType.uint32, rank=1, ...],
+        layer_idx: UInt32,
+        kv_idx: UInt32,
+        ctx: DeviceContext,
+    ) raises:
+        comptime code_dtype = codes_in[cache_dtype]()
+        var collection = bind_collection[code_dtype](
+            blocks, cache_lengths, lookup_table, bind_scales[code_dtype](blocks, scales)
+        )
+        var cache = layer_cache(collection, layer_idx, kv_idx)
+        gather_rows_on[target](ctx, cache, dest, batch_rows, positions)
+
+
+@extensibility.register("mokv.gather.codes")
+struct GatherCodes:
+    """A quantized cache's token rows as stored (CPU only): the codes
+    `[n, n_kv_heads, head_dim]` in the cache's dtype and their float32 scales
+    `[n, n_kv_heads, granules]`, for tests and inspection."""
+
+    @staticmethod
+    def execute[
+        cache_dtype: DType, table_rank: Int, target: StaticString
+    ](
+        codes: OutputTensor[dtype=cache_dtype, rank=3, ...],
+        row_scales: OutputTensor[dtype=DType.float32, rank=3, ...],
+        blocks: _MutableInputTensor[dtype=cache_dtype, rank=6, ...],
+        scales: _MutableInputTensor[dtype=DType.float32, rank=6, ...],
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
+        batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
+        positions: InputTensor[dtype=DType.uint32, rank=1, ...],
+        layer_idx: UInt32,
+        kv_idx: UInt32,
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_cpu[target](), "mokv.gather.codes runs on the CPU"
+        comptime code_dtype = codes_in[cache_dtype]()
+        var collection = bind_collection[code_dtype](
+            blocks, cache_lengths, lookup_table, bind_scales[code_dtype](blocks, scales)
+        )
+        var cache = layer_cache(collection, layer_idx, kv_idx)
+        gather_codes(cache, codes, row_scales, batch_rows, positions)

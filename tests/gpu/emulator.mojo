@@ -14,11 +14,11 @@ from std.memory import bitcast
 from std.sys import argv, size_of
 from std.utils import IndexList
 
-from mokv_kernels.bind import bind_collection
+from mokv_kernels.bind import bind_collection, layer_cache
 from mokv_kernels.cache import BatchSummary, KVCollectionT
 from mokv_kernels.gpu.attention import attention_gpu
 from mokv_kernels.gpu.block import Emulator
-from mokv_kernels.gpu.rows import gather_gpu, store_kv_gpu
+from mokv_kernels.gpu.rows import gather_rows_gpu, store_kv_gpu
 from mokv_kernels.gpu.views import InputView, MutableView, OutputView, row_major
 
 
@@ -98,9 +98,8 @@ def _run_op[
         var shape = IndexList[3](batch_rows.dim_size(0), heads, head_dim)
         var out = List[UInt8](length=shape.flattened_length() * size_of[Scalar[dtype]](), fill=0xFF)
         var dest = OutputView[dtype, 3](_ptr[dtype](out), shape, row_major(shape))
-        gather_gpu(
-            emulator, collection, dest, layer, UInt32(call.int("kv_idx")), batch_rows, positions
-        )
+        var cache = layer_cache(collection, layer, UInt32(call.int("kv_idx")))
+        gather_rows_gpu(emulator, cache, dest, batch_rows, positions)
         call.write("out", out)
         _ = rows_bytes^
         _ = positions_bytes^

@@ -8,7 +8,8 @@ memory traffic, and this is the access pattern that streams.
 
 from std.sys import prefetch
 
-from ..cache import KVCacheT
+from ..cache import KVCacheT, ScalePtr
+from ..quant import is_quantized, widen, widened_unit
 from .config import F32Ptr, Vec, W
 from .plan import WorkItem
 from .queries import RaggedQueries
@@ -62,11 +63,11 @@ def _decode_tokens(group_block: Int) -> Int:
 
 
 def _decode_item[
-    cache_t: KVCacheT, GB: Int
+    q_dtype: DType, //, cache_t: KVCacheT, GB: Int
 ](
     k_cache: cache_t,
     v_cache: cache_t,
-    queries: RaggedQueries[cache_t.dtype],
+    queries: RaggedQueries[q_dtype],
     item: WorkItem,
     partials: F32Ptr,
 ):
@@ -74,11 +75,16 @@ def _decode_item[
     time (padded with zero rows up to a multiple of `GB`) against `JB` context
     tokens at a time, so every loaded key or value vector feeds `GB` FMAs and
     every output vector stays in a register across `JB` tokens. bfloat16
-    rows are widened vector by vector as they are loaded."""
+    rows and 8-bit codes are widened vector by vector as they are loaded,
+    codes then multiplied by their granule's scale (`granules` per head)."""
     comptime JB = _decode_tokens(GB)
     comptime AHEAD = 8  # tokens between the rows read and the rows prefetched
+    comptime quantized = is_quantized[cache_t.dtype]()
+    comptime unit = widened_unit[cache_t.dtype]()
     var n_kv = k_cache.num_heads()
     var d = queries.head_dim
+    var granules = k_cache.scales().granules if quantized else 1
+    var granularity = d // granules
     var group = queries.group
     var padded = _round_up(group, GB)
     var rows = _round_up(n_kv * padded, W)
@@ -95,9 +101,12 @@ def _decode_item[
         for j0 in range(0, n, JB):
             var k_block = RowBlock[cache_t.dtype, JB](fill=walk.k_row(j0))
             var k_later = RowBlock[cache_t.dtype, JB](fill=walk.k_row(j0))
+            var k_scales = Array[ScalePtr, JB](fill=walk.k_scale(j0))
             comptime for t in range(JB):
                 k_block[t] = walk.k_row(j0 + t)
                 k_later[t] = walk.k_ahead(j0 + AHEAD + t)
+                comptime if quantized:
+                    k_scales[t] = walk.k_scale(j0 + t)
             for h in range(n_kv):
                 var k = _offset_rows(k_block, h * d)
                 var k_next = _offset_rows(k_later, h * d)
@@ -106,15 +115,23 @@ def _decode_item[
                     var q_g = q.unsafe_offset(base * d)
                     var dots = Array[Vec, GB * JB](fill=Vec(0))
                     var i = 0
-                    while i < d:
-                        comptime for t in range(JB):
-                            prefetch(k_next[t].unsafe_offset(i))
-                        comptime for t in range(JB):
-                            var key = k[t].unsafe_load[width=W](i).cast[DType.float32]()
-                            comptime for g in range(GB):
-                                var qv = q_g.unsafe_load[width=W](g * d + i)
-                                dots[g * JB + t] = qv.fma(key, dots[g * JB + t])
-                        i += W
+                    for granule in range(granules):
+                        var scale = Array[Vec, JB](fill=Vec(1))
+                        comptime if quantized:
+                            comptime for t in range(JB):
+                                var s = k_scales[t][unsafe_offset=h * granules + granule]
+                                scale[t] = Vec(s * unit)
+                        while i < (granule + 1) * granularity:
+                            comptime for t in range(JB):
+                                prefetch(k_next[t].unsafe_offset(i))
+                            comptime for t in range(JB):
+                                var key = widen(k[t].unsafe_load[width=W](i))
+                                comptime if quantized:
+                                    key *= scale[t]
+                                comptime for g in range(GB):
+                                    var qv = q_g.unsafe_load[width=W](g * d + i)
+                                    dots[g * JB + t] = qv.fma(key, dots[g * JB + t])
+                            i += W
                     comptime for first_dot in range(0, GB * JB, W):  # W dot products per reduction
                         comptime COUNT = min(W, GB * JB - first_dot)
                         var part = Array[Vec, COUNT](fill=Vec(0))
@@ -133,9 +150,12 @@ def _decode_item[
         for j0 in range(0, n, JB):
             var v_block = RowBlock[cache_t.dtype, JB](fill=walk.v_row(j0))
             var v_later = RowBlock[cache_t.dtype, JB](fill=walk.v_row(j0))
+            var v_scales = Array[ScalePtr, JB](fill=walk.v_scale(j0))
             comptime for t in range(JB):
                 v_block[t] = walk.v_row(j0 + t)
                 v_later[t] = walk.v_ahead(j0 + AHEAD + t)
+                comptime if quantized:
+                    v_scales[t] = walk.v_scale(j0 + t)
             for h in range(n_kv):
                 var v = _offset_rows(v_block, h * d)
                 var v_next = _offset_rows(v_later, h * d)
@@ -146,20 +166,28 @@ def _decode_item[
                         comptime for g in range(GB):
                             probs[g * JB + t] = Vec(state.column(j0 + t)[unsafe_offset=base + g])
                     var i = 0
-                    while i < d:
-                        comptime for t in range(JB):
-                            prefetch(v_next[t].unsafe_offset(i))
-                        # Loaded before any output is stored, which might alias them.
-                        var vals = Array[Vec, JB](fill=Vec(0))
-                        comptime for t in range(JB):
-                            vals[t] = v[t].unsafe_load[width=W](i).cast[DType.float32]()
-                        comptime for g in range(GB):
-                            var acc = state.acc_row(base + g).unsafe_offset(i)
-                            var out = acc.unsafe_load[width=W](0)
+                    for granule in range(granules):
+                        var scale = Array[Vec, JB](fill=Vec(1))
+                        comptime if quantized:
                             comptime for t in range(JB):
-                                out = probs[g * JB + t].fma(vals[t], out)
-                            acc.unsafe_store(0, out)
-                        i += W
+                                var s = v_scales[t][unsafe_offset=h * granules + granule]
+                                scale[t] = Vec(s * unit)
+                        while i < (granule + 1) * granularity:
+                            comptime for t in range(JB):
+                                prefetch(v_next[t].unsafe_offset(i))
+                            # Loaded before any output is stored, which might alias them.
+                            var vals = Array[Vec, JB](fill=Vec(0))
+                            comptime for t in range(JB):
+                                vals[t] = widen(v[t].unsafe_load[width=W](i))
+                                comptime if quantized:
+                                    vals[t] *= scale[t]
+                            comptime for g in range(GB):
+                                var acc = state.acc_row(base + g).unsafe_offset(i)
+                                var out = acc.unsafe_load[width=W](0)
+                                comptime for t in range(JB):
+                                    out = probs[g * JB + t].fma(vals[t], out)
+                                acc.unsafe_store(0, out)
+                            i += W
 
     for h in range(n_kv):
         for g in range(group):
@@ -175,11 +203,11 @@ def _decode_item[
 
 
 def _decode_any_group[
-    cache_t: KVCacheT
+    q_dtype: DType, //, cache_t: KVCacheT
 ](
     k_cache: cache_t,
     v_cache: cache_t,
-    queries: RaggedQueries[cache_t.dtype],
+    queries: RaggedQueries[q_dtype],
     item: WorkItem,
     partials: F32Ptr,
 ):

@@ -10,6 +10,7 @@ from max.runtime.asyncrt import parallelism_level
 
 from ..bind import (
     bind_collection,
+    bind_scales,
     bind_summary,
     check_layer,
     check_row_offsets,
@@ -18,6 +19,8 @@ from ..bind import (
 from ..cache import BatchSummary, KVCollectionT
 from ..gpu.attention import attention_gpu
 from ..gpu.block import GpuLauncher
+from ..quant import codes_in, is_quantized
+from ..store import no_quantized_gpu_path
 from .config import LOG2E, W
 from .decode import _decode_any_group
 from .plan import WorkItem, _plan
@@ -28,12 +31,12 @@ from .softmax import SplitGroup, _merge_splits
 
 
 def attention_over[
-    collection_t: KVCollectionT
+    collection_t: KVCollectionT, q_dtype: DType
 ](
     collection: collection_t,
     summary: BatchSummary,
-    output: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
-    q: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    output: OutputTensor[dtype=q_dtype, rank=3, ...],
+    q: InputTensor[dtype=q_dtype, rank=3, ...],
     row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
     layer_idx: UInt32,
     scale: Float32,
@@ -42,7 +45,6 @@ def attention_over[
     """Checks every input against the cache and every row against the batch
     summary, then runs the batch's work items in parallel and merges the
     split ones."""
-    comptime dtype = collection_t.CacheType.dtype
     var layer = Int(layer_idx)
     check_layer(layer, collection.num_layers())
     var k_cache = collection.get_cache(layer, 0)
@@ -57,9 +59,17 @@ def attention_over[
         raise Error(t"q has {n_q} heads, not a positive multiple of the cache's {n_kv} KV heads")
     if d % W != 0:
         raise Error(t"head_dim {d} is not a multiple of {W} (the float32 SIMD width)")
+    comptime if is_quantized[collection_t.CacheType.dtype]():
+        var granularity = d // k_cache.scales().granules
+        if granularity % W != 0:
+            raise Error(
+                t"the quantization granularity {granularity} (head_dim {d} over"
+                t" {k_cache.scales().granules} scales) is not a multiple of {W} (the float32"
+                t" SIMD width)"
+            )
     check_row_offsets(row_offsets, batch, q.dim_size(0))
 
-    var queries = RaggedQueries[dtype](
+    var queries = RaggedQueries[q_dtype](
         q.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
         output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
         row_offsets.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
@@ -106,13 +116,13 @@ def attention_over[
 
 
 def attention_on[
-    target: StaticString, collection_t: KVCollectionT
+    target: StaticString, collection_t: KVCollectionT, q_dtype: DType
 ](
     ctx: DeviceContext,
     collection: collection_t,
     summary: BatchSummary,
-    output: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
-    q: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    output: OutputTensor[dtype=q_dtype, rank=3, ...],
+    q: InputTensor[dtype=q_dtype, rank=3, ...],
     row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
     layer_idx: UInt32,
     scale: Float32,
@@ -125,18 +135,21 @@ def attention_on[
             collection, summary, output, q, row_offsets, layer_idx, scale, sliding_window
         )
     else:
-        var launcher = GpuLauncher(ctx)
-        attention_gpu(
-            launcher,
-            collection,
-            output,
-            q,
-            row_offsets,
-            layer_idx,
-            scale,
-            sliding_window,
-            summary,
-        )
+        comptime cache_dtype = collection_t.CacheType.dtype
+        no_quantized_gpu_path[cache_dtype]()
+        comptime if q_dtype == cache_dtype:
+            var launcher = GpuLauncher(ctx)
+            attention_gpu(
+                launcher,
+                collection,
+                output,
+                q,
+                row_offsets,
+                layer_idx,
+                scale,
+                sliding_window,
+                summary,
+            )
 
 
 @extensibility.register("mokv.attention")
@@ -176,6 +189,53 @@ struct Attention:
         ctx: DeviceContext,
     ) raises:
         var collection = bind_collection(blocks, cache_lengths, lookup_table)
+        var summary = bind_summary[table_rank](batch_summary)
+        attention_on[target](
+            ctx,
+            collection,
+            summary,
+            output,
+            q,
+            input_row_offsets,
+            layer_idx,
+            scale,
+            sliding_window,
+        )
+
+
+@extensibility.register("mokv.attention.quantized")
+struct AttentionQuantized:
+    """`mokv.attention` over a quantized cache: `float8_e4m3fn` or `int8`
+    blocks with their float32 scales (`bind_scales`), queries and output in
+    the model's dtype. Codes are widened and scaled in registers as they are
+    read (`decode`), or per tile into a prefill item's scratch (`prefill`)."""
+
+    @staticmethod
+    def execute[
+        dtype: DType,
+        cache_dtype: DType,
+        table_rank: Int,
+        summary_dtype: DType,
+        summary_rank: Int,
+        target: StaticString,
+    ](
+        output: OutputTensor[dtype=dtype, rank=3, ...],
+        blocks: _MutableInputTensor[dtype=cache_dtype, rank=6, ...],
+        scales: _MutableInputTensor[dtype=DType.float32, rank=6, ...],
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
+        batch_summary: InputTensor[dtype=summary_dtype, rank=summary_rank, ...],
+        q: InputTensor[dtype=dtype, rank=3, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        layer_idx: UInt32,
+        scale: Float32,
+        sliding_window: UInt32,
+        ctx: DeviceContext,
+    ) raises:
+        comptime code_dtype = codes_in[cache_dtype]()
+        var collection = bind_collection[code_dtype](
+            blocks, cache_lengths, lookup_table, bind_scales[code_dtype](blocks, scales)
+        )
         var summary = bind_summary[table_rank](batch_summary)
         attention_on[target](
             ctx,

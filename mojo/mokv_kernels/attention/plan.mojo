@@ -40,10 +40,10 @@ def _output_heads(item: WorkItem, n_q_heads: Int, group: Int) -> Tuple[Int, Int]
 
 
 def _plan[
-    cache_t: KVCacheT
+    q_dtype: DType, //, cache_t: KVCacheT
 ](
     cache: cache_t,
-    queries: RaggedQueries[cache_t.dtype],
+    queries: RaggedQueries[q_dtype],
     summary: BatchSummary,
     batch: Int,
     workers: Int,

@@ -3,13 +3,15 @@
 Prefill rows (several new tokens) are cut into blocks of query tokens per KV
 head. Queries are transposed once per item, so both products are
 register-blocked broadcast-FMA loops with no horizontal sums; each tile's
-head segment of K and V is copied (as float32) into scratch whose rows,
-unlike the cache's, do not all share a few L1 sets.
+head segment of K and V is copied (as float32, dequantized from a quantized
+cache's codes) into a tile of scratch whose rows, unlike the cache's, do not
+all share a few L1 sets.
 """
 
 from std.math import ceildiv
 
 from ..cache import KVCacheT
+from ..quant import is_quantized, widen, widened_unit
 from .config import (
     F32Ptr,
     NEG_INF,
@@ -26,7 +28,7 @@ from .plan import WorkItem
 from .queries import RaggedQueries
 from .scratch import Arena, _round_up
 from .softmax import PartialState, SoftmaxState
-from .tiles import RowPtrs, TileWalk
+from .tiles import RowPtrs, ScaleRows, TileWalk
 
 
 def _qk_block(
@@ -83,27 +85,48 @@ def _pv_block[
 
 def _stage_tile[
     dtype: DType
-](rows: RowPtrs[dtype], offset: Int, n: Int, head_dim: Int, staging: F32Ptr, stride: Int):
-    """Copies one head (`offset ..< offset + head_dim`) of the tile's first
-    `n` rows into `staging` (`TILE` rows `stride` floats apart) as float32.
-    Copied even for float32 storage: cache rows of 8 heads x 128 floats lie
-    4 KB apart, so a tile's segments would all fall into the same L1 sets and
-    evict each other between register blocks. Rows past `n` keep an earlier
-    tile's values (or zeros): score blocks that run over the end of a partial
-    tile compute columns that the softmax never reads."""
+](
+    rows: RowPtrs[dtype],
+    scales: ScaleRows,
+    head: Int,
+    n: Int,
+    head_dim: Int,
+    granules: Int,
+    staging: F32Ptr,
+    stride: Int,
+):
+    """Copies head `head` of the tile's first `n` rows into `staging` (`TILE`
+    rows `stride` floats apart) as float32, codes of a quantized cache
+    dequantized with their `granules` scales per head. Copied even for
+    float32 storage: cache rows of 8 heads x 128 floats lie 4 KB apart, so a
+    tile's segments would all fall into the same L1 sets and evict each other
+    between register blocks. Rows past `n` keep an earlier tile's values (or
+    zeros): score blocks that run over the end of a partial tile compute
+    columns that the softmax never reads."""
+    comptime quantized = is_quantized[dtype]()
+    var granularity = head_dim // granules
     for j in range(n):
-        var src = rows[j].unsafe_offset(offset)
+        var src = rows[j].unsafe_offset(head * head_dim)
         var dst = staging.unsafe_offset(j * stride)
-        for i in range(0, head_dim, W):
-            dst.unsafe_store(i, src.unsafe_load[width=W](i).cast[DType.float32]())
+        for granule in range(granules):
+            var scale = Vec(1)
+            comptime if quantized:
+                scale = Vec(
+                    scales[j][unsafe_offset=head * granules + granule] * widened_unit[dtype]()
+                )
+            for i in range(granule * granularity, (granule + 1) * granularity, W):
+                var values = widen(src.unsafe_load[width=W](i))
+                comptime if quantized:
+                    values *= scale
+                dst.unsafe_store(i, values)
 
 
 def _prefill_item[
-    cache_t: KVCacheT
+    q_dtype: DType, //, cache_t: KVCacheT
 ](
     k_cache: cache_t,
     v_cache: cache_t,
-    queries: RaggedQueries[cache_t.dtype],
+    queries: RaggedQueries[q_dtype],
     item: WorkItem,
     partials: F32Ptr,
 ):
@@ -111,6 +134,7 @@ def _prefill_item[
     group) pairs, token-major, padded with zero rows to the register blocks;
     masks apply only to tiles on the causal diagonal or the window's edge."""
     var d = queries.head_dim
+    var granules = k_cache.scales().granules if is_quantized[cache_t.dtype]() else 1
     var group = queries.group
     var h = item.kv_head
     var rows = item.num_tokens * group
@@ -148,8 +172,8 @@ def _prefill_item[
     while walk.advance():
         var pos = walk.pos
         var n = walk.n
-        _stage_tile(walk.k_rows, h * d, n, d, k_staging, tile_stride)
-        _stage_tile(walk.v_rows, h * d, n, d, v_staging, tile_stride)
+        _stage_tile(walk.k_rows, walk.k_scales, h, n, d, granules, k_staging, tile_stride)
+        _stage_tile(walk.v_rows, walk.v_scales, h, n, d, granules, v_staging, tile_stride)
         for r0 in range(0, padded, QK_VECS * W):
             for j0 in range(0, n, QK_TOKENS):
                 _qk_block(q_t, q_stride, k_staging, tile_stride, j0, state, r0, d)

@@ -3,16 +3,19 @@
 Both kinds of work item (decode and prefill) share this tile loop
 (`TileWalk`): it holds the K and V row pointers of the current tile of
 `TILE` context tokens, looked up through the page table one contiguous run
-at a time, and already those of the next tile, for prefetching.
+at a time, and already those of the next tile, for prefetching; for a
+quantized cache, also each row's scales.
 """
 
 from std.sys import prefetch, size_of
 
-from ..cache import CachePtr, KVCacheT
+from ..cache import CachePtr, KVCacheT, ScalePtr
+from ..quant import is_quantized
 from .config import TILE
 
 
 comptime RowPtrs[dtype: DType] = Array[CachePtr[dtype], TILE]
+comptime ScaleRows = Array[ScalePtr, TILE]
 comptime RowBlock[dtype: DType, size: Int] = Array[CachePtr[dtype], size]
 
 
@@ -34,9 +37,11 @@ def _tile_rows[
     start: Int,
     count: Int,
     rows: Pointer[CachePtr[cache_t.dtype], MutUntrackedOrigin],
+    scales: Pointer[ScalePtr, MutUntrackedOrigin],
 ):
     """Writes pointers to the token rows `start ..< start + count` of batch
-    row `row` to `rows`, one page lookup per contiguous run."""
+    row `row` to `rows`, one page lookup per contiguous run, and for a
+    quantized cache pointers to their scales to `scales`."""
     var row_elems = cache.num_heads() * cache.head_dim()
     var j = 0
     while j < count:
@@ -44,6 +49,9 @@ def _tile_rows[
         var p = cache.row_ptr(row, start + j)
         for i in range(run):
             rows[unsafe_offset=j + i] = p.unsafe_offset(i * row_elems)
+        comptime if is_quantized[cache_t.dtype]():
+            for i in range(run):
+                scales[unsafe_offset=j + i] = cache.scale_row(row, start + j + i)
         j += run
 
 
@@ -72,6 +80,10 @@ struct TileWalk[cache_t: KVCacheT]:
     var v_rows: RowPtrs[Self.cache_t.dtype]
     var next_k: RowPtrs[Self.cache_t.dtype]
     var next_v: RowPtrs[Self.cache_t.dtype]
+    var k_scales: ScaleRows
+    var v_scales: ScaleRows
+    var next_k_scales: ScaleRows
+    var next_v_scales: ScaleRows
 
     def __init__(
         out self,
@@ -93,6 +105,11 @@ struct TileWalk[cache_t: KVCacheT]:
         self.v_rows = RowPtrs[Self.cache_t.dtype](fill=any_row)
         self.next_k = RowPtrs[Self.cache_t.dtype](fill=any_row)
         self.next_v = RowPtrs[Self.cache_t.dtype](fill=any_row)
+        var any_scales = k_cache.scale_row(row, start)  # never read when unquantized
+        self.k_scales = ScaleRows(fill=any_scales)
+        self.v_scales = ScaleRows(fill=any_scales)
+        self.next_k_scales = ScaleRows(fill=any_scales)
+        self.next_v_scales = ScaleRows(fill=any_scales)
         self._fetch(start)
 
     def _fetch(mut self, start: Int):
@@ -105,6 +122,7 @@ struct TileWalk[cache_t: KVCacheT]:
                 start,
                 self.next_n,
                 self.next_k.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+                self.next_k_scales.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             )
             _tile_rows(
                 self.v_cache,
@@ -112,6 +130,7 @@ struct TileWalk[cache_t: KVCacheT]:
                 start,
                 self.next_n,
                 self.next_v.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+                self.next_v_scales.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             )
 
     def prefetch_next(self, j: Int, start: Int, length: Int):
@@ -134,6 +153,14 @@ struct TileWalk[cache_t: KVCacheT]:
     def v_row(self, j: Int) -> CachePtr[Self.cache_t.dtype]:
         """Value row `j < TILE` of the current tile, unchecked."""
         return self.v_rows.unsafe_ptr()[unsafe_offset=j]
+
+    def k_scale(self, j: Int) -> ScalePtr:
+        """The scales of key row `j < TILE` of the current tile (quantized)."""
+        return self.k_scales.unsafe_ptr()[unsafe_offset=j]
+
+    def v_scale(self, j: Int) -> ScalePtr:
+        """The scales of value row `j < TILE` of the current tile (quantized)."""
+        return self.v_scales.unsafe_ptr()[unsafe_offset=j]
 
     def k_ahead(self, j: Int) -> CachePtr[Self.cache_t.dtype]:
         """Key row `j` counted from the current tile's start, reaching into
@@ -163,5 +190,11 @@ struct TileWalk[cache_t: KVCacheT]:
         for j in range(self.n, TILE):  # blocks may run past a partial tile's end
             self.k_rows[j] = self.k_rows[self.n - 1]
             self.v_rows[j] = self.v_rows[self.n - 1]
+        comptime if is_quantized[Self.cache_t.dtype]():
+            self.k_scales = self.next_k_scales.copy()
+            self.v_scales = self.next_v_scales.copy()
+            for j in range(self.n, TILE):
+                self.k_scales[j] = self.k_scales[self.n - 1]
+                self.v_scales[j] = self.v_scales[self.n - 1]
         self._fetch(self.pos + self.n)
         return True

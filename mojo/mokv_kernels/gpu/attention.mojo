@@ -635,12 +635,12 @@ def _run[
 
 
 def attention_gpu[
-    collection_t: KVCollectionT, L: Launcher
+    collection_t: KVCollectionT, L: Launcher, q_dtype: DType
 ](
     mut launcher: L,
     collection: collection_t,
-    output: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
-    q: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    output: OutputTensor[dtype=q_dtype, rank=3, ...],
+    q: InputTensor[dtype=q_dtype, rank=3, ...],
     row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
     layer_idx: UInt32,
     scale: Float32,
@@ -650,6 +650,7 @@ def attention_gpu[
     """`mokv.attention` on a GPU. The host checks shapes and heads; the grid
     comes from the batch summary (see the module docstring)."""
     comptime cache_t = collection_t.CacheType
+    comptime assert q_dtype == cache_t.dtype, "the GPU path reads unquantized caches only"
     var layer = Int(layer_idx)
     check_layer(layer, collection.num_layers())
     var k_cache = collection.get_cache(layer, 0)
@@ -683,8 +684,10 @@ def attention_gpu[
     var args = AttentionArgs[cache_t](
         k_cache,
         collection.get_cache(layer, 1),
-        q.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-        output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        rebind[CachePtr[cache_t.dtype]](q.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()),
+        rebind[CachePtr[cache_t.dtype]](
+            output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        ),
         row_offsets.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
         output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[Float32](),
         tokens,

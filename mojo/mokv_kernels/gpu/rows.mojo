@@ -177,18 +177,19 @@ def _untracked[dtype: DType](t: InputTensor[dtype=dtype, ...]) -> CachePtr[dtype
 
 
 def store_kv_gpu[
-    collection_t: KVCollectionT, L: Launcher
+    collection_t: KVCollectionT, L: Launcher, src_dtype: DType
 ](
     mut launcher: L,
     collection: collection_t,
     layer_idx: UInt32,
-    keys: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
-    values: InputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
+    keys: InputTensor[dtype=src_dtype, rank=3, ...],
+    values: InputTensor[dtype=src_dtype, rank=3, ...],
     row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
 ) raises:
     """`mokv.store_kv` on a GPU: checks the shapes on the host, then one
     block per new token copies its keys and values into the cache."""
     comptime dtype = collection_t.CacheType.dtype
+    comptime assert src_dtype == dtype, "the GPU path stores unquantized caches only"
     var layer = Int(layer_idx)
     check_layer(layer, collection.num_layers())
     var k_cache = collection.get_cache(layer, 0)
@@ -206,8 +207,8 @@ def store_kv_gpu[
         )
     if tokens == 0 or batch == 0:
         return
-    var k_src = _untracked(keys)
-    var v_src = _untracked(values)
+    var k_src = rebind[CachePtr[dtype]](_untracked(keys))
+    var v_src = rebind[CachePtr[dtype]](_untracked(values))
     var offsets = row_offsets.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var elems = k_cache.num_heads() * k_cache.head_dim()
     var width = vector_width[dtype](elems, _address(k_src), _address(v_src))
@@ -225,11 +226,11 @@ def store_kv_gpu[
 
 
 def gather_rows_gpu[
-    cache_t: KVCacheT, L: Launcher
+    cache_t: KVCacheT, L: Launcher, dest_dtype: DType
 ](
     mut launcher: L,
     cache: cache_t,
-    dest: OutputTensor[dtype=cache_t.dtype, rank=3, ...],
+    dest: OutputTensor[dtype=dest_dtype, rank=3, ...],
     batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
     positions: InputTensor[dtype=DType.uint32, rank=1, ...],
 ) raises:
@@ -248,7 +249,10 @@ def gather_rows_gpu[
         )
     if n == 0:
         return
-    var dst = dest.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    comptime assert dest_dtype == cache_t.dtype, "the GPU path gathers unquantized caches only"
+    var dst = rebind[CachePtr[cache_t.dtype]](
+        dest.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    )
     var rows = batch_rows.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var pos = positions.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     comptime full = 16 // size_of[Scalar[cache_t.dtype]]()
@@ -256,23 +260,3 @@ def gather_rows_gpu[
         launcher.launch(GatherKernel[cache_t, full](cache, dst, rows, pos, n))
     else:
         launcher.launch(GatherKernel[cache_t, 1](cache, dst, rows, pos, n))
-
-
-def gather_gpu[
-    collection_t: KVCollectionT, L: Launcher
-](
-    mut launcher: L,
-    collection: collection_t,
-    dest: OutputTensor[dtype=collection_t.CacheType.dtype, rank=3, ...],
-    layer_idx: UInt32,
-    kv_idx: UInt32,
-    batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
-    positions: InputTensor[dtype=DType.uint32, rank=1, ...],
-) raises:
-    """`mokv.gather` on a GPU: layer `layer_idx`'s keys (`kv_idx` 0) or
-    values (1)."""
-    var layer = Int(layer_idx)
-    check_layer(layer, collection.num_layers())
-    if kv_idx > 1:
-        raise Error(t"kv_idx must be 0 (keys) or 1 (values), got {kv_idx}")
-    gather_rows_gpu(launcher, collection.get_cache(layer, Int(kv_idx)), dest, batch_rows, positions)

@@ -1,0 +1,202 @@
+"""8-bit KV storage: what a stored element means, and how a row is quantized.
+
+A quantized cache stores `float8_e4m3fn` or `int8` codes beside float32
+scales: element x is held as code q with x ~ q * scale, one scale per granule
+(`granularity` consecutive elements of one head of `tokens_per_scale`
+consecutive tokens). The scale of a granule is its largest finite magnitude
+over the code's range (`code_max`), so the largest element maps to the
+largest code; larger magnitudes (infinities) saturate and NaN stores as 0.
+
+Reading widens codes to float32 in registers (`widen`). This CPU has AVX2
+and no float8 instructions; the conversions were measured on 64k codes
+(tools/fp8_conversion_bench.mojo): the standard library's float8 cast 0.9
+elements/ns, a 256-entry lookup table 2.1, and moving the code's bits into a
+float16 (its exponent and mantissa fields line up, subnormals included) and
+widening that with the hardware's half-precision conversion 8.5, as fast as
+widening int8. That float16 is the code's value times 2^-8, so a float8
+scale is applied times 2^8 (`widened_unit`).
+"""
+
+from std.memory import bitcast
+
+from .cache import KVCacheT
+
+
+def is_quantized[dtype: DType]() -> Bool:
+    """Whether a block tensor of `dtype` holds codes (with scales) rather
+    than values."""
+    return dtype == DType.float8_e4m3fn or dtype == DType.int8
+
+
+def codes_in[graph_dtype: DType]() -> DType:
+    """The codes that a quantized cache's blocks of `graph_dtype` hold:
+    float8 codes travel as their uint8 bits (MAX's CPU graphs take no float8
+    tensors), int8 codes as themselves."""
+    comptime assert (
+        graph_dtype == DType.uint8 or graph_dtype == DType.int8
+    ), "a quantized cache's blocks are uint8 (float8_e4m3fn bits) or int8"
+    return DType.float8_e4m3fn if graph_dtype == DType.uint8 else DType.int8
+
+
+def code_max[dtype: DType]() -> Float32:
+    """The largest magnitude a code of `dtype` holds."""
+    comptime assert is_quantized[dtype](), "only float8_e4m3fn and int8 codes have a range"
+    comptime if dtype == DType.float8_e4m3fn:
+        return 448.0
+    else:
+        return 127.0
+
+
+def widened_unit[dtype: DType]() -> Float32:
+    """What one unit of `widen`'s output is worth in code values."""
+    comptime if dtype == DType.float8_e4m3fn:
+        return 256.0
+    else:
+        return 1.0
+
+
+@always_inline
+def widen[dtype: DType, width: Int](codes: SIMD[dtype, width]) -> SIMD[DType.float32, width]:
+    """Stored elements as float32, in units of `widened_unit[dtype]()`:
+    float8 codes through float16 (see the module docstring), anything else
+    by a plain cast."""
+    comptime if dtype == DType.float8_e4m3fn:
+        var bits = bitcast[DType.uint8, width](codes).cast[DType.uint16]()
+        var half = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)
+        return bitcast[DType.float16, width](half).cast[DType.float32]()
+    else:
+        return codes.cast[DType.float32]()
+
+
+def encode[dtype: DType, width: Int](scaled: SIMD[DType.float32, width]) -> SIMD[dtype, width]:
+    """Codes of values already divided by their scale and clamped to
+    `code_max`: float8 rounds to nearest even, int8 to nearest integer."""
+    comptime if dtype == DType.int8:
+        return rebind[SIMD[dtype, width]](scaled.__round__().cast[DType.int8]())
+    else:
+        return scaled.cast[dtype]()
+
+
+def granule_scale(src: Pointer[Float32, MutUntrackedOrigin], count: Int, limit: Float32) -> Float32:
+    """The largest finite magnitude of `src[0 ..< count]` over `limit`: the
+    scale that maps it to the largest code."""
+    var largest: Float32 = 0
+    for i in range(count):
+        var x = abs(src[unsafe_offset=i])
+        if x < Float32.MAX_FINITE and x > largest:  # NaN and infinities compare false
+            largest = x
+    return largest / limit
+
+
+def quantize[
+    dtype: DType
+](
+    src: Pointer[Float32, MutUntrackedOrigin],
+    count: Int,
+    scale: Float32,
+    dst: Pointer[Scalar[dtype], MutUntrackedOrigin],
+):
+    """Writes the codes of `src[0 ..< count]` under `scale`: saturating at
+    `code_max`, NaN as 0, everything as 0 under a zero scale."""
+    comptime limit = code_max[dtype]()
+    var inv = 1 / scale if scale > 0 else Float32(0)
+    for i in range(count):
+        var x = src[unsafe_offset=i] * inv
+        var clamped = min(max(x, -limit), limit) if x == x else Float32(0)
+        dst[unsafe_offset=i] = encode[dtype, 1](clamped)
+
+
+def dequantize[
+    dtype: DType
+](
+    codes: Pointer[Scalar[dtype], MutUntrackedOrigin],
+    count: Int,
+    scale: Float32,
+    dst: Pointer[Float32, MutUntrackedOrigin],
+):
+    """Writes the values of `codes[0 ..< count]` under `scale` to `dst`."""
+    var unit = scale * widened_unit[dtype]()
+    for i in range(count):
+        dst[unsafe_offset=i] = widen[dtype, 1](codes[unsafe_offset=i]) * unit
+
+
+def store_quantized[
+    cache_t: KVCacheT, src_dtype: DType
+](
+    cache: cache_t,
+    bs: Int,
+    first: Int,
+    count: Int,
+    src: Pointer[Scalar[src_dtype], MutUntrackedOrigin],
+):
+    """Quantizes `count` token rows at `src` into positions `first ..<
+    first + count` of batch row `bs`, one scale block at a time.
+
+    A scale block's scale covers all of its tokens: when new tokens join a
+    block that holds some already (`tokens_per_scale` > 1, a decode step) and
+    raise its scale, the tokens already there are requantized under the new
+    one, so every code of a block always means code * its one scale."""
+    comptime dtype = cache_t.dtype
+    comptime limit = code_max[dtype]()
+    var table = cache.scales()
+    var per_block = table.tokens_per_scale
+    var n_kv = cache.num_heads()
+    var d = cache.head_dim()
+    var row = n_kv * d
+    var granularity = d // table.granules
+    var staged = List[Float32](length=per_block * row, fill=0)
+    var block = staged.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var tok = first
+    while tok < first + count:
+        var block_start = tok - tok % per_block
+        var block_end = min(block_start + per_block, first + count)
+        var held = tok - block_start  # tokens already in the block
+        for t in range(tok, block_end):
+            var from_row = src.unsafe_offset((t - first) * row)
+            var to_row = block.unsafe_offset((t - block_start) * row)
+            for i in range(row):
+                to_row[unsafe_offset=i] = from_row[unsafe_offset=i].cast[DType.float32]()
+        var scale_row = cache.scale_row(bs, block_start)
+        for h in range(n_kv):
+            for g in range(table.granules):
+                var at = h * d + g * granularity
+                var scale: Float32 = 0
+                for t in range(held, block_end - block_start):
+                    scale = max(
+                        scale, granule_scale(block.unsafe_offset(t * row + at), granularity, limit)
+                    )
+                var slot = scale_row.unsafe_offset(h * table.granules + g)
+                if held > 0:
+                    var old = slot[]
+                    if scale > old:
+                        for t in range(held):
+                            var codes = cache.row_ptr(bs, block_start + t).unsafe_offset(at)
+                            var values = block.unsafe_offset(t * row + at)
+                            dequantize(codes, granularity, old, values)
+                            quantize(values, granularity, scale, codes)
+                    else:
+                        scale = old
+                slot[] = scale
+                for t in range(held, block_end - block_start):
+                    var codes = cache.row_ptr(bs, block_start + t).unsafe_offset(at)
+                    quantize(block.unsafe_offset(t * row + at), granularity, scale, codes)
+        tok = block_end
+    _ = staged^
+
+
+def load_dequantized[
+    cache_t: KVCacheT, dest_dtype: DType
+](cache: cache_t, bs: Int, tok: Int, dest: Pointer[Scalar[dest_dtype], MutUntrackedOrigin],):
+    """Writes token row `tok` of batch row `bs` as values to `dest`."""
+    var table = cache.scales()
+    var d = cache.head_dim()
+    var granularity = d // table.granules
+    var codes = cache.row_ptr(bs, tok)
+    var scales = cache.scale_row(bs, tok)
+    var unit = widened_unit[cache_t.dtype]()
+    for g in range(cache.num_heads() * table.granules):
+        var scale = scales[unsafe_offset=g] * unit
+        for i in range(g * granularity, (g + 1) * granularity):
+            dest[unsafe_offset=i] = (widen[cache_t.dtype, 1](codes[unsafe_offset=i]) * scale).cast[
+                dest_dtype
+            ]()

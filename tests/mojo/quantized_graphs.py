@@ -1,0 +1,89 @@
+"""Graphs of the quantized cache's ops, every size symbolic (compiled once per
+(graph dtype, model dtype) per session)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from max.dtype import DType
+from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
+
+CPU_REF = DeviceRef.CPU()
+NUM_LAYERS = 2
+GRAPH_DTYPE = {"float8_e4m3fn": DType.uint8, "int8": DType.int8}
+"""The blocks' graph dtype per code format (float8 codes travel as uint8 bits)."""
+
+
+def _cache_types(graph_dtype: DType) -> list:
+    return [
+        BufferType(graph_dtype, ["blocks", 2, NUM_LAYERS, "page", "heads", "head_dim"], CPU_REF),
+        BufferType(DType.float32, ["blocks", 2, NUM_LAYERS, "scale_rows", "heads", "granules"], CPU_REF),
+        TensorType(DType.uint32, ["batch"], CPU_REF),
+        TensorType(DType.uint32, ["batch", "pages"], CPU_REF),
+    ]
+
+
+def _u32(value: int):
+    return ops.constant(value, DType.uint32, device=CPU_REF)
+
+
+def build_store_gather(graph_dtype: DType, dtype: DType, kernels: Path) -> Graph:
+    """Stores new K/V of a runtime layer, then gathers the requested key rows
+    both dequantized and as codes with their scales."""
+    rows = TensorType(dtype, ["tokens", "heads", "head_dim"], CPU_REF)
+    index = TensorType(DType.uint32, ["n"], CPU_REF)
+    inputs = [
+        *_cache_types(graph_dtype),
+        rows,
+        rows,
+        TensorType(DType.uint32, ["batch_plus_one"], CPU_REF),
+        TensorType(DType.uint32, [], CPU_REF),
+        index,
+        index,
+    ]
+    with Graph(f"quantized_store_gather_{graph_dtype}_{dtype}", input_types=inputs, custom_extensions=[kernels]) as g:
+        cache = [g.inputs[0].buffer, g.inputs[1].buffer, g.inputs[2].tensor, g.inputs[3].tensor]
+        keys, values, offsets, layer, batch_rows, positions = (v.tensor for v in g.inputs[4:])
+        ops.inplace_custom("mokv.store_kv.quantized", device=CPU_REF, values=[*cache, keys, values, offsets, layer])
+        n = batch_rows.shape[0]
+        (dequantized,) = ops.inplace_custom(
+            "mokv.gather.quantized",
+            device=CPU_REF,
+            values=[*cache, batch_rows, positions, layer, _u32(0)],
+            out_types=[TensorType(dtype, [n, "heads", "head_dim"], CPU_REF)],
+        )
+        codes, scales = ops.inplace_custom(
+            "mokv.gather.codes",
+            device=CPU_REF,
+            values=[*cache, batch_rows, positions, layer, _u32(0)],
+            out_types=[
+                TensorType(graph_dtype, [n, "heads", "head_dim"], CPU_REF),
+                TensorType(DType.float32, [n, "heads", "granules"], CPU_REF),
+            ],
+        )
+        g.output(dequantized.tensor, codes.tensor, scales.tensor)
+    return g
+
+
+def build_attention(graph_dtype: DType, dtype: DType, kernels: Path) -> Graph:
+    """`(cache..., max_lengths, q, offsets, layer, scale, window) -> attention` over a quantized paged cache."""
+    inputs = [
+        *_cache_types(graph_dtype),
+        TensorType(DType.uint32, ["steps", 2], CPU_REF),
+        TensorType(dtype, ["tokens", "q_heads", "head_dim"], CPU_REF),
+        TensorType(DType.uint32, ["batch_plus_one"], CPU_REF),
+        TensorType(DType.uint32, [], CPU_REF),
+        TensorType(DType.float32, [], CPU_REF),
+        TensorType(DType.uint32, [], CPU_REF),
+    ]
+    with Graph(f"quantized_attention_{graph_dtype}_{dtype}", input_types=inputs, custom_extensions=[kernels]) as g:
+        blocks, scales_in = g.inputs[0].buffer, g.inputs[1].buffer
+        cache_lengths, lookup, summary, q, offsets, layer, scale, window = (v.tensor for v in g.inputs[2:])
+        (out,) = ops.inplace_custom(
+            "mokv.attention.quantized",
+            device=CPU_REF,
+            values=[blocks, scales_in, cache_lengths, lookup, summary, q, offsets, layer, scale, window],
+            out_types=[TensorType(dtype, q.shape, CPU_REF)],
+        )
+        g.output(out.tensor)
+    return g

@@ -1,0 +1,334 @@
+"""The quantized cache's ops against the numpy model of 8-bit storage
+(`mokv_reference.quant`): store quantizes, gather dequantizes (or returns the
+codes and scales), attention reads codes with their scales.
+
+Bounds, all derived from the formats:
+
+- store: every granule's scale is its largest finite magnitude over the
+  largest code (to float32 rounding), and every element's code is the
+  nearest one to x / scale: its error is at most half the gap between the
+  two codes around it (`code_step`), plus float32 noise in x / scale.
+- attention against float64 numpy on the dequantized cache: the kernel's
+  inputs are then exactly the reference's, so the float32 bound of the
+  unquantized tests holds (2e-5 + 2e-5 * |ref|); bfloat16 queries and outputs
+  as there (1e-3 + 8e-3 * |ref|).
+- attention against the float32 cache: reported, and held to what 8-bit
+  storage allows on N(0, 1) data (mean error under 1% for int8 and 5% for
+  float8 of the output's scale).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from max.driver import Buffer
+from max.dtype import DType
+
+from mokv_reference import bfloat16
+from mokv_reference import cache as layout
+from mokv_reference import quant as ref
+from mokv_reference.attention import attention as reference_attention
+from tests.compile_once import compiled_per_key
+from tests.mojo.quantized_graphs import GRAPH_DTYPE, NUM_LAYERS, build_attention, build_store_gather
+
+FORMATS = ["float8_e4m3fn", "int8"]
+
+
+@pytest.fixture(scope="session")
+def quantized_store_gather(session, kernels):
+    """`get(graph dtype, model dtype)`: the store/gather graph, compiled once."""
+    return compiled_per_key(session, lambda graph_dtype, dtype: build_store_gather(graph_dtype, dtype, kernels))
+
+
+@pytest.fixture(scope="session")
+def quantized_attention(session, kernels):
+    """`get(graph dtype, model dtype)`: the attention graph, compiled once."""
+    return compiled_per_key(session, lambda graph_dtype, dtype: build_attention(graph_dtype, dtype, kernels))
+
+
+def _blocks_buffer(codes: np.ndarray, fmt: str) -> Buffer:
+    return Buffer.from_numpy(np.ascontiguousarray(codes.view(np.uint8 if fmt == "float8_e4m3fn" else np.int8)))
+
+
+def _rows_buffer(values: np.ndarray, dtype: DType) -> Buffer:
+    if dtype == DType.bfloat16:
+        return Buffer.from_numpy(bfloat16.to_bits(values)).view(DType.bfloat16)
+    return Buffer.from_numpy(np.ascontiguousarray(values, np.float32))
+
+
+def _to_numpy(out: Buffer, dtype: DType) -> np.ndarray:
+    if dtype == DType.bfloat16:
+        return bfloat16.from_bits(out.view(DType.uint16).to_numpy())
+    return out.to_numpy()
+
+
+def _u32(value: int) -> Buffer:
+    return Buffer.from_numpy(np.array(value, np.uint32))
+
+
+@dataclass
+class Cache:
+    """A quantized paged cache: codes `[blocks, 2, layers, page, H, D]`
+    (uint8 bits of float8, or int8) and scales `[blocks, 2, layers, page //
+    tokens_per_scale, H, granules]`."""
+
+    fmt: str
+    codes: np.ndarray
+    scales: np.ndarray
+    lookup_table: np.ndarray
+
+    @property
+    def tokens_per_scale(self) -> int:
+        return self.codes.shape[3] // self.scales.shape[3]
+
+    def dequantized(self) -> np.ndarray:
+        """The float64 values the cache holds, as the numpy model reads them."""
+        scales = np.repeat(self.scales, self.tokens_per_scale, axis=3)
+        return ref.dequantize(self.codes, scales, self.fmt)
+
+    def buffers(self) -> list[Buffer]:
+        return [_blocks_buffer(self.codes, self.fmt), Buffer.from_numpy(self.scales)]
+
+
+def empty_cache(rng, fmt, batch, pages_per_row, page, heads, head_dim, granules, tokens_per_scale) -> Cache:
+    """Pages in a random order with stale codes and scales (a reused pool)."""
+    num_pages = batch * pages_per_row + 2
+    order = rng.permutation(num_pages)[: batch * pages_per_row]
+    lookup = order.reshape(batch, pages_per_row).astype(np.uint32)
+    shape = (num_pages + 1, 2, NUM_LAYERS, page, heads, head_dim)
+    codes = rng.integers(0, 0x7F, size=shape, dtype=np.uint8)
+    if fmt == "int8":
+        codes = rng.integers(-127, 128, size=shape, dtype=np.int8)
+    scales = rng.uniform(0.5, 2, (num_pages + 1, 2, NUM_LAYERS, page // tokens_per_scale, heads, granules))
+    return Cache(fmt, codes, scales.astype(np.float32), lookup)
+
+
+def _gathered(cache: Cache, store_gather, keys, values, cache_lengths, offsets, layer, rows, positions):
+    """Runs store then gather; returns (dequantized keys, key codes, key scales)."""
+    model = store_gather(GRAPH_DTYPE[cache.fmt], DType.float32)
+    buffers = cache.buffers()
+    deq, codes, scales = model.execute(
+        *buffers,
+        Buffer.from_numpy(cache_lengths),
+        Buffer.from_numpy(cache.lookup_table),
+        _rows_buffer(keys, DType.float32),
+        _rows_buffer(values, DType.float32),
+        Buffer.from_numpy(offsets),
+        _u32(layer),
+        Buffer.from_numpy(rows),
+        Buffer.from_numpy(positions),
+    )
+    cache.codes[...] = buffers[0].to_numpy().view(cache.codes.dtype)
+    cache.scales[...] = buffers[1].to_numpy()
+    code_bits = codes.to_numpy().view(cache.codes.dtype)
+    return deq.to_numpy(), code_bits, scales.to_numpy()
+
+
+def _assert_nearest_codes(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, fmt: str) -> None:
+    """Every code is the nearest to x / scale, up to float32 noise."""
+    granularity = x.shape[-1] // scales.shape[-1]
+    per_element = np.repeat(scales, granularity, axis=-1).astype(np.float64)
+    scaled = np.where(per_element > 0, x / np.where(per_element > 0, per_element, 1), 0)
+    got = ref.decode(codes, fmt)
+    limit = ref.CODE_MAX[fmt]
+    target = np.clip(np.nan_to_num(scaled, nan=0.0, posinf=limit, neginf=-limit), -limit, limit)
+    error = np.abs(got - target)
+    allowed = ref.code_step(target, fmt) / 2 + 1e-5 * np.abs(target) + 1e-6
+    worst = np.unravel_index(np.argmax(error - allowed), error.shape)
+    assert (error <= allowed).all(), f"code {got[worst]} for {target[worst]} (allowed error {allowed[worst]})"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("granules", [1, 2])
+def test_store_quantizes_each_granule_to_its_nearest_codes(fmt, granules, quantized_store_gather):
+    """Per-token scales: a ragged batch of new rows, at arbitrary positions
+    of reused pages, comes back as the nearest codes under the exact scale."""
+    rng = np.random.default_rng(granules)
+    heads, d, page = 3, 64, 16
+    cache = empty_cache(rng, fmt, 3, 4, page, heads, d, granules, 1)
+    cache_lengths = np.array([0, 17, 40], np.uint32)
+    new = np.array([20, 1, 9])
+    offsets = np.concatenate([[0], np.cumsum(new)]).astype(np.uint32)
+    keys = rng.standard_normal((new.sum(), heads, d)).astype(np.float32) * rng.uniform(0.01, 100, (new.sum(), 1, 1))
+    keys = keys.astype(np.float32)
+    values = rng.standard_normal(keys.shape).astype(np.float32)
+    rows = np.repeat(np.arange(3), new).astype(np.uint32)
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cache_lengths, new, strict=True)]).astype(np.uint32)
+    deq, codes, scales = _gathered(
+        cache, quantized_store_gather, keys, values, cache_lengths, offsets, 1, rows, positions
+    )
+
+    expected_scales = ref.granule_scales(keys, d // granules, fmt)
+    np.testing.assert_allclose(scales, expected_scales, rtol=1e-6)
+    _assert_nearest_codes(keys, codes, scales, fmt)
+    np.testing.assert_allclose(deq, ref.dequantize(codes, scales, fmt), rtol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_store_saturates_and_maps_nan_to_zero(fmt, quantized_store_gather):
+    rng = np.random.default_rng(0)
+    cache = empty_cache(rng, fmt, 1, 1, 16, 1, 16, 1, 1)
+    keys = np.ones((3, 1, 16), np.float32)
+    keys[0, 0, :4] = [np.inf, -np.inf, np.nan, 2.0]
+    keys[1] = np.nan  # nothing finite: scale 0, every code 0
+    keys[2, 0, 0] = 1e30
+    offsets = np.array([0, 3], np.uint32)
+    positions = np.arange(3, dtype=np.uint32)
+    deq, codes, scales = _gathered(
+        cache, quantized_store_gather, keys, keys, np.zeros(1, np.uint32), offsets, 0, np.zeros(3, np.uint32), positions
+    )
+    limit = ref.CODE_MAX[fmt]
+    np.testing.assert_allclose(scales[:, 0, 0], [2.0 / limit, 0.0, 1e30 / limit], rtol=1e-6)
+    np.testing.assert_array_equal(ref.decode(codes[0, 0, :4], fmt), [limit, -limit, 0, limit])
+    assert (ref.decode(codes[1], fmt) == 0).all() and (deq[1] == 0).all()
+    assert np.isfinite(deq).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_growing_scale_block_requantizes_the_tokens_it_holds(fmt, quantized_store_gather):
+    """Scales per block of 4 tokens, filled one decode token at a time with
+    magnitudes growing 4x per token: each new token raises the block's scale,
+    and the tokens already there are requantized under it, so every element
+    still reads back within one code step of the block's final scale."""
+    rng = np.random.default_rng(1)
+    heads, d, page, per_block = 2, 32, 8, 4
+    cache = empty_cache(rng, fmt, 1, 2, page, heads, d, 1, per_block)
+    tokens = rng.standard_normal((10, heads, d)).astype(np.float32) * (4.0 ** np.arange(10))[:, None, None]
+    tokens = tokens.astype(np.float32)
+    for t in range(10):
+        _gathered(
+            cache,
+            quantized_store_gather,
+            tokens[t : t + 1],
+            tokens[t : t + 1],
+            np.array([t], np.uint32),
+            np.array([0, 1], np.uint32),
+            0,
+            np.zeros(1, np.uint32),
+            np.zeros(1, np.uint32),
+        )
+    positions = np.arange(10, dtype=np.uint32)
+    deq, _, scales = _gathered(
+        cache,
+        quantized_store_gather,
+        tokens[:0],
+        tokens[:0],
+        np.array([10], np.uint32),
+        np.array([0, 0], np.uint32),
+        0,
+        np.zeros(10, np.uint32),
+        positions,
+    )
+    for block in range(0, 10, per_block):
+        members = slice(block, min(block + per_block, 10))
+        largest = np.abs(tokens[members]).max(axis=(0, 2)) / ref.CODE_MAX[fmt]
+        np.testing.assert_allclose(
+            scales[members, :, 0], np.broadcast_to(largest, scales[members, :, 0].shape), rtol=1e-6
+        )
+    step = ref.code_step(tokens / np.repeat(scales, d, axis=-1), fmt) * np.repeat(scales, d, axis=-1)
+    assert (np.abs(deq - tokens) <= step * 1.001).all()
+
+
+def _quantized_batch(rng, fmt, layout_rows, heads, group, d, page, granules, per_block, q_dtype):
+    batch = len(layout_rows)
+    cached = np.array([c for c, _ in layout_rows], np.uint32)
+    new = np.array([n for _, n in layout_rows])
+    pages = int(max(-(-(cached + new) // page))) + 1
+    cache = empty_cache(rng, fmt, batch, pages, page, heads, d, granules, per_block)
+    # Codes of N(0, 1) data: random codes under random scales.
+    if fmt == "int8":
+        cache.codes[...] = rng.integers(-127, 128, cache.codes.shape, dtype=np.int8)
+    else:
+        cache.codes[...] = ref.nearest_e4m3(rng.standard_normal(cache.codes.shape) * 100)
+    cache.scales[...] = rng.uniform(0.002, 0.03, cache.scales.shape).astype(np.float32)
+    q = rng.standard_normal((new.sum(), heads * group, d)).astype(np.float32)
+    if q_dtype == DType.bfloat16:
+        q = bfloat16.from_bits(bfloat16.to_bits(q))
+    offsets = np.concatenate([[0], np.cumsum(new)]).astype(np.uint32)
+    summary = np.array([[new.max(), (cached + new).max()]], np.uint32)
+    return cache, cached, offsets, q, summary
+
+
+def _run_attention(model, cache, cached, offsets, q, summary, q_dtype, layer, scale):
+    (out,) = model.execute(
+        *cache.buffers(),
+        Buffer.from_numpy(cached),
+        Buffer.from_numpy(cache.lookup_table),
+        Buffer.from_numpy(summary),
+        _rows_buffer(q, q_dtype),
+        Buffer.from_numpy(offsets),
+        _u32(layer),
+        Buffer.from_numpy(np.array(scale, np.float32)),
+        _u32(0),
+    )
+    return _to_numpy(out, q_dtype)
+
+
+# (format, q dtype, GQA group, head_dim, page, granules, tokens per scale)
+ATTENTION_CASES = [
+    ("float8_e4m3fn", DType.float32, 3, 64, 16, 1, 1),
+    ("int8", DType.float32, 3, 64, 16, 1, 1),
+    ("float8_e4m3fn", DType.bfloat16, 4, 128, 128, 2, 1),
+    ("int8", DType.float32, 1, 128, 32, 4, 8),
+    ("float8_e4m3fn", DType.float32, 8, 64, 64, 1, 16),
+]
+ROWS = [(0, 37), (211, 1), (130, 70), (1500, 1), (9, 0), (700, 1)]
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_attention_reads_codes_with_their_scales(case, quantized_attention):
+    """Decode and prefill rows over a quantized cache equal float64 attention
+    over the numpy dequantization of the same cache."""
+    fmt, q_dtype, group, d, page, granules, per_block = case
+    rng = np.random.default_rng(d + page + granules)
+    heads = 2
+    cache, cached, offsets, q, summary = _quantized_batch(
+        rng, fmt, ROWS, heads, group, d, page, granules, per_block, q_dtype
+    )
+    scale = 1 / math.sqrt(d)
+    out = _run_attention(
+        quantized_attention(GRAPH_DTYPE[fmt], q_dtype), cache, cached, offsets, q, summary, q_dtype, 1, scale
+    )
+    expected = reference_attention(cache.dequantized(), 1, q, offsets, cached, cache.lookup_table, scale)
+    atol, rtol = (2e-5, 2e-5) if q_dtype == DType.float32 else (1e-3, 8e-3)
+    np.testing.assert_allclose(out, expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_attention_error_against_the_float32_cache(fmt, quantized_store_gather, quantized_attention, capsys):
+    """The same keys and values stored quantized and kept in float32: the
+    attention outputs differ by what 8-bit storage costs (reported)."""
+    rng = np.random.default_rng(7)
+    heads, group, d, page = 3, 3, 64, 16
+    rows = [(0, 300), (0, 1)]
+    cache = empty_cache(rng, fmt, 2, 20, page, heads, d, 1, 1)
+    new = np.array([n for _, n in rows])
+    offsets = np.concatenate([[0], np.cumsum(new)]).astype(np.uint32)
+    keys = rng.standard_normal((new.sum(), heads, d)).astype(np.float32)
+    values = rng.standard_normal((new.sum(), heads, d)).astype(np.float32)
+    cached = np.zeros(2, np.uint32)
+    rows_idx = np.zeros(0, np.uint32)
+    _gathered(cache, quantized_store_gather, keys, values, cached, offsets, 0, rows_idx, rows_idx)
+    q = rng.standard_normal((new.sum(), heads * group, d)).astype(np.float32)
+    summary = np.array([[new.max(), new.max()]], np.uint32)
+    out = _run_attention(
+        quantized_attention(GRAPH_DTYPE[fmt], DType.float32),
+        cache,
+        cached,
+        offsets,
+        q,
+        summary,
+        DType.float32,
+        0,
+        0.125,
+    )
+    full = np.zeros((cache.codes.shape[0], 2, NUM_LAYERS, page, heads, d), np.float64)
+    layout.store(full, 0, keys, values, offsets, cached, cache.lookup_table)
+    exact = reference_attention(full, 0, q, offsets, cached, cache.lookup_table, 0.125)
+    error = np.abs(out - exact).mean() / np.abs(exact).mean()
+    with capsys.disabled():
+        print(f"\n{fmt}: mean |quantized - float32 cache| / mean |output| = {error:.4f}")
+    assert error < {"int8": 0.01, "float8_e4m3fn": 0.05}[fmt]
