@@ -9,7 +9,7 @@ from .continuous_collection import (
     ContinuousBatchingKVCacheType,
     FetchContinuousBatchingKVCacheCollection,
 )
-from .ops import attention, gather_kv, store_kv
+from .ops import attention, gather_kv, gather_kv_codes, store_kv
 
 __all__ = [
     "CacheLayout",
@@ -24,6 +24,7 @@ __all__ = [
     "cache_input_types",
     "continuous_input_types",
     "gather_kv",
+    "gather_kv_codes",
     "paged_input_types",
     "store_kv",
 ]

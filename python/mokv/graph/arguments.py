@@ -52,16 +52,34 @@ def check_vector(name: str, value: object) -> None:
         raise TypeError(f"{name} must be uint32 of rank 1, got {value.dtype} with shape {list(value.shape)}")
 
 
+MODEL_DTYPES = (DType.float32, DType.bfloat16)
+"""What a quantized cache's keys, values, queries and gathered rows may be."""
+
+
+def is_quantized(cache: CacheLayout) -> bool:
+    """Whether the cache stores 8-bit codes with scales."""
+    return bool(getattr(cache, "quantized", False))
+
+
+def row_dtypes(cache: CacheLayout) -> tuple[DType, ...]:
+    """The dtypes the cache's token rows may have in a graph: its own, or for
+    a quantized cache the model dtypes it quantizes from."""
+    return MODEL_DTYPES if is_quantized(cache) else (cache.row_type(0).dtype,)
+
+
 def check_rows(name: str, value: object, cache: CacheLayout, *, head_multiple: bool = False) -> None:
-    """Token rows `[n, heads, head_dim]` in the cache's dtype: exactly the cache's
-    KV heads, or with `head_multiple` a multiple of them (query heads)."""
+    """Token rows `[n, heads, head_dim]` in a dtype the cache takes (`row_dtypes`):
+    exactly the cache's KV heads, or with `head_multiple` a multiple of them
+    (query heads)."""
     if not isinstance(value, TensorValue):
         raise TypeError(f"{name} must be a graph TensorValue, got {type(value).__name__}")
     row = cache.row_type(value.shape[0] if value.rank else 0)
     _, kv_heads, head_dim = row.shape
-    if value.dtype != row.dtype or value.rank != 3:
+    dtypes = row_dtypes(cache)
+    if value.dtype not in dtypes or value.rank != 3:
+        allowed = " or ".join(str(d) for d in dtypes)
         raise TypeError(
-            f"{name} must be {row.dtype} [tokens, heads, head_dim], got {value.dtype} with shape {list(value.shape)}"
+            f"{name} must be {allowed} [tokens, heads, head_dim], got {value.dtype} with shape {list(value.shape)}"
         )
     heads, dim = value.shape[1], value.shape[2]
     if dim != head_dim:
@@ -78,13 +96,23 @@ def check_store_kv(cache: CacheLayout, layer_idx: object, keys: object, values: 
     check_index("layer_idx", layer_idx, num_layers(cache))
     check_rows("keys", keys, cache)
     check_rows("values", values, cache)
+    if keys.dtype != values.dtype:  # type: ignore[union-attr]
+        raise TypeError(f"keys are {keys.dtype} but values are {values.dtype}")  # type: ignore[union-attr]
     check_vector("input_row_offsets", offsets)
 
 
 def check_gather_kv(
-    cache: CacheLayout, layer_idx: object, kv_idx: object, batch_rows: object, positions: object
+    cache: CacheLayout,
+    layer_idx: object,
+    kv_idx: object,
+    batch_rows: object,
+    positions: object,
+    dtype: object = None,
 ) -> None:
-    """`gather_kv`'s arguments."""
+    """`gather_kv`'s (and `gather_kv_codes`') arguments; `dtype` is the rows' dtype, if given."""
+    if dtype is not None and dtype not in row_dtypes(cache):
+        allowed = " or ".join(str(d) for d in row_dtypes(cache))
+        raise TypeError(f"dtype must be {allowed} for this cache, got {dtype}")
     check_index("layer_idx", layer_idx, num_layers(cache))
     check_index("kv_idx", kv_idx, 2)
     check_vector("batch_rows", batch_rows)
