@@ -39,7 +39,7 @@ from mokv_examples import llama_cpp_bench
 from mokv_examples.bench_results import out_dir_option, write_results
 from mokv_examples.generate import tier_options
 from mokv_examples.inspect_cache import QUESTIONS, SYSTEM_PROMPT
-from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
+from mokv_examples.pipeline import KV_DTYPES, GenerationConfig, SmolLM2, generate
 from mokv_examples.scheduler import CacheInputs, Scheduler
 from mokv_graphs.llama import last_token_rows, load_llama_model
 from mokv_graphs.model_files import smollm2_gguf_path
@@ -255,6 +255,25 @@ def engines_markdown(rows: list[dict], names: list[str], llama_note: str | None)
     return "\n".join(lines) + "\n"
 
 
+def engine_name(kv_dtype: str) -> str:
+    """mokv's engine column for a KV format: plain "mokv" for float32."""
+    return "mokv" if kv_dtype == "float32" else f"mokv-{kv_dtype}"
+
+
+def kv_formats_markdown(rows: list[dict], models: dict[str, SmolLM2]) -> str:
+    """One row per KV format of mokv's cache: bytes per cached token and each case's tokens/s."""
+    cases = [r["case"] for r in rows]
+    header = ["KV format", "bytes per token", *(f"{c} tok/s" for c in cases)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, model in models.items():
+        if not name.startswith("mokv"):
+            continue
+        cells = [model.kv_dtype, str(model.cache_params().bytes_per_token)]
+        cells += [f"{r[f'{name}_tokens_per_s']:.1f}" for r in rows]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def prefix_rows(
     model: SmolLM2, batches: tuple[int, ...], max_new_tokens: int, page_size: int, tiers: dict[str, Any]
 ) -> list[dict]:
@@ -361,6 +380,13 @@ def plot(engines: list[dict], names: list[str], prefix: list[dict], path: Path) 
 )
 @click.option("--repeats", default=3, show_default=True, help="Runs per engine case; each engine's best is kept.")
 @click.option(
+    "--kv-dtype",
+    "kv_dtypes",
+    type=click.Choice(KV_DTYPES),
+    multiple=True,
+    help="mokv's KV formats to run, one engine each (repeatable; default: all). The prefix-caching rows use the first.",
+)
+@click.option(
     "--batch",
     "batch_sizes",
     type=click.IntRange(min=1),
@@ -376,12 +402,16 @@ def e2e(
     max_cache: bool,
     against_llama_cpp: bool,
     repeats: int,
+    kv_dtypes: tuple[str, ...],
     batch_sizes: tuple[int, ...],
     **tiers: Any,
 ) -> None:
-    """SmolLM2 tokens/s on mokv's cache, MAX's cache and llama.cpp; prefix caching on and off."""
-    model = SmolLM2(weights=weights)
-    models = {"mokv": model}
+    """SmolLM2 tokens/s on mokv's cache in each KV format, MAX's cache and llama.cpp; prefix caching on and off."""
+    first, *others = kv_dtypes or KV_DTYPES
+    model = SmolLM2(weights=weights, kv_dtype=first)
+    models = {engine_name(first): model}
+    for kv_dtype in others:
+        models[engine_name(kv_dtype)] = SmolLM2(session=model.session, weights=weights, kv_dtype=kv_dtype)
     if max_cache:
         from mokv_reference.max_cache import MaxCache
 
@@ -409,7 +439,9 @@ def e2e(
         f"SmolLM2-135M, {weights} weights, page size {page_size}; best of {repeats} runs per engine case; "
         f"load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores\n\n"
         + engines_markdown(engines, names, llama_note if against_llama_cpp else "not requested (--against-llama-cpp)")
-        + "\nprefix caching (mokv)\n\n"
+        + "\nKV formats (mokv)\n\n"
+        + kv_formats_markdown(engines, models)
+        + f"\nprefix caching (mokv, {first} KV)\n\n"
         + prefix_markdown(prefix)
     )
     write_results(out_dir, "e2e", [{"weights": weights, **r} for r in engines + prefix], markdown)

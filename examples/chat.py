@@ -18,9 +18,9 @@ from mokv_examples.streaming import TokenStream
 @click.option("--system", default="You are a helpful assistant.", show_default=True, help="System prompt.")
 def chat(system: str, **options) -> None:
     """Chat with SmolLM2-135M (an empty line or Ctrl-D ends the conversation)."""
-    weights = options.pop("weights")
+    weights, kv_dtype = options.pop("weights"), options.pop("kv_dtype")
     config = replace(make_config(**options), enable_prefix_caching=True)
-    model = SmolLM2(weights=weights)
+    model = SmolLM2(weights=weights, kv_dtype=kv_dtype)
     manager = model.new_manager(config, max_batch_size=1)
     try:
         converse(model, manager, config, system)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from mokv_examples.pipeline import GenerationConfig, SmolLM2, request_id, run_prompts
+from mokv_examples.pipeline import KV_DTYPES, GenerationConfig, SmolLM2, request_id, run_prompts
 from mokv_examples.streaming import answer_display
 from mokv_graphs.weight_formats import WEIGHT_FORMATS
 
@@ -32,11 +32,24 @@ def weights_option(command):
     )(command)
 
 
+def kv_dtype_option(command):
+    """`--kv-dtype`: how the KV cache stores keys and values."""
+    return click.option(
+        "--kv-dtype",
+        type=click.Choice(KV_DTYPES),
+        default=KV_DTYPES[0],
+        show_default=True,
+        help="KV cache storage: float32, bfloat16, or 8-bit codes with a float32 scale per token and KV head "
+        "(float8_e4m3fn, int8: a quarter of float32's memory).",
+    )(command)
+
+
 def generation_options(command):
     """The model, cache and sampling options shared by `generate` and `chat`."""
     for option in reversed(
         [
             weights_option,
+            kv_dtype_option,
             click.option("--max-new-tokens", default=64, show_default=True, help="Tokens to generate per prompt."),
             click.option("--temperature", default=0.0, show_default=True, help="0 is greedy and deterministic."),
             click.option("--seed", default=0, show_default=True, help="Sampling seed (temperature > 0)."),
@@ -105,12 +118,18 @@ def make_config(**options) -> GenerationConfig:
     help="Write prompts, token ids, texts and statistics here.",
 )
 def generate(
-    prompts: tuple[str, ...], chat: bool, logprobs: int, json_path: Path | None, weights: str, **options
+    prompts: tuple[str, ...],
+    chat: bool,
+    logprobs: int,
+    json_path: Path | None,
+    weights: str,
+    kv_dtype: str,
+    **options,
 ) -> None:
     """Complete PROMPTS (default: three demo prompts) with SmolLM2-135M."""
     prompts = prompts or DEFAULT_PROMPTS
     config = make_config(**options)
-    model = SmolLM2(weights=weights)
+    model = SmolLM2(weights=weights, kv_dtype=kv_dtype)
 
     def decode(ids: list[int]) -> str:
         return model.tokenizer.decode(ids, skip_special_tokens=True)
@@ -121,7 +140,7 @@ def generate(
         click.echo()
     summary = report.summary()
     click.echo(
-        f"\n{summary['requests']} requests ({weights} weights): "
+        f"\n{summary['requests']} requests ({weights} weights, {kv_dtype} KV): "
         f"time to first token {summary['time_to_first_token_s']:.2f} s "
         f"(mean; longest {summary['max_time_to_first_token_s']:.2f} s), "
         f"decode {summary['decode_tokens_per_s']:.1f} tok/s "
@@ -134,7 +153,7 @@ def generate(
     if json_path is not None:
         payload = {
             "requests": [vars(c) for c in report.completions],
-            "config": {**config.report(), "weights": weights, "logprobs": logprobs},
+            "config": {**config.report(), "weights": weights, "kv_dtype": kv_dtype, "logprobs": logprobs},
             "stats": summary,
         }
         json_path.write_text(json.dumps(payload, indent=1))

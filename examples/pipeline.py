@@ -20,7 +20,7 @@ from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import DeviceRef
 
-from mokv import KVCacheParams, PagedKVCacheManager
+from mokv import KVCacheParams, KVCacheQuantConfig, PagedKVCacheManager
 from mokv.connectors import KVConnectorConfig
 from mokv_examples.progress import ticking
 from mokv_examples.scheduler import (
@@ -40,6 +40,18 @@ from mokv_graphs.llama import last_token_rows, load_llama_model
 from mokv_graphs.paged_attention import PagedCacheAttention
 from mokv_graphs.tokenizer import GGUFTokenizer, load_tokenizer
 from mokv_graphs.weight_formats import WEIGHT_FORMATS
+
+KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "int8")
+"""How the pipeline can store its KV: plain float32 or bfloat16, or 8-bit
+codes with a float32 scale per token and KV head."""
+
+
+def kv_storage(kv_dtype: str) -> dict[str, object]:
+    """`KVCacheParams` fields (`dtype`, `kvcache_quant_config`) for a `KV_DTYPES` name."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    quantized = kv_dtype in ("float8_e4m3fn", "int8")
+    return {"dtype": DType[kv_dtype], "kvcache_quant_config": KVCacheQuantConfig() if quantized else None}
 
 
 class CacheBackend(Protocol):
@@ -140,8 +152,9 @@ class GenerationReport:
 
 class SmolLM2:
     """The compiled SmolLM2 graph over a paged cache (`cache`, mokv's by default),
-    with its weights in format `weights` (`mokv_graphs.weight_formats`), weights
-    and cache on `device` (the CPU unless given)."""
+    with its weights in format `weights` (`mokv_graphs.weight_formats`), its KV
+    stored as `kv_dtype` (`KV_DTYPES`), weights and cache on `device` (the CPU
+    unless given)."""
 
     def __init__(
         self,
@@ -150,7 +163,10 @@ class SmolLM2:
         weights: str = WEIGHT_FORMATS[0],
         cache: CacheBackend | None = None,
         device: Device | None = None,
+        kv_dtype: str = KV_DTYPES[0],
     ) -> None:
+        self.kv_dtype = kv_dtype
+        self._kv_storage = kv_storage(kv_dtype)
         log = log or (lambda msg: print(msg, file=sys.stderr))
         self.device = device or CPU()
         self.device_ref = DeviceRef.from_device(self.device)
@@ -162,7 +178,7 @@ class SmolLM2:
         self.checkpoint: LlamaCheckpoint = load_llama(weights=weights, log=log)
         self.tokenizer: GGUFTokenizer = load_tokenizer()
         log(f"loaded SmolLM2 ({weights} weights) and its tokenizer in {time.perf_counter() - started:.1f} s")
-        label = f"compiling the graph on {self.cache.name}'s cache (minutes the first time, then cached)"
+        label = f"compiling the graph on {self.cache.name}'s {kv_dtype} cache (minutes the first time, then cached)"
         with ticking(label, log):
             self.model: Model = load_llama_model(
                 self.session, self.checkpoint, self.cache.attention(self.cache_params()), self.device_ref
@@ -174,10 +190,10 @@ class SmolLM2:
 
     @property
     def model_id(self) -> str:
-        """Names the weights and graph numerics the KV comes from: shared cache
-        tiers keep it apart from any other model's KV, and from this model's
-        under another weight format."""
-        return f"SmolLM2-135M-Instruct.Q4_1.gguf/{self.weight_format}-weights/float32-activations"
+        """Names the weights, graph numerics and KV storage the cached KV comes
+        from: shared cache tiers keep it apart from any other model's KV, and
+        from this model's under another weight format or KV dtype."""
+        return f"SmolLM2-135M-Instruct.Q4_1.gguf/{self.weight_format}-weights/float32-activations/{self.kv_dtype}-kv"
 
     def new_manager(self, config: GenerationConfig, max_batch_size: int | None = None) -> CacheManager:
         """A fresh cache manager for `config`'s page size, pages, prefix caching
@@ -198,7 +214,7 @@ class SmolLM2:
         size is symbolic) with this run's page size and prefix caching."""
         c = self.checkpoint.config
         return KVCacheParams(
-            dtype=DType.float32,
+            **self._kv_storage,  # type: ignore[arg-type]
             n_kv_heads=c.n_kv_heads,
             head_dim=c.head_dim,
             num_layers=c.n_layers,

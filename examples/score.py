@@ -4,8 +4,9 @@ The text is prefilled through the paged cache in chunks of `--token-budget` toke
 every token's logits returned (the graph's `logit_rows` input selects them), so each token
 after the first gets the log-probability the model gave it, the model's likeliest tokens at
 its position, and the text a perplexity. `--against FORMAT` scores the same tokens with a
-second weight format and reports how often their top-1 tokens agree, which is how a weight
-format's own error is measured against float32.
+second weight format, `--against-kv-dtype KV` with the KV cache stored another way, and each
+reports how often the top-1 tokens agree and the perplexity ratio: how a weight format's or
+a KV format's own error is measured against float32.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import click
 import numpy as np
 import numpy.typing as npt
 
-from mokv_examples.generate import weights_option
+from mokv_examples.generate import kv_dtype_option, weights_option
 from mokv_examples.logprobs import TokenLogprob, token_logprobs
-from mokv_examples.pipeline import GenerationConfig, SmolLM2
+from mokv_examples.pipeline import KV_DTYPES, GenerationConfig, SmolLM2
 from mokv_graphs.weight_formats import WEIGHT_FORMATS
 
 
@@ -82,11 +83,16 @@ def score_tokens(
 
 def agreement(a: ScoredText, b: ScoredText) -> dict[str, float]:
     """How two scorings of the same tokens differ: the share of positions whose likeliest
-    token is the same, and the largest gap between their log-probabilities of the text."""
+    token is the same, the largest gap between their log-probabilities of the text, and the
+    ratio of their perplexities (b's over a's)."""
     if a.token_ids != b.token_ids:
         raise ValueError("the two scorings are of different tokens")
     gaps = np.abs(np.array([s.logprob for s in a.scores]) - np.array([s.logprob for s in b.scores]))
-    return {"top1_agreement": float(np.mean(a.top1() == b.top1())), "max_logprob_gap": float(gaps.max())}
+    return {
+        "top1_agreement": float(np.mean(a.top1() == b.top1())),
+        "max_logprob_gap": float(gaps.max()),
+        "perplexity_ratio": b.perplexity / a.perplexity,
+    }
 
 
 @click.command()
@@ -98,8 +104,14 @@ def agreement(a: ScoredText, b: ScoredText) -> dict[str, float]:
     help="Score this file's text instead.",
 )
 @weights_option
+@kv_dtype_option
 @click.option(
     "--against", type=click.Choice(WEIGHT_FORMATS), help="Also score with this weight format and compare (e.g. f32)."
+)
+@click.option(
+    "--against-kv-dtype",
+    type=click.Choice(KV_DTYPES),
+    help="Also score with the KV cache stored this way and compare (e.g. float32 against an 8-bit cache).",
 )
 @click.option("--top-k", default=5, show_default=True, help="Likeliest tokens recorded per position.")
 @click.option("--token-budget", default=512, show_default=True, help="Tokens per prefill step.")
@@ -111,7 +123,9 @@ def score(
     text: str | None,
     file_path: Path | None,
     weights: str,
+    kv_dtype: str,
     against: str | None,
+    against_kv_dtype: str | None,
     top_k: int,
     token_budget: int,
     show_tokens: int,
@@ -121,39 +135,44 @@ def score(
     if (text is None) == (file_path is None):
         raise click.UsageError("give either TEXT or --file")
     text = file_path.read_text() if file_path is not None else text
-    runs = {weights: SmolLM2(weights=weights)}
-    if against is not None and against != weights:
-        runs[against] = SmolLM2(session=runs[weights].session, weights=against)
-    tokenizer = runs[weights].tokenizer
+    main_label = f"{weights} weights, {kv_dtype} KV"
+    runs = {main_label: SmolLM2(weights=weights, kv_dtype=kv_dtype)}
+    session = runs[main_label].session
+    for other_weights, other_kv in ((against, kv_dtype), (weights, against_kv_dtype)):
+        label = f"{other_weights} weights, {other_kv} KV"
+        if other_weights is not None and other_kv is not None and label not in runs:
+            runs[label] = SmolLM2(session=session, weights=other_weights, kv_dtype=other_kv)
+    tokenizer = runs[main_label].tokenizer
     ids = tokenizer.encode(text)
-    scored = {fmt: score_tokens(model, ids, top_k, token_budget) for fmt, model in runs.items()}
-    main = scored[weights]
+    scored = {label: score_tokens(model, ids, top_k, token_budget) for label, model in runs.items()}
+    main = scored[main_label]
     for i, s in enumerate(main.scores[:show_tokens]):
         alternatives = ", ".join(f"{tokenizer.decode([t])!r} {lp:.2f}" for t, lp in s.top)
         click.echo(f"{i + 1:5d} {tokenizer.decode([s.token_id])!r:>16} {s.logprob:8.3f}   top: {alternatives}")
-    for fmt, result in scored.items():
+    for label, result in scored.items():
         click.echo(
-            f"{fmt}: {len(result.scores)} tokens scored, mean log-probability {result.mean_logprob:.4f}, "
+            f"{label}: {len(result.scores)} tokens scored, mean log-probability {result.mean_logprob:.4f}, "
             f"perplexity {result.perplexity:.3f}"
         )
-    comparison = agreement(main, scored[against]) if against is not None and against != weights else None
-    if comparison is not None:
+    comparisons = {label: agreement(result, main) for label, result in scored.items() if label != main_label}
+    for label, comparison in comparisons.items():
         click.echo(
-            f"{weights} vs {against}: top-1 agreement {comparison['top1_agreement']:.2%}, "
+            f"{main_label} vs {label}: top-1 agreement {comparison['top1_agreement']:.2%}, "
+            f"perplexity ratio {comparison['perplexity_ratio']:.4f}, "
             f"largest log-probability gap {comparison['max_logprob_gap']:.3f}"
         )
     if json_path is not None:
         payload = {
             "token_ids": main.token_ids,
-            "formats": {
-                fmt: {
+            "runs": {
+                label: {
                     "perplexity": r.perplexity,
                     "mean_logprob": r.mean_logprob,
                     "scores": [s.as_json() for s in r.scores],
                 }
-                for fmt, r in scored.items()
+                for label, r in scored.items()
             },
-            "comparison": comparison,
+            "comparisons": comparisons,
         }
         json_path.write_text(json.dumps(payload))
         click.echo(f"wrote {json_path}", err=True)

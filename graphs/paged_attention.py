@@ -1,7 +1,11 @@
 """The attention backend that runs on mokv's paged cache: each layer stores its
 new K/V through the page table, then attends over the cache with mokv's flash
 kernel. It declares the cache's graph inputs with the page size left symbolic,
-so one compiled model serves caches of every page size."""
+so one compiled model serves caches of every page size.
+
+The model computes in float32. A bfloat16 cache takes bfloat16 keys, values
+and queries (cast on the way in, the output cast back); a quantized cache
+(float8, int8) takes them in float32 and quantizes as it stores."""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from max.graph import BufferType, DeviceRef, TensorType, TensorValue, Value
+from max.dtype import DType
+from max.graph import BufferType, DeviceRef, TensorType, TensorValue, Value, ops
 
 from mokv.contract import CacheShape
 from mokv.graph import PagedCacheValues, attention, paged_input_types, store_kv
@@ -42,6 +47,9 @@ class PagedCacheAttention:
         graph_inputs: Sequence[Value],
     ) -> TensorValue:
         cache = PagedCacheValues.from_inputs(graph_inputs)
+        rows = DType.float32 if cache.quantized else self.cache_shape.dtype
+        q, k, v = (x if x.dtype == rows else ops.cast(x, rows) for x in (q, k, v))
         store_kv(cache, layer_idx, k, v, input_row_offsets)
         scale = 1.0 / math.sqrt(int(q.shape[-1]))
-        return attention(cache, layer_idx, q, input_row_offsets, scale)
+        out = attention(cache, layer_idx, q, input_row_offsets, scale)
+        return out if out.dtype == DType.float32 else ops.cast(out, DType.float32)

@@ -173,6 +173,8 @@ class MaxCache:
     name = "MAX"
 
     def attention(self, params: KVCacheParams) -> MaxCacheAttention:
+        if params.dtype != DType.float32:
+            raise ValueError(f"the MAX cache backend here stores float32 KV, not {params.dtype.name}")
         self.page_size = params.page_size
         return MaxCacheAttention(params)
 

@@ -36,13 +36,13 @@ QUESTIONS = [
 ]
 
 
-def _memo(make: Callable[[str], object]) -> Callable[[str], object]:
-    made: dict[str, object] = {}
+def _memo(make: Callable[..., object]) -> Callable[..., object]:
+    made: dict[tuple[str, ...], object] = {}
 
-    def get(weight_format: str) -> object:
-        if weight_format not in made:
-            made[weight_format] = make(weight_format)
-        return made[weight_format]
+    def get(*key: str) -> object:
+        if key not in made:
+            made[key] = make(*key)
+        return made[key]
 
     return get
 
@@ -87,9 +87,13 @@ def dense_smollm2(dense_models) -> Model:
 
 
 @pytest.fixture(scope="session")
-def paged_models(session: InferenceSession) -> Callable[[str], SmolLM2]:
-    """``get(format)``: the SmolLM2 pipeline on mokv's paged cache (symbolic page size)."""
-    return _memo(lambda weight_format: SmolLM2(session, log=lambda _: None, weights=weight_format))
+def paged_models(session: InferenceSession) -> Callable[..., SmolLM2]:
+    """``get(format, kv_dtype="float32")``: the SmolLM2 pipeline on mokv's paged cache
+    (symbolic page size) storing its KV as ``kv_dtype``."""
+    memo = _memo(
+        lambda weight_format, kv_dtype: SmolLM2(session, log=lambda _: None, weights=weight_format, kv_dtype=kv_dtype)
+    )
+    return lambda weight_format, kv_dtype="float32": memo(weight_format, kv_dtype)
 
 
 @pytest.fixture(scope="session")

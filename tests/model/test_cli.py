@@ -84,11 +84,17 @@ def test_score_compares_weight_formats(cli, tmp_path):
     result = cli.invoke(main, ["score", text, "--against", "f32", "--show", "3", "--json", str(out)])
     assert result.exit_code == 0, result.output
     run = json.loads(out.read_text())
-    assert set(run["formats"]) == {DEFAULT_FORMAT, "f32"}
-    assert run["comparison"]["top1_agreement"] >= 0.8
-    for fmt, scored in run["formats"].items():
+    labels = {f"{DEFAULT_FORMAT} weights, float32 KV", "f32 weights, float32 KV"}
+    assert set(run["runs"]) == labels
+    (comparison,) = run["comparisons"].values()
+    assert comparison["top1_agreement"] >= 0.8
+    assert comparison["perplexity_ratio"] == pytest.approx(
+        run["runs"]["f32 weights, float32 KV"]["perplexity"]
+        / run["runs"][f"{DEFAULT_FORMAT} weights, float32 KV"]["perplexity"]
+    )
+    for label, scored in run["runs"].items():
         assert len(scored["scores"]) == len(run["token_ids"]) - 1
-        assert f"{fmt}: {len(scored['scores'])} tokens scored" in result.output
+        assert f"{label}: {len(scored['scores'])} tokens scored" in result.output
     assert "top-1 agreement" in result.output
 
 
