@@ -61,8 +61,11 @@ def widen[dtype: DType, width: Int](codes: SIMD[dtype, width]) -> SIMD[DType.flo
     float8 codes through float16 (see the module docstring), anything else
     by a plain cast."""
     comptime if dtype == DType.float8_e4m3fn:
-        var bits = bitcast[DType.uint8, width](codes).cast[DType.uint16]()
-        var half = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)
+        # s eeee mmm -> float16 s 0 eeee mmm 0000000: the byte to the top of
+        # 16 bits, an arithmetic shift right by one, the copied sign cleared.
+        var high = bitcast[DType.uint8, width](codes).cast[DType.uint16]() << 8
+        var shifted = bitcast[DType.uint16, width](bitcast[DType.int16, width](high) >> 1)
+        var half = shifted & 0xBFFF
         return bitcast[DType.float16, width](half).cast[DType.float32]()
     else:
         return codes.cast[DType.float32]()

@@ -190,46 +190,44 @@ def test_store_saturates_and_maps_nan_to_zero(fmt, quantized_store_gather):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_growing_scale_block_requantizes_the_tokens_it_holds(fmt, quantized_store_gather):
     """Scales per block of 4 tokens, filled one decode token at a time with
-    magnitudes growing 4x per token: each new token raises the block's scale,
-    and the tokens already there are requantized under it, so every element
-    still reads back within one code step of the block's final scale."""
+    magnitudes growing 4x per token: each new token raises the block's scale
+    and the tokens already there are requantized under it. Each token's
+    error is then at most half a code step under every scale it was rounded
+    with (for float8 these do not shrink with the scale: the error compounds,
+    which is why one scale per token is the default)."""
     rng = np.random.default_rng(1)
     heads, d, page, per_block = 2, 32, 8, 4
     cache = empty_cache(rng, fmt, 1, 2, page, heads, d, 1, per_block)
-    tokens = rng.standard_normal((10, heads, d)).astype(np.float32) * (4.0 ** np.arange(10))[:, None, None]
-    tokens = tokens.astype(np.float32)
+    growth = 4.0 ** np.arange(10)
+    tokens = (rng.standard_normal((10, heads, d)) * growth[:, None, None]).astype(np.float32)
+    no_rows = np.zeros(0, np.uint32)
     for t in range(10):
-        _gathered(
-            cache,
-            quantized_store_gather,
-            tokens[t : t + 1],
-            tokens[t : t + 1],
-            np.array([t], np.uint32),
-            np.array([0, 1], np.uint32),
-            0,
-            np.zeros(1, np.uint32),
-            np.zeros(1, np.uint32),
-        )
-    positions = np.arange(10, dtype=np.uint32)
+        one = tokens[t : t + 1]
+        offsets = np.array([0, 1], np.uint32)
+        _gathered(cache, quantized_store_gather, one, one, np.array([t], np.uint32), offsets, 0, no_rows, no_rows)
+    empty = tokens[:0]
     deq, _, scales = _gathered(
         cache,
         quantized_store_gather,
-        tokens[:0],
-        tokens[:0],
+        empty,
+        empty,
         np.array([10], np.uint32),
         np.array([0, 0], np.uint32),
         0,
         np.zeros(10, np.uint32),
-        positions,
+        np.arange(10, dtype=np.uint32),
     )
-    for block in range(0, 10, per_block):
-        members = slice(block, min(block + per_block, 10))
-        largest = np.abs(tokens[members]).max(axis=(0, 2)) / ref.CODE_MAX[fmt]
-        np.testing.assert_allclose(
-            scales[members, :, 0], np.broadcast_to(largest, scales[members, :, 0].shape), rtol=1e-6
-        )
-    step = ref.code_step(tokens / np.repeat(scales, d, axis=-1), fmt) * np.repeat(scales, d, axis=-1)
-    assert (np.abs(deq - tokens) <= step * 1.001).all()
+    limit = ref.CODE_MAX[fmt]
+    for t in range(10):
+        block_start = t - t % per_block
+        block_end = min(block_start + per_block, 10)
+        final = np.abs(tokens[block_start:block_end]).max(axis=(0, 2)) / limit
+        np.testing.assert_allclose(scales[t, :, 0], final, rtol=1e-6)
+        # The scales token t was rounded under: the block's after each store from t on.
+        history = [np.abs(tokens[block_start : u + 1]).max(axis=(0, 2)) / limit for u in range(t, block_end)]
+        allowed = sum(ref.code_step(tokens[t] / s[:, None], fmt) * s[:, None] / 2 for s in history)
+        error = np.abs(deq[t] - tokens[t])
+        assert (error <= allowed * 1.01 + 1e-6).all(), f"token {t}: error {error.max()} over {allowed.max()}"
 
 
 def _quantized_batch(rng, fmt, layout_rows, heads, group, d, page, granules, per_block, q_dtype):

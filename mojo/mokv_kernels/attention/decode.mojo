@@ -63,7 +63,7 @@ def _decode_tokens(group_block: Int) -> Int:
 
 
 def _decode_item[
-    q_dtype: DType, //, cache_t: KVCacheT, GB: Int
+    q_dtype: DType, //, cache_t: KVCacheT, GB: Int, PER_VECTOR: Bool
 ](
     k_cache: cache_t,
     v_cache: cache_t,
@@ -75,8 +75,11 @@ def _decode_item[
     time (padded with zero rows up to a multiple of `GB`) against `JB` context
     tokens at a time, so every loaded key or value vector feeds `GB` FMAs and
     every output vector stays in a register across `JB` tokens. bfloat16
-    rows and 8-bit codes are widened vector by vector as they are loaded,
-    codes then multiplied by their granule's scale (`granules` per head)."""
+    rows and 8-bit codes are widened vector by vector as they are loaded.
+    A code's scale is applied where it costs least: with one scale per head
+    row, to the finished score (keys) and to the probability (values), a
+    multiply per token instead of per vector; with several (`PER_VECTOR`),
+    to each widened vector."""
     comptime JB = _decode_tokens(GB)
     comptime AHEAD = 8  # tokens between the rows read and the rows prefetched
     comptime quantized = is_quantized[cache_t.dtype]()
@@ -117,7 +120,7 @@ def _decode_item[
                     var i = 0
                     for granule in range(granules):
                         var scale = Array[Vec, JB](fill=Vec(1))
-                        comptime if quantized:
+                        comptime if quantized and PER_VECTOR:
                             comptime for t in range(JB):
                                 var s = k_scales[t][unsafe_offset=h * granules + granule]
                                 scale[t] = Vec(s * unit)
@@ -126,7 +129,7 @@ def _decode_item[
                                 prefetch(k_next[t].unsafe_offset(i))
                             comptime for t in range(JB):
                                 var key = widen(k[t].unsafe_load[width=W](i))
-                                comptime if quantized:
+                                comptime if quantized and PER_VECTOR:
                                     key *= scale[t]
                                 comptime for g in range(GB):
                                     var qv = q_g.unsafe_load[width=W](g * d + i)
@@ -141,7 +144,10 @@ def _decode_item[
                         comptime for k in range(COUNT):
                             comptime g = (first_dot + k) // JB
                             comptime t = (first_dot + k) % JB
-                            state.column(j0 + t)[unsafe_offset=base + g] = sums[k]
+                            var score = sums[k]
+                            comptime if quantized and not PER_VECTOR:
+                                score *= k_scales[t][unsafe_offset=h] * unit
+                            state.column(j0 + t)[unsafe_offset=base + g] = score
         state.update(n)
         for j in range(n, _round_up(n, JB)):  # padding tokens of the last block weigh nothing
             for r in range(0, rows, W):
@@ -163,12 +169,16 @@ def _decode_item[
                     var base = h * padded + g0
                     var probs = Array[Vec, GB * JB](fill=Vec(0))
                     comptime for t in range(JB):
+                        var weight: Float32 = 1
+                        comptime if quantized and not PER_VECTOR:
+                            weight = v_scales[t][unsafe_offset=h] * unit
                         comptime for g in range(GB):
-                            probs[g * JB + t] = Vec(state.column(j0 + t)[unsafe_offset=base + g])
+                            var p = state.column(j0 + t)[unsafe_offset=base + g]
+                            probs[g * JB + t] = Vec(p * weight)
                     var i = 0
                     for granule in range(granules):
                         var scale = Array[Vec, JB](fill=Vec(1))
-                        comptime if quantized:
+                        comptime if quantized and PER_VECTOR:
                             comptime for t in range(JB):
                                 var s = v_scales[t][unsafe_offset=h * granules + granule]
                                 scale[t] = Vec(s * unit)
@@ -179,7 +189,7 @@ def _decode_item[
                             var vals = Array[Vec, JB](fill=Vec(0))
                             comptime for t in range(JB):
                                 vals[t] = widen(v[t].unsafe_load[width=W](i))
-                                comptime if quantized:
+                                comptime if quantized and PER_VECTOR:
                                     vals[t] *= scale[t]
                             comptime for g in range(GB):
                                 var acc = state.acc_row(base + g).unsafe_offset(i)
@@ -212,14 +222,31 @@ def _decode_any_group[
     partials: F32Ptr,
 ):
     """Picks the query-head block that wastes the fewest padded rows for the
-    GQA ratio (ratios above 8 run in blocks of 8)."""
+    GQA ratio (ratios above 8 run in blocks of 8), and for a quantized cache
+    with several scales per head row the variant that scales every vector."""
+    comptime if is_quantized[cache_t.dtype]():
+        if k_cache.scales().granules > 1:
+            _decode_group[True](k_cache, v_cache, queries, item, partials)
+            return
+    _decode_group[False](k_cache, v_cache, queries, item, partials)
+
+
+def _decode_group[
+    q_dtype: DType, //, PER_VECTOR: Bool, cache_t: KVCacheT
+](
+    k_cache: cache_t,
+    v_cache: cache_t,
+    queries: RaggedQueries[q_dtype],
+    item: WorkItem,
+    partials: F32Ptr,
+):
     if queries.group == 1:
-        _decode_item[cache_t, 1](k_cache, v_cache, queries, item, partials)
+        _decode_item[cache_t, 1, PER_VECTOR](k_cache, v_cache, queries, item, partials)
     elif queries.group == 2:
-        _decode_item[cache_t, 2](k_cache, v_cache, queries, item, partials)
+        _decode_item[cache_t, 2, PER_VECTOR](k_cache, v_cache, queries, item, partials)
     elif queries.group == 3:
-        _decode_item[cache_t, 3](k_cache, v_cache, queries, item, partials)
+        _decode_item[cache_t, 3, PER_VECTOR](k_cache, v_cache, queries, item, partials)
     elif queries.group == 4:
-        _decode_item[cache_t, 4](k_cache, v_cache, queries, item, partials)
+        _decode_item[cache_t, 4, PER_VECTOR](k_cache, v_cache, queries, item, partials)
     else:
-        _decode_item[cache_t, 8](k_cache, v_cache, queries, item, partials)
+        _decode_item[cache_t, 8, PER_VECTOR](k_cache, v_cache, queries, item, partials)

@@ -50,8 +50,17 @@ def _tile_rows[
         for i in range(run):
             rows[unsafe_offset=j + i] = p.unsafe_offset(i * row_elems)
         comptime if is_quantized[cache_t.dtype]():
+            # Scale rows follow one another within a page too: one lookup per run.
+            var table = cache.scales()
+            var scale_row = cache.scale_row(row, start + j)
+            var stride = cache.num_heads() * table.granules
+            var in_scale_block = (start + j) % table.tokens_per_scale
             for i in range(run):
-                scales[unsafe_offset=j + i] = cache.scale_row(row, start + j + i)
+                scales[unsafe_offset=j + i] = scale_row
+                in_scale_block += 1
+                if in_scale_block == table.tokens_per_scale:
+                    in_scale_block = 0
+                    scale_row = scale_row.unsafe_offset(stride)
         j += run
 
 
