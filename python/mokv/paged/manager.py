@@ -466,7 +466,7 @@ class PagedKVCacheManager:
         for replica, plan in zip(self._replicas, plans, strict=True):
             tables = replica.staging.build(replica.table, *plan[:3], **plan[3])
             for name, buffer in replica.buffers.items():
-                per_leaf[name] += device_inputs(tables, buffer.values, replica.devices)
+                per_leaf[name] += device_inputs(tables, buffer.values, replica.devices, buffer.scales)
             replica.wait_for_loads()  # blocks loaded from a tier hold their bytes before the graph runs
         return _as_tree(self.params, per_leaf)
 

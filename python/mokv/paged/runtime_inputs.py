@@ -6,7 +6,7 @@ leaf cache: `cache_lengths` (each request's `processed_length`), the
 any request needs this step, or to `ceil(max_cache_length / page_size)`), and
 `max_lengths` (row i: most new tokens, longest context at step i; step 0 runs
 the active tokens, later steps one token each). `device_inputs` pairs them
-with each shard's block tensor.
+with each shard's block tensor (and scales tensor, when quantized).
 
 The manager keeps every claimed request's page ids in a `BlockTable`, one
 null-padded row per request, and checks a batch in one pass over its requests
@@ -215,15 +215,20 @@ class InputStaging:
         return BatchTables(lengths_buffer, lookup_buffer, max_lengths_buffer)
 
 
-def device_inputs(tables: BatchTables, blocks: list[Buffer], devices: list[Device]) -> list[PagedCacheInputs[Buffer]]:
-    """One `PagedCacheInputs` per TP shard: its block tensor and the batch's
-    tables (copied to the shard's device, `max_lengths` staying on the host)."""
+def device_inputs(
+    tables: BatchTables, blocks: list[Buffer], devices: list[Device], scales: list[Buffer] | None = None
+) -> list[PagedCacheInputs[Buffer]]:
+    """One `PagedCacheInputs` per TP shard: its block tensor (and, for a
+    quantized cache, its scales tensor) and the batch's tables (copied to the
+    shard's device, `max_lengths` staying on the host)."""
+    shard_scales: list[Buffer | None] = list(scales) if scales is not None else [None] * len(blocks)
     return [
         PagedCacheInputs(
             blocks=shard_blocks,
             cache_lengths=tables.cache_lengths if device.is_host else tables.cache_lengths.to(device),
             lookup_table=tables.lookup_table if device.is_host else tables.lookup_table.to(device),
             max_lengths=tables.max_lengths,
+            scales=scales_of_shard,
         )
-        for shard_blocks, device in zip(blocks, devices, strict=True)
+        for shard_blocks, scales_of_shard, device in zip(blocks, shard_scales, devices, strict=True)
     ]
