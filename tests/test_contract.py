@@ -14,13 +14,21 @@ from max.graph import BufferType, DeviceRef, TensorType
 from mokv import (
     KVCacheInputs,
     KVCacheParams,
+    KVCacheQuantConfig,
     MultiKVCacheInputs,
     MultiKVCacheParams,
     PagedKVCacheManager,
     TextContext,
     cache_input_types,
 )
-from mokv.contract import CONTINUOUS_INPUTS, PAGED_INPUTS, ContinuousCacheInputs, PagedCacheInputs
+from mokv.contract import (
+    CONTINUOUS_INPUTS,
+    PAGED_INPUTS,
+    ContinuousCacheInputs,
+    PagedCacheInputs,
+    continuous_input_types,
+    paged_input_types,
+)
 
 CPU = DeviceRef.CPU()
 
@@ -54,25 +62,73 @@ def run_one_request(manager: PagedKVCacheManager, tokens, replica: int = 0) -> T
     return ctx
 
 
+QUANTIZATIONS = {
+    "bfloat16": (DType.bfloat16, None),
+    "float8-per-token": (DType.float8_e4m3fn, KVCacheQuantConfig()),
+    "int8-blocks": (DType.int8, KVCacheQuantConfig(quantization_granularity=4, tokens_per_scale=2)),
+}
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize(("devices", "dp"), [(2, 1), (4, 2)])
-def test_tensor_parallel_inputs_match_declared_types(devices: int, dp: int) -> None:
+def test_tensor_parallel_inputs_match_declared_types(devices: int, dp: int, quantization: str) -> None:
+    """Every device's runtime inputs have the declared types, with the page
+    size symbolic and fixed; a quantized cache's scales come last, as that
+    shard's scales tensor."""
+    dtype, config = QUANTIZATIONS[quantization]
     params = KVCacheParams(
-        DType.bfloat16,
+        dtype,
         n_kv_heads=4,
         head_dim=8,
         num_layers=2,
         page_size=4,
         devices=[CPU] * devices,
         data_parallel_degree=dp,
+        kvcache_quant_config=config,
     )
     manager = PagedKVCacheManager(params, None, 8, max_batch_size=2)
     batches = [[run_one_request(manager, range(6 + r), r)] for r in range(dp)]
     inputs = manager.runtime_inputs(batches)
-    types = cache_input_types(params)
-    assert len(inputs.inputs) == len(types.inputs) == devices
-    for device_inputs, device_types in zip(inputs.inputs, types.inputs, strict=True):
-        assert device_inputs.blocks.shape[4] == params.n_kv_heads_per_device == 4 // (devices // dp)
-        assert_inputs_match_types(device_inputs.flatten(), device_types.flatten())
+    for types in (cache_input_types(params), cache_input_types(params, params.page_size)):
+        assert len(inputs.inputs) == len(types.inputs) == devices
+        for device_inputs, device_types in zip(inputs.inputs, types.inputs, strict=True):
+            assert device_inputs.blocks.shape[4] == params.n_kv_heads_per_device == 4 // (devices // dp)
+            assert_inputs_match_types(device_inputs.flatten(), device_types.flatten())
+    shards = [s for r in range(dp) for s in zip(*_buffers_of(manager.get_device_buffer(r)), strict=True)]
+    for device_inputs, (blocks, scales) in zip(inputs.inputs, shards, strict=True):
+        assert device_inputs.blocks is blocks and device_inputs.scales is scales
+        expected = [blocks, device_inputs.cache_lengths, device_inputs.lookup_table, device_inputs.max_lengths]
+        assert device_inputs.flatten() == expected + ([] if scales is None else [scales])
+
+
+def _buffers_of(buffer) -> tuple[list, list]:
+    """Each shard's (blocks, scales), scales None when unquantized."""
+    return buffer.values, buffer.scales or [None] * len(buffer.values)
+
+
+def test_quantized_input_types_follow_the_quant_config() -> None:
+    """The scales input: a mutable float32 buffer on the cache's device, paged
+    like the blocks, page_size // tokens_per_scale rows of head_dim //
+    granularity scales (symbolic rows when the page size is)."""
+    params = KVCacheParams(
+        DType.float8_e4m3fn,
+        n_kv_heads=2,
+        head_dim=16,
+        num_layers=3,
+        page_size=8,
+        kvcache_quant_config=KVCacheQuantConfig(quantization_granularity=4, tokens_per_scale=2),
+    )
+    fixed = paged_input_types(params, 8).scales
+    assert isinstance(fixed, BufferType) and fixed.dtype == DType.float32 and fixed.device == CPU
+    assert [str(d) for d in fixed.shape] == ["num_physical_pages", "2", "3", "4", "2", "4"]
+    symbolic = paged_input_types(params).scales
+    assert [str(d) for d in symbolic.shape] == ["num_physical_pages", "2", "3", "scale_rows", "2", "4"]
+    continuous = continuous_input_types(params, 32).scales
+    assert [str(d) for d in continuous.shape] == ["num_slots", "2", "3", "16", "2", "4"]
+    with pytest.raises(ValueError, match="tokens_per_scale=2 must divide the 7 tokens of a block"):
+        continuous_input_types(params, 7)
+    unquantized = paged_input_types(KVCacheParams(DType.float32, 2, 16, 3))
+    assert unquantized.scales is None and len(unquantized.flatten()) == 4
 
 
 def test_several_caches_share_one_page_table() -> None:

@@ -25,9 +25,15 @@ N_KV_HEADS, HEAD_DIM, NUM_LAYERS = 2, 8, 2
 
 
 def small_params(**overrides: object) -> KVCacheParams:
-    options = {"n_kv_heads": N_KV_HEADS, "head_dim": HEAD_DIM, "num_layers": NUM_LAYERS, "page_size": PAGE_SIZE}
+    options = {
+        "dtype": DType.float32,
+        "n_kv_heads": N_KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "num_layers": NUM_LAYERS,
+        "page_size": PAGE_SIZE,
+    }
     options.update(overrides)
-    return KVCacheParams(DType.float32, enable_prefix_caching=True, **options)  # type: ignore[arg-type]
+    return KVCacheParams(enable_prefix_caching=True, **options)  # type: ignore[arg-type]
 
 
 def make_manager(
