@@ -213,6 +213,12 @@ class KVCacheBuffer:
         return [*self.values, *(self.scales or [])]
 
     @property
+    def shard_scales(self) -> list[Buffer | None]:
+        """Each TP shard's scales tensor, in `values` order: None for every
+        shard of an unquantized cache."""
+        return list(self.scales) if self.scales is not None else [None] * len(self.values)
+
+    @property
     def num_physical_pages(self) -> int:
         """Pages in each buffer (values and scales agree), null pages included."""
         return self.values[0].shape[0]

@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 from max.driver import Buffer, Device
 
+from ..buffer import KVCacheBuffer
 from ..contract import PagedCacheInputs
 from ..validation import check_int
 
@@ -215,20 +216,17 @@ class InputStaging:
         return BatchTables(lengths_buffer, lookup_buffer, max_lengths_buffer)
 
 
-def device_inputs(
-    tables: BatchTables, blocks: list[Buffer], devices: list[Device], scales: list[Buffer] | None = None
-) -> list[PagedCacheInputs[Buffer]]:
+def device_inputs(tables: BatchTables, buffer: KVCacheBuffer, devices: list[Device]) -> list[PagedCacheInputs[Buffer]]:
     """One `PagedCacheInputs` per TP shard: its block tensor (and, for a
     quantized cache, its scales tensor) and the batch's tables (copied to the
     shard's device, `max_lengths` staying on the host)."""
-    shard_scales: list[Buffer | None] = list(scales) if scales is not None else [None] * len(blocks)
     return [
         PagedCacheInputs(
-            blocks=shard_blocks,
+            blocks=blocks,
             cache_lengths=tables.cache_lengths if device.is_host else tables.cache_lengths.to(device),
             lookup_table=tables.lookup_table if device.is_host else tables.lookup_table.to(device),
             max_lengths=tables.max_lengths,
-            scales=scales_of_shard,
+            scales=scales,
         )
-        for shard_blocks, scales_of_shard, device in zip(blocks, shard_scales, devices, strict=True)
+        for blocks, scales, device in zip(buffer.values, buffer.shard_scales, devices, strict=True)
     ]
