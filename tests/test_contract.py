@@ -9,7 +9,7 @@ from dataclasses import fields
 import numpy as np
 import pytest
 from max.dtype import DType
-from max.graph import BufferType, DeviceRef, TensorType
+from max.graph import BufferType, DeviceRef, Graph, TensorType
 
 from mokv import (
     KVCacheInputs,
@@ -29,6 +29,7 @@ from mokv.contract import (
     continuous_input_types,
     paged_input_types,
 )
+from mokv.graph import ContinuousCacheValues, FetchContinuousBatchingKVCacheCollection, PagedCacheValues
 
 CPU = DeviceRef.CPU()
 
@@ -189,3 +190,41 @@ def test_multi_cache_children_must_agree_on_the_page_table() -> None:
     tree = cache_input_types(nested)
     assert isinstance(tree.children["t"], MultiKVCacheInputs) and isinstance(tree.children["d"], KVCacheInputs)
     assert len(tree.flatten()) == 3 * len([s for s in PAGED_INPUTS if not s.quantized_only])
+
+
+@pytest.mark.parametrize("layout", ["paged", "continuous"])
+def test_graph_values_hold_the_scales_and_pass_them_after_the_blocks(layout: str) -> None:
+    """Inside a graph (built, not compiled): a quantized cache's values carry
+    the scales buffer, and the ops' operands are blocks, scales, lengths, table."""
+    quantized = KVCacheParams(
+        DType.float8_e4m3fn, n_kv_heads=2, head_dim=16, num_layers=3, kvcache_quant_config=KVCacheQuantConfig()
+    )
+    plain = KVCacheParams(DType.bfloat16, n_kv_heads=2, head_dim=16, num_layers=3)
+    input_types = paged_input_types if layout == "paged" else continuous_input_types
+    values_type = PagedCacheValues if layout == "paged" else ContinuousCacheValues
+    with Graph(f"cache_values_{layout}", input_types=[*input_types(quantized), *input_types(plain)]) as graph:
+        inputs = graph.inputs
+        cache = values_type.from_inputs(inputs[:5])
+        assert cache.quantized and cache.scales is not None
+        assert cache.scales.dtype == DType.float32 and cache.device == CPU
+        assert cache.scales.type == inputs[4].type and cache.blocks.type == inputs[0].type
+        expected = [cache.blocks, cache.scales, cache.cache_lengths, cache.lookup_table]
+        assert all(a is b for a, b in zip(cache.operands(), expected, strict=True))
+        unquantized = values_type.from_inputs(inputs[5:])
+        assert not unquantized.quantized and unquantized.scales is None and len(unquantized.operands()) == 3
+        with pytest.raises(ValueError, match="needs 4 graph values \\(5 for a quantized cache\\), got 3"):
+            values_type.from_inputs(inputs[:3])
+        graph.output()
+
+
+def test_the_opaque_continuous_collection_refuses_a_quantized_cache() -> None:
+    params = KVCacheParams(
+        DType.int8,
+        n_kv_heads=2,
+        head_dim=16,
+        num_layers=3,
+        cache_strategy="continuous",
+        kvcache_quant_config=KVCacheQuantConfig(),
+    )
+    with pytest.raises(ValueError, match="does not support quantized caches yet \\(kvcache_quant_config="):
+        FetchContinuousBatchingKVCacheCollection(params)

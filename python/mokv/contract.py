@@ -203,7 +203,8 @@ class CacheShape(Protocol):
     def n_kv_heads_per_device(self) -> int: ...
 
 
-def _quant_config(shape: CacheShape) -> KVCacheQuantConfig | None:
+def quant_config_of(shape: CacheShape) -> KVCacheQuantConfig | None:
+    """The shape's `kvcache_quant_config`; None (unquantized) when it has none."""
     return getattr(shape, "kvcache_quant_config", None)
 
 
@@ -249,7 +250,7 @@ def _types(
     if not isinstance(device, DeviceRef):
         raise TypeError(f"device must be a max.graph.DeviceRef, got {device!r}")
     named: dict[str, int | str] = {name: size}
-    config = _quant_config(shape)
+    config = quant_config_of(shape)
     if config is None:
         specs = [spec for spec in specs if not spec.quantized_only]
     else:
