@@ -133,14 +133,17 @@ def test_quantized_input_types_follow_the_quant_config() -> None:
 
 
 def test_several_caches_share_one_page_table() -> None:
-    """A target and a draft cache of different shapes and dtypes: one claim,
-    one allocation and one prefix hit serve both; the inputs form a tree in the
-    declared order; a host-tier round trip restores both caches' bytes."""
+    """A target and a (quantized) draft cache of different shapes and dtypes:
+    one claim, one allocation and one prefix hit serve both; the inputs form a
+    tree in the declared order; a host-tier round trip restores both caches'
+    bytes, the draft's scales included."""
     common = {"page_size": 4, "enable_prefix_caching": True}
     params = MultiKVCacheParams(
         {
             "target": KVCacheParams(DType.float32, n_kv_heads=2, head_dim=8, num_layers=2, **common),
-            "draft": KVCacheParams(DType.bfloat16, n_kv_heads=1, head_dim=16, num_layers=1, **common),
+            "draft": KVCacheParams(
+                DType.int8, n_kv_heads=1, head_dim=16, num_layers=1, kvcache_quant_config=KVCacheQuantConfig(), **common
+            ),
         }
     )
     manager = PagedKVCacheManager(params, None, 6, total_num_host_pages=4, enable_runtime_checks=True, max_batch_size=2)
@@ -148,15 +151,17 @@ def test_several_caches_share_one_page_table() -> None:
     assert set(buffers) == {"target", "draft"}
     a = run_one_request(manager, range(9))  # 3 pages
     pages = manager.get_req_blocks(a.request_id)
-    marks = {name: buffers[name].to_memory()[0].buffer.to_numpy() for name in buffers}
-    for name, raw in marks.items():
-        raw[pages] = np.random.default_rng(len(name)).integers(1, 255, raw[pages].shape, dtype=np.uint8)
+    marks = {(name, i): unit.buffer.to_numpy() for name in buffers for i, unit in enumerate(buffers[name].to_memory())}
+    assert list(marks) == [("target", 0), ("draft", 0), ("draft", 1)]  # the draft's values, then its scales
+    for (name, i), raw in marks.items():
+        raw[pages] = np.random.default_rng([len(name), i]).integers(1, 255, raw[pages].shape, dtype=np.uint8)
     saved = {name: raw[pages].copy() for name, raw in marks.items()}
 
     inputs = manager.runtime_inputs([[a]])
     assert isinstance(inputs, MultiKVCacheInputs) and list(inputs.children) == ["target", "draft"]
     target, draft = (inputs.children[n].inputs[0] for n in ("target", "draft"))
     assert target.blocks is buffers["target"].values[0] and draft.blocks is buffers["draft"].values[0]
+    assert target.scales is None and draft.scales is buffers["draft"].scales[0]
     np.testing.assert_array_equal(target.lookup_table.to_numpy(), draft.lookup_table.to_numpy())
     assert inputs.flatten() == [*target.flatten(), *draft.flatten()]
     assert_inputs_match_types(inputs.flatten(), cache_input_types(params).flatten())
