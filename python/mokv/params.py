@@ -44,8 +44,9 @@ SCALE_DTYPES = (DType.float32,)
 class KVCacheQuantConfig:
     """How a quantized cache's scales are laid out (the stored dtype is `KVCacheParams.dtype`).
 
-    A stored element is `round(x / scale)` (saturated to the dtype's range),
-    with one float32 scale per block of `tokens_per_scale` consecutive tokens
+    A stored element is `x / scale` converted to the stored dtype (saturated
+    to its range), and the stored element times its scale is the cached key or
+    value. There is one float32 scale per block of `tokens_per_scale` consecutive tokens
     of a page (or continuous slot) and `quantization_granularity` consecutive
     head_dim elements of one KV head, for keys and values of every layer.
 

@@ -4,6 +4,7 @@ loopback port (`mokv_examples.local_redis`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -142,3 +143,14 @@ class RedisServer(LocalRedis):
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     with RedisServer(tmp_path) as server:
         yield server
+
+
+@contextlib.contextmanager
+def shared_tier(tier: str, tmp_path: Path, model_id: str) -> Iterator[KVConnectorConfig]:
+    """The config of a tier shared between managers: "disk" (a directory in
+    `tmp_path`) or "remote" (a fresh loopback redis-server, stopped afterwards)."""
+    if tier == "disk":
+        yield KVConnectorConfig(model_id=model_id, disk_offload_dir=tmp_path / "kv")
+        return
+    with RedisServer(tmp_path) as server:
+        yield KVConnectorConfig(model_id=model_id, remote_url=server.url)

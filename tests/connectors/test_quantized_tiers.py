@@ -13,7 +13,7 @@ from max.dtype import DType
 from mokv import KVCacheQuantConfig, PagedKVCacheManager, TextContext
 from mokv.connectors import KVConnectorConfig
 
-from .conftest import PAGE_SIZE, RedisServer, small_params
+from .conftest import PAGE_SIZE, shared_tier, small_params
 
 PROMPT = np.arange(300, 300 + 3 * PAGE_SIZE + 1)  # three full pages to cache
 QUANT = KVCacheQuantConfig(quantization_granularity=4, tokens_per_scale=2)
@@ -78,23 +78,13 @@ def test_scales_round_trip_with_their_pages(tier: str, dtype: DType, tmp_path: P
             metrics = m.get_tier_metrics()["host"]
             page_bytes = m.params.bytes_per_page
     else:
-        server = None
-        if tier == "disk":
-            config = KVConnectorConfig(model_id="quantized", disk_offload_dir=tmp_path / "kv")
-        else:
-            server = RedisServer(tmp_path)
-            server.start()
-            config = KVConnectorConfig(model_id="quantized", remote_url=server.url)
-        try:
+        with shared_tier(tier, tmp_path, "quantized") as config:
             with quantized_manager(dtype, config) as first:
                 written = write_prompt(first, rng)
             with quantized_manager(dtype, config) as second:
                 restored = read_prompt(second)
                 metrics = second.get_tier_metrics()[tier]
                 page_bytes = second.params.bytes_per_page
-        finally:
-            if server is not None:
-                server.stop()
     for before, after in zip(written, restored, strict=True):
         np.testing.assert_array_equal(after, before)
     # One page by hand: 4 tokens x K,V x 2 layers x 2 heads x 8 one-byte values,
