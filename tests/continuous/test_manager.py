@@ -10,8 +10,7 @@ from max.dtype import DType
 
 from mokv import KVCacheParams, KVCacheQuantConfig, TextContext
 from mokv.continuous import ContinuousBatchingKVCacheManager
-from tests.test_contract import QUANTIZATIONS as CONTRACT_QUANTIZATIONS
-from tests.test_contract import assert_inputs_match_types
+from tests.test_contract import QUANTIZATIONS, assert_inputs_match_types
 
 PARAMS = KVCacheParams(dtype=DType.float32, n_kv_heads=3, head_dim=8, num_layers=2)
 
@@ -26,8 +25,6 @@ def test_block_shape(manager):
     assert list(manager.blocks[0].shape) == manager.block_shape(4)
 
 
-QUANTIZATIONS = [q for q in CONTRACT_QUANTIZATIONS.values() if q[1] is not None]
-
 # A quantized cache: a float32 scale per 4 tokens x 4 head_dim elements.
 QUANTIZED = KVCacheParams(
     dtype=DType.int8,
@@ -38,7 +35,7 @@ QUANTIZED = KVCacheParams(
 )
 
 
-@pytest.mark.parametrize(("dtype", "config"), [(DType.float32, None), (DType.bfloat16, None), *QUANTIZATIONS])
+@pytest.mark.parametrize(("dtype", "config"), [(DType.float32, None), *QUANTIZATIONS.values()])
 def test_estimated_memory_size_equals_allocation(dtype, config, session):
     params = KVCacheParams(dtype=dtype, n_kv_heads=3, head_dim=8, num_layers=2, kvcache_quant_config=config)
     manager = ContinuousBatchingKVCacheManager(params, 5, 16, 2, [CPU()], session)
