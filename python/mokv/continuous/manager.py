@@ -309,9 +309,10 @@ class ContinuousBatchingKVCacheManager:
 
     def fetch(self, seq_ids: Sequence[int]) -> list[CacheInputs]:
         """Per device: (blocks, cache_lengths, lookup_table, is_cache_empty,
-        then scales for a quantized cache) for the batch `seq_ids` (slots); row i of the batch is
-        `seq_ids[i]`, with the cache length its last `step` recorded. The small
-        tensors are views of preallocated arrays, valid until the next `fetch`.
+        then scales for a quantized cache) for the batch `seq_ids` (slots);
+        row i of the batch is `seq_ids[i]`, with the cache length its last
+        `step` recorded. The small tensors are views of preallocated arrays,
+        valid until the next `fetch`.
 
         Raises:
             TypeError, ValueError: No ids, an id that is no integer, not
@@ -391,10 +392,10 @@ class ContinuousBatchingKVCacheManager:
             )
         batch_sizes = set()
         lengths = []
-        fields = "blocks, cache_lengths, lookup_table, is_cache_empty" + (", scales" if self.scales else "")
+        names = ["blocks", "cache_lengths", "lookup_table", "is_cache_empty"] + (["scales"] if self.scales else [])
         for i, entry in enumerate(kv_cache_inputs):
-            if not isinstance(entry, (tuple, list)) or len(entry) != len(fields.split(", ")):
-                raise TypeError(f"kv_cache_inputs[{i}] must be ({fields}), got {entry!r}")
+            if not isinstance(entry, (tuple, list)) or len(entry) != len(names):
+                raise TypeError(f"kv_cache_inputs[{i}] must be ({', '.join(names)}), got {entry!r}")
             blocks, cache_lengths, _, _, *scales = entry
             if blocks is not self.blocks[i]:
                 raise ValueError(f"kv_cache_inputs[{i}] holds a block tensor that is not this manager's device {i}")
