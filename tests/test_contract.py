@@ -4,7 +4,7 @@ records, specs and Mojo-facing order agree."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import numpy as np
 import pytest
@@ -130,6 +130,24 @@ def test_quantized_input_types_follow_the_quant_config() -> None:
         continuous_input_types(params, 7)
     unquantized = paged_input_types(KVCacheParams(DType.float32, 2, 16, 3))
     assert unquantized.scales is None and len(unquantized.flatten()) == 4
+
+
+@pytest.mark.parametrize(("granularity", "cols"), [(None, "1"), (8, "scale_cols")])
+def test_a_symbolic_head_dim_leaves_scale_cols_symbolic_unless_one_scale_spans_the_head(
+    granularity: int | None, cols: str
+) -> None:
+    @dataclass
+    class SymbolicShape:
+        """A graph's cache shape with the head count and head size left symbolic."""
+
+        kvcache_quant_config: KVCacheQuantConfig
+        dtype: DType = DType.int8
+        num_layers: int = 2
+        n_kv_heads_per_device: int | str = "n_kv_heads"
+        head_dim: int | str = "head_dim"
+
+    scales = paged_input_types(SymbolicShape(KVCacheQuantConfig(quantization_granularity=granularity))).scales
+    assert [str(d) for d in scales.shape] == ["num_physical_pages", "2", "2", "scale_rows", "n_kv_heads", cols]
 
 
 def test_several_caches_share_one_page_table() -> None:
