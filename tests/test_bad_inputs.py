@@ -26,6 +26,7 @@ from mokv import (
     InsufficientBlocksError,
     KVCacheBuffer,
     KVCacheParams,
+    KVCacheQuantConfig,
     MultiKVCacheParams,
     PagedKVCacheManager,
     TextContext,
@@ -62,6 +63,9 @@ def raises_naming(case: Case, *args: Any) -> None:
 
 BASE = {"dtype": DType.float32, "n_kv_heads": 2, "head_dim": 8, "num_layers": 2}
 P = KVCacheParams(**BASE, page_size=4)
+Q = KVCacheParams(
+    **{**BASE, "dtype": DType.int8}, page_size=4, kvcache_quant_config=KVCacheQuantConfig(tokens_per_scale=2)
+)
 
 
 def params(**kw: Any) -> Callable[[], Any]:
@@ -94,6 +98,14 @@ PARAMS_CASES = cases(
     ("block-shape-zero", lambda: P.block_shape(0), ValueError, "num_pages must be >= 1, got 0"),
     ("block-shape-fraction", lambda: P.block_shape(2.5), TypeError, "2.5"),
     ("block-shape-bool", lambda: P.block_shape(True), TypeError, "True"),
+    ("block-shape-tokens-zero", lambda: P.block_shape(2, tokens_per_block=0), ValueError, "tokens_per_block"),
+    ("scales-shape-unquantized", lambda: P.scales_shape(2), ValueError, "kvcache_quant_config"),
+    ("scales-shape-tokens", lambda: Q.scales_shape(2, tokens_per_block=3), ValueError, "tokens_per_scale=2"),
+    ("quant-config-dict", params(kvcache_quant_config={}), TypeError, "kvcache_quant_config"),
+    ("quant-fp8-bare", params(dtype=DType.float8_e4m3fn), ValueError, "kvcache_quant_config"),
+    ("quant-granularity-str", lambda: KVCacheQuantConfig(quantization_granularity="8"), TypeError, "'8'"),
+    ("quant-tokens-bool", lambda: KVCacheQuantConfig(tokens_per_scale=True), TypeError, "True"),
+    ("quant-scale-dtype", lambda: KVCacheQuantConfig(scale_dtype=DType.float16), ValueError, "scale_dtype"),
     ("multi-not-mapping", lambda: MultiKVCacheParams([P]), TypeError, "children"),
     ("multi-child", lambda: MultiKVCacheParams({"a": "p"}), TypeError, "'a'"),
 )

@@ -8,7 +8,7 @@ from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.graph import DeviceRef
 
-from mokv import KVCacheBuffer, KVCacheMemory, KVCacheParams, ReplicatedKVCacheMemory
+from mokv import KVCacheBuffer, KVCacheMemory, KVCacheParams, KVCacheQuantConfig, ReplicatedKVCacheMemory
 
 
 def block_tensor(pages: int = 3, dtype: DType = DType.float32) -> Buffer:
@@ -54,6 +54,34 @@ def test_allocate_follows_params() -> None:
     assert not buf.values[1].to_numpy().any() and not buf.replicates_kv_across_tp
     bare = KVCacheBuffer.allocate(params, 5, params.devices, null_page=False)
     assert bare.total_num_pages == bare.num_physical_pages == 5
+
+
+@pytest.mark.parametrize("dtype", [DType.float8_e4m3fn, DType.int8])
+def test_allocate_adds_zeroed_scales_for_a_quantized_cache(dtype: DType) -> None:
+    params = KVCacheParams(
+        dtype,
+        n_kv_heads=4,
+        head_dim=8,
+        num_layers=2,
+        page_size=16,
+        devices=[DeviceRef.CPU(), DeviceRef.CPU()],
+        kvcache_quant_config=KVCacheQuantConfig(quantization_granularity=4, tokens_per_scale=8),
+    )
+    buf = KVCacheBuffer.allocate(params, 5, params.devices)
+    assert [(list(b.shape), b.dtype) for b in buf.values] == [([6, 2, 2, 16, 2, 8], dtype)] * 2
+    assert buf.scales is not None
+    assert [(list(s.shape), s.dtype) for s in buf.scales] == [([6, 2, 2, 2, 2, 2], DType.float32)] * 2
+    assert all(s.device == v.device for s, v in zip(buf.scales, buf.values, strict=True))
+    assert not any(s.to_numpy().any() for s in buf.scales)
+    # Offload units: each shard's values, then each shard's scales, one page per row.
+    units = buf.to_memory()
+    assert [(u.num_physical_pages, u.bytes_per_page) for u in units] == [(6, 16 * 2 * 2 * 2 * 8)] * 2 + [
+        (6, 2 * 2 * 2 * 2 * 2 * 4)
+    ] * 2
+    assert sum(u.bytes_per_page for u in units[::2]) == params.bytes_per_page
+    # A continuous cache's pages are its slots of max_seq_len tokens.
+    slots = KVCacheBuffer.allocate(params, 3, params.devices[:1], null_page=False, tokens_per_page=32)
+    assert list(slots.values[0].shape) == [3, 2, 2, 32, 2, 8] and list(slots.scales[0].shape) == [3, 2, 2, 4, 2, 2]
 
 
 @pytest.mark.parametrize(

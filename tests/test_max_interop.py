@@ -165,9 +165,9 @@ def test_every_max_field_is_handled() -> None:
     this lists the fields of today's MHAKVCacheParams so a MAX upgrade that adds
     one shows up here."""
     names = {f.name for f in dataclasses.fields(max_kv.MHAKVCacheParams)}
-    from mokv.params import _FROM_MAX, _HARMLESS, _UNSUPPORTED_BECAUSE
+    from mokv.params import _CONVERTED, _FROM_MAX, _HARMLESS, _UNSUPPORTED_BECAUSE
 
-    assert names - set(_FROM_MAX) - _HARMLESS - set(_UNSUPPORTED_BECAUSE) == {"enable_prefix_caching"}
+    assert names - set(_FROM_MAX) - _HARMLESS - set(_UNSUPPORTED_BECAUSE) == _CONVERTED
 
 
 def test_mla_params_are_refused() -> None:

@@ -12,7 +12,7 @@ from .contract import (
 )
 from .metrics import KVCacheMetrics
 from .paged import BatchCharacteristics, InsufficientBlocksError, PagedKVCacheManager
-from .params import KVCacheParams, KVCacheStrategy, MultiKVCacheParams, from_max
+from .params import KVCacheParams, KVCacheQuantConfig, KVCacheStrategy, MultiKVCacheParams, from_max
 
 __all__ = [
     "BatchCharacteristics",
@@ -25,6 +25,7 @@ __all__ = [
     "KVCacheMemory",
     "KVCacheMetrics",
     "KVCacheParams",
+    "KVCacheQuantConfig",
     "KVCacheStrategy",
     "MultiKVCacheInputs",
     "MultiKVCacheParams",

@@ -1,7 +1,8 @@
 """The memory behind one data-parallel replica's KV cache.
 
-`KVCacheBuffer` holds one block tensor per tensor-parallel shard (plus optional
-quantization scales). `to_memory()` re-views every tensor as raw pages,
+`KVCacheBuffer` holds one block tensor per tensor-parallel shard (plus, for a
+quantized cache, one float32 scales tensor per shard, paged like the blocks:
+`KVCacheParams.scales_shape`). `to_memory()` re-views every tensor as raw pages,
 `[num_physical_pages, bytes_per_page]` uint8, so code that moves pages between
 tiers (the host tier, a transfer engine) never needs to know dtypes or layouts.
 
@@ -166,36 +167,56 @@ class KVCacheBuffer:
         devices: Sequence[DeviceRef],
         *,
         null_page: bool = True,
+        tokens_per_page: int | None = None,
     ) -> KVCacheBuffer:
         """Zero-filled block tensors, one per device in `devices`, with
-        `total_num_pages` pages for requests plus the null page (if asked).
+        `total_num_pages` pages for requests plus the null page (if asked);
+        for a quantized cache (`params.quantized`), zero-filled scales tensors
+        beside them (`params.scales_shape`, same pages). `tokens_per_page`
+        replaces `params.page_size` (a continuous cache's pages are its
+        `max_seq_len` slots).
 
         Raises:
             TypeError, ValueError: A bad count or device, by name.
-            ValueError: A block tensor would not fit in its device's free
-                memory (checked before anything is allocated).
+            ValueError: A device's tensors would not fit in its free memory
+                (checked before anything is allocated).
             MemoryError: The allocation failed anyway; the message names the size.
         """
         if not isinstance(params, KVCacheParams):
             raise TypeError(f"params must be a mokv KVCacheParams, got {type(params).__name__}")
         check_int("total_num_pages", total_num_pages, minimum=1)
         num_null_pages = int(check_bool("null_page", null_page))
-        shape = params.block_shape(total_num_pages + num_null_pages)
-        nbytes = math.prod(shape) * params.dtype.size_in_bytes
+        num_pages = total_num_pages + num_null_pages
+        tensors = [(params.block_shape(num_pages, tokens_per_page), params.dtype)]
+        if params.kvcache_quant_config is not None:
+            tensors.append((params.scales_shape(num_pages, tokens_per_page), params.kvcache_quant_config.scale_dtype))
         targets = [_device(i, ref) for i, ref in enumerate(devices)]
-        what = f"total_num_pages={total_num_pages} (block tensor {shape}, {params.dtype})"
+        described = " and ".join(f"{shape} {dtype.name}" for shape, dtype in tensors)
+        what = f"total_num_pages={total_num_pages} ({described} per device)"
+        sizes = [math.prod(shape) * dtype.size_in_bytes for shape, dtype in tensors]
         for device in set(targets):
-            check_fits(what, nbytes * targets.count(device), device)
-        values = [
-            allocate(what, nbytes, device, lambda d=device: Buffer.zeros(shape, params.dtype, device=d))
-            for device in targets
-        ]
-        return cls(replicates_kv_across_tp=False, values=values, num_null_pages=num_null_pages)
+            check_fits(what, sum(sizes) * targets.count(device), device)
+
+        def zeros(shape: list[int], dtype: DType, nbytes: int) -> list[Buffer]:
+            return [
+                allocate(what, nbytes, device, lambda d=device: Buffer.zeros(shape, dtype, device=d))
+                for device in targets
+            ]
+
+        values = zeros(*tensors[0], sizes[0])
+        scales = zeros(*tensors[1], sizes[1]) if len(tensors) > 1 else None
+        return cls(replicates_kv_across_tp=False, values=values, scales=scales, num_null_pages=num_null_pages)
 
     @property
     def all_buffers(self) -> list[Buffer]:
         """Every value buffer, then every scale buffer."""
         return [*self.values, *(self.scales or [])]
+
+    @property
+    def shard_scales(self) -> list[Buffer | None]:
+        """Each TP shard's scales tensor, in `values` order: None for every
+        shard of an unquantized cache."""
+        return list(self.scales) if self.scales is not None else [None] * len(self.values)
 
     @property
     def num_physical_pages(self) -> int:

@@ -8,6 +8,12 @@ the graph input types (the same classes holding `TensorType`s, from
 take (`mokv.graph.PagedCacheValues` subclasses them) and the Mojo ops, whose
 operands follow `PAGED_INPUTS` / `CONTINUOUS_INPUTS` in order.
 
+A quantized cache (`KVCacheParams.kvcache_quant_config` set) has one more
+input per device after the others, `scales` (the specs' last entry, marked
+`quantized_only`), a float32 tensor paged like `blocks`. The records' `scales`
+field is None for an unquantized cache and `flatten()` leaves it out, so
+unquantized graphs keep four inputs per device.
+
 Page counts: `total_num_pages` is always the pages requests can hold. A paged
 block tensor has one more, the null page, at index `total_num_pages`
 (`NULL_PAGE_DOC`); the tensor's page dimension is therefore called
@@ -23,7 +29,7 @@ from typing import Generic, Protocol, TypeVar
 from max.dtype import DType
 from max.graph import BufferType, DeviceRef, TensorType
 
-from .params import AnyKVCacheParams, MultiKVCacheParams
+from .params import AnyKVCacheParams, KVCacheQuantConfig, MultiKVCacheParams
 from .validation import check_int
 
 T = TypeVar("T")
@@ -40,10 +46,12 @@ class InputSpec:
     """One graph input of a cache, per device.
 
     `dims` entries are ints, names of cache parameters (`num_layers`,
-    `n_kv_heads_per_device`, `head_dim`) or symbolic dimension names; `dtype`
-    None means the cache's own dtype. `on_host` inputs always live on the CPU
+    `n_kv_heads_per_device`, `head_dim`), names of sizes the caller or the
+    quant config fixes (`page_size`, `scale_rows`, `scale_cols`, ...) or
+    symbolic dimension names; `dtype` None means the cache's own dtype. `on_host` inputs always live on the CPU
     (they size work on the host); the others on the cache's device.
     `mutable` inputs are `BufferType`s that ops write in place.
+    `quantized_only` inputs exist only for a quantized cache.
     """
 
     name: str
@@ -52,6 +60,7 @@ class InputSpec:
     meaning: str
     on_host: bool = False
     mutable: bool = False
+    quantized_only: bool = False
 
 
 _PARAM_DIMS = ("num_layers", "n_kv_heads_per_device", "head_dim")
@@ -64,6 +73,19 @@ def _blocks(slots: str, slot_len: str, slot_meaning: str) -> InputSpec:
         (slots, 2, "num_layers", slot_len, "n_kv_heads_per_device", "head_dim"),
         f"K (index 0 of dim 1) and V (1) of every {slot_meaning}",
         mutable=True,
+    )
+
+
+def _scales(slots: str) -> InputSpec:
+    return InputSpec(
+        "scales",
+        DType.float32,
+        (slots, 2, "num_layers", "scale_rows", "n_kv_heads_per_device", "scale_cols"),
+        "quantized caches only: the float32 scale of each block of tokens_per_scale tokens x "
+        "granularity head_dim elements, paged like blocks (row r: tokens r * tokens_per_scale ..); "
+        "a stored value times its scale is the cached key or value",
+        mutable=True,
+        quantized_only=True,
     )
 
 
@@ -88,8 +110,9 @@ PAGED_INPUTS = (
         "read by attention to check the batch and plan its work without scanning the rows",
         on_host=True,
     ),
+    _scales("num_physical_pages"),
 )
-"""A paged cache's inputs per device, in graph order."""
+"""A paged cache's inputs per device, in graph order (`scales` only when quantized)."""
 
 CONTINUOUS_INPUTS = (
     _blocks("num_slots", "max_seq_len", "sequence slot"),
@@ -102,16 +125,18 @@ CONTINUOUS_INPUTS = (
         "true only when every cache length is 0 (a batch of fresh prompts); read by attention",
         on_host=True,
     ),
+    _scales("num_slots"),
 )
-"""A continuous-batching cache's inputs per device, in graph order."""
+"""A continuous-batching cache's inputs per device, in graph order (`scales` only when quantized)."""
 
 
 class _PerDevice(Generic[T]):
     """Shared by the per-device input records: fields in contract order."""
 
     def flatten(self) -> list[T]:
-        """The fields in graph-input order."""
-        return [getattr(self, f.name) for f in fields(self)]  # type: ignore[arg-type]
+        """The fields in graph-input order; `scales` only when set (a quantized cache)."""
+        values = [getattr(self, f.name) for f in fields(self)]  # type: ignore[arg-type]
+        return values if values[-1] is not None else values[:-1]
 
     def __iter__(self) -> Iterator[T]:
         return iter(self.flatten())
@@ -126,6 +151,7 @@ class PagedCacheInputs(_PerDevice[T]):
     cache_lengths: T
     lookup_table: T
     max_lengths: T
+    scales: T | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +162,7 @@ class ContinuousCacheInputs(_PerDevice[T]):
     cache_lengths: T
     lookup_table: T
     is_cache_empty: T
+    scales: T | None = None
 
 
 @dataclass(frozen=True)
@@ -161,7 +188,12 @@ class MultiKVCacheInputs(Generic[T]):
 
 
 class CacheShape(Protocol):
-    """What fixes a cache's graph types on one device (`KVCacheParams` has it)."""
+    """What fixes a cache's graph types on one device (`KVCacheParams` has it).
+
+    A shape may also carry `kvcache_quant_config` (a `KVCacheQuantConfig`,
+    as `KVCacheParams` does); one without that attribute, or with None, is an
+    unquantized cache.
+    """
 
     dtype: DType
     num_layers: int
@@ -169,6 +201,29 @@ class CacheShape(Protocol):
 
     @property
     def n_kv_heads_per_device(self) -> int: ...
+
+
+def quant_config_of(shape: CacheShape) -> KVCacheQuantConfig | None:
+    """The shape's `kvcache_quant_config`; None (unquantized) when it has none."""
+    return getattr(shape, "kvcache_quant_config", None)
+
+
+def _scale_dims(config: KVCacheQuantConfig, shape: CacheShape, tokens_per_block: int | str) -> dict[str, int | str]:
+    """`scale_rows` (tokens per block / tokens_per_scale) and `scale_cols`
+    (head_dim / granularity), ints where the sizes are known, else symbolic."""
+    granularity = config.quantization_granularity
+    if granularity is None:  # one scale per head, whatever head_dim is
+        cols: int | str = 1
+    else:
+        cols = shape.head_dim // granularity if isinstance(shape.head_dim, int) else "scale_cols"
+    if not isinstance(tokens_per_block, int):
+        return {"scale_rows": "scale_rows", "scale_cols": cols}
+    if tokens_per_block % config.tokens_per_scale:
+        raise ValueError(
+            f"kvcache_quant_config.tokens_per_scale={config.tokens_per_scale} must divide the "
+            f"{tokens_per_block} tokens of a block"
+        )
+    return {"scale_rows": tokens_per_block // config.tokens_per_scale, "scale_cols": cols}
 
 
 def _dim(dim: int | str, shape: CacheShape, named: Mapping[str, int | str]) -> int | str:
@@ -181,13 +236,25 @@ def _dim(dim: int | str, shape: CacheShape, named: Mapping[str, int | str]) -> i
 
 
 def _types(
-    specs: Sequence[InputSpec], shape: CacheShape, device: DeviceRef, named: Mapping[str, int | str]
+    specs: Sequence[InputSpec],
+    shape: CacheShape,
+    device: DeviceRef,
+    block_len: tuple[str, int | str],
 ) -> list[BufferType | TensorType]:
-    for name, size in named.items():  # a fixed size (page_size, max_seq_len) or a symbol's name
-        if not isinstance(size, str):
-            check_int(name, size, minimum=1)
+    """The specs' types on `device` (the `quantized_only` ones only for a
+    quantized `shape`). `block_len` names the tokens-per-block dimension and its size (an int or
+    the symbol to use)."""
+    name, size = block_len
+    if not isinstance(size, str):  # a fixed size (page_size, max_seq_len) or a symbol's name
+        check_int(name, size, minimum=1)
     if not isinstance(device, DeviceRef):
         raise TypeError(f"device must be a max.graph.DeviceRef, got {device!r}")
+    named: dict[str, int | str] = {name: size}
+    config = quant_config_of(shape)
+    if config is None:
+        specs = [spec for spec in specs if not spec.quantized_only]
+    else:
+        named.update(_scale_dims(config, shape, size))
     out: list[BufferType | TensorType] = []
     for spec in specs:
         dims = [_dim(d, shape, named) for d in spec.dims]
@@ -200,10 +267,11 @@ def _types(
 def paged_input_types(
     shape: CacheShape, page_size: int | str = "page_size", device: DeviceRef | None = None
 ) -> PagedCacheInputs[BufferType | TensorType]:
-    """One device's paged-cache input types. `page_size` may stay symbolic:
-    the kernels read it from the block tensor, so one compiled graph then
-    serves every page size."""
-    return PagedCacheInputs(*_types(PAGED_INPUTS, shape, device or DeviceRef.CPU(), {"page_size": page_size}))
+    """One device's paged-cache input types (with `scales` for a quantized
+    cache). `page_size` may stay symbolic: the kernels read it from the block
+    tensor, so one compiled graph then serves every page size (the scales'
+    rows are then the symbol `scale_rows`)."""
+    return PagedCacheInputs(*_types(PAGED_INPUTS, shape, device or DeviceRef.CPU(), ("page_size", page_size)))
 
 
 def continuous_input_types(
@@ -212,7 +280,7 @@ def continuous_input_types(
     """One device's continuous-batching input types (`max_seq_len` may stay
     symbolic, as `page_size` in `paged_input_types`)."""
     return ContinuousCacheInputs(
-        *_types(CONTINUOUS_INPUTS, shape, device or DeviceRef.CPU(), {"max_seq_len": max_seq_len})
+        *_types(CONTINUOUS_INPUTS, shape, device or DeviceRef.CPU(), ("max_seq_len", max_seq_len))
     )
 
 
@@ -222,7 +290,8 @@ def cache_input_types(
     """The graph input types of a paged manager's `runtime_inputs`: every
     device of every replica, for every cache of a `MultiKVCacheParams`, in the
     same tree shape, so `.flatten()` gives `Graph(input_types=...)`. Heads are
-    per device (`n_kv_heads_per_device`), as the buffers are allocated."""
+    per device (`n_kv_heads_per_device`), as the buffers are allocated; a
+    quantized cache's devices each get their `scales`."""
     if isinstance(params, MultiKVCacheParams):
         return MultiKVCacheInputs(
             {name: cache_input_types(child, page_size) for name, child in params.children.items()}

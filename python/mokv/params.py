@@ -6,6 +6,11 @@ caches sharing one page table, such as a target and a draft model), so
 validation happens here, once, with errors that name the offending value.
 MAX's own parameter objects are converted by `from_max`, which refuses what
 mokv does not support.
+
+A cache is quantized when `KVCacheParams.kvcache_quant_config` is set (MAX's
+convention): `dtype` is then the *stored* 8-bit dtype (`QUANTIZED_DTYPES`) and
+a float32 scales tensor sits beside the values (`scales_shape`), one scale per
+`scale_block_shape` block of tokens x head_dim elements.
 """
 
 from __future__ import annotations
@@ -28,6 +33,50 @@ SINGLE_CACHE = "cache"
 """The leaf name of a lone `KVCacheParams` in `leaves()`."""
 
 
+QUANTIZED_DTYPES = (DType.float8_e4m3fn, DType.int8)
+"""Stored dtypes of a quantized cache: exactly these need a `kvcache_quant_config`."""
+
+SCALE_DTYPES = (DType.float32,)
+"""Scale dtypes the kernels read."""
+
+
+@dataclass(frozen=True)
+class KVCacheQuantConfig:
+    """How a quantized cache's scales are laid out (the stored dtype is `KVCacheParams.dtype`).
+
+    A stored element is `x / scale` converted to the stored dtype (saturated
+    to its range), and the stored element times its scale is the cached key or
+    value. There is one float32 scale per block of `tokens_per_scale` consecutive tokens
+    of a page (or continuous slot) and `quantization_granularity` consecutive
+    head_dim elements of one KV head, for keys and values of every layer.
+
+    Args:
+        scale_dtype: Dtype of the scales; only float32 is supported.
+        quantization_granularity: head_dim elements sharing a scale; None (the
+            default) means the whole head: one scale per token and KV head.
+            Must divide head_dim (checked by `KVCacheParams`).
+        tokens_per_scale: Consecutive tokens sharing a scale (1, the default:
+            one per token). Must divide page_size for a paged cache (checked by
+            `KVCacheParams`) and max_seq_len for a continuous one (checked by
+            its manager).
+    """
+
+    scale_dtype: DType = DType.float32
+    quantization_granularity: int | None = None
+    tokens_per_scale: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scale_dtype, DType):
+            raise TypeError(f"scale_dtype must be a max.dtype.DType, got {self.scale_dtype!r}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            supported = ", ".join(d.name for d in SCALE_DTYPES)
+            raise ValueError(f"scale_dtype must be one of {supported}, got {self.scale_dtype.name}")
+        if self.quantization_granularity is not None:
+            granularity = check_int("quantization_granularity", self.quantization_granularity, minimum=1)
+            object.__setattr__(self, "quantization_granularity", granularity)
+        object.__setattr__(self, "tokens_per_scale", check_int("tokens_per_scale", self.tokens_per_scale, minimum=1))
+
+
 class KVCacheStrategy(StrEnum):
     """How cache memory is laid out and handed to requests."""
 
@@ -45,6 +94,10 @@ class KVCacheParams:
     Devices are grouped replica-major: with `data_parallel_degree` replicas,
     each replica owns `len(devices) // data_parallel_degree` consecutive
     devices, and its KV heads are split evenly across them (tensor parallel).
+
+    `dtype` is the stored dtype. float32 and bfloat16 caches store keys and
+    values as they are; float8_e4m3fn and int8 caches are quantized and need a
+    `kvcache_quant_config` (and only they may have one).
     """
 
     dtype: DType
@@ -58,6 +111,7 @@ class KVCacheParams:
     devices: Sequence[DeviceRef] = field(default_factory=lambda: (DeviceRef.CPU(),))
     enable_kvcache_swapping_to_host: bool = False
     host_kvcache_swap_space_gb: float | None = None
+    kvcache_quant_config: KVCacheQuantConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -95,6 +149,38 @@ class KVCacheParams:
         if self.enable_prefix_caching and strategy is not KVCacheStrategy.PAGED:
             raise ValueError(f"prefix caching needs the paged strategy, got {strategy.value}")
         _check_swap_space(self)
+        self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        """8-bit dtypes iff a quant config, whose blocks tile a head and a page."""
+        config = self.kvcache_quant_config
+        if config is not None and not isinstance(config, KVCacheQuantConfig):
+            raise TypeError(
+                f"kvcache_quant_config must be a mokv KVCacheQuantConfig or None, got {type(config).__name__}"
+            )
+        quantized_dtypes = " or ".join(d.name for d in QUANTIZED_DTYPES)
+        if config is None:
+            if self.dtype in QUANTIZED_DTYPES:
+                raise ValueError(
+                    f"dtype={self.dtype.name} stores quantized values and needs a kvcache_quant_config "
+                    "(a KVCacheQuantConfig) describing their scales"
+                )
+            return
+        if self.dtype not in QUANTIZED_DTYPES:
+            raise ValueError(
+                f"kvcache_quant_config is set, so dtype (the stored dtype) must be {quantized_dtypes}, "
+                f"got dtype={self.dtype.name}"
+            )
+        granularity = config.quantization_granularity
+        if granularity is not None and self.head_dim % granularity:
+            raise ValueError(
+                f"kvcache_quant_config.quantization_granularity={granularity} must divide head_dim={self.head_dim}"
+            )
+        if self.cache_strategy is KVCacheStrategy.PAGED and self.page_size % config.tokens_per_scale:
+            raise ValueError(
+                f"kvcache_quant_config.tokens_per_scale={config.tokens_per_scale} must divide "
+                f"page_size={self.page_size}"
+            )
 
     @property
     def tensor_parallel_degree(self) -> int:
@@ -113,33 +199,111 @@ class KVCacheParams:
         return [tuple(self.devices[i : i + tp]) for i in range(0, len(self.devices), tp)]
 
     @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token's keys and values take on one device, all layers."""
+    def quantized(self) -> bool:
+        """Whether values are stored in 8 bits with scales (`kvcache_quant_config` is set)."""
+        return self.kvcache_quant_config is not None
+
+    @property
+    def scale_block_shape(self) -> tuple[int, int]:
+        """(tokens, head_dim elements) sharing one scale: `(tokens_per_scale,
+        granularity)`, the granularity resolved to head_dim when the config
+        leaves it None.
+
+        Raises:
+            ValueError: The cache is not quantized.
+        """
+        config = self._quant_config()
+        return config.tokens_per_scale, config.quantization_granularity or self.head_dim
+
+    def _quant_config(self) -> KVCacheQuantConfig:
+        if self.kvcache_quant_config is None:
+            raise ValueError(f"a dtype={self.dtype.name} cache is not quantized: it has no kvcache_quant_config")
+        return self.kvcache_quant_config
+
+    @property
+    def _tokens_per_scale(self) -> int:
+        return self.kvcache_quant_config.tokens_per_scale if self.kvcache_quant_config else 1
+
+    @property
+    def _value_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.n_kv_heads_per_device * self.head_dim * self.dtype.size_in_bytes
 
     @property
-    def bytes_per_page(self) -> int:
-        """Bytes one page takes on one device (one TP shard)."""
-        return self.page_size * self.bytes_per_token
+    def _scale_bytes_per_row(self) -> int:
+        """Bytes of one row of scales (`tokens_per_scale` tokens, all layers), 0 unquantized."""
+        if self.kvcache_quant_config is None:
+            return 0
+        _, granularity = self.scale_block_shape
+        scale_size = self.kvcache_quant_config.scale_dtype.size_in_bytes
+        return 2 * self.num_layers * self.n_kv_heads_per_device * (self.head_dim // granularity) * scale_size
 
-    def block_shape(self, num_pages: int) -> list[int]:
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes one token's keys and values take on one device, all layers,
+        scales included: a quantized cache adds its scale bytes divided by
+        `tokens_per_scale` (so the figure can be fractional); an unquantized
+        cache's figure is a whole number."""
+        return self._value_bytes_per_token + self._scale_bytes_per_row / self._tokens_per_scale
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes one page takes on one device (one TP shard): its values and,
+        for a quantized cache, its scales (`page_size // tokens_per_scale` rows)."""
+        return self.bytes_per_block(self.page_size)
+
+    def bytes_per_block(self, tokens_per_block: int) -> int:
+        """Bytes of one block of `tokens_per_block` tokens on one device:
+        values plus scales (`bytes_per_page` for a page; a continuous slot is
+        `max_seq_len` tokens)."""
+        scale_rows = tokens_per_block // self._tokens_per_scale
+        return tokens_per_block * self._value_bytes_per_token + scale_rows * self._scale_bytes_per_row
+
+    def block_shape(self, num_pages: int, tokens_per_block: int | None = None) -> list[int]:
         """Shape of a per-device block tensor holding `num_pages` pages.
 
         `[num_pages, 2, num_layers, page_size, n_kv_heads_per_device, head_dim]`;
         index 0 of dim 1 holds keys, 1 holds values. A paged manager's tensor
         has `num_physical_pages = total_num_pages + 1` pages (the null page).
+        `tokens_per_block` replaces page_size (a continuous cache's slots hold
+        `max_seq_len` tokens).
 
         Raises:
-            TypeError, ValueError: `num_pages` is no positive integer.
+            TypeError, ValueError: `num_pages` or `tokens_per_block` is no
+                positive integer.
         """
         return [
             check_int("num_pages", num_pages, minimum=1),
             2,
             self.num_layers,
-            self.page_size,
+            self.page_size if tokens_per_block is None else check_int("tokens_per_block", tokens_per_block, minimum=1),
             self.n_kv_heads_per_device,
             self.head_dim,
         ]
+
+    def scales_shape(self, num_pages: int, tokens_per_block: int | None = None) -> list[int]:
+        """Shape of a quantized cache's per-device scales tensor, paged like
+        `block_shape(num_pages, tokens_per_block)` (same first dimension):
+
+        `[num_pages, 2, num_layers, tokens_per_block // tokens_per_scale,
+        n_kv_heads_per_device, head_dim // granularity]`, dtype
+        `kvcache_quant_config.scale_dtype`. Scale `[p, kv, l, r, h, c]` belongs
+        to tokens `r * tokens_per_scale ..` of block p and head_dim elements
+        `c * granularity ..` of head h.
+
+        Raises:
+            ValueError: The cache is not quantized, or `tokens_per_block` is
+                not a multiple of `tokens_per_scale`.
+            TypeError, ValueError: A count is no positive integer.
+        """
+        tokens_per_scale, granularity = self.scale_block_shape
+        shape = self.block_shape(num_pages, tokens_per_block)
+        if shape[3] % tokens_per_scale:
+            raise ValueError(
+                f"kvcache_quant_config.tokens_per_scale={tokens_per_scale} must divide the {shape[3]} tokens of a block"
+            )
+        shape[3] //= tokens_per_scale
+        shape[5] //= granularity
+        return shape
 
     @property
     def num_host_pages(self) -> int:
@@ -307,13 +471,15 @@ _UNSUPPORTED_BECAUSE = {
     "kv_hash_seed": "mokv hashes blocks with its own verified chained hash",
     "kv_connector_config": "mokv's host tier is configured by total_num_host_pages",
     "slots_per_page": "mokv stores one slot per token",
-    "kvcache_quant_config": "mokv stores keys and values unquantized",
     "speculative_method": "mokv reserves no speculative-decoding slack",
     "num_draft_tokens": "mokv reserves no speculative-decoding slack",
     "window_size": "mokv caches keep every token; pass the window to mokv.graph.attention",
     "allow_kv_head_replication": "mokv splits KV heads evenly across TP devices",
 }
 """Why each MAX field that mokv cannot honour is refused when set away from its default."""
+
+_CONVERTED = frozenset({"enable_prefix_caching", "kvcache_quant_config"})
+"""MAX fields `from_max` carries over (the quant config converted to mokv's type)."""
 
 _HARMLESS = frozenset({"enable_dp_cross_replica_prefix_copy"})
 """MAX fields that only permit something mokv never does, so any value is honoured."""
@@ -334,17 +500,44 @@ def _max_field_is_default(params: Any, f: dataclasses.Field) -> bool:
     return False
 
 
+def _quant_config_from_max(config: Any, dtype: DType) -> KVCacheQuantConfig | None:
+    """MAX's `KVCacheQuantizationConfig` on a `dtype` cache as mokv's: the
+    scale dtype and the granularity carry over 1:1, each token gets its own
+    scales.
+
+    Raises:
+        ValueError: A setting mokv does not support (a scale dtype other than
+            float32, a config on a dtype mokv does not quantize, which MAX
+            would ignore); the message names it.
+    """
+    if config is None:
+        return None
+    refused = f"MAX's kvcache_quant_config={config!r} is not supported"
+    if dtype not in QUANTIZED_DTYPES:
+        supported = " and ".join(d.name for d in QUANTIZED_DTYPES)
+        raise ValueError(f"{refused} on dtype={dtype.name}: mokv quantizes {supported} caches")
+    try:
+        return KVCacheQuantConfig(
+            scale_dtype=config.scale_dtype, quantization_granularity=config.quantization_granularity
+        )
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{refused}: {error}") from None
+
+
 def from_max(params: Any) -> AnyKVCacheParams:
     """Converts MAX's own cache parameters to mokv's.
 
     Accepts `max.nn.kv_cache.MHAKVCacheParams` (a leaf) and
     `max.nn.kv_cache.MultiKVCacheParams` (a tree of them). Every field MAX sets
     is either carried over (`dtype`, `head_dim`, `num_layers`, `n_kv_heads`,
-    `page_size`, `devices`, `data_parallel_degree`, `enable_prefix_caching`),
-    known to be harmless, or must hold its default.
+    `page_size`, `devices`, `data_parallel_degree`, `enable_prefix_caching`,
+    `kvcache_quant_config`), known to be harmless, or must hold its default.
 
     Raises:
-        ValueError: A field mokv does not support is set; the message names it.
+        ValueError: A field mokv does not support is set, or a quantization
+            setting it does not support (a scale dtype other than float32, a
+            quant config on an unquantized dtype, an 8-bit dtype other than
+            float8_e4m3fn / int8); the message names it.
         TypeError: `params` is no MAX parameter type mokv knows (MLA caches,
             recurrent state).
     """
@@ -355,7 +548,7 @@ def from_max(params: Any) -> AnyKVCacheParams:
     if not isinstance(params, max_kv.MHAKVCacheParams) or isinstance(params, max_kv.MLAKVCacheParams):
         raise TypeError(f"mokv converts MAX's MHAKVCacheParams and MultiKVCacheParams, got {type(params).__name__}")
     for f in dataclasses.fields(params):
-        if f.name in _FROM_MAX or f.name == "enable_prefix_caching" or f.name in _HARMLESS:
+        if f.name in _FROM_MAX or f.name in _CONVERTED or f.name in _HARMLESS:
             continue
         if not _max_field_is_default(params, f):
             reason = _UNSUPPORTED_BECAUSE.get(f.name, "mokv does not implement it")
@@ -363,6 +556,7 @@ def from_max(params: Any) -> AnyKVCacheParams:
     return KVCacheParams(
         **{name: getattr(params, name) for name in _FROM_MAX},
         enable_prefix_caching=params.enable_prefix_caching,
+        kvcache_quant_config=_quant_config_from_max(params.kvcache_quant_config, params.dtype),
     )
 
 

@@ -4,6 +4,7 @@ loopback port (`mokv_examples.local_redis`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -25,9 +26,15 @@ N_KV_HEADS, HEAD_DIM, NUM_LAYERS = 2, 8, 2
 
 
 def small_params(**overrides: object) -> KVCacheParams:
-    options = {"n_kv_heads": N_KV_HEADS, "head_dim": HEAD_DIM, "num_layers": NUM_LAYERS, "page_size": PAGE_SIZE}
+    options = {
+        "dtype": DType.float32,
+        "n_kv_heads": N_KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "num_layers": NUM_LAYERS,
+        "page_size": PAGE_SIZE,
+    }
     options.update(overrides)
-    return KVCacheParams(DType.float32, enable_prefix_caching=True, **options)  # type: ignore[arg-type]
+    return KVCacheParams(enable_prefix_caching=True, **options)  # type: ignore[arg-type]
 
 
 def make_manager(
@@ -136,3 +143,14 @@ class RedisServer(LocalRedis):
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     with RedisServer(tmp_path) as server:
         yield server
+
+
+@contextlib.contextmanager
+def shared_tier(tier: str, tmp_path: Path, model_id: str) -> Iterator[KVConnectorConfig]:
+    """The config of a tier shared between managers: "disk" (a directory in
+    `tmp_path`) or "remote" (a fresh loopback redis-server, stopped afterwards)."""
+    if tier == "disk":
+        yield KVConnectorConfig(model_id=model_id, disk_offload_dir=tmp_path / "kv")
+        return
+    with RedisServer(tmp_path) as server:
+        yield KVConnectorConfig(model_id=model_id, remote_url=server.url)

@@ -16,7 +16,7 @@ from mokv.connectors import KVConnectorConfig
 from tests.compile_once import compiled_per_key
 from tests.mojo.test_store_gather import HEAD_DIM, N_KV_HEADS, NUM_LAYERS, build_store_gather_graph
 
-from .conftest import RedisServer
+from .conftest import shared_tier
 
 PAGE = 8
 PROMPT = np.arange(500, 500 + 3 * PAGE + 1)
@@ -86,7 +86,6 @@ def gather_cached(model, m: PagedKVCacheManager) -> np.ndarray:
 @pytest.mark.parametrize("tier", ["host", "disk", "remote"])
 def test_restored_bytes_equal_what_was_stored(tier: str, store_gather, tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
-    server = None
     if tier == "host":
         with manager(None, host_pages=8, pages=4) as m:
             written = store_prompt(store_gather, m, rng)
@@ -98,19 +97,10 @@ def test_restored_bytes_equal_what_was_stored(tier: str, store_gather, tmp_path:
             restored = gather_cached(store_gather, m)
             assert m.get_tier_metrics()["host"].hit_blocks == 3
     else:
-        if tier == "disk":
-            config = KVConnectorConfig(model_id="round-trip", disk_offload_dir=tmp_path / "kv")
-        else:
-            server = RedisServer(tmp_path)
-            server.start()
-            config = KVConnectorConfig(model_id="round-trip", remote_url=server.url)
-        try:
+        with shared_tier(tier, tmp_path, "round-trip") as config:
             with manager(config) as first:
                 written = store_prompt(store_gather, first, rng)
             with manager(config) as second:
                 restored = gather_cached(store_gather, second)
                 assert second.get_tier_metrics()[tier].hit_blocks == 3
-        finally:
-            if server is not None:
-                server.stop()
     np.testing.assert_array_equal(restored, written[:, :, :CACHED])

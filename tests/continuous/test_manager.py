@@ -8,8 +8,9 @@ import pytest
 from max.driver import CPU, Buffer
 from max.dtype import DType
 
-from mokv import KVCacheParams, TextContext
+from mokv import KVCacheParams, KVCacheQuantConfig, TextContext
 from mokv.continuous import ContinuousBatchingKVCacheManager
+from tests.test_contract import QUANTIZATIONS, assert_inputs_match_types
 
 PARAMS = KVCacheParams(dtype=DType.float32, n_kv_heads=3, head_dim=8, num_layers=2)
 
@@ -24,14 +25,57 @@ def test_block_shape(manager):
     assert list(manager.blocks[0].shape) == manager.block_shape(4)
 
 
-@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16])
-def test_estimated_memory_size_equals_allocation(dtype, session):
-    params = KVCacheParams(dtype=dtype, n_kv_heads=3, head_dim=8, num_layers=2)
+# A quantized cache: a float32 scale per 4 tokens x 4 head_dim elements.
+QUANTIZED = KVCacheParams(
+    dtype=DType.int8,
+    n_kv_heads=3,
+    head_dim=8,
+    num_layers=2,
+    kvcache_quant_config=KVCacheQuantConfig(quantization_granularity=4, tokens_per_scale=4),
+)
+
+
+@pytest.mark.parametrize(("dtype", "config"), [(DType.float32, None), *QUANTIZATIONS.values()])
+def test_estimated_memory_size_equals_allocation(dtype, config, session):
+    params = KVCacheParams(dtype=dtype, n_kv_heads=3, head_dim=8, num_layers=2, kvcache_quant_config=config)
     manager = ContinuousBatchingKVCacheManager(params, 5, 16, 2, [CPU()], session)
     estimate = ContinuousBatchingKVCacheManager.estimated_memory_size(params, 5, 16, 2, [CPU()])
     assert estimate == manager.allocated_bytes()
-    # Independently: 5 slots x (2 x 2 layers x 16 tokens x 3 heads x 8 dims) elements + 2 uint32 per slot.
-    assert estimate == 5 * 2 * 2 * 16 * 3 * 8 * dtype.size_in_bytes + 5 * 2 * 4
+    # Independently: 5 slots x (2 x 2 layers x 16 tokens x 3 heads x 8 dims) elements + 2 uint32 per slot,
+    # and for a quantized cache 5 slots x (2 x 2 layers x 16 / tokens_per_scale rows x 3 heads x
+    # 8 / granularity) float32 scales.
+    scales = 0
+    if config is not None:
+        tokens, granularity = config.tokens_per_scale, config.quantization_granularity or 8
+        scales = 5 * 2 * 2 * (16 // tokens) * 3 * (8 // granularity) * 4
+    assert estimate == 5 * 2 * 2 * 16 * 3 * 8 * dtype.size_in_bytes + 5 * 2 * 4 + scales
+
+
+def test_a_quantized_cache_gets_zeroed_scales_beside_its_blocks(session):
+    manager = ContinuousBatchingKVCacheManager(QUANTIZED, 4, 32, 2, [CPU()], session)
+    assert manager.block_shape(4) == [4, 2, 2, 32, 3, 8] == list(manager.blocks[0].shape)
+    assert manager.blocks[0].dtype == DType.int8
+    (scales,) = manager.scales
+    assert manager.scales_shape(4) == [4, 2, 2, 32 // 4, 3, 8 // 4] == list(scales.shape)
+    assert scales.dtype == DType.float32 and scales.device == manager.blocks[0].device
+    assert not scales.to_numpy().any()
+    assert manager.buffer.scales == [scales]
+
+    a, b = _claim(manager, "a", range(5)), _claim(manager, "b", [7, 8])
+    (device,) = manager.runtime_inputs([[b, a]]).inputs
+    assert device.scales is scales and device.flatten()[-1] is scales
+    (types,) = manager.input_symbols()
+    assert_inputs_match_types(device.flatten(), types.flatten())
+    # fetch hands out the scales last, and increment_cache_lengths keeps them.
+    fetched = manager.fetch([manager.slot_of("a"), manager.slot_of("b")])
+    assert fetched[0][4] is scales
+    offsets = Buffer.from_numpy(np.array([0, 1, 2], np.uint32))
+    ((_, lengths, _, _, kept),) = manager.increment_cache_lengths(fetched, (None, offsets))
+    assert kept is scales and lengths.to_numpy().tolist() == [1, 1]
+    with pytest.raises(TypeError, match=r"must be \(blocks, cache_lengths, lookup_table, is_cache_empty, scales\)"):
+        manager.increment_cache_lengths([fetched[0][:4]], (None, offsets))
+    with pytest.raises(ValueError, match="tokens_per_scale=4 must divide max_seq_len=30"):
+        ContinuousBatchingKVCacheManager(QUANTIZED, 4, 30, 2, [CPU()], session)
 
 
 def test_claim_release_reuses_lowest_slot(manager):

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from max.dtype import DType
+from max.graph import DeviceRef
 
-from mokv import InsufficientBlocksError, PagedKVCacheManager, TextContext
+from mokv import InsufficientBlocksError, KVCacheParams, KVCacheQuantConfig, PagedKVCacheManager, TextContext
 
 from .conftest import MakeManager, ctx
 
@@ -497,3 +499,33 @@ def test_runtime_inputs_stay_intact_through_the_next_call(make_manager: MakeMana
     (third,) = m.runtime_inputs([[b, a]]).inputs
     assert third.lookup_table.to_numpy().tolist() == [[3, 16, 16], [0, 1, 2]]
     assert second.lookup_table.to_numpy().tolist() == [[0, 1, 2]]
+
+
+def test_a_quantized_cache_allocates_scales_beside_every_shards_blocks() -> None:
+    """Two replicas of two TP shards: every shard gets its zeroed float32
+    scales, paged like its int8 blocks (null page included), and the host
+    tier's pages hold the scales too."""
+    cpu = DeviceRef.CPU()
+    params = KVCacheParams(
+        DType.int8,
+        n_kv_heads=4,
+        head_dim=8,
+        num_layers=2,
+        page_size=4,
+        enable_prefix_caching=True,
+        data_parallel_degree=2,
+        devices=[cpu] * 4,
+        kvcache_quant_config=KVCacheQuantConfig(quantization_granularity=4, tokens_per_scale=2),
+    )
+    m = PagedKVCacheManager(params, None, 8, total_num_host_pages=3, max_batch_size=2)
+    for replica in range(2):
+        buffer = m.get_device_buffer(replica)
+        assert [(list(v.shape), v.dtype) for v in buffer.values] == [([9, 2, 2, 4, 2, 8], DType.int8)] * 2
+        assert buffer.scales is not None
+        assert [(list(s.shape), s.dtype) for s in buffer.scales] == [([9, 2, 2, 2, 2, 2], DType.float32)] * 2
+        assert all(s.device == v.device for s, v in zip(buffer.scales, buffer.values, strict=True))
+        assert not any(s.to_numpy().any() for s in buffer.scales)
+    # A host page holds one page of both shards: (4 tokens x K,V x 2 layers x 2 heads x 8 bytes)
+    # plus (2 scale rows x K,V x 2 layers x 2 heads x 2 float32 scales), twice.
+    host_page = 2 * (4 * 2 * 2 * 2 * 8 + 2 * 2 * 2 * 2 * 2 * 4)
+    assert m.get_tier_usage(0)["host"].total_bytes == 3 * host_page

@@ -19,6 +19,14 @@ import pytest
 
 pytest.importorskip("max.pipelines.kv_cache")
 
+from max.driver import CPU
+from max.dtype import DType
+from max.engine import InferenceSession
+from max.graph import DeviceRef
+from max.nn.kv_cache import KVCacheQuantizationConfig, MHAKVCacheParams
+from max.pipelines.kv_cache import PagedKVCacheManager as MaxManager
+
+from mokv import PagedKVCacheManager, TextContext
 from mokv_examples.bench_manager import MokvBackend
 from mokv_reference.max_manager import MaxBackend
 
@@ -158,3 +166,35 @@ def test_a_failed_admission_refreshes_its_prefix_as_max_does() -> None:
     assert run.alloc("C")
     ours, theirs = run.live["C"]
     assert ours.processed_length == theirs.tokens.processed_length == 4
+
+
+@pytest.mark.parametrize("granularity", [16, 8])
+def test_a_quantized_cache_allocates_the_memory_max_allocates(granularity: int) -> None:
+    """The same MAX params given to both managers (mokv converts them): equal
+    block and scales tensors (shape, dtype; the null page included) and equal
+    bytes per block, and the runtime inputs hand the graph those scales."""
+    params = MHAKVCacheParams(
+        dtype=DType.float8_e4m3fn,
+        n_kv_heads=2,
+        head_dim=16,
+        num_layers=3,
+        page_size=8,
+        devices=[DeviceRef.CPU()],
+        enable_prefix_caching=True,
+        kvcache_quant_config=KVCacheQuantizationConfig(quantization_granularity=granularity),
+    )
+    theirs = MaxManager(
+        params=params, session=InferenceSession(devices=[CPU()]), total_num_pages=5, max_batch_size=2
+    ).get_device_buffer(0)
+    ours_manager = PagedKVCacheManager(params, None, 5, max_batch_size=2)
+    ours = ours_manager.get_device_buffer(0)
+    assert theirs.scales is not None and ours.scales is not None
+    for mine, max_own in ((ours.values, theirs.values), (ours.scales, theirs.scales)):
+        assert [(tuple(b.shape), b.dtype) for b in mine] == [(tuple(b.shape), b.dtype) for b in max_own]
+    assert ours_manager.params.bytes_per_page == params.bytes_per_block
+
+    c = TextContext("a", np.arange(10))
+    ours_manager.claim("a")
+    ours_manager.alloc(c)
+    (device,) = ours_manager.runtime_inputs([[c]]).inputs
+    assert device.scales is ours.scales[0]

@@ -42,15 +42,21 @@ def layout_fingerprint(params: AnyKVCacheParams, memory: Sequence[KVCacheMemory]
 
     The model id (its weights decide the KV), every leaf cache's dtype, head
     count, head size, layer count and page size, the tensor-parallel split,
-    and the byte width of every memory unit a page spans (values, then scales
+    a quantized cache's scale dtype and scale block (tokens x head_dim
+    elements per scale), and the byte width of every memory unit a page spans (values, then scales
     when the cache is quantized) in `KVCacheBuffer.to_memory()` order.
     """
     description = [f"mokv-kv-page-format={FORMAT_VERSION}", f"model={model_id}"]
     for name, leaf in params.leaves().items():
-        description.append(
+        line = (
             f"leaf={name} dtype={leaf.dtype} kv_heads={leaf.n_kv_heads} head_dim={leaf.head_dim} "
             f"layers={leaf.num_layers} page_size={leaf.page_size} tp={leaf.tensor_parallel_degree}"
         )
+        if leaf.kvcache_quant_config is not None:  # unquantized layouts keep their fingerprints
+            tokens, granularity = leaf.scale_block_shape
+            scale_dtype = leaf.kvcache_quant_config.scale_dtype
+            line += f" scales={scale_dtype} tokens_per_scale={tokens} granularity={granularity}"
+        description.append(line)
     description.append("units=" + ",".join(str(unit.bytes_per_page) for unit in memory))
     text = "\n".join(description).encode()
     return hashlib.blake2b(text, digest_size=FINGERPRINT_BYTES, person=b"mokv-layout").digest()

@@ -10,6 +10,13 @@ The request lifecycle is the paged manager's (`claim`, `alloc`,
 `TextContext` alike; a request's cache length is its context's
 `processed_length`. `fetch(seq_ids)` is the seed's slot-level view of the same
 state, for graphs built on the opaque collection.
+
+A quantized cache (`KVCacheParams.kvcache_quant_config`) gets a scales tensor
+per device beside its blocks (`KVCacheParams.scales_shape` with `max_seq_len`
+tokens per slot), handed to the graph as each device's `scales` input. The
+opaque collection (`mokv.graph.FetchContinuousBatchingKVCacheCollection`)
+does not support quantized caches yet: build graphs on the component inputs
+(`runtime_inputs`, `ContinuousCacheValues`).
 """
 
 from __future__ import annotations
@@ -23,20 +30,23 @@ from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
 
+from ..buffer import KVCacheBuffer
 from ..context import CacheContext, cache_context, check_same_tokens
 from ..contract import ContinuousCacheInputs, KVCacheInputs, continuous_input_types
 from ..params import KVCacheParams, resolve_params
-from ..validation import allocate, check_fits, check_int, check_request_id, check_sequence, check_unique
+from ..validation import check_fits, check_int, check_request_id, check_sequence, check_unique
 
-CacheInputs = tuple[Buffer, Buffer, Buffer, Buffer]
-"""Per device: (blocks, cache_lengths, lookup_table, is_cache_empty)."""
+CacheInputs = tuple[Buffer, ...]
+"""Per device: (blocks, cache_lengths, lookup_table, is_cache_empty), then
+scales for a quantized cache."""
 
 _UINT32_BYTES = 4
 
 
 class ContinuousBatchingKVCacheManager:
     """Hands out slots of a `[max_cache_batch_size, 2, num_layers, max_seq_len,
-    n_kv_heads_per_device, head_dim]` block tensor per device.
+    n_kv_heads_per_device, head_dim]` block tensor per device (and of a scales
+    tensor beside it, for a quantized cache).
 
     Every public call either does what its docstring says or raises
     `TypeError` / `ValueError` naming the bad argument, having changed nothing
@@ -44,7 +54,8 @@ class ContinuousBatchingKVCacheManager:
 
     Args:
         params: Cache shape (mokv's `KVCacheParams` or MAX's `MHAKVCacheParams`):
-            one replica, no prefix caching, no host swapping.
+            one replica, no prefix caching, no host swapping; when quantized,
+            its `tokens_per_scale` must divide `max_seq_len`.
         max_cache_batch_size: Slots, i.e. the most requests claimed at once.
         max_seq_len: Tokens one slot holds.
         num_layers: Must equal `params.num_layers` (the seed's signature).
@@ -80,11 +91,10 @@ class ContinuousBatchingKVCacheManager:
         self.num_layers = num_layers
         self.devices = list(devices)
         self.session = session
-        shape = self.block_shape(max_cache_batch_size)
-        self.blocks = [
-            allocate(what, nbytes // len(devices), d, lambda d=d: Buffer.zeros(shape, params.dtype, device=d))
-            for d in self.devices
-        ]
+        self.buffer = KVCacheBuffer.allocate(
+            params, max_cache_batch_size, params.devices, null_page=False, tokens_per_page=max_seq_len
+        )
+        """Every device's block tensor (`values`) and, when quantized, scales tensor."""
         # Per-slot metadata, preallocated: fetch() hands out slices of these.
         self._lengths = np.zeros(max_cache_batch_size, np.uint32)
         self._lookup = [np.zeros(max_cache_batch_size, np.uint32) for _ in self.devices]
@@ -95,15 +105,34 @@ class ContinuousBatchingKVCacheManager:
         """Per request, the context object last passed and its adapted view (identity checks)."""
         self._increment_models: dict[DeviceRef, Model] = {}
 
+    @property
+    def blocks(self) -> list[Buffer]:
+        """Each device's block tensor."""
+        return self.buffer.values
+
+    @property
+    def scales(self) -> list[Buffer] | None:
+        """Each device's scales tensor (a quantized cache), else None."""
+        return self.buffer.scales
+
     def block_shape(self, n_sequences: int) -> list[int]:
         """`[n_sequences, 2, num_layers, max_seq_len, n_kv_heads_per_device, head_dim]`.
 
         Raises:
             TypeError, ValueError: `n_sequences` is no positive integer.
         """
-        n_sequences = check_int("n_sequences", n_sequences, minimum=1)
-        p = self.params
-        return [n_sequences, 2, self.num_layers, self.max_seq_len, p.n_kv_heads_per_device, p.head_dim]
+        return self.params.block_shape(check_int("n_sequences", n_sequences, minimum=1), self.max_seq_len)
+
+    def scales_shape(self, n_sequences: int) -> list[int]:
+        """A quantized cache's scales tensor for `n_sequences` slots:
+        `[n_sequences, 2, num_layers, max_seq_len // tokens_per_scale,
+        n_kv_heads_per_device, head_dim // granularity]` float32.
+
+        Raises:
+            TypeError, ValueError: `n_sequences` is no positive integer.
+            ValueError: The cache is not quantized.
+        """
+        return self.params.scales_shape(check_int("n_sequences", n_sequences, minimum=1), self.max_seq_len)
 
     @classmethod
     def estimated_memory_size(
@@ -114,22 +143,22 @@ class ContinuousBatchingKVCacheManager:
         num_layers: int,
         devices: Sequence[Device],
     ) -> int:
-        """Bytes allocated on all devices: each device's block tensor plus its
-        per-sequence cache lengths and lookup table (uint32 each).
+        """Bytes allocated on all devices: each device's block tensor (and
+        scales tensor, when quantized) plus its per-sequence cache lengths and
+        lookup table (uint32 each).
 
         Raises:
             TypeError, ValueError: The arguments the constructor would refuse.
         """
         params = _checked_args(params, max_cache_batch_size, max_seq_len, num_layers, devices)
-        block = 2 * num_layers * max_seq_len * params.n_kv_heads_per_device * params.head_dim
-        per_device = max_cache_batch_size * (block * params.dtype.size_in_bytes + 2 * _UINT32_BYTES)
+        per_device = max_cache_batch_size * (params.bytes_per_block(max_seq_len) + 2 * _UINT32_BYTES)
         return per_device * len(devices)
 
     def allocated_bytes(self) -> int:
         """Bytes actually allocated for the cache, for checking the estimate."""
-        blocks = sum(b.num_elements * b.dtype.size_in_bytes for b in self.blocks)
+        tensors = sum(b.num_elements * b.dtype.size_in_bytes for b in self.buffer.all_buffers)
         metadata = sum(a.nbytes for a in (*self._lookup, *self._cache_lengths))
-        return blocks + metadata
+        return tensors + metadata
 
     # -- request lifetime ----------------------------------------------------
 
@@ -279,10 +308,11 @@ class ContinuousBatchingKVCacheManager:
         return KVCacheInputs(self._device_inputs(slots, lengths))
 
     def fetch(self, seq_ids: Sequence[int]) -> list[CacheInputs]:
-        """Per device: (blocks, cache_lengths, lookup_table, is_cache_empty) for
-        the batch `seq_ids` (slots), in that order; row i of the batch is
-        `seq_ids[i]`, with the cache length its last `step` recorded. The small
-        tensors are views of preallocated arrays, valid until the next `fetch`.
+        """Per device: (blocks, cache_lengths, lookup_table, is_cache_empty,
+        then scales for a quantized cache) for the batch `seq_ids` (slots);
+        row i of the batch is `seq_ids[i]`, with the cache length its last
+        `step` recorded. The small tensors are views of preallocated arrays,
+        valid until the next `fetch`.
 
         Raises:
             TypeError, ValueError: No ids, an id that is no integer, not
@@ -301,8 +331,8 @@ class ContinuousBatchingKVCacheManager:
         batch = len(slots)
         is_empty = Buffer.scalar(not lengths.any(), DType.bool)
         inputs = []
-        for blocks, lookup, cache_lengths, device in zip(
-            self.blocks, self._lookup, self._cache_lengths, self.devices, strict=True
+        for blocks, scales, lookup, cache_lengths, device in zip(
+            self.blocks, self.buffer.shard_scales, self._lookup, self._cache_lengths, self.devices, strict=True
         ):
             if views:  # the seed's fetch hands out views of preallocated rows
                 lookup[:batch] = slots
@@ -313,7 +343,7 @@ class ContinuousBatchingKVCacheManager:
             lookup_buf, lengths_buf = Buffer.from_numpy(lookup_rows), Buffer.from_numpy(length_rows)
             if not device.is_host:
                 lookup_buf, lengths_buf = lookup_buf.to(device), lengths_buf.to(device)
-            inputs.append(ContinuousCacheInputs(blocks, lengths_buf, lookup_buf, is_empty))
+            inputs.append(ContinuousCacheInputs(blocks, lengths_buf, lookup_buf, is_empty, scales))
         return inputs
 
     def input_symbols(self) -> list[ContinuousCacheInputs[BufferType | TensorType]]:
@@ -332,23 +362,25 @@ class ContinuousBatchingKVCacheManager:
         compiled graph (`cache_lengths + diff(input_row_offsets)`) rather than a
         host round trip. `prev_model_inputs` is the previous step's model inputs:
         an object with `input_row_offsets`, or a tuple `(tokens, input_row_offsets, ...)`.
-        `is_cache_empty` becomes False: only the first step encodes context.
+        `is_cache_empty` becomes False: only the first step encodes context; the
+        block and scales tensors stay the same.
 
         Raises:
             TypeError, ValueError: Checked before anything runs: not one
                 `(blocks, cache_lengths, lookup_table, is_cache_empty)` per
-                device with this manager's block tensors and uint32 lengths of
-                one batch size; row offsets that are no uint32 `[batch + 1]`
+                device (then `scales` for a quantized cache, as `fetch` gives)
+                with this manager's tensors and uint32 lengths of one batch
+                size; row offsets that are no uint32 `[batch + 1]`
                 non-decreasing vector; or lengths that would pass `max_seq_len`.
         """
         row_offsets = self._checked_increment(kv_cache_inputs, prev_model_inputs)
         not_empty = Buffer.scalar(False, DType.bool)
         updated = []
-        for blocks, cache_lengths, lookup_table, _ in kv_cache_inputs:
+        for blocks, cache_lengths, lookup_table, _, *scales in kv_cache_inputs:
             device = cache_lengths.device
             offsets = row_offsets if row_offsets.device == device else row_offsets.to(device)
             (new_lengths,) = self._increment_graph(DeviceRef.from_device(device)).execute(cache_lengths, offsets)
-            updated.append((blocks, new_lengths, lookup_table, not_empty))
+            updated.append((blocks, new_lengths, lookup_table, not_empty, *scales))
         return updated
 
     def _checked_increment(self, kv_cache_inputs: Sequence[CacheInputs], prev_model_inputs: Any) -> Buffer:
@@ -360,14 +392,15 @@ class ContinuousBatchingKVCacheManager:
             )
         batch_sizes = set()
         lengths = []
+        names = ["blocks", "cache_lengths", "lookup_table", "is_cache_empty"] + (["scales"] if self.scales else [])
         for i, entry in enumerate(kv_cache_inputs):
-            if not isinstance(entry, (tuple, list)) or len(entry) != 4:
-                raise TypeError(
-                    f"kv_cache_inputs[{i}] must be (blocks, cache_lengths, lookup_table, is_cache_empty), got {entry!r}"
-                )
-            blocks, cache_lengths, _, _ = entry
+            if not isinstance(entry, (tuple, list)) or len(entry) != len(names):
+                raise TypeError(f"kv_cache_inputs[{i}] must be ({', '.join(names)}), got {entry!r}")
+            blocks, cache_lengths, _, _, *scales = entry
             if blocks is not self.blocks[i]:
                 raise ValueError(f"kv_cache_inputs[{i}] holds a block tensor that is not this manager's device {i}")
+            if scales and scales[0] is not self.buffer.shard_scales[i]:
+                raise ValueError(f"kv_cache_inputs[{i}] holds a scales tensor that is not this manager's device {i}")
             _check_vector(f"kv_cache_inputs[{i}] cache_lengths", cache_lengths)
             batch_sizes.add(cache_lengths.shape[0])
             lengths.append(cache_lengths)
@@ -451,6 +484,11 @@ def _checked_args(
     check_int("num_layers", num_layers, minimum=1)
     if num_layers != params.num_layers:
         raise ValueError(f"num_layers={num_layers} disagrees with params.num_layers={params.num_layers}")
+    config = params.kvcache_quant_config
+    if config is not None and max_seq_len % config.tokens_per_scale:
+        raise ValueError(
+            f"kvcache_quant_config.tokens_per_scale={config.tokens_per_scale} must divide max_seq_len={max_seq_len}"
+        )
     check_sequence("devices", devices)
     if len(devices) != len(params.devices):
         raise ValueError(

@@ -4,6 +4,9 @@ them (the operands that stand for the cache).
 
 Dimensions that change from batch to batch (batch size, pages, lookup-table
 width, multi-step rows) are symbolic, so one compiled graph serves every batch.
+
+A quantized cache's values carry its `scales` buffer too (`quantized`), and the
+ops take it right after the blocks.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ class CacheLayout(Protocol):
 
     def operands(self) -> list[Value]:
         """What every op takes for the cache: `blocks, cache_lengths,
-        lookup_table`, or the opaque collection."""
+        lookup_table` (`blocks, scales, cache_lengths, lookup_table` for a
+        quantized cache), or the opaque collection."""
         ...
 
     def dispatch_operand(self) -> Value | None:
@@ -47,12 +51,20 @@ class _ComponentCache:
     blocks: BufferValue
     cache_lengths: TensorValue
     lookup_table: TensorValue
+    scales: BufferValue | None
 
     @property
     def device(self) -> DeviceRef:
         return self.blocks.device
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the cache stores 8-bit values with scales (it has a `scales` input)."""
+        return self.scales is not None
+
     def operands(self) -> list[Value]:
+        if self.scales is not None:
+            return [self.blocks, self.scales, self.cache_lengths, self.lookup_table]
         return [self.blocks, self.cache_lengths, self.lookup_table]
 
     def row_type(self, rows: int | str | Dim) -> TensorType:
@@ -62,12 +74,17 @@ class _ComponentCache:
     @classmethod
     def from_inputs(cls, values: Sequence[Value]) -> Self:
         """Wraps one device's graph inputs, declared by the contract's
-        `paged_input_types` / `continuous_input_types`: the block buffer, then tensors."""
-        expected = len(fields(cls))
-        if len(values) != expected:
-            raise ValueError(f"{cls.__name__}.from_inputs needs {expected} graph values, got {len(values)}")
-        blocks, *tensors = values
-        return cls(blocks.buffer, *(v.tensor for v in tensors))  # type: ignore[call-arg]
+        `paged_input_types` / `continuous_input_types`: the block buffer, then
+        tensors, then (a quantized cache only) the scales buffer."""
+        unquantized = len(fields(cls)) - 1  # every field but scales
+        if len(values) not in (unquantized, unquantized + 1):
+            raise ValueError(
+                f"{cls.__name__}.from_inputs needs {unquantized} graph values "
+                f"({unquantized + 1} for a quantized cache), got {len(values)}"
+            )
+        blocks, *tensors = values[:unquantized]
+        scales = values[unquantized].buffer if len(values) > unquantized else None
+        return cls(blocks.buffer, *(v.tensor for v in tensors), scales=scales)  # type: ignore[call-arg]
 
 
 @dataclass(frozen=True)

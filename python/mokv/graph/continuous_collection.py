@@ -3,7 +3,11 @@ pattern): `FetchContinuousBatchingKVCacheCollection` turns the four tensors that
 `ContinuousBatchingKVCacheManager.fetch` returns into a collection that every
 store/gather/attention op takes as a single operand, and
 `ContinuousBatchingKVCacheCollection.get_cache` takes one layer's keys or values
-out of it as a `ContinuousBatchingKVCache`."""
+out of it as a `ContinuousBatchingKVCache`.
+
+Quantized caches are not supported on this path yet (the collection carries no
+scales): a graph over a quantized continuous cache takes its component inputs
+(`continuous_input_types`, `ContinuousCacheValues`)."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from max.graph import (
     ops,
 )
 
-from ..contract import CacheShape
+from ..contract import CacheShape, quant_config_of
 from ..validation import check_int
 from .arguments import check_vector
 
@@ -100,9 +104,20 @@ class ContinuousBatchingKVCacheCollection(_OpaqueValue):
 
 class FetchContinuousBatchingKVCacheCollection:
     """Builds the opaque collection from `(blocks, cache_lengths, lookup_table,
-    is_cache_empty)` as declared by the manager's `input_symbols()`."""
+    is_cache_empty)` as declared by the manager's `input_symbols()`.
+
+    Raises:
+        ValueError: `kv_params` is a quantized cache's (`kvcache_quant_config`
+            set), which the collection does not support yet.
+    """
 
     def __init__(self, kv_params: CacheShape) -> None:
+        if quant_config_of(kv_params) is not None:
+            raise ValueError(
+                "the opaque continuous-batching collection does not support quantized caches yet "
+                f"(kvcache_quant_config={quant_config_of(kv_params)!r}): build the graph on the cache's "
+                "component inputs (continuous_input_types, ContinuousCacheValues.from_inputs) instead"
+            )
         self.kv_params = kv_params
 
     def __call__(

@@ -466,7 +466,7 @@ class PagedKVCacheManager:
         for replica, plan in zip(self._replicas, plans, strict=True):
             tables = replica.staging.build(replica.table, *plan[:3], **plan[3])
             for name, buffer in replica.buffers.items():
-                per_leaf[name] += device_inputs(tables, buffer.values, replica.devices)
+                per_leaf[name] += device_inputs(tables, buffer, replica.devices)
             replica.wait_for_loads()  # blocks loaded from a tier hold their bytes before the graph runs
         return _as_tree(self.params, per_leaf)
 
@@ -554,8 +554,9 @@ class PagedKVCacheManager:
         return inputs
 
     def get_device_buffer(self, replica_idx: int = 0) -> KVCacheBuffer | dict[str, KVCacheBuffer]:
-        """The replica's block tensors (one per TP shard); for a
-        `MultiKVCacheParams`, one `KVCacheBuffer` per leaf cache by name."""
+        """The replica's block tensors (one per TP shard, with their scales
+        tensors when quantized); for a `MultiKVCacheParams`, one
+        `KVCacheBuffer` per leaf cache by name."""
         buffers = self._replica(replica_idx).buffers
         if isinstance(self.params, MultiKVCacheParams):
             return dict(buffers)

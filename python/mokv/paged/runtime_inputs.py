@@ -6,7 +6,7 @@ leaf cache: `cache_lengths` (each request's `processed_length`), the
 any request needs this step, or to `ceil(max_cache_length / page_size)`), and
 `max_lengths` (row i: most new tokens, longest context at step i; step 0 runs
 the active tokens, later steps one token each). `device_inputs` pairs them
-with each shard's block tensor.
+with each shard's block tensor (and scales tensor, when quantized).
 
 The manager keeps every claimed request's page ids in a `BlockTable`, one
 null-padded row per request, and checks a batch in one pass over its requests
@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 from max.driver import Buffer, Device
 
+from ..buffer import KVCacheBuffer
 from ..contract import PagedCacheInputs
 from ..validation import check_int
 
@@ -215,15 +216,17 @@ class InputStaging:
         return BatchTables(lengths_buffer, lookup_buffer, max_lengths_buffer)
 
 
-def device_inputs(tables: BatchTables, blocks: list[Buffer], devices: list[Device]) -> list[PagedCacheInputs[Buffer]]:
-    """One `PagedCacheInputs` per TP shard: its block tensor and the batch's
-    tables (copied to the shard's device, `max_lengths` staying on the host)."""
+def device_inputs(tables: BatchTables, buffer: KVCacheBuffer, devices: list[Device]) -> list[PagedCacheInputs[Buffer]]:
+    """One `PagedCacheInputs` per TP shard: its block tensor (and, for a
+    quantized cache, its scales tensor) and the batch's tables (copied to the
+    shard's device, `max_lengths` staying on the host)."""
     return [
         PagedCacheInputs(
-            blocks=shard_blocks,
+            blocks=blocks,
             cache_lengths=tables.cache_lengths if device.is_host else tables.cache_lengths.to(device),
             lookup_table=tables.lookup_table if device.is_host else tables.lookup_table.to(device),
             max_lengths=tables.max_lengths,
+            scales=scales,
         )
-        for shard_blocks, device in zip(blocks, devices, strict=True)
+        for blocks, scales, device in zip(buffer.values, buffer.shard_scales, devices, strict=True)
     ]
