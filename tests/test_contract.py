@@ -103,8 +103,8 @@ def test_tensor_parallel_inputs_match_declared_types(devices: int, dp: int, quan
 
 
 def _buffers_of(buffer) -> tuple[list, list]:
-    """Each shard's (blocks, scales), scales None when unquantized."""
-    return buffer.values, buffer.scales or [None] * len(buffer.values)
+    """Each shard's (blocks as graphs take them, scales), scales None when unquantized."""
+    return buffer.graph_values, buffer.scales or [None] * len(buffer.values)
 
 
 def test_quantized_input_types_follow_the_quant_config() -> None:
@@ -178,7 +178,7 @@ def test_several_caches_share_one_page_table() -> None:
     inputs = manager.runtime_inputs([[a]])
     assert isinstance(inputs, MultiKVCacheInputs) and list(inputs.children) == ["target", "draft"]
     target, draft = (inputs.children[n].inputs[0] for n in ("target", "draft"))
-    assert target.blocks is buffers["target"].values[0] and draft.blocks is buffers["draft"].values[0]
+    assert target.blocks is buffers["target"].graph_values[0] and draft.blocks is buffers["draft"].graph_values[0]
     assert target.scales is None and draft.scales is buffers["draft"].scales[0]
     np.testing.assert_array_equal(target.lookup_table.to_numpy(), draft.lookup_table.to_numpy())
     assert inputs.flatten() == [*target.flatten(), *draft.flatten()]

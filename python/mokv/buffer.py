@@ -21,7 +21,7 @@ from max.driver import Buffer, Device
 from max.dtype import DType
 from max.graph import DeviceRef
 
-from .params import KVCacheParams
+from .params import KVCacheParams, graph_dtype
 from .validation import allocate, check_bool, check_fits, check_int
 
 
@@ -54,6 +54,13 @@ def _as_pages(buffer: Buffer) -> Buffer:
     num_pages = buffer.shape[0]
     page_bytes = buffer.num_elements * buffer.dtype.size_in_bytes // num_pages
     return buffer.view(DType.uint8, [num_pages, page_bytes])
+
+
+def graph_view(blocks: Buffer) -> Buffer:
+    """A block tensor as graphs take it (`graph_dtype`): float8 codes viewed
+    as their uint8 bits, anything else as it is."""
+    dtype = graph_dtype(blocks.dtype)
+    return blocks if dtype == blocks.dtype else blocks.view(dtype)
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,9 @@ class KVCacheBuffer:
     values: list[Buffer]
     scales: list[Buffer] | None = None
     num_null_pages: int = 0
+    graph_values: list[Buffer] = field(init=False, repr=False)
+    """`values` as graphs take them (`contract.graph_dtype`): float8 codes
+    viewed as uint8, anything else as it is."""
 
     def __post_init__(self) -> None:
         check_bool("replicates_kv_across_tp", self.replicates_kv_across_tp)
@@ -148,6 +158,7 @@ class KVCacheBuffer:
         if self.replicates_kv_across_tp and len(self.values) < 2:
             raise ValueError(f"replicates_kv_across_tp=True needs at least 2 TP shards, got {len(self.values)}")
         _check_uniform(self.values, "values")
+        self.graph_values = [graph_view(v) for v in self.values]
         if self.scales is None:
             return
         if len(self.scales) != len(self.values):

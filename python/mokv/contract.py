@@ -29,7 +29,7 @@ from typing import Generic, Protocol, TypeVar
 from max.dtype import DType
 from max.graph import BufferType, DeviceRef, TensorType
 
-from .params import AnyKVCacheParams, KVCacheQuantConfig, MultiKVCacheParams
+from .params import AnyKVCacheParams, KVCacheQuantConfig, MultiKVCacheParams, graph_dtype
 from .validation import check_int
 
 T = TypeVar("T")
@@ -48,8 +48,9 @@ class InputSpec:
     `dims` entries are ints, names of cache parameters (`num_layers`,
     `n_kv_heads_per_device`, `head_dim`), names of sizes the caller or the
     quant config fixes (`page_size`, `scale_rows`, `scale_cols`, ...) or
-    symbolic dimension names; `dtype` None means the cache's own dtype. `on_host` inputs always live on the CPU
-    (they size work on the host); the others on the cache's device.
+    symbolic dimension names; `dtype` None means the cache's own, as
+    `graph_dtype` carries it (float8 as uint8). `on_host` inputs always live
+    on the CPU (they size work on the host); the others on the cache's device.
     `mutable` inputs are `BufferType`s that ops write in place.
     `quantized_only` inputs exist only for a quantized cache.
     """
@@ -258,7 +259,7 @@ def _types(
     out: list[BufferType | TensorType] = []
     for spec in specs:
         dims = [_dim(d, shape, named) for d in spec.dims]
-        dtype = spec.dtype or shape.dtype
+        dtype = spec.dtype or graph_dtype(shape.dtype)
         where = DeviceRef.CPU() if spec.on_host else device
         out.append(BufferType(dtype, dims, where) if spec.mutable else TensorType(dtype, dims, where))
     return out

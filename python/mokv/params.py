@@ -40,6 +40,14 @@ SCALE_DTYPES = (DType.float32,)
 """Scale dtypes the kernels read."""
 
 
+def graph_dtype(dtype: DType) -> DType:
+    """How a cache's blocks of `dtype` travel through a MAX graph: float8
+    codes as their uint8 bits (MAX 26.7's CPU graphs take no float8
+    tensors; the kernels read the bits back as float8), anything else as
+    itself."""
+    return DType.uint8 if dtype == DType.float8_e4m3fn else dtype
+
+
 @dataclass(frozen=True)
 class KVCacheQuantConfig:
     """How a quantized cache's scales are laid out (the stored dtype is `KVCacheParams.dtype`).

@@ -332,7 +332,12 @@ class ContinuousBatchingKVCacheManager:
         is_empty = Buffer.scalar(not lengths.any(), DType.bool)
         inputs = []
         for blocks, scales, lookup, cache_lengths, device in zip(
-            self.blocks, self.buffer.shard_scales, self._lookup, self._cache_lengths, self.devices, strict=True
+            self.buffer.graph_values,
+            self.buffer.shard_scales,
+            self._lookup,
+            self._cache_lengths,
+            self.devices,
+            strict=True,
         ):
             if views:  # the seed's fetch hands out views of preallocated rows
                 lookup[:batch] = slots
@@ -397,7 +402,7 @@ class ContinuousBatchingKVCacheManager:
             if not isinstance(entry, (tuple, list)) or len(entry) != len(names):
                 raise TypeError(f"kv_cache_inputs[{i}] must be ({', '.join(names)}), got {entry!r}")
             blocks, cache_lengths, _, _, *scales = entry
-            if blocks is not self.blocks[i]:
+            if blocks is not self.buffer.graph_values[i]:
                 raise ValueError(f"kv_cache_inputs[{i}] holds a block tensor that is not this manager's device {i}")
             if scales and scales[0] is not self.buffer.shard_scales[i]:
                 raise ValueError(f"kv_cache_inputs[{i}] holds a scales tensor that is not this manager's device {i}")

@@ -228,5 +228,5 @@ def device_inputs(tables: BatchTables, buffer: KVCacheBuffer, devices: list[Devi
             max_lengths=tables.max_lengths,
             scales=scales,
         )
-        for blocks, scales, device in zip(buffer.values, buffer.shard_scales, devices, strict=True)
+        for blocks, scales, device in zip(buffer.graph_values, buffer.shard_scales, devices, strict=True)
     ]
