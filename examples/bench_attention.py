@@ -503,9 +503,16 @@ def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
     show_default=True,
     help="Where both kernels run; gpu writes attention-gpu.json/.md and exits with a message when there is no GPU.",
 )
+@click.option(
+    "--kv-formats/--no-kv-formats",
+    default=True,
+    show_default=True,
+    help="On the CPU, also time decode and store over float32, bfloat16, float8_e4m3fn and int8 caches "
+    "(attention-kv-formats.json/.md).",
+)
 @out_dir_option("attention")
-def attention(quick: bool, device: str, out_dir: Path) -> None:
-    """Paged flash attention: mokv's kernel against MAX's built-in, decode and prefill."""
+def attention(quick: bool, device: str, kv_formats: bool, out_dir: Path) -> None:
+    """Paged flash attention: mokv's kernel against MAX's built-in, decode and prefill; KV formats side by side."""
     copy: CopyProbe | GpuCopyProbe
     if device == "gpu":
         if accelerator_count() == 0:
@@ -542,3 +549,12 @@ def attention(quick: bool, device: str, out_dir: Path) -> None:
     )
     markdown = to_markdown(rows, header)
     write_results(out_dir, "attention" if device == "cpu" else "attention-gpu", rows, markdown)
+    if device == "cpu" and kv_formats:
+        from mokv_examples.bench_kv_formats import format_rows, formats_markdown  # it builds on this module
+
+        formats = format_rows(kernels.session, kernels.package, quick)
+        header = (
+            f"## KV formats, mokv decode and store ({where}{', quick' if quick else ''}):"
+            " median seconds per call, all formats timed alternately"
+        )
+        write_results(out_dir, "attention-kv-formats", formats, formats_markdown(formats, header))

@@ -163,11 +163,19 @@ def check_fits(what: str, nbytes: int, device: Device) -> None:
 
 
 def allocate(what: str, nbytes: int, device: Device, make: Callable[[], T]) -> T:
-    """`make()`, after `check_fits`; an allocation that fails anyway raises
-    `MemoryError` naming `what` and the size instead of the driver's bare message."""
+    """`make()`, after `check_fits`, finished before it returns; an allocation
+    that fails anyway raises `MemoryError` naming `what` and the size instead
+    of the driver's bare message.
+
+    MAX 26.7 fills `Buffer.zeros` asynchronously, even on the CPU: a kernel
+    run right after the call races the fill, and measured here a 2048-token
+    store into a fresh block tensor lost up to half its rows to zeros landing
+    after it. So the device is synchronized before the buffer is handed out."""
     check_fits(what, nbytes, device)
     try:
-        return make()
+        made = make()
+        device.synchronize()
+        return made
     except (MemoryError, ValueError) as error:
         if isinstance(error, ValueError) and "allocation failed" not in str(error).lower():
             raise

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from max.driver import Buffer
+from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType
 
+from mokv import KVCacheBuffer, KVCacheParams
 from mokv.graph import (
     ContinuousCacheValues,
     PagedCacheValues,
@@ -257,3 +258,35 @@ def test_store_rejects_row_offsets_longer_than_batch(store_gather):
     with pytest.raises(ValueError, match=r"input_row_offsets has .* entries but the cache describes"):
         run(store_gather("paged", DType.float32), b, "paged", DType.float32, 0, *positions)
     np.testing.assert_array_equal(b.blocks, before)
+
+
+def test_first_store_into_a_freshly_allocated_cache_keeps_every_row(store_gather):
+    """MAX fills `Buffer.zeros` asynchronously; a store right after allocation
+    raced the fill (half of these rows read back as zeros) until
+    `KVCacheBuffer.allocate` waited for it."""
+    rng = np.random.default_rng(0)
+    params = KVCacheParams(DType.float32, N_KV_HEADS, HEAD_DIM, NUM_LAYERS, page_size=16)
+    tokens = 2048
+    pages = tokens // 16
+    lookup = rng.permutation(4 * pages)[: 2 * (pages // 2)].astype(np.uint32).reshape(2, pages // 2)
+    keys, values = (rng.standard_normal((tokens, N_KV_HEADS, HEAD_DIM)).astype(np.float32) for _ in range(2))
+    rows = np.repeat(np.arange(2), tokens // 2).astype(np.uint32)
+    positions = np.tile(np.arange(tokens // 2), 2).astype(np.uint32)
+    model = store_gather("paged", DType.float32)
+    inputs = [
+        Buffer.from_numpy(np.zeros(2, np.uint32)),
+        Buffer.from_numpy(lookup),
+        Buffer.from_numpy(np.zeros((1, 2), np.uint32)),
+        Buffer.from_numpy(keys),
+        Buffer.from_numpy(values),
+        Buffer.from_numpy(np.array([0, tokens // 2, tokens], np.uint32)),
+        _u32(1),
+        Buffer.from_numpy(rows),
+        Buffer.from_numpy(positions),
+    ]
+    buffer = KVCacheBuffer.allocate(params, 4 * pages, [CPU_REF])  # the store follows at once
+    model.execute(buffer.values[0], *inputs)
+    CPU().synchronize()  # whatever the driver still had queued has landed
+    blocks = buffer.values[0].to_numpy()
+    np.testing.assert_array_equal(ref.gather(blocks, 1, 0, lookup, rows, positions), keys)
+    np.testing.assert_array_equal(ref.gather(blocks, 1, 1, lookup, rows, positions), values)

@@ -38,7 +38,9 @@ def host_pages(num_pages: int, bytes_per_page: int, device: Device) -> Buffer:
     where the backend offers it), plain host memory for a CPU device."""
     shape = [num_pages, bytes_per_page]
     if device.is_host:
-        return Buffer.zeros(shape, DType.uint8, device=CPU())
+        pages = Buffer.zeros(shape, DType.uint8, device=CPU())
+        CPU().synchronize()  # the zero fill is asynchronous (`validation.allocate`)
+        return pages
     return Buffer(DType.uint8, shape, device=device, usage=Usage.STAGING)
 
 

@@ -1,0 +1,273 @@
+"""KV formats side by side, part of `mokv bench attention` (CPU): the same keys
+and values stored as float32, bfloat16, float8_e4m3fn and int8 (one float32
+scale per token and KV head), then decoded over.
+
+Per case and format: the median seconds of a decode call (all formats timed
+alternately, call by call), tokens/s, bytes per cached token (scales
+included) and the KV read rate, tokens/s against bfloat16 and float32, the
+largest difference from the float32 cache's output, and the cost of storing
+the case's whole context (every sequence prefilled at once: quantizing on
+store against a plain copy). The quantized caches are filled by mokv's own
+store, so what is decoded is what a model would have stored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+from max.driver import CPU, Buffer
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+from max.graph import DeviceRef, Graph, TensorType
+
+from mokv import KVCacheQuantConfig
+from mokv import graph as mokv_graph
+from mokv_examples.bench_attention import LLAMA, SMOLLM2, time_alternately, to_float
+from mokv_reference import bfloat16
+
+FORMATS = ("float32", "bfloat16", "float8_e4m3fn", "int8")
+CPU_REF = DeviceRef.CPU()
+
+
+@dataclass(frozen=True)
+class FormatCase:
+    """`batch` sequences of `context` cached tokens, one new token each."""
+
+    heads: tuple[int, int, int]
+    page_size: int
+    batch: int
+    context: int
+
+    @property
+    def name(self) -> str:
+        hq, hkv, d = self.heads
+        return f"decode-{hq}x{hkv}x{d}-page{self.page_size}-b{self.batch}-ctx{self.context}"
+
+
+def format_cases(quick: bool) -> list[FormatCase]:
+    """Memory-bound decode shapes: long contexts, SmolLM2's and Llama's heads."""
+    if quick:
+        return [FormatCase(SMOLLM2, 16, 16, 2048), FormatCase(LLAMA, 128, 4, 8192)]
+    return [
+        FormatCase(heads, page, batch, context)
+        for heads in (SMOLLM2, LLAMA)
+        for page in (16, 128)
+        for batch, context in ((1, 8192), (4, 8192), (16, 2048))
+    ]
+
+
+@dataclass
+class FormatShape:
+    """A one-layer cache of one format, heads and head size symbolic (one
+    compiled graph per format serves every case)."""
+
+    dtype: DType
+    kvcache_quant_config: KVCacheQuantConfig | None
+    num_layers: int = 1
+    n_kv_heads_per_device: int | str = "n_kv_heads"
+    head_dim: int | str = "head_dim"
+
+    @classmethod
+    def of(cls, kv_format: str) -> FormatShape:
+        quantized = kv_format in ("float8_e4m3fn", "int8")
+        return cls(DType[kv_format], KVCacheQuantConfig() if quantized else None)
+
+    @property
+    def rows(self) -> DType:
+        """The dtype of the keys, values and queries the cache takes."""
+        return DType.bfloat16 if self.dtype == DType.bfloat16 else DType.float32
+
+    def bytes_per_token(self, heads: tuple[int, int, int]) -> int:
+        """Keys and values of one token (one layer), scales included."""
+        _, hkv, d = heads
+        scales = 2 * hkv * 4 if self.kvcache_quant_config is not None else 0
+        return 2 * hkv * d * self.dtype.size_in_bytes + scales
+
+
+def _graphs(kv_format: str, package: Path) -> tuple[Graph, Graph]:
+    """(store, decode) graphs over one format's cache."""
+    shape = FormatShape.of(kv_format)
+    cache_types = mokv_graph.paged_input_types(shape)
+    n = len(cache_types.flatten())
+    rows = TensorType(shape.rows, ["tokens", "n_kv_heads", "head_dim"], CPU_REF)
+    offsets = TensorType(DType.uint32, ["batch_plus_one"], CPU_REF)
+    with Graph(
+        f"bench_store_{kv_format}", input_types=[*cache_types, rows, rows, offsets], custom_extensions=[package]
+    ) as store:
+        cache = mokv_graph.PagedCacheValues.from_inputs(store.inputs[:n])
+        keys, values, row_offsets = (v.tensor for v in store.inputs[n:])
+        mokv_graph.store_kv(cache, 0, keys, values, row_offsets)
+        store.output(row_offsets)
+    q = TensorType(shape.rows, ["tokens", "n_q_heads", "head_dim"], CPU_REF)
+    scale = TensorType(DType.float32, [], CPU_REF)
+    with Graph(
+        f"bench_decode_{kv_format}", input_types=[*cache_types, q, offsets, scale], custom_extensions=[package]
+    ) as decode:
+        cache = mokv_graph.PagedCacheValues.from_inputs(decode.inputs[:n])
+        queries, row_offsets, softmax_scale = (v.tensor for v in decode.inputs[n:])
+        decode.output(mokv_graph.attention(cache, 0, queries, row_offsets, softmax_scale))
+    return store, decode
+
+
+class FormatKernels:
+    """Each format's store and decode graphs, compiled on first use."""
+
+    def __init__(self, session: InferenceSession, package: Path) -> None:
+        self.session, self.package = session, package
+        self.models: dict[str, tuple[Model, Model]] = {}
+
+    def __getitem__(self, kv_format: str) -> tuple[Model, Model]:
+        if kv_format not in self.models:
+            store, decode = _graphs(kv_format, self.package)
+            self.models[kv_format] = (self.session.load(store), self.session.load(decode))
+        return self.models[kv_format]
+
+
+def _rows_buffer(values: np.ndarray, dtype: DType) -> Buffer:
+    return (
+        Buffer.from_numpy(bfloat16.to_bits(values)).view(DType.bfloat16)
+        if dtype == DType.bfloat16
+        else Buffer.from_numpy(values)
+    )
+
+
+def _cache_buffers(shape: FormatShape, case: FormatCase) -> list[Buffer]:
+    """A zeroed one-layer block tensor (as the graph takes it) and, quantized, its scales."""
+    _, hkv, d = case.heads
+    pages = case.batch * -(-case.context // case.page_size) + 1
+    blocks = Buffer.zeros([pages, 2, 1, case.page_size, hkv, d], shape.dtype)
+    if shape.dtype == DType.float8_e4m3fn:
+        blocks = blocks.view(DType.uint8)
+    buffers = [blocks]
+    if shape.kvcache_quant_config is not None:
+        buffers.append(Buffer.zeros([pages, 2, 1, case.page_size, hkv, 1], DType.float32))
+    CPU().synchronize()  # Buffer.zeros fills asynchronously (mokv.validation.allocate)
+    return buffers
+
+
+def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -> list[dict[str, Any]]:
+    """One case in every format: fill each cache with the same keys and values
+    through its store, then time stores and decodes alternately."""
+    hq, hkv, d = case.heads
+    rng = np.random.default_rng(0)
+    pages_per_seq = -(-case.context // case.page_size)
+    lookup = rng.permutation(case.batch * pages_per_seq).astype(np.uint32).reshape(case.batch, pages_per_seq)
+    # bfloat16-exact values, so float32 and bfloat16 caches hold the same numbers.
+    keys, values = (
+        bfloat16.from_bits(bfloat16.to_bits(rng.standard_normal((case.batch * case.context, hkv, d), np.float32)))
+        for _ in range(2)
+    )
+    q = bfloat16.from_bits(bfloat16.to_bits(rng.standard_normal((case.batch, hq, d), np.float32)))
+    prefill_offsets = Buffer.from_numpy((np.arange(case.batch + 1) * case.context).astype(np.uint32))
+    prefill_tables = [
+        Buffer.from_numpy(np.zeros(case.batch, np.uint32)),
+        Buffer.from_numpy(lookup),
+        Buffer.from_numpy(np.array([[case.context, case.context]], np.uint32)),
+    ]
+    decode_tables = [
+        Buffer.from_numpy(np.full(case.batch, case.context - 1, np.uint32)),
+        Buffer.from_numpy(lookup),
+        Buffer.from_numpy(np.array([[1, case.context]], np.uint32)),
+    ]
+    decode_offsets = Buffer.from_numpy(np.arange(case.batch + 1, dtype=np.uint32))
+    softmax_scale = Buffer.from_numpy(np.array(1 / math.sqrt(d), np.float32))
+    calls, outputs = {}, {}
+    for kv_format in FORMATS:
+        shape = FormatShape.of(kv_format)
+        store, decode = kernels[kv_format]
+        blocks, *scales = _cache_buffers(shape, case)
+        store_args = [
+            blocks,
+            *prefill_tables,
+            *scales,
+            _rows_buffer(keys, shape.rows),
+            _rows_buffer(values, shape.rows),
+            prefill_offsets,
+        ]
+        decode_args = [blocks, *decode_tables, *scales, _rows_buffer(q, shape.rows), decode_offsets, softmax_scale]
+        store.execute(*store_args)
+        # A copy: the output buffer is reused by later calls.
+        outputs[kv_format] = to_float(decode.execute(*decode_args)[0], shape.rows).copy()
+        calls[f"store-{kv_format}"] = lambda m=store, a=store_args: m.execute(*a)
+        calls[kv_format] = lambda m=decode, a=decode_args: m.execute(*a)
+    times = time_alternately(calls, min_runs=5, budget_s=budget_s)
+    rows = []
+    for kv_format in FORMATS:
+        shape = FormatShape.of(kv_format)
+        per_token = shape.bytes_per_token(case.heads)
+        seconds = times[kv_format]
+        rows.append(
+            {
+                "case": case.name,
+                "kv_format": kv_format,
+                "n_q_heads": hq,
+                "n_kv_heads": hkv,
+                "head_dim": d,
+                "page_size": case.page_size,
+                "batch": case.batch,
+                "context": case.context,
+                "bytes_per_token": per_token,
+                "decode_s": seconds,
+                "tokens_per_s": case.batch / seconds,
+                "kv_gbps": case.batch * case.context * per_token / seconds / 1e9,
+                "over_bfloat16": times["bfloat16"] / seconds,
+                "over_float32": times["float32"] / seconds,
+                "max_abs_diff_vs_float32": float(np.abs(outputs[kv_format] - outputs["float32"]).max()),
+                "store_s": times[f"store-{kv_format}"],
+                "store_over_float32": times[f"store-{kv_format}"] / times["store-float32"],
+            }
+        )
+    return rows
+
+
+def format_rows(session: InferenceSession, package: Path, quick: bool) -> list[dict[str, Any]]:
+    kernels = FormatKernels(session, package)
+    rows = []
+    for case in format_cases(quick):
+        click.echo(f"{case.name}, KV formats ...", err=True)
+        case_rows = run_format_case(case, kernels, budget_s=0.5 if quick else 1.5)
+        click.echo(
+            "  " + ", ".join(f"{r['kv_format']} {r['decode_s'] * 1e3:.3f} ms" for r in case_rows),
+            err=True,
+        )
+        rows += case_rows
+    return rows
+
+
+def _span(values: list[float]) -> str:
+    return (
+        f"min {min(values):.2f}, median {float(np.median(values)):.2f}, max {max(values):.2f}" if values else "no cases"
+    )
+
+
+def formats_markdown(rows: list[dict[str, Any]], header: str) -> str:
+    """The formats' targets (float8 decode >= 1.6x bfloat16 and >= 3x float32), then every row."""
+    float8 = [r for r in rows if r["kv_format"] == "float8_e4m3fn"]
+    int8 = [r for r in rows if r["kv_format"] == "int8"]
+    lines = [
+        header,
+        "",
+        f"- float8_e4m3fn decode tokens/s over bfloat16 (target >= 1.6): {_span([r['over_bfloat16'] for r in float8])}",
+        f"- float8_e4m3fn decode tokens/s over float32 (target >= 3): {_span([r['over_float32'] for r in float8])}",
+        f"- int8 decode tokens/s over bfloat16: {_span([r['over_bfloat16'] for r in int8])}",
+        "- storing a whole context, quantized over a float32 copy: "
+        + ", ".join(
+            f"{f} {_span([r['store_over_float32'] for r in rows if r['kv_format'] == f])}" for f in FORMATS[1:]
+        ),
+        "",
+        "| case | KV format | bytes/token | decode ms | tokens/s | KV GB/s | vs bf16 | vs f32 | max diff vs f32"
+        " | store ms | store vs f32 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['case']} | {r['kv_format']} | {r['bytes_per_token']} | {r['decode_s'] * 1e3:.3f}"
+        f" | {r['tokens_per_s']:.0f} | {r['kv_gbps']:.1f} | {r['over_bfloat16']:.2f}x | {r['over_float32']:.2f}x"
+        f" | {r['max_abs_diff_vs_float32']:.1e} | {r['store_s'] * 1e3:.2f} | {r['store_over_float32']:.2f}x |"
+        for r in rows
+    ]
+    return "\n".join(lines) + "\n"
