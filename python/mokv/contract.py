@@ -48,10 +48,10 @@ class InputSpec:
     `dims` entries are ints, names of cache parameters (`num_layers`,
     `n_kv_heads_per_device`, `head_dim`), names of sizes the caller or the
     quant config fixes (`page_size`, `scale_rows`, `scale_cols`, ...) or
-    symbolic dimension names; `dtype` None means the cache's own dtype. `on_host` inputs always live on the CPU
-    (they size work on the host); the others on the cache's device.
-    `mutable` inputs are `BufferType`s that ops write in place.
-    `quantized_only` inputs exist only for a quantized cache.
+    symbolic dimension names; `dtype` None means the cache's own dtype.
+    `on_host` inputs always live on the CPU (they size work on the host); the
+    others on the cache's device. `mutable` inputs are `BufferType`s that ops
+    write in place. `quantized_only` inputs exist only for a quantized cache.
     """
 
     name: str
@@ -242,8 +242,8 @@ def _types(
     block_len: tuple[str, int | str],
 ) -> list[BufferType | TensorType]:
     """The specs' types on `device` (the `quantized_only` ones only for a
-    quantized `shape`). `block_len` names the tokens-per-block dimension and its size (an int or
-    the symbol to use)."""
+    quantized `shape`). `block_len` names the tokens-per-block dimension and
+    gives its size (an int, or the symbol to use)."""
     name, size = block_len
     if not isinstance(size, str):  # a fixed size (page_size, max_seq_len) or a symbol's name
         check_int(name, size, minimum=1)
