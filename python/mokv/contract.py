@@ -243,8 +243,8 @@ def _types(
     block_len: tuple[str, int | str],
 ) -> list[BufferType | TensorType]:
     """The specs' types on `device` (the `quantized_only` ones only for a
-    quantized `shape`). `block_len` names the tokens-per-block dimension and its size (an int or
-    the symbol to use)."""
+    quantized `shape`). `block_len` names the tokens-per-block dimension and
+    gives its size (an int, or the symbol to use)."""
     name, size = block_len
     if not isinstance(size, str):  # a fixed size (page_size, max_seq_len) or a symbol's name
         check_int(name, size, minimum=1)
