@@ -268,7 +268,7 @@ def kv_formats_markdown(rows: list[dict], models: dict[str, SmolLM2]) -> str:
     for name, model in models.items():
         if not name.startswith("mokv"):
             continue
-        cells = [model.kv_dtype, str(model.cache_params().bytes_per_token)]
+        cells = [model.kv_dtype, f"{model.cache_params().bytes_per_token:g}"]
         cells += [f"{r[f'{name}_tokens_per_s']:.1f}" for r in rows]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -154,7 +154,7 @@ def score(
             f"{label}: {len(result.scores)} tokens scored, mean log-probability {result.mean_logprob:.4f}, "
             f"perplexity {result.perplexity:.3f}"
         )
-    comparisons = {label: agreement(result, main) for label, result in scored.items() if label != main_label}
+    comparisons = {label: agreement(main, result) for label, result in scored.items() if label != main_label}
     for label, comparison in comparisons.items():
         click.echo(
             f"{main_label} vs {label}: top-1 agreement {comparison['top1_agreement']:.2%}, "
