@@ -3,7 +3,8 @@
 `tools/check_gpu_build.sh` builds this file with `mojo build
 --target-accelerator <arch>`: that instantiates every registered op's
 `execute` (`mokv.store_kv`, `mokv.gather`, `mokv.attention` for both cache
-layouts, and the opaque continuous-collection ops) with `target="gpu"`, as MAX
+layouts, the opaque continuous-collection ops, and the quantized-cache ops,
+which on a GPU raise: their kernels are CPU-only) with `target="gpu"`, as MAX
 does for a graph on a GPU, for both dtypes, and compiles all the kernels they
 launch (every head size and tile shape the attention dispatches to at runtime,
 and the split-K merge) to device code. A compile error in any GPU path fails
@@ -14,7 +15,7 @@ from max.gpu.host import DeviceContext
 from std.sys import argv
 from std.utils import IndexList
 
-from mokv_kernels.attention.op import Attention
+from mokv_kernels.attention.op import Attention, AttentionQuantized
 from mokv_kernels.collection import (
     AttentionContinuousCollection,
     FetchContinuousCollection,
@@ -23,7 +24,7 @@ from mokv_kernels.collection import (
     GetContinuousCache,
     StoreKVContinuousCollection,
 )
-from mokv_kernels.store import Gather, StoreKV
+from mokv_kernels.store import Gather, GatherQuantized, StoreKV, StoreKVQuantized
 from mokv_kernels.gpu.views import InputView, MutableView, OutputView, row_major
 
 
@@ -86,6 +87,42 @@ def _registered_ops[dtype: DType](ctx: DeviceContext, n: Int) raises:
     GatherContinuousCache.execute[dtype, gpu](out, cache, index, index, ctx)
 
 
+def _quantized_ops[cache_dtype: DType](ctx: DeviceContext, n: Int) raises:
+    """The quantized-cache ops over a paged cache of `cache_dtype` codes
+    (uint8: float8 bits; int8), float32 rows."""
+    comptime gpu: StaticString = "gpu"
+    var shape = IndexList[6](n, 2, n, n, n, n)
+    var blocks = MutableView[cache_dtype, 6](_ptr[cache_dtype](ctx, 1), shape, row_major(shape))
+    var scales = MutableView[DType.float32, 6](_ptr[DType.float32](ctx, 1), shape, row_major(shape))
+    var lengths = _view[DType.uint32, 1](ctx, n)
+    var page_table = _view[DType.uint32, 2](ctx, n)
+    var max_lengths = _view[DType.uint32, 2](ctx, n)
+    var tokens = _view[DType.float32, 3](ctx, n)
+    var index = _view[DType.uint32, 1](ctx, n)
+    var out = _output[DType.float32](ctx, n)
+    var layer = UInt32(n - 1)
+    StoreKVQuantized.execute[DType.float32, cache_dtype, 2, gpu](
+        blocks, scales, lengths, page_table, tokens, tokens, index, layer, ctx
+    )
+    GatherQuantized.execute[DType.float32, cache_dtype, 2, gpu](
+        out, blocks, scales, lengths, page_table, index, index, layer, layer, ctx
+    )
+    AttentionQuantized.execute[DType.float32, cache_dtype, 2, DType.uint32, 2, gpu](
+        out,
+        blocks,
+        scales,
+        lengths,
+        page_table,
+        max_lengths,
+        tokens,
+        index,
+        layer,
+        Float32(n),
+        layer,
+        ctx,
+    )
+
+
 def main() raises:
     # Every size comes from the command line, so that the compiler can
     # neither prove a check fails nor that it passes: it must keep (and
@@ -94,3 +131,5 @@ def main() raises:
     var ctx = DeviceContext()
     _registered_ops[DType.float32](ctx, n)
     _registered_ops[DType.bfloat16](ctx, n)
+    _quantized_ops[DType.uint8](ctx, n)
+    _quantized_ops[DType.int8](ctx, n)
