@@ -371,11 +371,24 @@ class Kernels:
         return synchronized
 
 
+def shape_fields(heads: tuple[int, int, int], page_size: int, batch: int, context: int) -> dict[str, int]:
+    """A case's shape as JSON row fields."""
+    hq, hkv, d = heads
+    return {
+        "n_q_heads": hq,
+        "n_kv_heads": hkv,
+        "head_dim": d,
+        "page_size": page_size,
+        "batch": batch,
+        "context": context,
+    }
+
+
 def run_case(case: Case, kernels: Kernels, copy: CopyProbe | GpuCopyProbe, budget_s: float) -> dict[str, Any]:
     """Times one case. A bfloat16 decode case on the CPU also times mokv on
     the same values stored as float32, in the same rounds, for the tokens/s
     ratio."""
-    hq, hkv, d = case.heads
+    d = case.heads[2]
     scale = 1 / math.sqrt(d)
     with_f32 = case.dtype == DType.bfloat16 and case.phase == "decode" and kernels.device.is_host
     dtypes = (case.dtype, DType.float32) if with_f32 else (case.dtype,)
@@ -402,12 +415,7 @@ def run_case(case: Case, kernels: Kernels, copy: CopyProbe | GpuCopyProbe, budge
         "case": case.name,
         "phase": case.phase,
         "dtype": case.dtype.name,
-        "n_q_heads": hq,
-        "n_kv_heads": hkv,
-        "head_dim": d,
-        "page_size": case.page_size,
-        "batch": case.batch,
-        "context": case.context,
+        **shape_fields(case.heads, case.page_size, case.batch, case.context),
         "new_tokens": case.new_tokens,
         "kv_bytes": case.kv_bytes,
         "mokv_s": times["mokv"],

@@ -27,7 +27,7 @@ from max.graph import DeviceRef, Graph, TensorType
 
 from mokv import KVCacheQuantConfig
 from mokv import graph as mokv_graph
-from mokv_examples.bench_attention import LLAMA, SMOLLM2, time_alternately, to_float
+from mokv_examples.bench_attention import LLAMA, SMOLLM2, shape_fields, time_alternately, to_float
 from mokv_reference import bfloat16
 
 FORMATS = ("float32", "bfloat16", "float8_e4m3fn", "int8")
@@ -205,12 +205,7 @@ def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -
             {
                 "case": case.name,
                 "kv_format": kv_format,
-                "n_q_heads": hq,
-                "n_kv_heads": hkv,
-                "head_dim": d,
-                "page_size": case.page_size,
-                "batch": case.batch,
-                "context": case.context,
+                **shape_fields(case.heads, case.page_size, case.batch, case.context),
                 "bytes_per_token": per_token,
                 "decode_s": seconds,
                 "tokens_per_s": case.batch / seconds,

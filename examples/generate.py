@@ -20,28 +20,26 @@ DEFAULT_PROMPTS = (
 )
 
 
-def weights_option(command):
-    """`--weights`: the weight format of the model graph."""
-    return click.option(
-        "--weights",
-        type=click.Choice(WEIGHT_FORMATS),
-        default=WEIGHT_FORMATS[0],
-        show_default=True,
-        help="gguf: the GGUF's own Q4_1/Q8_0 blocks, dequantized in registers by mokv's kernels; "
-        "f32: the weights dequantized to float32 once (the reference).",
-    )(command)
+def _choice_option(name: str, choices: tuple[str, ...], help: str):
+    """An option taking one of `choices`, the first by default."""
+    return click.option(name, type=click.Choice(choices), default=choices[0], show_default=True, help=help)
 
 
-def kv_dtype_option(command):
-    """`--kv-dtype`: how the KV cache stores keys and values."""
-    return click.option(
-        "--kv-dtype",
-        type=click.Choice(KV_DTYPES),
-        default=KV_DTYPES[0],
-        show_default=True,
-        help="KV cache storage: float32, bfloat16, or 8-bit codes with a float32 scale per token and KV head "
-        "(float8_e4m3fn, int8: a quarter of float32's memory).",
-    )(command)
+weights_option = _choice_option(
+    "--weights",
+    WEIGHT_FORMATS,
+    "gguf: the GGUF's own Q4_1/Q8_0 blocks, dequantized in registers by mokv's kernels; "
+    "f32: the weights dequantized to float32 once (the reference).",
+)
+"""`--weights`: the weight format of the model graph."""
+
+kv_dtype_option = _choice_option(
+    "--kv-dtype",
+    KV_DTYPES,
+    "KV cache storage: float32, bfloat16, or 8-bit codes with a float32 scale per token and KV head "
+    "(float8_e4m3fn, int8: a quarter of float32's memory).",
+)
+"""`--kv-dtype`: how the KV cache stores keys and values."""
 
 
 def generation_options(command):
