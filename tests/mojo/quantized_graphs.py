@@ -14,12 +14,15 @@ GRAPH_DTYPE = {"float8_e4m3fn": DType.uint8, "int8": DType.int8}
 """The blocks' graph dtype per code format (float8 codes travel as uint8 bits)."""
 
 
-def _cache_types(graph_dtype: DType) -> list:
+def _cache_types(graph_dtype: DType, layout: str = "paged") -> list:
+    """Blocks, scales, cache lengths and the lookup table: `[batch, pages]`
+    (paged) or `[batch]` slots (continuous batching)."""
+    table = ["batch", "pages"] if layout == "paged" else ["batch"]
     return [
         BufferType(graph_dtype, ["blocks", 2, NUM_LAYERS, "page", "heads", "head_dim"], CPU_REF),
         BufferType(DType.float32, ["blocks", 2, NUM_LAYERS, "scale_rows", "heads", "granules"], CPU_REF),
         TensorType(DType.uint32, ["batch"], CPU_REF),
-        TensorType(DType.uint32, ["batch", "pages"], CPU_REF),
+        TensorType(DType.uint32, table, CPU_REF),
     ]
 
 
@@ -65,18 +68,23 @@ def build_store_gather(graph_dtype: DType, dtype: DType, kernels: Path) -> Graph
     return g
 
 
-def build_attention(graph_dtype: DType, dtype: DType, kernels: Path) -> Graph:
-    """`(cache..., max_lengths, q, offsets, layer, scale, window) -> attention` over a quantized paged cache."""
+def build_attention(graph_dtype: DType, dtype: DType, kernels: Path, layout: str = "paged") -> Graph:
+    """`(cache..., summary, q, offsets, layer, scale, window) -> attention` over a
+    quantized cache; the summary is `max_lengths` (paged) or `is_cache_empty`."""
+    summary = (
+        TensorType(DType.uint32, ["steps", 2], CPU_REF) if layout == "paged" else TensorType(DType.bool, [], CPU_REF)
+    )
     inputs = [
-        *_cache_types(graph_dtype),
-        TensorType(DType.uint32, ["steps", 2], CPU_REF),
+        *_cache_types(graph_dtype, layout),
+        summary,
         TensorType(dtype, ["tokens", "q_heads", "head_dim"], CPU_REF),
         TensorType(DType.uint32, ["batch_plus_one"], CPU_REF),
         TensorType(DType.uint32, [], CPU_REF),
         TensorType(DType.float32, [], CPU_REF),
         TensorType(DType.uint32, [], CPU_REF),
     ]
-    with Graph(f"quantized_attention_{graph_dtype}_{dtype}", input_types=inputs, custom_extensions=[kernels]) as g:
+    name = f"quantized_attention_{layout}_{graph_dtype}_{dtype}"
+    with Graph(name, input_types=inputs, custom_extensions=[kernels]) as g:
         blocks, scales_in = g.inputs[0].buffer, g.inputs[1].buffer
         cache_lengths, lookup, summary, q, offsets, layer, scale, window = (v.tensor for v in g.inputs[2:])
         (out,) = ops.inplace_custom(

@@ -45,8 +45,11 @@ def quantized_store_gather(session, kernels):
 
 @pytest.fixture(scope="session")
 def quantized_attention(session, kernels):
-    """`get(graph dtype, model dtype)`: the attention graph, compiled once."""
-    return compiled_per_key(session, lambda graph_dtype, dtype: build_attention(graph_dtype, dtype, kernels))
+    """`get(graph dtype, model dtype, layout="paged")`: the attention graph, compiled once."""
+    get = compiled_per_key(
+        session, lambda graph_dtype, dtype, layout: build_attention(graph_dtype, dtype, kernels, layout)
+    )
+    return lambda graph_dtype, dtype, layout="paged": get(graph_dtype, dtype, layout)
 
 
 def _blocks_buffer(codes: np.ndarray, fmt: str) -> Buffer:
@@ -293,6 +296,39 @@ def test_attention_reads_codes_with_their_scales(case, quantized_attention):
     expected = reference_attention(cache.dequantized(), 1, q, offsets, cached, cache.lookup_table, scale)
     atol, rtol = (2e-5, 2e-5) if q_dtype == DType.float32 else (1e-3, 8e-3)
     np.testing.assert_allclose(out, expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_continuous_layout_reads_codes_with_their_scales(fmt, quantized_attention):
+    """The same op over continuous-batching slots (a `[batch]` lookup table,
+    `is_cache_empty` as the summary): one slot of `max_seq_len` tokens per row."""
+    rng = np.random.default_rng(3)
+    heads, group, d, slot = 2, 3, 64, 512
+    rows = [(0, 40), (300, 1), (100, 20)]
+    cache = empty_cache(rng, fmt, 1, 5, slot, heads, d, 1, 1)  # blocks of 512 tokens: the slots
+    cache.lookup_table = rng.permutation(5)[: len(rows)].astype(np.uint32)
+    if fmt == "int8":
+        cache.codes[...] = rng.integers(-127, 128, cache.codes.shape, dtype=np.int8)
+    else:
+        cache.codes[...] = ref.nearest_e4m3(rng.standard_normal(cache.codes.shape) * 100)
+    cache.scales[...] = rng.uniform(0.002, 0.03, cache.scales.shape).astype(np.float32)
+    cached = np.array([c for c, _ in rows], np.uint32)
+    new = np.array([n for _, n in rows])
+    offsets = np.concatenate([[0], np.cumsum(new)]).astype(np.uint32)
+    q = rng.standard_normal((new.sum(), heads * group, d)).astype(np.float32)
+    (out,) = quantized_attention(GRAPH_DTYPE[fmt], DType.float32, "continuous").execute(
+        *cache.buffers(),
+        Buffer.from_numpy(cached),
+        Buffer.from_numpy(cache.lookup_table),
+        Buffer.scalar(False, DType.bool),
+        _rows_buffer(q, DType.float32),
+        Buffer.from_numpy(offsets),
+        _u32(0),
+        Buffer.from_numpy(np.array(0.125, np.float32)),
+        _u32(0),
+    )
+    expected = reference_attention(cache.dequantized(), 0, q, offsets, cached, cache.lookup_table, 0.125)
+    np.testing.assert_allclose(out.to_numpy(), expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
