@@ -73,22 +73,60 @@ def widen[dtype: DType, width: Int](codes: SIMD[dtype, width]) -> SIMD[DType.flo
 
 def encode[dtype: DType, width: Int](scaled: SIMD[DType.float32, width]) -> SIMD[dtype, width]:
     """Codes of values already divided by their scale and clamped to
-    `code_max`: float8 rounds to nearest even, int8 to nearest integer."""
+    `code_max`: int8 rounds to the nearest integer; float8 to the nearest
+    code, ties to even, in integer operations on the float32 bits (the
+    standard library's float8 cast was the store's bottleneck)."""
     comptime if dtype == DType.int8:
         return rebind[SIMD[dtype, width]](scaled.__round__().cast[DType.int8]())
     else:
-        return scaled.cast[dtype]()
+        comptime F = SIMD[DType.float32, width]
+        comptime U = SIMD[DType.uint32, width]
+        var magnitude = abs(scaled)
+        var bits = bitcast[DType.uint32, width](magnitude)
+        # Normal codes: round the mantissa to 3 bits (ties to even), then
+        # rebias the exponent from float32's 127 to e4m3's 7.
+        var rounded = bits + U(0x7FFFF) + ((bits >> 20) & U(1))
+        var normal = (rounded >> 20) - U(120 << 3)
+        # Subnormal codes (below 2^-6): multiples of 2^-9, rounded to even.
+        # (Adding and taking away 2^23 rounds a value below it to an integer, ties to even.)
+        var steps = (magnitude * F(512) + F(8388608)) - F(8388608)
+        var subnormal = steps.cast[DType.uint32]()
+        var code = magnitude.lt(F(0.015625)).select(subnormal, normal)
+        var sign = (bitcast[DType.uint32, width](scaled) >> 24) & U(0x80)
+        return bitcast[dtype, width]((code | sign).cast[DType.uint8]())
+
+
+comptime QUANT_WIDTH = 8
+"""Lanes of float32 the store's quantize loops work in."""
 
 
 def granule_scale(src: Pointer[Float32, MutUntrackedOrigin], count: Int, limit: Float32) -> Float32:
     """The largest finite magnitude of `src[0 ..< count]` over `limit`: the
     scale that maps it to the largest code."""
-    var largest: Float32 = 0
-    for i in range(count):
-        var x = abs(src[unsafe_offset=i])
-        if x < Float32.MAX_FINITE and x > largest:  # NaN and infinities compare false
+    comptime V = SIMD[DType.float32, QUANT_WIDTH]
+    var lanes = V(0)
+    var i = 0
+    while i + QUANT_WIDTH <= count:
+        var x = abs(src.unsafe_load[width=QUANT_WIDTH](i))
+        lanes = (x.lt(V(Float32.MAX_FINITE)) & x.gt(lanes)).select(x, lanes)  # NaN compares false
+        i += QUANT_WIDTH
+    var largest = lanes.reduce_max()
+    for j in range(i, count):
+        var x = abs(src[unsafe_offset=j])
+        if x < Float32.MAX_FINITE and x > largest:
             largest = x
     return largest / limit
+
+
+@always_inline
+def _codes[
+    dtype: DType, width: Int
+](values: SIMD[DType.float32, width], inv: Float32) -> SIMD[dtype, width]:
+    """Codes of `values` times `inv`: saturated to the code range, NaN as 0."""
+    comptime limit = code_max[dtype]()
+    var x = values * inv
+    var clamped = min(max(x, SIMD[DType.float32, width](-limit)), SIMD[DType.float32, width](limit))
+    return encode[dtype, width](x.eq(x).select(clamped, SIMD[DType.float32, width](0)))
 
 
 def quantize[
@@ -101,12 +139,14 @@ def quantize[
 ):
     """Writes the codes of `src[0 ..< count]` under `scale`: saturating at
     `code_max`, NaN as 0, everything as 0 under a zero scale."""
-    comptime limit = code_max[dtype]()
     var inv = 1 / scale if scale > 0 else Float32(0)
-    for i in range(count):
-        var x = src[unsafe_offset=i] * inv
-        var clamped = min(max(x, -limit), limit) if x == x else Float32(0)
-        dst[unsafe_offset=i] = encode[dtype, 1](clamped)
+    var i = 0
+    while i + QUANT_WIDTH <= count:
+        var codes = _codes[dtype, QUANT_WIDTH](src.unsafe_load[width=QUANT_WIDTH](i), inv)
+        dst.unsafe_store(i, codes)
+        i += QUANT_WIDTH
+    for j in range(i, count):
+        dst[unsafe_offset=j] = _codes[dtype, 1](src.unsafe_load[width=1](j), inv)
 
 
 def dequantize[

@@ -191,6 +191,44 @@ def test_store_saturates_and_maps_nan_to_zero(fmt, quantized_store_gather):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_store_codes_span_every_magnitude(fmt, quantized_store_gather):
+    """Magnitudes from the granule's largest down to 2^-20 of it, both signs,
+    with exact midpoints between codes: float8's subnormal codes (below 2^-6
+    of a code unit) and its ties (to the even mantissa) included."""
+    rng = np.random.default_rng(5)
+    d = 64
+    cache = empty_cache(rng, fmt, 1, 2, 16, 1, d, 1, 1)
+    rows = 16
+    keys = np.empty((rows, 1, d), np.float32)
+    keys[:, 0, 0] = 448.0 if fmt == "float8_e4m3fn" else 127.0  # the scale is then 1
+    magnitudes = np.exp2(rng.uniform(-20, 8.8, (rows, d - 1)))
+    midpoints = ref.decode(np.arange(1, 0x7E, dtype=np.uint8), fmt) if fmt == "float8_e4m3fn" else np.arange(127.0)
+    midpoints = (midpoints[:-1] + midpoints[1:]) / 2
+    magnitudes[:, : d // 2] = rng.choice(midpoints, (rows, d // 2))
+    keys[:, 0, 1:] = np.minimum(magnitudes, keys[0, 0, 0]) * rng.choice([-1.0, 1.0], (rows, d - 1))
+    offsets = np.array([0, rows], np.uint32)
+    positions = np.arange(rows, dtype=np.uint32)
+    _, codes, scales = _gathered(
+        cache,
+        quantized_store_gather,
+        keys,
+        keys,
+        np.zeros(1, np.uint32),
+        offsets,
+        0,
+        np.zeros(rows, np.uint32),
+        positions,
+    )
+    np.testing.assert_array_equal(scales, 1.0)
+    expected, _ = ref.quantize(keys.astype(np.float64), d, fmt)
+    if fmt == "float8_e4m3fn":  # exact: ties to even, subnormals
+        np.testing.assert_array_equal(codes.view(np.uint8), expected.view(np.uint8))
+    else:  # int8 rounds ties away from zero, numpy to even: they differ only at .5
+        differ = codes != expected
+        assert (np.abs(keys[differ] - np.round(keys[differ] - 0.5) - 0.5) < 1e-6).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_growing_scale_block_requantizes_the_tokens_it_holds(fmt, quantized_store_gather):
     """Scales per block of 4 tokens, filled one decode token at a time with
     magnitudes growing 4x per token: each new token raises the block's scale
