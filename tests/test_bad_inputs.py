@@ -591,6 +591,7 @@ GRAPH_CASES = cases(
     ("attention-window-float", _attend(window=2.5), TypeError, "2.5"),
     ("attention-q-heads", _attend(q=3), ValueError, "3 heads"),
     ("attention-layer-str", _attend(layer="0"), TypeError, "'0'"),
+    ("attention-head-dim", _attend(), ValueError, "head_dim to be a multiple of 16, the cache has 8"),
     ("from-inputs-count", with_cache(lambda cache, t: PagedCacheValues.from_inputs(t[:2])), ValueError, "got 2"),
     ("input-types-page", lambda: paged_input_types(P, page_size=0), ValueError, "page_size must be >= 1, got 0"),
     ("input-types-page-float", lambda: paged_input_types(P, page_size=1.5), TypeError, "1.5"),

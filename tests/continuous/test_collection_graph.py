@@ -18,7 +18,8 @@ from mokv.graph import FetchContinuousBatchingKVCacheCollection, attention, gath
 from mokv_reference import cache as ref
 from mokv_reference.attention import attention as reference_attention
 
-PARAMS = KVCacheParams(dtype=DType.float32, n_kv_heads=3, head_dim=8, num_layers=2)
+HEAD_DIM = 16
+PARAMS = KVCacheParams(dtype=DType.float32, n_kv_heads=3, head_dim=HEAD_DIM, num_layers=2)
 MAX_SEQ_LEN = 32
 LAYER = 1
 N_Q_HEADS = 6  # grouped-query: two query heads per KV head
@@ -33,10 +34,10 @@ def collection_model(session, kernels):
     per-layer caches, after storing into layer LAYER through the opaque collection."""
     manager = ContinuousBatchingKVCacheManager(PARAMS, 4, MAX_SEQ_LEN, 2, [CPU()], session)
     cpu = DeviceRef.CPU()
-    rows = TensorType(DType.float32, ["new_tokens", 3, 8], cpu)
+    rows = TensorType(DType.float32, ["new_tokens", 3, HEAD_DIM], cpu)
     index = TensorType(DType.uint32, ["n"], cpu)
     offsets = TensorType(DType.uint32, ["batch_plus_one"], cpu)
-    queries = TensorType(DType.float32, ["new_tokens", N_Q_HEADS, 8], cpu)
+    queries = TensorType(DType.float32, ["new_tokens", N_Q_HEADS, HEAD_DIM], cpu)
     inputs = [*manager.input_symbols()[0], rows, rows, offsets, index, index, queries]
     with Graph("continuous_collection", input_types=inputs, custom_extensions=[kernels]) as g:
         collection = FetchContinuousBatchingKVCacheCollection(PARAMS)(*g.inputs[:4])
@@ -107,9 +108,9 @@ def test_multistep_store_and_attention_match_numpy_and_paged(collection_model, a
     assert inputs[0][3].item() is True
     for _ in range(4):
         offsets = np.concatenate([[0], np.cumsum(new_counts)]).astype(np.uint32)
-        keys = rng.standard_normal((int(offsets[-1]), 3, 8)).astype(np.float32)
+        keys = rng.standard_normal((int(offsets[-1]), 3, HEAD_DIM)).astype(np.float32)
         values = rng.standard_normal(keys.shape).astype(np.float32)
-        q = rng.standard_normal((int(offsets[-1]), N_Q_HEADS, 8)).astype(np.float32)
+        q = rng.standard_normal((int(offsets[-1]), N_Q_HEADS, HEAD_DIM)).astype(np.float32)
         cache_lengths = np.array([lengths[s] for s in order], np.uint32)
         np.testing.assert_array_equal(inputs[0][1].to_numpy(), cache_lengths)
         ref.store(expected, LAYER, keys, values, offsets, cache_lengths, slots)
@@ -153,10 +154,10 @@ def test_reused_slot_starts_empty(collection_model, session):
 
     def prefill(request_id: str, n: int) -> np.ndarray:
         seq = manager.slot_of(request_id)
-        keys = rng.standard_normal((n, 3, 8)).astype(np.float32)
+        keys = rng.standard_normal((n, 3, HEAD_DIM)).astype(np.float32)
         offsets = np.array([0, n], np.uint32)
         rows, positions = np.zeros(n, np.uint32), np.arange(n, dtype=np.uint32)
-        queries = np.zeros((n, N_Q_HEADS, 8), np.float32)
+        queries = np.zeros((n, N_Q_HEADS, HEAD_DIM), np.float32)
         got_k, *_ = collection_model.execute(
             *manager.fetch([seq])[0],
             Buffer.from_numpy(keys),

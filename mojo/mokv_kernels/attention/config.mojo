@@ -8,7 +8,11 @@ from std.utils.numerics import neg_inf
 
 comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
 comptime W = simd_width_of[DType.float32]()
-"""Float32 lanes per vector: head_dim must be a multiple of it."""
+"""Float32 lanes per vector: 4 (NEON), 8 (AVX2) or 16 (AVX-512)."""
+comptime HEAD_DIM_MULTIPLE = 16
+"""What head_dim (and a quantized cache's granularity) must be a multiple of:
+the widest float32 vector of any CPU we build for, so a model that runs on one
+machine runs on every other, not only where the vectors happen to be narrow."""
 comptime Vec = SIMD[DType.float32, W]
 comptime TILE = 32
 """Context tokens per tile."""

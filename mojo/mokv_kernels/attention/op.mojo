@@ -21,7 +21,7 @@ from ..gpu.attention import attention_gpu
 from ..gpu.block import GpuLauncher
 from ..quant import codes_in, is_quantized
 from ..store import no_quantized_gpu_path
-from .config import LOG2E, W
+from .config import HEAD_DIM_MULTIPLE, LOG2E, W
 from .decode import _decode_any_group
 from .plan import WorkItem, _plan
 from .prefill import _prefill_item
@@ -57,15 +57,15 @@ def attention_over[
         raise Error(t"q has head_dim {q.dim_size(2)} but the cache rows have {d}")
     if n_q == 0 or n_q % n_kv != 0:
         raise Error(t"q has {n_q} heads, not a positive multiple of the cache's {n_kv} KV heads")
-    if d % W != 0:
-        raise Error(t"head_dim {d} is not a multiple of {W} (the float32 SIMD width)")
+    comptime assert HEAD_DIM_MULTIPLE % W == 0, "float32 vectors wider than HEAD_DIM_MULTIPLE"
+    if d % HEAD_DIM_MULTIPLE != 0:
+        raise Error(t"head_dim {d} is not a multiple of {HEAD_DIM_MULTIPLE}")
     comptime if is_quantized[collection_t.CacheType.dtype]():
         var granularity = d // k_cache.scales().granules
-        if granularity % W != 0:
+        if granularity % HEAD_DIM_MULTIPLE != 0:
             raise Error(
                 t"the quantization granularity {granularity} (head_dim {d} over"
-                t" {k_cache.scales().granules} scales) is not a multiple of {W} (the float32"
-                t" SIMD width)"
+                t" {k_cache.scales().granules} scales) is not a multiple of {HEAD_DIM_MULTIPLE}"
             )
     check_row_offsets(row_offsets, batch, q.dim_size(0))
 

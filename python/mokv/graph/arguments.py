@@ -119,6 +119,29 @@ def check_gather_kv(
     check_vector("positions", positions)
 
 
+HEAD_DIM_MULTIPLE = 16
+"""What `attention` needs head_dim (and a quantized cache's granularity) to be
+a multiple of on every machine: the widest CPU float32 vector."""
+
+
+def check_head_dim(cache: CacheLayout) -> None:
+    """The cache's head_dim and scale granularity, where the graph knows them,
+    are multiples of `HEAD_DIM_MULTIPLE` (the kernel checks them again at run
+    time when they are symbolic)."""
+    head_dim = cache.row_type(0).shape[2]
+    if not isinstance(head_dim, StaticDim):
+        return
+    if int(head_dim) % HEAD_DIM_MULTIPLE:
+        raise ValueError(f"attention needs head_dim to be a multiple of {HEAD_DIM_MULTIPLE}, the cache has {head_dim}")
+    scales = getattr(cache, "scales", None)
+    granules = None if scales is None else scales.shape[5]
+    if isinstance(granules, StaticDim) and (int(head_dim) // int(granules)) % HEAD_DIM_MULTIPLE:
+        raise ValueError(
+            f"attention needs the quantization granularity to be a multiple of {HEAD_DIM_MULTIPLE},"
+            f" the cache has {int(head_dim) // int(granules)} (head_dim {head_dim} over {granules} scales)"
+        )
+
+
 def check_attention(
     cache: CacheLayout, layer_idx: object, q: object, offsets: object, scale: object, sliding_window: object
 ) -> None:
@@ -128,3 +151,4 @@ def check_attention(
     check_vector("input_row_offsets", offsets)
     check_scalar("scale", scale, DType.float32, positive=True)
     check_scalar("sliding_window", sliding_window, DType.uint32)
+    check_head_dim(cache)
