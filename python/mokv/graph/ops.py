@@ -122,6 +122,9 @@ def attention(
 ) -> TensorValue:
     """Flash attention of a ragged batch's queries over layer `layer_idx` of the cache.
 
+    The cache's head_dim (and a quantized cache's granularity) must be a
+    multiple of 16 (`HEAD_DIM_MULTIPLE`), on every machine.
+
     `q` `[total_new_tokens, n_q_heads, head_dim]` has the cache's dtype (for a
     quantized cache: float32 or bfloat16, its codes widened and scaled as they
     are read), with
