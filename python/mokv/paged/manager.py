@@ -25,7 +25,6 @@ lookup table is one numpy gather. Nothing loops over tokens in Python.
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections import Counter
 from collections.abc import Hashable, Iterator, Sequence
 
@@ -505,26 +504,30 @@ class PagedKVCacheManager:
         ps = self.page_size
         extra = num_steps - 1  # tokens written by the steps after the first
         round_up = extra + ps - 1
-        entries = self._live_batch(batch, replica)[0]
-        # Column by column: a list comprehension per field costs less than one
-        # loop doing it all; rows needing a closer look are few.
-        rows = [state.row for _, state in entries]
-        lengths = [ctx.processed_length for ctx, _ in entries]
-        currents = [ctx.current_length for ctx, _ in entries]
-        needs = [(current + round_up) // ps for current in currents]
+        rows: list[int] = []
+        lengths: list[int] = []
+        needs: list[int] = []
         held_more = False
-        if [state.num_blocks for _, state in entries] != needs:
-            for (ctx, state), need, current in zip(entries, needs, currents, strict=True):
-                held = state.num_blocks
-                if held != need and not state.is_dummy:  # a dummy's row is null pages whatever its length
-                    if held < need:
-                        raise ValueError(
-                            f"request {ctx.request_id!r} holds {held} pages but needs {need} for "
-                            f"{current + extra} tokens: call alloc first"
-                        )
-                    held_more = True
-        max_context = max(currents, default=0)
-        max_new = max(map(operator.sub, currents, lengths), default=0)
+        max_new = max_context = 0
+        for ctx, state in self._live_batch(batch, replica)[0]:
+            processed = ctx.processed_length
+            current = ctx.current_length
+            need = (current + round_up) // ps
+            held = state.num_blocks
+            if held != need and not state.is_dummy:  # a dummy's row is null pages whatever its length
+                if held < need:
+                    raise ValueError(
+                        f"request {ctx.request_id!r} holds {held} pages but needs {need} for "
+                        f"{current + extra} tokens: call alloc first"
+                    )
+                held_more = True
+            rows.append(state.row)
+            lengths.append(processed)
+            needs.append(need)
+            if current > max_context:
+                max_context = current
+            if current - processed > max_new:
+                max_new = current - processed
         width = (max_context + round_up) // ps if rows else 0
         if max_cache_length is not None:
             fixed = -(-max_cache_length // ps)
