@@ -160,9 +160,10 @@ class PageIndex:
                 break
             slots.append(slot)
             parent_uid = self.uid[slot]
-        if slots:
-            same = (self.tokens[slots] == tokens[: len(slots)]).all(axis=1)
-            if not same.all():
+        if slots:  # one bytes comparison for the whole run; rows only on a mismatch
+            stored, wanted = self.tokens[slots], np.asarray(tokens[: len(slots)], np.int64)
+            if stored.tobytes() != wanted.tobytes():
+                same = (stored == wanted).all(axis=1)
                 del slots[int(np.argmin(same)) :]
         return slots
 

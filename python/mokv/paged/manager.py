@@ -214,37 +214,51 @@ class PagedKVCacheManager:
                     f"replica {replica.index} batch has {len(batch)} requests, max_batch_size is {self.max_batch_size}"
                 )
 
-    def _validated_batches(self, batches: Sequence[Sequence[object]]) -> list[list[tuple[CacheContext, RequestState]]]:
-        """Checks a whole per-replica batch list before any of it is acted on
-        (`_checked_batches`, then each request: claimed on that replica, not
-        twice, no token processed without a page for it)."""
-        self._checked_batches(batches)
-        page_size = self.page_size
-        validated = []
-        for replica, batch in zip(self._replicas, batches, strict=True):
-            entries = self._live_batch(batch, replica)
-            for ctx, state in entries:
-                if ctx.processed_length > state.num_blocks * page_size and not state.is_dummy:
+    def _due_entries(
+        self, entries: list[tuple[CacheContext, RequestState]], replica: Replica
+    ) -> list[tuple[CacheContext, RequestState]]:
+        """The entries of a replica's batch with newly full blocks to commit.
+
+        Checks each request first: no token processed without a page for it.
+        A decode step commits nothing for most requests, so the common case is
+        one property read and two comparisons per request; only a request at
+        a block boundary (or a refused one) looks further.
+        """
+        ps = self.page_size
+        caching = replica.prefix_caching
+        due = []
+        for entry in entries:
+            ctx, state = entry
+            processed = ctx.processed_length
+            if processed > state.num_blocks * ps or (caching and processed >= (state.num_committed + 1) * ps):
+                if state.is_dummy:
+                    continue
+                if processed > state.num_blocks * ps:
                     raise ValueError(
-                        f"request {ctx.request_id!r} has processed_length {ctx.processed_length} but "
-                        f"its pages hold only {state.num_blocks * page_size} tokens: call alloc "
+                        f"request {ctx.request_id!r} has processed_length {processed} but "
+                        f"its pages hold only {state.num_blocks * ps} tokens: call alloc "
                         "before running it"
                     )
-            validated.append(entries)
-        return validated
+                if not state.chain_broken:
+                    due.append(entry)
+        return due
 
-    def _live_batch(self, batch: Sequence[object], replica: Replica) -> list[tuple[CacheContext, RequestState]]:
+    def _live_batch(
+        self, batch: Sequence[object], replica: Replica
+    ) -> tuple[list[tuple[CacheContext, RequestState]], bool]:
         """`_live` for each entry of one replica's batch, none twice. The common
         case (a mokv `TextContext` passed before) takes a few operations; anything
         else goes through `_live`, which raises with the reason or accepts it.
 
-        The same objects as last time, with no request claimed, released or given
-        a new context object since, resolve as last time (the caller must not
-        modify the returned list)."""
+        Returns the entries and whether each context object is the one last
+        passed for its request (else `step` records the new ones). The same
+        objects as last time, with no request claimed, released or given a new
+        context object since, resolve as last time (the caller must not modify
+        the returned list)."""
         ids = list(map(id, batch))
         resolved = self._resolved[replica.index]
         if resolved is not None and resolved[0] == self._requests_version and resolved[1] == ids:
-            return resolved[2]
+            return resolved[2], True
         get = replica.requests.get
         entries = []
         all_known = True
@@ -264,7 +278,7 @@ class PagedKVCacheManager:
             check_unique("request", (ctx.request_id for ctx, _ in entries))
         if all_known:  # the entries stay these objects' states until the version moves
             self._resolved[replica.index] = (self._requests_version, ids, entries)
-        return entries
+        return entries, all_known
 
     # --------------------------------------------------------------- lifecycle
 
@@ -354,13 +368,18 @@ class PagedKVCacheManager:
                 or a request whose context processed tokens it holds no pages
                 for. Checked for the whole batch before anything is committed.
         """
-        validated = self._validated_batches(batches)
-        for replica, batch, entries in zip(self._replicas, batches, validated, strict=True):
-            for data, (ctx, state) in zip(batch, entries, strict=True):
-                if state.source is not data and not state.is_dummy:
-                    state.source, state.context = data, ctx
-                    self._requests_version += 1
-            replica.commit(entries)
+        self._checked_batches(batches)
+        work = []
+        for replica, batch in zip(self._replicas, batches, strict=True):
+            entries, known = self._live_batch(batch, replica)
+            work.append((replica, batch, entries, known, self._due_entries(entries, replica)))
+        for replica, batch, entries, known, due in work:
+            if not known:
+                for data, (ctx, state) in zip(batch, entries, strict=True):
+                    if state.source is not data and not state.is_dummy:
+                        state.source, state.context = data, ctx
+                        self._requests_version += 1
+            replica.commit(due)
             self._check(replica)
 
     def release(self, request_id: Hashable, replica_idx: int = 0) -> None:
@@ -490,7 +509,7 @@ class PagedKVCacheManager:
         needs: list[int] = []
         held_more = False
         max_new = max_context = 0
-        for ctx, state in self._live_batch(batch, replica):
+        for ctx, state in self._live_batch(batch, replica)[0]:
             processed = ctx.processed_length
             current = ctx.current_length
             need = (current + round_up) // ps

@@ -368,24 +368,19 @@ class Replica:
                 parent_uid = None  # the chain now continues through blocks not yet on the device
         return hits
 
-    def commit(self, entries: Sequence[tuple[CacheContext, RequestState]]) -> None:
+    def commit(self, due: Sequence[tuple[CacheContext, RequestState]]) -> None:
         """Offers each request's blocks up to its `processed_length` to the
         prefix cache, deduplicating against verified twins.
 
-        A decode step completes at most one block per request, whose parent's
-        hash is known: those blocks are hashed together in one vectorized call.
-        Newly cached blocks go to the write-through tiers.
+        `due` holds only requests with blocks to commit (the manager's
+        `_due_entries`: no dummies, no broken chains). A decode step completes
+        at most one block per request, whose parent's hash is known: those
+        blocks are hashed together in one vectorized call. Newly cached blocks
+        go to the write-through tiers.
         """
-        if not self.prefix_caching:
+        if not self.prefix_caching or not due:
             return
         ps = self.page_size
-        due = [
-            (ctx, state)
-            for ctx, state in entries
-            if ctx.processed_length // ps > state.num_committed and not state.is_dummy and not state.chain_broken
-        ]
-        if not due:
-            return
         # A decode step's usual case: one newly full block, right after the
         # committed ones, whose parent hash is known. Hashed in one call, and
         # committed with one numpy store of their tokens when no twin is cached.
