@@ -43,15 +43,18 @@ from mokv_graphs.weight_formats import WEIGHT_FORMATS
 
 KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "int8")
 """How the pipeline can store its KV: plain float32 or bfloat16, or 8-bit
-codes with a float32 scale per token and KV head."""
+codes with a float32 scale per token and KV head, keys Hadamard-rotated
+unless asked otherwise (`KVCacheQuantConfig.rotate_keys`)."""
 
 
-def kv_storage(kv_dtype: str) -> dict[str, object]:
-    """`KVCacheParams` fields (`dtype`, `kvcache_quant_config`) for a `KV_DTYPES` name."""
+def kv_storage(kv_dtype: str, rotate_keys: bool = True) -> dict[str, object]:
+    """`KVCacheParams` fields (`dtype`, `kvcache_quant_config`) for a `KV_DTYPES` name;
+    `rotate_keys` applies to the 8-bit formats."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     quantized = kv_dtype in ("float8_e4m3fn", "int8")
-    return {"dtype": DType[kv_dtype], "kvcache_quant_config": KVCacheQuantConfig() if quantized else None}
+    config = KVCacheQuantConfig(rotate_keys=rotate_keys) if quantized else None
+    return {"dtype": DType[kv_dtype], "kvcache_quant_config": config}
 
 
 class CacheBackend(Protocol):
@@ -153,8 +156,9 @@ class GenerationReport:
 class SmolLM2:
     """The compiled SmolLM2 graph over a paged cache (`cache`, mokv's by default),
     with its weights in format `weights` (`mokv_graphs.weight_formats`), its KV
-    stored as `kv_dtype` (`KV_DTYPES`), weights and cache on `device` (the CPU
-    unless given)."""
+    stored as `kv_dtype` (`KV_DTYPES`; 8-bit keys Hadamard-rotated unless
+    `rotate_keys` is False), weights and cache on `device` (the CPU unless
+    given)."""
 
     def __init__(
         self,
@@ -164,9 +168,10 @@ class SmolLM2:
         cache: CacheBackend | None = None,
         device: Device | None = None,
         kv_dtype: str = KV_DTYPES[0],
+        rotate_keys: bool = True,
     ) -> None:
         self.kv_dtype = kv_dtype
-        self._kv_storage = kv_storage(kv_dtype)
+        self._kv_storage = kv_storage(kv_dtype, rotate_keys)
         log = log or (lambda msg: print(msg, file=sys.stderr))
         self.device = device or CPU()
         self.device_ref = DeviceRef.from_device(self.device)

@@ -113,6 +113,12 @@ def agreement(a: ScoredText, b: ScoredText) -> dict[str, float]:
     type=click.Choice(KV_DTYPES),
     help="Also score with the KV cache stored this way and compare (e.g. float32 against an 8-bit cache).",
 )
+@click.option(
+    "--key-rotation/--no-key-rotation",
+    default=True,
+    show_default=True,
+    help="Store an 8-bit cache's keys Hadamard-rotated (KVCacheQuantConfig.rotate_keys).",
+)
 @click.option("--top-k", default=5, show_default=True, help="Likeliest tokens recorded per position.")
 @click.option("--token-budget", default=512, show_default=True, help="Tokens per prefill step.")
 @click.option("--show", "show_tokens", default=0, show_default=True, help="Print the first N scored tokens.")
@@ -126,6 +132,7 @@ def score(
     kv_dtype: str,
     against: str | None,
     against_kv_dtype: str | None,
+    key_rotation: bool,
     top_k: int,
     token_budget: int,
     show_tokens: int,
@@ -136,12 +143,12 @@ def score(
         raise click.UsageError("give either TEXT or --file")
     text = file_path.read_text() if file_path is not None else text
     main_label = f"{weights} weights, {kv_dtype} KV"
-    runs = {main_label: SmolLM2(weights=weights, kv_dtype=kv_dtype)}
+    runs = {main_label: SmolLM2(weights=weights, kv_dtype=kv_dtype, rotate_keys=key_rotation)}
     session = runs[main_label].session
     for other_weights, other_kv in ((against, kv_dtype), (weights, against_kv_dtype)):
         label = f"{other_weights} weights, {other_kv} KV"
         if other_weights is not None and other_kv is not None and label not in runs:
-            runs[label] = SmolLM2(session=session, weights=other_weights, kv_dtype=other_kv)
+            runs[label] = SmolLM2(session=session, weights=other_weights, kv_dtype=other_kv, rotate_keys=key_rotation)
     tokenizer = runs[main_label].tokenizer
     ids = tokenizer.encode(text)
     scored = {label: score_tokens(model, ids, top_k, token_budget) for label, model in runs.items()}

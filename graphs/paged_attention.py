@@ -5,7 +5,8 @@ so one compiled model serves caches of every page size.
 
 The model computes in float32. A bfloat16 cache takes bfloat16 keys, values
 and queries (cast on the way in, the output cast back); a quantized cache
-(float8, int8) takes them in float32 and quantizes as it stores."""
+(float8, int8) takes them in float32 and quantizes as it stores, its queries
+and keys first rotated when its config says so (`rotate_keys`)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from pathlib import Path
 from max.dtype import DType
 from max.graph import BufferType, DeviceRef, TensorType, TensorValue, Value, ops
 
-from mokv.contract import CacheShape
-from mokv.graph import PagedCacheValues, attention, paged_input_types, store_kv
+from mokv.contract import CacheShape, quant_config_of
+from mokv.graph import PagedCacheValues, attention, paged_input_types, rotate_heads, store_kv
 from mokv.kernels import kernel_package
 
 
@@ -49,6 +50,9 @@ class PagedCacheAttention:
         cache = PagedCacheValues.from_inputs(graph_inputs)
         rows = DType.float32 if cache.quantized else self.cache_shape.dtype
         q, k, v = (x if x.dtype == rows else ops.cast(x, rows) for x in (q, k, v))
+        config = quant_config_of(self.cache_shape)
+        if config is not None and config.rotate_keys:
+            q, k = rotate_heads(q, self.device), rotate_heads(k, self.device)
         store_kv(cache, layer_idx, k, v, input_row_offsets)
         scale = 1.0 / math.sqrt(int(q.shape[-1]))
         out = attention(cache, layer_idx, q, input_row_offsets, scale)

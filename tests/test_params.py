@@ -204,6 +204,15 @@ def test_quant_config_types_are_checked() -> None:
         KVCacheQuantConfig(tokens_per_scale=2.0)  # type: ignore[arg-type]
 
 
+def test_rotated_keys_need_a_power_of_two_head_dim() -> None:
+    rotated = KVCacheQuantConfig(rotate_keys=True)
+    assert KVCacheParams(INT8, 2, 64, 3, kvcache_quant_config=rotated).kvcache_quant_config.rotate_keys
+    with pytest.raises(ValueError, match="rotate_keys needs head_dim to be a power of two, got head_dim=80"):
+        KVCacheParams(INT8, 2, 80, 3, kvcache_quant_config=rotated)
+    with pytest.raises(TypeError, match="rotate_keys must be a bool, got 'yes'"):
+        KVCacheQuantConfig(rotate_keys="yes")  # type: ignore[arg-type]
+
+
 def test_a_continuous_cache_leaves_tokens_per_scale_to_its_slot_length() -> None:
     """page_size means nothing to a continuous cache: its manager checks max_seq_len instead."""
     p = KVCacheParams(

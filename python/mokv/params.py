@@ -67,11 +67,20 @@ class KVCacheQuantConfig:
             one per token). Must divide page_size for a paged cache (checked by
             `KVCacheParams`) and max_seq_len for a continuous one (checked by
             its manager).
+        rotate_keys: Whether the cache holds keys (and attention takes
+            queries) multiplied by the orthonormal Hadamard matrix of head_dim
+            (`mokv.graph.rotate_heads`, applied by the model's graph before
+            `store_kv` and `attention`). Scores are unchanged, but a few large
+            channels spread over the whole head, so a head's scale fits its
+            elements better and 8-bit keys lose less. Needs head_dim a power of
+            two (checked by `KVCacheParams`); `gather_kv` then returns rotated
+            keys.
     """
 
     scale_dtype: DType = DType.float32
     quantization_granularity: int | None = None
     tokens_per_scale: int = 1
+    rotate_keys: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.scale_dtype, DType):
@@ -83,6 +92,7 @@ class KVCacheQuantConfig:
             granularity = check_int("quantization_granularity", self.quantization_granularity, minimum=1)
             object.__setattr__(self, "quantization_granularity", granularity)
         object.__setattr__(self, "tokens_per_scale", check_int("tokens_per_scale", self.tokens_per_scale, minimum=1))
+        object.__setattr__(self, "rotate_keys", check_bool("rotate_keys", self.rotate_keys))
 
 
 class KVCacheStrategy(StrEnum):
@@ -183,6 +193,10 @@ class KVCacheParams:
         if granularity is not None and self.head_dim % granularity:
             raise ValueError(
                 f"kvcache_quant_config.quantization_granularity={granularity} must divide head_dim={self.head_dim}"
+            )
+        if config.rotate_keys and self.head_dim & (self.head_dim - 1):
+            raise ValueError(
+                f"kvcache_quant_config.rotate_keys needs head_dim to be a power of two, got head_dim={self.head_dim}"
             )
         if self.cache_strategy is KVCacheStrategy.PAGED and self.page_size % config.tokens_per_scale:
             raise ValueError(

@@ -4,6 +4,7 @@ tiers' byte counters count both."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +99,7 @@ def test_scales_round_trip_with_their_pages(tier: str, dtype: DType, tmp_path: P
     [
         (DType.float8_e4m3fn, QUANT),  # other stored dtype, same bytes
         (DType.int8, KVCacheQuantConfig(quantization_granularity=8, tokens_per_scale=1)),  # same widths
+        (DType.int8, replace(QUANT, rotate_keys=True)),  # same layout, keys in another basis
     ],
 )
 def test_another_quantization_never_reads_the_pages(dtype: DType, config: KVCacheQuantConfig, tmp_path: Path) -> None:

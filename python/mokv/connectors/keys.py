@@ -42,9 +42,10 @@ def layout_fingerprint(params: AnyKVCacheParams, memory: Sequence[KVCacheMemory]
 
     The model id (its weights decide the KV), every leaf cache's dtype, head
     count, head size, layer count and page size, the tensor-parallel split,
-    a quantized cache's scale dtype and scale block (tokens x head_dim
-    elements per scale), and the byte width of every memory unit a page spans (values, then scales
-    when the cache is quantized) in `KVCacheBuffer.to_memory()` order.
+    a quantized cache's scale dtype, scale block (tokens x head_dim
+    elements per scale) and whether its keys are rotated, and the byte width
+    of every memory unit a page spans (values, then scales when the cache is
+    quantized) in `KVCacheBuffer.to_memory()` order.
     """
     description = [f"mokv-kv-page-format={FORMAT_VERSION}", f"model={model_id}"]
     for name, leaf in params.leaves().items():
@@ -56,6 +57,8 @@ def layout_fingerprint(params: AnyKVCacheParams, memory: Sequence[KVCacheMemory]
             tokens, granularity = leaf.scale_block_shape
             scale_dtype = leaf.kvcache_quant_config.scale_dtype
             line += f" scales={scale_dtype} tokens_per_scale={tokens} granularity={granularity}"
+            if leaf.kvcache_quant_config.rotate_keys:  # unrotated layouts keep their fingerprints
+                line += " rotated_keys"
         description.append(line)
     description.append("units=" + ",".join(str(unit.bytes_per_page) for unit in memory))
     text = "\n".join(description).encode()

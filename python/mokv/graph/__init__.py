@@ -10,6 +10,7 @@ from .continuous_collection import (
     FetchContinuousBatchingKVCacheCollection,
 )
 from .ops import attention, gather_kv, gather_kv_codes, store_kv
+from .rotation import hadamard, rotate_heads
 
 __all__ = [
     "CacheLayout",
@@ -25,6 +26,8 @@ __all__ = [
     "continuous_input_types",
     "gather_kv",
     "gather_kv_codes",
+    "hadamard",
     "paged_input_types",
+    "rotate_heads",
     "store_kv",
 ]
