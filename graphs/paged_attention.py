@@ -52,7 +52,7 @@ class PagedCacheAttention:
         q, k, v = (x if x.dtype == rows else ops.cast(x, rows) for x in (q, k, v))
         config = quant_config_of(self.cache_shape)
         if config is not None and config.rotate_keys:
-            q, k = rotate_heads(q, self.device), rotate_heads(k, self.device)
+            q, k = rotate_heads(q), rotate_heads(k)
         store_kv(cache, layer_idx, k, v, input_row_offsets)
         scale = 1.0 / math.sqrt(int(q.shape[-1]))
         out = attention(cache, layer_idx, q, input_row_offsets, scale)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 from max.dtype import DType
-from max.graph import DeviceRef, TensorValue, ops
+from max.graph import TensorValue, ops
 
 
 def hadamard(n: int) -> npt.NDArray[np.float32]:
@@ -28,11 +28,11 @@ def hadamard(n: int) -> npt.NDArray[np.float32]:
     return h / np.float32(np.sqrt(n))
 
 
-def rotate_heads(x: TensorValue, device: DeviceRef | None = None) -> TensorValue:
+def rotate_heads(x: TensorValue) -> TensorValue:
     """`x` `[tokens, heads, head_dim]` with each head's vector multiplied by
-    `hadamard(head_dim)`, in `x`'s dtype (the product in float32)."""
+    `hadamard(head_dim)`, on `x`'s device and in its dtype (the product in float32)."""
     head_dim = int(x.shape[-1])
-    matrix = ops.constant(hadamard(head_dim), DType.float32, device or x.device)
+    matrix = ops.constant(hadamard(head_dim), DType.float32, x.device)
     rows = x if x.dtype == DType.float32 else ops.cast(x, DType.float32)
     rotated = rows @ matrix
     return rotated if x.dtype == DType.float32 else ops.cast(rotated, x.dtype)
