@@ -39,6 +39,11 @@ def test_prompt_is_copied_and_tokens_are_read_only() -> None:
     assert c.tokens.tolist() == [1, 2, 3] and c.tokens.dtype == np.int64
     with pytest.raises(ValueError, match="read-only"):
         c.tokens[0] = 5
+    for token in range(20):  # past the initial capacity: a new buffer, still read-only
+        c.update(token)
+    with pytest.raises(ValueError, match="read-only"):
+        c.tokens[-1] = 5
+    assert c.tokens.tolist() == [1, 2, 3, *range(20)]
 
 
 def test_errors() -> None:

@@ -75,7 +75,16 @@ class TextContext:
             only with requests of the same salt (None shares with unsalted ones).
     """
 
-    __slots__ = ("_buf", "_length", "_processed", "cache_salt", "cached_prefix_length", "max_length", "request_id")
+    __slots__ = (
+        "_buf",
+        "_readonly",
+        "cache_salt",
+        "cached_prefix_length",
+        "current_length",
+        "max_length",
+        "processed_length",
+        "request_id",
+    )
 
     def __init__(
         self,
@@ -100,58 +109,52 @@ class TextContext:
         """Prompt tokens served from the prefix cache at first admission (set by the manager)."""
         self._buf = np.empty(max(16, 2 * prompt.size), dtype=np.int64)
         self._buf[: prompt.size] = prompt
-        self._length = prompt.size
-        self._processed = 0
+        self._readonly = _readonly_view(self._buf)
+        self.current_length: int = prompt.size
+        """Number of tokens so far (read-only: `update` and `skip_processing` move it).
+        A plain attribute, not a property: the manager reads it for every request
+        of every step."""
+        self.processed_length: int = 0
+        """Tokens whose keys and values are already in the cache (read-only, as above)."""
 
     def __repr__(self) -> str:
         return (
-            f"TextContext(request_id={self.request_id!r}, current_length={self._length}, "
-            f"processed_length={self._processed})"
+            f"TextContext(request_id={self.request_id!r}, current_length={self.current_length}, "
+            f"processed_length={self.processed_length})"
         )
 
     @property
     def tokens(self) -> npt.NDArray[np.int64]:
         """All tokens so far (a read-only view)."""
-        view = self._buf[: self._length]
-        view.flags.writeable = False
-        return view
-
-    @property
-    def current_length(self) -> int:
-        """Number of tokens so far."""
-        return self._length
-
-    @property
-    def processed_length(self) -> int:
-        """Tokens whose keys and values are already in the cache."""
-        return self._processed
+        return self._readonly[: self.current_length]
 
     @property
     def start_idx(self) -> int:
         """MAX's older name for `processed_length`."""
-        return self._processed
+        return self.processed_length
 
     @property
     def active_length(self) -> int:
         """Tokens the next model step runs (and writes KV for)."""
-        return self._length - self._processed
+        return self.current_length - self.processed_length
 
     @property
     def next_tokens(self) -> npt.NDArray[np.int64]:
         """The tokens the next model step runs: `tokens[processed_length:]`."""
-        return self.tokens[self._processed :]
+        return self.tokens[self.processed_length :]
 
     def update(self, token: int) -> None:
         """Appends a generated token; the tokens just run now count as cached."""
-        if self.max_length is not None and self._length >= self.max_length:
+        if self.max_length is not None and self.current_length >= self.max_length:
             raise ValueError(f"request {self.request_id!r} is already at max_length={self.max_length}")
-        if self._length == self._buf.size:
+        if self.current_length == self._buf.size:
             grown = np.empty(2 * self._buf.size, dtype=np.int64)
-            grown[: self._length] = self._buf[: self._length]
+            grown[: self.current_length] = self._buf[: self.current_length]
             self._buf = grown
-        self._buf[self._length] = token
-        self._processed = self._length
-        self._length += 1
+            self._readonly = _readonly_view(grown)
+        self._buf[self.current_length] = token
+        self.processed_length = self.current_length
+        self.current_length += 1
 
     def skip_processing(self, n: int) -> None:
         """Marks the next `n` active tokens as cached (a prefix-cache hit).
@@ -164,7 +167,15 @@ class TextContext:
                 f"cannot skip {n} tokens of request {self.request_id!r}: "
                 f"{self.active_length} are active and at least 1 must stay active"
             )
-        self._processed += n
+        self.processed_length += n
+
+
+def _readonly_view(buffer: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """A read-only view of `buffer`: its slices are read-only too, which costs
+    far less than marking each slice read-only as it is handed out."""
+    view = buffer.view()
+    view.flags.writeable = False
+    return view
 
 
 class MaxTextContextAdapter:

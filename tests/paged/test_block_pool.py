@@ -44,8 +44,8 @@ def test_touch_takes_a_cached_block_out_of_the_middle() -> None:
     pool = BlockPool(4, PS)
     pool.allocate(4)
     pool.free([0, 1, 2, 3])
-    pool.touch(2)
-    pool.touch(2)
+    pool.touch([2])
+    pool.touch([2])
     assert pool.free_order() == [0, 1, 3]
     pool.free([2])
     assert pool.free_order() == [0, 1, 3]  # still held once

@@ -501,6 +501,25 @@ def test_runtime_inputs_stay_intact_through_the_next_call(make_manager: MakeMana
     assert second.lookup_table.to_numpy().tolist() == [[0, 1, 2]]
 
 
+def test_runtime_inputs_reuse_their_objects_with_fresh_values(make_manager: MakeManager) -> None:
+    """On host devices, a call with the same table shapes as the call before
+    the last gives back the same input objects, refilled with its own values."""
+    m = make_manager()
+    a = ctx("a", range(5))
+    m.claim(a.request_id)
+    m.alloc(a)
+    first = m.runtime_inputs([[a]])
+    assert m.runtime_inputs([[a]]) is not first  # the other set of arrays
+    a.update(9)
+    m.alloc(a)
+    third = m.runtime_inputs([[a]])
+    assert third is first
+    (device,) = third.inputs
+    assert device.cache_lengths.to_numpy().tolist() == [5]
+    assert device.lookup_table.to_numpy().tolist() == [m.get_req_blocks("a")]
+    assert device.max_lengths.to_numpy().tolist() == [[1, 6]]
+
+
 def test_a_quantized_cache_allocates_scales_beside_every_shards_blocks() -> None:
     """Two replicas of two TP shards: every shard gets its zeroed float32
     scales, paged like its int8 blocks (null page included), and the host

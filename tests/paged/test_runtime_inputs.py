@@ -19,10 +19,12 @@ def test_rows_and_columns_grow_without_losing_pages() -> None:
     assert (a, b, c) == (0, 1, 2)
     assert table.read(a, 0, 3) == [1, 2, 3] and table.read(b, 0, 2) == [7, NULL]
     assert table.read(c, 0, 9) == list(range(10, 19))
-    gathered = table.gather(np.array([c, a]), 20)  # wider than the table: padded with null
+    gathered = table.gather([c, a], 20)  # wider than the table: padded with null
     assert gathered.shape == (2, 20) and gathered.dtype == np.uint32
     assert gathered[0].tolist() == list(range(10, 19)) + [NULL] * 11
     assert gathered[1].tolist() == [1, 2, 3] + [NULL] * 17
+    consecutive = table.gather([a, b, c], 3)  # copied as one slice of rows
+    assert consecutive.tolist() == [[1, 2, 3], [7, NULL, NULL], [10, 11, 12]]
 
 
 def test_dropped_rows_come_back_null() -> None:

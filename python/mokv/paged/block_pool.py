@@ -85,34 +85,37 @@ class PageIndex:
         if tokens is not None:
             self.tokens[slot] = tokens
 
-    def has_none_of(self, hashes: list[int]) -> bool:
-        """Whether no hash of `hashes` is committed here."""
-        return self._by_hash.keys().isdisjoint(hashes)
-
-    def insert_run(
+    def insert_many(
         self,
         slots: list[int],
         hashes: list[int],
         first_uid: int,
-        parent_uid: int,
-        parent_hash: int | None,
+        parent_uids: Sequence[int],
+        parent_hashes: Sequence[int | None],
         tokens: npt.NDArray[np.integer],
-    ) -> None:
-        """Commits a chain of slots at once: slot k gets `hashes[k]`, uid
-        `first_uid + k` and, as parent, slot k-1 (the first one `parent_uid` /
-        `parent_hash`); `tokens` has one row per slot. Neither the hashes nor
-        the slots may be committed already."""
-        by_hash = self._by_hash
-        for k, (slot, block_hash) in enumerate(zip(slots, hashes, strict=True)):
-            if self.hash[slot] is not None or block_hash in by_hash:
-                raise ValueError(f"slot {slot} or hash {block_hash:#x} is already committed")
-            by_hash[block_hash] = slot
-            self.hash[slot] = block_hash
-            self.uid[slot] = first_uid + k
-            self.parent_uid[slot] = parent_uid
-            self.parent_hash[slot] = parent_hash
-            parent_uid, parent_hash = first_uid + k, block_hash
+    ) -> bool:
+        """Commits several slots at once: slot k gets `hashes[k]`, uid
+        `first_uid + k` and, as parent, `parent_uids[k]` / `parent_hashes[k]`;
+        `tokens` has one row per slot. Returns False, having written nothing,
+        when a hash repeats or is committed already.
+
+        Raises:
+            ValueError: A slot repeats or is committed already.
+        """
+        own_hash, by_hash = self.hash, self._by_hash
+        if len(set(slots)) != len(slots) or any(own_hash[slot] is not None for slot in slots):
+            raise ValueError(f"slots {slots} repeat or are already committed")
+        if len(set(hashes)) != len(hashes) or not by_hash.keys().isdisjoint(hashes):
+            return False
+        by_hash.update(zip(hashes, slots, strict=True))
+        uid, parent_uid, parent_hash = self.uid, self.parent_uid, self.parent_hash
+        for k, slot in enumerate(slots):
+            own_hash[slot] = hashes[k]
+            uid[slot] = first_uid + k
+            parent_uid[slot] = parent_uids[k]
+            parent_hash[slot] = parent_hashes[k]
         self.tokens[slots] = tokens
+        return True
 
     def copy_entry(self, slot: int, source: PageIndex, source_slot: int) -> None:
         """Commits `slot` with the identity of `source`'s `source_slot` (a tier move)."""
@@ -129,11 +132,15 @@ class PageIndex:
 
     def remove(self, slot: int) -> None:
         """Uncommits `slot`."""
-        block_hash = self.hash[slot]
-        assert block_hash is not None
-        del self._by_hash[block_hash]
-        self.hash[slot] = None
-        self.uid[slot] = NO_UID
+        self.remove_many([slot])
+
+    def remove_many(self, slots: list[int]) -> None:
+        """Uncommits each of `slots` (committed ones, each once)."""
+        by_hash, own_hash, uid = self._by_hash, self.hash, self.uid
+        for slot in slots:
+            del by_hash[own_hash[slot]]
+            own_hash[slot] = None
+            uid[slot] = NO_UID
 
     def holds(self, slot: int, parent_uid: int, tokens: npt.NDArray[np.integer]) -> bool:
         """Whether `slot` continues the chain ending in `parent_uid` with `tokens`."""
@@ -222,22 +229,27 @@ class BlockPool:
         """Hands out `n` blocks from the front of the free queue, evicting cached ones."""
         if n > len(self._free):
             raise ValueError(f"cannot hand out {n} blocks, {len(self._free)} are free")
-        blocks = []
-        for _ in range(n):
-            block, _ = self._free.popitem(last=False)
-            if self.index.is_committed(block):
-                if self.on_evict is not None:
+        pop = self._free.popitem
+        blocks = [pop(last=False)[0] for _ in range(n)]
+        committed = self.index.hash
+        evicted = [block for block in blocks if committed[block] is not None]
+        if evicted:
+            if self.on_evict is not None:
+                for block in evicted:
                     self.on_evict(block)
-                self.index.remove(block)
-            self.ref_count[block] = 1
-            blocks.append(block)
+            self.index.remove_many(evicted)
+        ref_count = self.ref_count
+        for block in blocks:
+            ref_count[block] = 1
         return blocks
 
-    def touch(self, block: int) -> None:
-        """Adds a holder to `block`, taking it off the free queue if it was cached."""
-        if self.ref_count[block] == 0:
-            del self._free[block]
-        self.ref_count[block] += 1
+    def touch(self, blocks: list[int]) -> None:
+        """Adds a holder to each of `blocks`, taking cached ones off the free queue."""
+        ref_count, free = self.ref_count, self._free
+        for block in blocks:
+            if not ref_count[block]:
+                del free[block]
+            ref_count[block] += 1
 
     def refresh(self, blocks: Iterable[int]) -> None:
         """Moves each unheld block to the back of the free queue, in order: a
@@ -246,15 +258,18 @@ class BlockPool:
             if self.ref_count[block] == 0:
                 self._free.move_to_end(block)
 
-    def free(self, blocks: Iterable[int]) -> None:
-        """Drops one holder from each block; unheld ones go to the back of the queue."""
+    def free(self, blocks: list[int]) -> None:
+        """Drops one holder from each of `blocks` (distinct); unheld ones go to
+        the back of the queue, in order. Changes nothing if one is unheld."""
+        ref_count, free = self.ref_count, self._free
+        if blocks and min(map(ref_count.__getitem__, blocks)) < 1:
+            unheld = next(block for block in blocks if ref_count[block] < 1)
+            raise ValueError(f"block {unheld} freed more often than it was held")
         for block in blocks:
-            count = self.ref_count[block] - 1
-            if count < 0:
-                raise ValueError(f"block {block} freed more often than it was held")
-            self.ref_count[block] = count
-            if count == 0:
-                self._free[block] = None
+            count = ref_count[block] - 1
+            ref_count[block] = count
+            if not count:
+                free[block] = None
 
     def commit(
         self,
@@ -275,20 +290,32 @@ class BlockPool:
         self.index.insert(block, block_hash, uid, parent_uid, parent_hash, tokens)
         return uid
 
-    def commit_run(
-        self,
-        blocks: list[int],
-        hashes: list[int],
-        parent_uid: int,
-        parent_hash: int | None,
-        tokens: npt.NDArray[np.integer],
-    ) -> int:
-        """`commit` for a chain of consecutive blocks of one request, in one
-        call; returns the last block's uid."""
-        first_uid = self._last_uid + 1
-        self.index.insert_run(blocks, hashes, first_uid, parent_uid, parent_hash, tokens)
-        self._last_uid += len(blocks)
-        return self._last_uid
+    def commit_chains(
+        self, chains: list[tuple[list[int], list[int], int, int | None]], tokens: npt.NDArray[np.integer]
+    ) -> list[int] | None:
+        """`commit` for runs of freshly computed blocks in one call: each chain
+        is `(blocks, hashes, parent_uid, parent_hash)`, its blocks following
+        its parent and each other; `tokens` has one row per block, chains in
+        order. Returns each chain's last uid (`parent_uid` for an empty one),
+        or None, having changed nothing, if a hash repeats or is cached already."""
+        blocks: list[int] = []
+        hashes: list[int] = []
+        parent_uids: list[int] = []
+        parent_hashes: list[int | None] = []
+        last_uids = []
+        uid = self._last_uid
+        for chain_blocks, chain_hashes, parent_uid, parent_hash in chains:
+            if chain_blocks:
+                blocks += chain_blocks
+                hashes += chain_hashes
+                parent_uids += [parent_uid, *range(uid + 1, uid + len(chain_blocks))]
+                parent_hashes += [parent_hash, *chain_hashes[:-1]]
+                uid += len(chain_blocks)
+            last_uids.append(uid if chain_blocks else parent_uid)
+        if not self.index.insert_many(blocks, hashes, self._last_uid + 1, parent_uids, parent_hashes, tokens):
+            return None
+        self._last_uid = uid
+        return last_uids
 
     def uncommit(self, block: int) -> None:
         """Takes a block out of the prefix cache (it keeps its holders)."""

@@ -86,11 +86,13 @@ class BlockHasher:
             return []
         if k > len(self._q_pow):
             self._grow(max(k, 2 * len(self._q_pow)))
-        t = np.ascontiguousarray(tokens, dtype=np.int64).view(np.uint64)
-        weighted = (t ^ self._token_xor[:n]) * self._token_weight[:n]
-        block_sums = np.add.accumulate(weighted)[ps - 1 :: ps]
-        start = ((ROOT if parent is None else parent) * _Q) & _MASK
-        return ((block_sums + np.uint64(start)) * self._q_pow[:k]).tolist()
+        t = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1).view(np.uint64)
+        weighted = np.bitwise_xor(t, self._token_xor[:n])  # one temporary, reused in place
+        np.multiply(weighted, self._token_weight[:n], out=weighted)
+        block_sums = np.add.accumulate(weighted, out=weighted)[ps - 1 :: ps]
+        block_sums += np.uint64(((ROOT if parent is None else parent) * _Q) & _MASK)
+        block_sums *= self._q_pow[:k]
+        return block_sums.tolist()
 
     def rehash(self, blocks: npt.NDArray[np.integer], parents: list[int | None]) -> list[int]:
         """Each row's hash given its parent's: one step of the recurrence per block.
@@ -99,5 +101,7 @@ class BlockHasher:
         """
         t = np.ascontiguousarray(blocks, dtype=np.int64).view(np.uint64)
         block_sums = ((t ^ self.xor_salt) * self.weight).sum(axis=1, dtype=np.uint64)
-        starts = [((ROOT if p is None else p) * _Q) & _MASK for p in parents]
-        return (block_sums + np.array(starts, dtype=np.uint64)).tolist()
+        if None in parents:
+            parents = [ROOT if p is None else p for p in parents]
+        starts = np.array(parents, dtype=np.uint64) * np.uint64(_Q)  # wraps mod 2**64
+        return (block_sums + starts).tolist()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
 
 from max.driver import CPU, Device
 from max.engine import InferenceSession
@@ -48,9 +49,25 @@ from ..params import (
 from ..validation import check_bool, check_fits, check_int, check_request_id, check_sequence, check_unique
 from .hashing import BlockHasher
 from .replica import InsufficientBlocksError, Replica, RequestState
-from .runtime_inputs import BatchCharacteristics, device_inputs
+from .runtime_inputs import BatchCharacteristics, BatchTables, TableRows, device_inputs, table_rows
 
 __all__ = ["InsufficientBlocksError", "PagedKVCacheManager"]
+
+
+@dataclass(eq=False, slots=True)
+class _ResolvedBatch:
+    """One replica's batch with each entry's context and request state."""
+
+    version: int
+    """The manager's requests version it was resolved at."""
+    ids: list[int]
+    """`id()` of each context object passed."""
+    entries: list[tuple[CacheContext, RequestState]]
+    known: bool
+    """Whether each context object is the one last passed for its request (else
+    `step` records the new ones)."""
+    rows: TableRows
+    """The entries' block-table rows."""
 
 
 class PagedKVCacheManager:
@@ -149,12 +166,14 @@ class PagedKVCacheManager:
         self._requests_version = 0
         """Bumped whenever a request is claimed or released or takes a new context
         object: what a remembered batch resolution (`_live_batch`) depends on."""
-        self._resolved: list[tuple[int, list[int], list[tuple[CacheContext, RequestState]]] | None] = [
-            None for _ in self._replicas
-        ]
-        """Per replica, the last batch resolved on the fast path: (requests version,
-        the entries' ids, the resolution). A serving loop passes the same batch to
-        `runtime_inputs`, `step` and again next step."""
+        self._all_on_host = all(device.is_host for replica in self._replicas for device in replica.devices)
+        self._host_inputs: dict[tuple[BatchTables, ...], KVCacheInputs | MultiKVCacheInputs] = {}
+        """With every device on the host, the inputs returned for each tuple of
+        per-replica tables (refilled in place, the same objects for the same
+        arrays and shapes), so a steady loop builds no new input objects."""
+        self._resolved: list[_ResolvedBatch | None] = [None for _ in self._replicas]
+        """Per replica, the last batch resolved on the fast path. A serving loop
+        passes the same batch to `runtime_inputs`, `step` and again next step."""
 
     # ----------------------------------------------------------------- routing
 
@@ -243,22 +262,18 @@ class PagedKVCacheManager:
                     due.append(entry)
         return due
 
-    def _live_batch(
-        self, batch: Sequence[object], replica: Replica
-    ) -> tuple[list[tuple[CacheContext, RequestState]], bool]:
+    def _live_batch(self, batch: Sequence[object], replica: Replica) -> _ResolvedBatch:
         """`_live` for each entry of one replica's batch, none twice. The common
         case (a mokv `TextContext` passed before) takes a few operations; anything
         else goes through `_live`, which raises with the reason or accepts it.
 
-        Returns the entries and whether each context object is the one last
-        passed for its request (else `step` records the new ones). The same
-        objects as last time, with no request claimed, released or given a new
-        context object since, resolve as last time (the caller must not modify
-        the returned list)."""
+        The same objects as last time, with no request claimed, released or
+        given a new context object since, resolve as last time (the caller must
+        not modify the result)."""
         ids = list(map(id, batch))
         resolved = self._resolved[replica.index]
-        if resolved is not None and resolved[0] == self._requests_version and resolved[1] == ids:
-            return resolved[2], True
+        if resolved is not None and resolved.version == self._requests_version and resolved.ids == ids:
+            return resolved
         get = replica.requests.get
         entries = []
         all_known = True
@@ -276,9 +291,11 @@ class PagedKVCacheManager:
             raise
         if len({id(state) for _, state in entries}) != len(entries):
             check_unique("request", (ctx.request_id for ctx, _ in entries))
+        rows = table_rows([state.row for _, state in entries])
+        resolved = _ResolvedBatch(self._requests_version, ids, entries, all_known, rows)
         if all_known:  # the entries stay these objects' states until the version moves
-            self._resolved[replica.index] = (self._requests_version, ids, entries)
-        return entries, all_known
+            self._resolved[replica.index] = resolved
+        return resolved
 
     # --------------------------------------------------------------- lifecycle
 
@@ -338,6 +355,19 @@ class PagedKVCacheManager:
             state = replica.requests.get(ctx.request_id)
         except TypeError:  # an unhashable request id: `_live` names it
             state = None
+        if (
+            state is not None
+            and state.source is data
+            and num_steps == 1
+            and type(num_steps) is int
+            and ctx.current_length == ctx.processed_length + 1 <= state.num_blocks * self.page_size
+            and not state.is_dummy
+        ):
+            # The usual decode step: its one token fits in the last page held.
+            replica.metrics.input_tokens += 1
+            if self.enable_runtime_checks:
+                replica.check_invariants()
+            return
         if state is None or state.source is not data:
             ctx, state = self._live(data, replica)
         if state.is_dummy:
@@ -371,11 +401,11 @@ class PagedKVCacheManager:
         self._checked_batches(batches)
         work = []
         for replica, batch in zip(self._replicas, batches, strict=True):
-            entries, known = self._live_batch(batch, replica)
-            work.append((replica, batch, entries, known, self._due_entries(entries, replica)))
-        for replica, batch, entries, known, due in work:
-            if not known:
-                for data, (ctx, state) in zip(batch, entries, strict=True):
+            resolved = self._live_batch(batch, replica)
+            work.append((replica, batch, resolved, self._due_entries(resolved.entries, replica)))
+        for replica, batch, resolved, due in work:
+            if not resolved.known:
+                for data, (ctx, state) in zip(batch, resolved.entries, strict=True):
                     if state.source is not data and not state.is_dummy:
                         state.source, state.context = data, ctx
                         self._requests_version += 1
@@ -481,13 +511,24 @@ class PagedKVCacheManager:
             self._plan_tables(replica, batch, num_steps, max_cache_length, batch_characteristics)
             for replica, batch in zip(self._replicas, batches, strict=True)
         ]
-        per_leaf: dict[str, list[PagedCacheInputs]] = {name: [] for name in self._leaf_names}
-        for replica, plan in zip(self._replicas, plans, strict=True):
-            tables = replica.staging.build(replica.table, *plan[:3], **plan[3])
-            for name, buffer in replica.buffers.items():
-                per_leaf[name] += device_inputs(tables, buffer, replica.devices)
+        tables = tuple(
+            replica.staging.build(replica.table, *plan[:3], **plan[3])
+            for replica, plan in zip(self._replicas, plans, strict=True)
+        )
+        inputs = self._host_inputs.get(tables)
+        if inputs is None:
+            per_leaf: dict[str, list[PagedCacheInputs]] = {name: [] for name in self._leaf_names}
+            for replica, replica_tables in zip(self._replicas, tables, strict=True):
+                for name, buffer in replica.buffers.items():
+                    per_leaf[name] += device_inputs(replica_tables, buffer, replica.devices)
+            inputs = _as_tree(self.params, per_leaf)
+            if self._all_on_host:
+                if len(self._host_inputs) >= _MAX_REMEMBERED_INPUTS:
+                    self._host_inputs.clear()
+                self._host_inputs[tables] = inputs
+        for replica in self._replicas:
             replica.wait_for_loads()  # blocks loaded from a tier hold their bytes before the graph runs
-        return _as_tree(self.params, per_leaf)
+        return inputs
 
     def _plan_tables(
         self,
@@ -496,20 +537,19 @@ class PagedKVCacheManager:
         num_steps: int,
         max_cache_length: int | None,
         batch_characteristics: BatchCharacteristics | None,
-    ) -> tuple[list[int], list[int], list[int] | None, dict[str, int]]:
+    ) -> tuple[TableRows, list[int], list[int] | None, dict[str, int]]:
         """One pass over a replica's batch: checks each request (claimed here,
-        not twice, pages for this step) while collecting its table row and
-        cache length and the batch's maxima. Returns `InputStaging.build`'s
+        not twice, pages for this step) while collecting its cache length and
+        the batch's maxima. Returns `InputStaging.build`'s
         arguments; nothing is written until every replica's batch passed."""
         ps = self.page_size
         extra = num_steps - 1  # tokens written by the steps after the first
         round_up = extra + ps - 1
-        rows: list[int] = []
+        resolved = self._live_batch(batch, replica)
         lengths: list[int] = []
-        needs: list[int] = []
         held_more = False
         max_new = max_context = 0
-        for ctx, state in self._live_batch(batch, replica)[0]:
+        for ctx, state in resolved.entries:
             processed = ctx.processed_length
             current = ctx.current_length
             need = (current + round_up) // ps
@@ -521,14 +561,12 @@ class PagedKVCacheManager:
                         f"{current + extra} tokens: call alloc first"
                     )
                 held_more = True
-            rows.append(state.row)
             lengths.append(processed)
-            needs.append(need)
             if current > max_context:
                 max_context = current
             if current - processed > max_new:
                 max_new = current - processed
-        width = (max_context + round_up) // ps if rows else 0
+        width = (max_context + round_up) // ps if lengths else 0
         if max_cache_length is not None:
             fixed = -(-max_cache_length // ps)
             if fixed < width:
@@ -538,11 +576,13 @@ class PagedKVCacheManager:
             width = fixed
         if batch_characteristics is not None:
             bc = batch_characteristics
-            if len(rows) > bc.batch_size or max_new > bc.max_prompt_length or max_context > bc.max_cache_valid_length:
-                raise ValueError(f"batch (size {len(rows)}, {max_new} new tokens, context {max_context}) exceeds {bc}")
+            batch_size = len(lengths)
+            if batch_size > bc.batch_size or max_new > bc.max_prompt_length or max_context > bc.max_cache_valid_length:
+                raise ValueError(f"batch (size {batch_size}, {max_new} new tokens, context {max_context}) exceeds {bc}")
             max_new, max_context = bc.max_prompt_length, bc.max_cache_valid_length
         sizes = {"width": width, "max_new": max_new, "max_context": max_context, "num_steps": num_steps}
-        return rows, lengths, needs if held_more else None, sizes
+        needs = [(ctx.current_length + round_up) // ps for ctx, _ in resolved.entries] if held_more else None
+        return resolved.rows, lengths, needs, sizes
 
     def runtime_inputs_for_leaf(
         self,
@@ -723,6 +763,9 @@ def _as_tree(
         )
     return KVCacheInputs(per_leaf[path or SINGLE_CACHE])
 
+
+_MAX_REMEMBERED_INPUTS = 128
+"""Input trees `runtime_inputs` keeps for reuse (one per table shape seen lately)."""
 
 _BOOKKEEPING_BYTES_PER_SLOT = 96
 """Python-side bytes per device or host page besides its tokens (list entries, ints)."""

@@ -246,7 +246,8 @@ class Replica:
         tokens served from cache."""
         pool = self.pool
         device_hits = hits.device
-        free_after_hits = pool.num_free - sum(1 for b in device_hits if pool.ref_count[b] == 0)
+        ref_count = pool.ref_count
+        free_after_hits = pool.num_free - sum(not ref_count[block] for block in device_hits)
         if num_new > free_after_hits:
             in_use = self.total_num_pages - pool.num_free
             raise InsufficientBlocksError(
@@ -254,8 +255,7 @@ class Replica:
                 f"{self.index} but only {free_after_hits} are free "
                 f"({in_use}/{self.total_num_pages} in use)"
             )
-        for block in device_hits:
-            pool.touch(block)
+        pool.touch(device_hits)
         for connector, tier_hits in hits.tiers:
             connector.reserve(tier_hits)
         new_blocks = pool.allocate(num_new)
@@ -374,59 +374,116 @@ class Replica:
 
         `due` holds only requests with blocks to commit (the manager's
         `_due_entries`: no dummies, no broken chains). A decode step completes
-        at most one block per request, whose parent's hash is known: those
-        blocks are hashed together in one vectorized call. Newly cached blocks
+        at most one block per request: those are hashed together in one
+        vectorized call, and committed together when no twin is cached. The
+        other requests' new blocks are hashed (`_hash_due`) and committed one
+        request at a time (`_commit_one`), in batch order. Newly cached blocks
         go to the write-through tiers.
         """
         if not self.prefix_caching or not due:
             return
         ps = self.page_size
-        # A decode step's usual case: one newly full block, right after the
-        # committed ones, whose parent hash is known. Hashed in one call, and
-        # committed with one numpy store of their tokens when no twin is cached.
-        decode = [
-            (ctx, state)
-            for ctx, state in due
-            if self.keyer is None  # keyed tiers extend the keys with the hashes (`_commit_one`)
-            and state.hashes
-            and len(state.hashes) == state.num_committed
-            and (ctx.current_length - 1) // ps == state.num_committed + 1
-            and ctx.processed_length // ps == state.num_committed + 1
-            and state.num_blocks > state.num_committed
-        ]
+        decode = []  # one new full block, right after the committed (and hashed) ones
+        rest = []
+        for entry in due:
+            ctx, state = entry
+            done = state.num_committed
+            if (
+                self.keyer is None  # keyed tiers extend the keys with the hashes
+                and len(state.hashes) == done
+                and ctx.processed_length // ps == done + 1
+                and (ctx.current_length - 1) // ps == done + 1
+                and state.num_blocks > done
+            ):
+                decode.append(entry)
+            else:
+                rest.append(entry)
+        if rest:
+            self._hash_due(rest)
         if decode:
-            tokens = np.stack([ctx.tokens[st.num_committed * ps : (st.num_committed + 1) * ps] for ctx, st in decode])
-            hashes = self.hasher.rehash(tokens, [st.hashes[-1] for _, st in decode])
-            blocks = self.table.entries([st.row for _, st in decode], [st.num_committed for _, st in decode])
-            index = self.pool.index
-            fresh: list[int] = []
-            for j, ((_, state), block_hash, block) in enumerate(zip(decode, hashes, blocks, strict=True)):
-                state.hashes.append(block_hash)
-                if index.get(block_hash) is None:
-                    state.last_uid = self.pool.commit(block, block_hash, state.last_uid, state.hashes[-2], None)
-                    state.num_committed += 1
-                    fresh.append(j)
-            if fresh:
-                index.tokens[[blocks[j] for j in fresh]] = tokens[fresh]
+            # A block another request of the batch commits too waits for its turn (`_commit_one`).
+            ends = [min(ctx.processed_length // ps, state.num_blocks) for ctx, state in rest]
+            others = set().union(
+                *(state.hashes[state.num_committed : end] for (_, state), end in zip(rest, ends, strict=True))
+            )
+            self._commit_decode(decode, others)
         for ctx, state in due:
             if ctx.processed_length // ps > state.num_committed:  # not done above
                 self._commit_one(ctx, state)
 
+    def _commit_decode(self, decode: list[tuple[CacheContext, RequestState]], others: set[int]) -> None:
+        """Hashes each request's one new full block, in one call, and commits
+        those no twin is cached for (nor is in `others`) in one more."""
+        firsts = [state.num_committed for _, state in decode]
+        tokens = self._block_of_each(decode, firsts)
+        parents = [state.hashes[-1] if i else state.root_hash for (_, state), i in zip(decode, firsts, strict=True)]
+        hashes = self.hasher.rehash(tokens, parents)
+        cached = self.pool.index.get
+        fresh: list[int] = []  # rows of `decode`: no twin cached, none earlier in the batch
+        taken: set[int] = set()
+        for j, ((_, state), block_hash) in enumerate(zip(decode, hashes, strict=True)):
+            state.hashes.append(block_hash)
+            if cached(block_hash) is None and block_hash not in taken and block_hash not in others:
+                taken.add(block_hash)
+                fresh.append(j)
+        if not fresh:
+            return
+        blocks = self.table.entries([decode[j][1].row for j in fresh], [firsts[j] for j in fresh])
+        chains = [
+            ([block], [hashes[j]], decode[j][1].last_uid, parents[j]) for j, block in zip(fresh, blocks, strict=True)
+        ]
+        uids = self.pool.commit_chains(chains, tokens[fresh])
+        assert uids is not None, "fresh blocks' hashes are neither cached nor repeated"
+        for j, uid in zip(fresh, uids, strict=True):
+            state = decode[j][1]
+            state.last_uid = uid
+            state.num_committed += 1
+
+    def _hash_due(self, due: Sequence[tuple[CacheContext, RequestState]]) -> None:
+        """`_hash_new_blocks` for each request of `due`; the usual case (one
+        new full block after hashed ones, no keyed tier: a decode step's or a
+        prefill's last block) in one vectorized call for all of them."""
+        ps = self.page_size
+        single = []
+        for entry in due:
+            ctx, state = entry
+            done = len(state.hashes)
+            hashable = (ctx.current_length - 1) // ps
+            if hashable == done + 1 and done and self.keyer is None:
+                single.append(entry)
+            elif hashable > done:
+                self._hash_new_blocks(state, ctx)
+        if single:
+            tokens = self._block_of_each(single, [len(state.hashes) for _, state in single])
+            hashes = self.hasher.rehash(tokens, [state.hashes[-1] for _, state in single])
+            for (_, state), block_hash in zip(single, hashes, strict=True):
+                state.hashes.append(block_hash)
+
+    def _block_of_each(
+        self, entries: list[tuple[CacheContext, RequestState]], blocks: list[int]
+    ) -> npt.NDArray[np.int64]:
+        """The tokens of block `blocks[j]` of each entry's request, `[len(entries), page_size]`."""
+        ps = self.page_size
+        rows = [ctx.tokens[i * ps : (i + 1) * ps] for (ctx, _), i in zip(entries, blocks, strict=True)]
+        return np.concatenate(rows).reshape(len(entries), ps)
+
     def _commit_one(self, ctx: CacheContext, state: RequestState) -> None:
+        """Commits a request's newly full blocks (hashed by `_hash_due`): in one
+        call when none has a cached twin, else one by one, swapping each block whose verified twin
+        is cached for it (and freeing it) and replacing an unverifiable entry
+        nobody holds."""
         ps = self.page_size
         first = state.num_committed
         full = min(ctx.processed_length // ps, state.num_blocks)
-        self._hash_new_blocks(state, ctx)
         pool = self.pool
         index = pool.index
         tokens = ctx.tokens[first * ps : full * ps].reshape(full - first, ps)
         blocks = self.table.read(state.row, first, full)
         saves: list[BlockToSave] = []
-        hashes = state.hashes[first:full]
-        # Nothing to deduplicate (no hash cached, none twice in the run): commit the run at once.
-        if index.has_none_of(hashes) and len(set(hashes)) == len(hashes):
-            parent_hash = state.hashes[first - 1] if first else state.root_hash
-            state.last_uid = pool.commit_run(blocks, hashes, state.last_uid, parent_hash, tokens)
+        parent_hash = state.hashes[first - 1] if first else state.root_hash
+        committed_run = pool.commit_chains([(blocks, state.hashes[first:full], state.last_uid, parent_hash)], tokens)
+        if committed_run is not None:  # nothing to deduplicate: the whole run at once
+            (state.last_uid,) = committed_run
             state.num_committed = full
             if self._commit_tiers:
                 self._save_through([self._save_item(state, first + j, b, tokens[j]) for j, b in enumerate(blocks)])
@@ -449,7 +506,7 @@ class Replica:
             if cached is not None and cached in committed:
                 stored()  # a hash collision within the request: compare real tokens
             if cached is not None and index.holds(cached, state.last_uid, tokens[j]):
-                pool.touch(cached)
+                pool.touch([cached])
                 pool.free([block])
                 self.table.set(state.row, i, cached)
                 uid = index.uid[cached]

@@ -11,13 +11,14 @@ with each shard's block tensor (and scales tensor, when quantized).
 The manager keeps every claimed request's page ids in a `BlockTable`, one
 null-padded row per request, and checks a batch in one pass over its requests
 that also finds the maxima; `InputStaging` then fills persistent host arrays:
-the lookup table is one `np.take` into them (plus a mask when a request holds
-more pages than this step needs), and their `Buffer` views are reused.
+the lookup table is one copy into them (a slice of the table when the batch's
+rows are consecutive, else one `np.take`; plus a mask when a request holds
+more pages than this step needs), and their `Buffer` views are reused: the
+same `BatchTables` object for the same arrays and shape, refilled.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +47,18 @@ class BatchCharacteristics:
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_prompt_length", "max_cache_valid_length"):
             check_int(name, getattr(self, name), minimum=0, maximum=_UINT32_MAX)
+
+
+TableRows = slice | npt.NDArray[np.intp]
+"""Block-table rows of a batch's requests, in batch order: a slice when they are
+consecutive (copied in one block, several times faster than a gather)."""
+
+
+def table_rows(rows: list[int]) -> TableRows:
+    """`rows` in the form `BlockTable.gather_into` copies fastest."""
+    if rows and rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
+        return slice(rows[0], rows[-1] + 1)
+    return np.array(rows, np.intp)
 
 
 class BlockTable:
@@ -102,58 +115,69 @@ class BlockTable:
         """`row[start:stop]` as ints."""
         return self._table[row, start:stop].tolist()
 
-    def gather(self, rows: npt.NDArray[np.int64], width: int) -> npt.NDArray[np.uint32]:
+    def gather(self, rows: list[int], width: int) -> npt.NDArray[np.uint32]:
         """A copy of the first `width` entries of each of `rows`."""
         out = np.empty((len(rows), width), np.uint32)
-        self.gather_into(rows, out)
+        self.gather_into(table_rows(rows), out)
         return out
 
-    def gather_into(self, rows: list[int] | npt.NDArray[np.int64], out: npt.NDArray[np.uint32]) -> None:
+    def gather_into(self, rows: TableRows, out: npt.NDArray[np.uint32]) -> None:
         """Copies the first `out.shape[1]` entries of each of `rows` into `out`."""
         width = out.shape[1]
         if width > self._table.shape[1]:
             self._resize(self._table.shape[0], width)
-        np.take(self._table[:, :width], rows, axis=0, out=out)
+        if type(rows) is slice:
+            out[...] = self._table[rows, :width]
+        else:
+            np.take(self._table[:, :width], rows, axis=0, out=out)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BatchTables:
-    """One replica's per-batch tables, on the host, as `Buffer`s aliasing `InputStaging`'s arrays."""
+    """One replica's per-batch tables, on the host, as `Buffer`s aliasing `InputStaging`'s arrays.
+
+    `InputStaging` hands out the same object for the same arrays and shape,
+    refilled: equal by identity, so callers can key what they derive from it."""
 
     cache_lengths: Buffer
     lookup_table: Buffer
     max_lengths: Buffer
 
 
-_MAX_VIEWS = 64
-"""Buffer views one set keeps (shapes change as contexts grow; old ones are dropped)."""
+_MAX_SHAPES = 64
+"""Table shapes one set keeps views of (shapes change as contexts grow; old ones are dropped)."""
 
 
 class _Arrays:
-    """One set of flat uint32 host arrays, grown (doubling) as batches need."""
+    """One set of flat uint32 host arrays, grown (doubling) as batches need,
+    and the tables already made of them, by shape."""
 
     def __init__(self) -> None:
         self.lengths = np.zeros(0, np.uint32)
         self.lookup = np.zeros(0, np.uint32)
         self.max_lengths = np.zeros(0, np.uint32)
-        self.views: dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, Buffer]] = {}
-        """Views already made of these arrays, by (array, shape): numpy and `Buffer`."""
+        self.made: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray, np.ndarray, BatchTables]] = {}
+        """By (batch, width, num_steps): contiguous views of the three arrays
+        and the `BatchTables` of `Buffer`s aliasing them."""
 
-    def view(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, Buffer]:
-        """A contiguous `shape` view of array `name` and a `Buffer` aliasing it."""
-        made = self.views.get((name, shape))
+    def tables(self, batch: int, width: int, num_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, BatchTables]:
+        """Views shaped `[batch]`, `[batch, width]`, `[num_steps, 2]`, and their `BatchTables`."""
+        key = (batch, width, num_steps)
+        made = self.made.get(key)
         if made is not None:
             return made
-        size = math.prod(shape)
-        flat = getattr(self, name)
-        if size > flat.size:
-            flat = np.zeros(max(size, 2 * flat.size), np.uint32)
-            setattr(self, name, flat)
-            self.views = {k: v for k, v in self.views.items() if k[0] != name}
-        if len(self.views) >= _MAX_VIEWS:
-            self.views.clear()
-        array = flat[:size].reshape(shape)
-        made = self.views[(name, shape)] = (array, Buffer.from_numpy(array))
+        for name, size in (("lengths", batch), ("lookup", batch * width), ("max_lengths", 2 * num_steps)):
+            flat = getattr(self, name)
+            if size > flat.size:
+                setattr(self, name, np.zeros(max(size, 2 * flat.size), np.uint32))
+                self.made.clear()  # views of the old array stay valid while their holders keep them
+        if len(self.made) >= _MAX_SHAPES:
+            self.made.clear()
+        lengths = self.lengths[:batch]
+        lookup = self.lookup[: batch * width].reshape(batch, width)
+        max_lengths = self.max_lengths[: 2 * num_steps].reshape(num_steps, 2)
+        buffers = BatchTables(Buffer.from_numpy(lengths), Buffer.from_numpy(lookup), Buffer.from_numpy(max_lengths))
+        made = self.made[key] = (lengths, lookup, max_lengths, buffers)
         return made
 
 
@@ -176,7 +200,7 @@ class InputStaging:
     def build(
         self,
         table: BlockTable,
-        rows: list[int],
+        rows: TableRows,
         cache_lengths: list[int],
         needed: list[int] | None,
         *,
@@ -189,7 +213,7 @@ class InputStaging:
 
         Args:
             table: The replica's block table.
-            rows: Per batch entry, its row of `table`.
+            rows: The batch entries' rows of `table`, in batch order.
             cache_lengths: Per batch entry, its `processed_length`.
             needed: Per batch entry, the pages this step reads, when some
                 entry holds more (the rest of its row is masked to the null
@@ -200,20 +224,18 @@ class InputStaging:
         """
         arrays = self._sets[self._turn]
         self._turn ^= 1
-        batch = len(rows)
-        lengths, lengths_buffer = arrays.view("lengths", (batch,))
+        batch = len(cache_lengths)
+        lengths, lookup, max_lengths, tables = arrays.tables(batch, width, num_steps)
         lengths[:] = cache_lengths
-        lookup, lookup_buffer = arrays.view("lookup", (batch, width))
         table.gather_into(rows, lookup)
         if needed is not None:
             lookup[np.arange(width) >= np.asarray(needed)[:, None]] = self.null_page
-        max_lengths, max_lengths_buffer = arrays.view("max_lengths", (num_steps, 2))
         max_lengths[0] = (max_new, max_context)
         if num_steps > 1:
             later = 1 if batch else 0  # each later step runs one token per request
             max_lengths[1:, 0] = later
             max_lengths[1:, 1] = max_context + later * np.arange(1, num_steps)
-        return BatchTables(lengths_buffer, lookup_buffer, max_lengths_buffer)
+        return tables
 
 
 def device_inputs(tables: BatchTables, buffer: KVCacheBuffer, devices: list[Device]) -> list[PagedCacheInputs[Buffer]]:
