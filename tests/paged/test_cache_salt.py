@@ -68,3 +68,19 @@ def test_forced_hash_collisions_never_cross_salts(make_manager: MakeManager, pag
     assert run(m, "bob", PROMPT, "bob").cached_prefix_length == 0
     # A collision costs hits, never correctness: bob's own blocks now hold the hashes.
     assert admit(m, "bob-2", PROMPT, "bob").processed_length == 12
+
+
+def test_a_first_block_completed_while_decoding_keeps_its_salt(make_manager: MakeManager) -> None:
+    """A prompt shorter than a page: its first block fills up during decode,
+    and is committed under its salt's root, not the unsalted one."""
+    m = make_manager()
+    alice = admit(m, "alice-1", [1, 2, 3], "alice")
+    for token in (4, 5):  # the second update completes block [1, 2, 3, 4]
+        m.runtime_inputs([[alice]])
+        alice.update(token)
+        m.step([[alice]])
+        m.alloc(alice)
+    m.release("alice-1")
+    assert admit(m, "anon", [1, 2, 3, 4, 5], None).processed_length == 0
+    assert admit(m, "bob", [1, 2, 3, 4, 5], "bob").processed_length == 0
+    assert admit(m, "alice-2", [1, 2, 3, 4, 5], "alice").processed_length == 4

@@ -390,6 +390,7 @@ class Replica:
             done = state.num_committed
             if (
                 self.keyer is None  # keyed tiers extend the keys with the hashes
+                and done  # a first block starts the request's chain: `_hash_new_blocks`
                 and len(state.hashes) == done
                 and ctx.processed_length // ps == done + 1
                 and (ctx.current_length - 1) // ps == done + 1
@@ -416,7 +417,7 @@ class Replica:
         those no twin is cached for (nor is in `others`) in one more."""
         firsts = [state.num_committed for _, state in decode]
         tokens = self._block_of_each(decode, firsts)
-        parents = [state.hashes[-1] if i else state.root_hash for (_, state), i in zip(decode, firsts, strict=True)]
+        parents = [state.hashes[-1] for _, state in decode]
         hashes = self.hasher.rehash(tokens, parents)
         cached = self.pool.index.get
         fresh: list[int] = []  # rows of `decode`: no twin cached, none earlier in the batch
