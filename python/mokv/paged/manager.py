@@ -28,6 +28,7 @@ import contextlib
 from collections import Counter
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
+from operator import is_
 
 from max.driver import CPU, Device
 from max.engine import InferenceSession
@@ -60,8 +61,8 @@ class _ResolvedBatch:
 
     version: int
     """The manager's requests version it was resolved at."""
-    ids: list[int]
-    """`id()` of each context object passed."""
+    objects: list[object]
+    """The context objects passed, in order."""
     entries: list[tuple[CacheContext, RequestState]]
     known: bool
     """Whether each context object is the one last passed for its request (else
@@ -233,23 +234,20 @@ class PagedKVCacheManager:
                     f"replica {replica.index} batch has {len(batch)} requests, max_batch_size is {self.max_batch_size}"
                 )
 
-    def _due_entries(
-        self, entries: list[tuple[CacheContext, RequestState]], replica: Replica
-    ) -> list[tuple[CacheContext, RequestState]]:
+    def _due_entries(self, entries: list[tuple[CacheContext, RequestState]]) -> list[tuple[CacheContext, RequestState]]:
         """The entries of a replica's batch with newly full blocks to commit.
 
         Checks each request first: no token processed without a page for it.
         A decode step commits nothing for most requests, so the common case is
-        one property read and two comparisons per request; only a request at
+        one comparison per request (`RequestState.due_at`); only a request at
         a block boundary (or a refused one) looks further.
         """
         ps = self.page_size
-        caching = replica.prefix_caching
         due = []
         for entry in entries:
             ctx, state = entry
-            processed = ctx.processed_length
-            if processed > state.num_blocks * ps or (caching and processed >= (state.num_committed + 1) * ps):
+            if ctx.processed_length >= state.due_at:
+                processed = ctx.processed_length
                 if state.is_dummy:
                     continue
                 if processed > state.num_blocks * ps:
@@ -270,9 +268,13 @@ class PagedKVCacheManager:
         The same objects as last time, with no request claimed, released or
         given a new context object since, resolve as last time (the caller must
         not modify the result)."""
-        ids = list(map(id, batch))
         resolved = self._resolved[replica.index]
-        if resolved is not None and resolved.version == self._requests_version and resolved.ids == ids:
+        if (
+            resolved is not None
+            and resolved.version == self._requests_version
+            and len(batch) == len(resolved.objects)
+            and all(map(is_, batch, resolved.objects))
+        ):
             return resolved
         get = replica.requests.get
         entries = []
@@ -292,7 +294,7 @@ class PagedKVCacheManager:
         if len({id(state) for _, state in entries}) != len(entries):
             check_unique("request", (ctx.request_id for ctx, _ in entries))
         rows = table_rows([state.row for _, state in entries])
-        resolved = _ResolvedBatch(self._requests_version, ids, entries, all_known, rows)
+        resolved = _ResolvedBatch(self._requests_version, list(batch), entries, all_known, rows)
         if all_known:  # the entries stay these objects' states until the version moves
             self._resolved[replica.index] = resolved
         return resolved
@@ -402,7 +404,7 @@ class PagedKVCacheManager:
         work = []
         for replica, batch in zip(self._replicas, batches, strict=True):
             resolved = self._live_batch(batch, replica)
-            work.append((replica, batch, resolved, self._due_entries(resolved.entries, replica)))
+            work.append((replica, batch, resolved, self._due_entries(resolved.entries)))
         for replica, batch, resolved, due in work:
             if not resolved.known:
                 for data, (ctx, state) in zip(batch, resolved.entries, strict=True):

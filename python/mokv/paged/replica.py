@@ -86,6 +86,11 @@ class RequestState:
     """The context object the caller last passed for the request (identity check)."""
     context: CacheContext | None = None
     """`source` adapted: the tokens a second context object must agree with."""
+    due_at: int = 1
+    """The `processed_length` from which `step` looks at the request: its next
+    block to commit is full, or the context ran past its pages
+    (`Replica.refresh_due` keeps it, so `step` scans a batch with one
+    comparison per request)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -190,7 +195,17 @@ class Replica:
         if dummy:
             state.num_blocks = 1  # table rows start out null
             state.is_dummy = True
+        self.refresh_due(state)
         self.requests[request_id] = state
+
+    def refresh_due(self, state: RequestState) -> None:
+        """Sets `state.due_at` from its pages and committed blocks."""
+        state.due_at = self._due_at(state)
+
+    def _due_at(self, state: RequestState) -> int:
+        past_pages = state.num_blocks * self.page_size + 1
+        next_full = (state.num_committed + 1) * self.page_size
+        return min(past_pages, next_full) if self.prefix_caching else past_pages
 
     def blocks_of(self, request_id: Hashable) -> list[int]:
         """The request's page ids, in token order."""
@@ -217,6 +232,7 @@ class Replica:
                 (block,) = self.pool.allocate(1)
                 self.table.set(state.row, state.num_blocks, block)
                 state.num_blocks += 1
+                self.refresh_due(state)
             self.metrics.input_tokens += 1
             return
         looks_up = self.prefix_caching and active > 1
@@ -265,9 +281,10 @@ class Replica:
         self.table.write(state.row, state.num_blocks, device_hits + new_blocks)
         state.num_blocks += len(device_hits) + len(new_blocks)
         num_hits = len(device_hits) + hits.num_tier_hits
+        state.num_committed += num_hits
+        self.refresh_due(state)
         if not num_hits:
             return 0
-        state.num_committed += num_hits
         state.last_uid = last_uid
         cached_tokens = num_hits * self.page_size
         ctx.skip_processing(cached_tokens)
@@ -411,6 +428,7 @@ class Replica:
         for ctx, state in due:
             if ctx.processed_length // ps > state.num_committed:  # not done above
                 self._commit_one(ctx, state)
+            self.refresh_due(state)
 
     def _commit_decode(self, decode: list[tuple[CacheContext, RequestState]], others: set[int]) -> None:
         """Hashes each request's one new full block, in one call, and commits
@@ -556,7 +574,9 @@ class Replica:
     def check_invariants(self) -> None:
         """Asserts the pool, the requests' table rows and the host tier agree."""
         holders: Counter[int] = Counter()
-        for state in self.requests.values():
+        for request_id, state in self.requests.items():
+            if state.due_at != self._due_at(state):
+                raise AssertionError(f"request {request_id!r} is due at {state.due_at}, not {self._due_at(state)}")
             if not state.is_dummy:
                 holders.update(self.table.read(state.row, 0, state.num_blocks))
         self.pool.check_invariants(holders, self.hasher)
