@@ -487,10 +487,13 @@ class Replica:
         return np.concatenate(rows).reshape(len(entries), ps)
 
     def _commit_one(self, ctx: CacheContext, state: RequestState) -> None:
-        """Commits a request's newly full blocks (hashed by `_hash_due`): in one
-        call when none has a cached twin, else one by one, swapping each block whose verified twin
-        is cached for it (and freeing it) and replacing an unverifiable entry
-        nobody holds."""
+        """Commits a request's newly full blocks (hashed by `_hash_due`).
+
+        Leading blocks whose verified twins are cached (requests sharing a
+        prefix, admitted before either committed it) are swapped for them at
+        once, and freed; the rest are committed in one call when none has a
+        cached twin, else one by one: each block with a verified twin is
+        swapped for it, an unverifiable entry nobody holds is replaced."""
         ps = self.page_size
         first = state.num_committed
         full = min(ctx.processed_length // ps, state.num_blocks)
@@ -498,6 +501,16 @@ class Replica:
         index = pool.index
         tokens = ctx.tokens[first * ps : full * ps].reshape(full - first, ps)
         blocks = self.table.read(state.row, first, full)
+        twins = index.match(state.hashes[first:full], state.last_uid, tokens)
+        if twins:
+            pool.touch(twins)
+            pool.free(blocks[: len(twins)])
+            self.table.write(state.row, first, twins)
+            state.last_uid = index.uid[twins[-1]]
+            state.num_committed = first = first + len(twins)
+            if first == full:
+                return
+            tokens, blocks = tokens[len(twins) :], blocks[len(twins) :]
         saves: list[BlockToSave] = []
         parent_hash = state.hashes[first - 1] if first else state.root_hash
         committed_run = pool.commit_chains([(blocks, state.hashes[first:full], state.last_uid, parent_hash)], tokens)
