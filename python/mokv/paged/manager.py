@@ -514,8 +514,7 @@ class PagedKVCacheManager:
             for replica, batch in zip(self._replicas, batches, strict=True)
         ]
         tables = tuple(
-            replica.staging.build(replica.table, *plan[:3], **plan[3])
-            for replica, plan in zip(self._replicas, plans, strict=True)
+            [replica.staging.build(replica.table, *plan) for replica, plan in zip(self._replicas, plans, strict=True)]
         )
         inputs = self._host_inputs.get(tables)
         if inputs is None:
@@ -539,7 +538,7 @@ class PagedKVCacheManager:
         num_steps: int,
         max_cache_length: int | None,
         batch_characteristics: BatchCharacteristics | None,
-    ) -> tuple[TableRows, list[int], list[int] | None, dict[str, int]]:
+    ) -> tuple[TableRows, list[int], list[int] | None, int, int, int, int]:
         """One pass over a replica's batch: checks each request (claimed here,
         not twice, pages for this step) while collecting its cache length and
         the batch's maxima. Returns `InputStaging.build`'s
@@ -582,9 +581,8 @@ class PagedKVCacheManager:
             if batch_size > bc.batch_size or max_new > bc.max_prompt_length or max_context > bc.max_cache_valid_length:
                 raise ValueError(f"batch (size {batch_size}, {max_new} new tokens, context {max_context}) exceeds {bc}")
             max_new, max_context = bc.max_prompt_length, bc.max_cache_valid_length
-        sizes = {"width": width, "max_new": max_new, "max_context": max_context, "num_steps": num_steps}
         needs = [(ctx.current_length + round_up) // ps for ctx, _ in resolved.entries] if held_more else None
-        return resolved.rows, lengths, needs, sizes
+        return resolved.rows, lengths, needs, width, max_new, max_context, num_steps
 
     def runtime_inputs_for_leaf(
         self,

@@ -203,7 +203,6 @@ class InputStaging:
         rows: TableRows,
         cache_lengths: list[int],
         needed: list[int] | None,
-        *,
         width: int,
         max_new: int,
         max_context: int,
