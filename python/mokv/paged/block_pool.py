@@ -103,18 +103,21 @@ class PageIndex:
             ValueError: A slot repeats or is committed already.
         """
         own_hash, by_hash = self.hash, self._by_hash
-        if len(set(slots)) != len(slots) or any(own_hash[slot] is not None for slot in slots):
+        if len(set(slots)) != len(slots) or [own_hash[slot] for slot in slots].count(None) != len(slots):
             raise ValueError(f"slots {slots} repeat or are already committed")
         if len(set(hashes)) != len(hashes) or not by_hash.keys().isdisjoint(hashes):
             return False
         by_hash.update(zip(hashes, slots, strict=True))
         uid, parent_uid, parent_hash = self.uid, self.parent_uid, self.parent_hash
-        for k, slot in enumerate(slots):
-            own_hash[slot] = hashes[k]
-            uid[slot] = first_uid + k
-            parent_uid[slot] = parent_uids[k]
-            parent_hash[slot] = parent_hashes[k]
-        self.tokens[slots] = tokens
+        uids = range(first_uid, first_uid + len(slots))
+        for slot, block_hash, slot_uid, parent, parents_hash in zip(
+            slots, hashes, uids, parent_uids, parent_hashes, strict=True
+        ):
+            own_hash[slot] = block_hash
+            uid[slot] = slot_uid
+            parent_uid[slot] = parent
+            parent_hash[slot] = parents_hash
+        self.tokens[np.array(slots, np.intp)] = tokens
         return True
 
     def copy_entry(self, slot: int, source: PageIndex, source_slot: int) -> None:
