@@ -434,23 +434,22 @@ class Replica:
         """Hashes each request's one new full block, in one call, and commits
         those no twin is cached for (nor is in `others`) in one more."""
         firsts = [state.num_committed for _, state in decode]
-        tokens = self._block_of_each(decode, firsts)
-        parents = [state.hashes[-1] for _, state in decode]
-        hashes = self.hasher.rehash(tokens, parents)
+        tokens = self._hash_next_block(decode)
         cached = self.pool.index.get
         fresh: list[int] = []  # rows of `decode`: no twin cached, none earlier in the batch
         taken: set[int] = set()
-        for j, ((_, state), block_hash) in enumerate(zip(decode, hashes, strict=True)):
-            state.hashes.append(block_hash)
+        for j, (_, state) in enumerate(decode):
+            block_hash = state.hashes[-1]
             if cached(block_hash) is None and block_hash not in taken and block_hash not in others:
                 taken.add(block_hash)
                 fresh.append(j)
         if not fresh:
             return
         blocks = self.table.entries([decode[j][1].row for j in fresh], [firsts[j] for j in fresh])
-        chains = [
-            ([block], [hashes[j]], decode[j][1].last_uid, parents[j]) for j, block in zip(fresh, blocks, strict=True)
-        ]
+        chains = []
+        for j, block in zip(fresh, blocks, strict=True):
+            state = decode[j][1]
+            chains.append(([block], state.hashes[-1:], state.last_uid, state.hashes[-2]))
         uids = self.pool.commit_chains(chains, tokens[fresh])
         assert uids is not None, "fresh blocks' hashes are neither cached nor repeated"
         for j, uid in zip(fresh, uids, strict=True):
@@ -473,18 +472,19 @@ class Replica:
             elif hashable > done:
                 self._hash_new_blocks(state, ctx)
         if single:
-            tokens = self._block_of_each(single, [len(state.hashes) for _, state in single])
-            hashes = self.hasher.rehash(tokens, [state.hashes[-1] for _, state in single])
-            for (_, state), block_hash in zip(single, hashes, strict=True):
-                state.hashes.append(block_hash)
+            self._hash_next_block(single)
 
-    def _block_of_each(
-        self, entries: list[tuple[CacheContext, RequestState]], blocks: list[int]
-    ) -> npt.NDArray[np.int64]:
-        """The tokens of block `blocks[j]` of each entry's request, `[len(entries), page_size]`."""
+    def _hash_next_block(self, entries: list[tuple[CacheContext, RequestState]]) -> npt.NDArray[np.int64]:
+        """Appends to each entry's hashes its request's next block's (its
+        parent's hash known), all in one vectorized call; returns those blocks'
+        tokens, `[len(entries), page_size]`."""
         ps = self.page_size
-        rows = [ctx.tokens[i * ps : (i + 1) * ps] for (ctx, _), i in zip(entries, blocks, strict=True)]
-        return np.concatenate(rows).reshape(len(entries), ps)
+        rows = [ctx.tokens[len(state.hashes) * ps : (len(state.hashes) + 1) * ps] for ctx, state in entries]
+        tokens = np.concatenate(rows).reshape(len(entries), ps)
+        hashes = self.hasher.rehash(tokens, [state.hashes[-1] for _, state in entries])
+        for (_, state), block_hash in zip(entries, hashes, strict=True):
+            state.hashes.append(block_hash)
+        return tokens
 
     def _commit_one(self, ctx: CacheContext, state: RequestState) -> None:
         """Commits a request's newly full blocks (hashed by `_hash_due`).
