@@ -135,6 +135,44 @@ def test_step_dedups_identical_blocks(make_manager: MakeManager) -> None:
     assert m.num_free_blocks() == 16
 
 
+def test_a_mixed_batch_commits_as_its_requests_one_at_a_time(make_manager: MakeManager) -> None:
+    """One step over a batch where some requests share blocks (deduplicated in
+    batch order) and others are unique (committed together) ends where
+    stepping each request alone ends: the same pages, free queue and prefix
+    index (uids aside: only their parent links are compared)."""
+    prompts = {
+        "a": range(10),
+        "b": range(10),  # a's twin
+        "c": range(100, 110),  # unique
+        "d": [*range(4), *range(50, 56)],  # a's first block, then its own
+        "e": range(200, 209),  # unique
+    }
+
+    def run(batched: bool) -> tuple:
+        m = make_manager(total_num_pages=32)
+        contexts = [ctx(request_id, tokens) for request_id, tokens in prompts.items()]
+        for c in contexts:
+            m.claim(c.request_id)
+            m.alloc(c)
+            c.update(7)
+        for batch in [contexts] if batched else [[c] for c in contexts]:
+            m.step([batch])
+        index = m._replicas[0].pool.index
+        slot_of_uid = {index.uid[slot]: slot for slot in index.committed_slots()}
+        committed = {
+            block_hash: (slot, slot_of_uid.get(index.parent_uid[slot]), index.tokens[slot].tolist())
+            for block_hash, slot in index._by_hash.items()
+        }
+        pages = {c.request_id: m.get_req_blocks(c.request_id) for c in contexts}
+        return pages, m._replicas[0].pool.free_order(), committed
+
+    batched = run(batched=True)
+    assert batched == run(batched=False)
+    pages = batched[0]
+    assert pages["b"][:2] == pages["a"][:2] and pages["d"][0] == pages["a"][0]
+    assert len(batched[2]) == 2 + 2 + 1 + 2  # a's blocks, c's, d's second, e's
+
+
 def test_hit_rate_on_repeated_prompts(make_manager: MakeManager) -> None:
     m = make_manager(page_size=4, total_num_pages=32)
     prompt = np.arange(21)

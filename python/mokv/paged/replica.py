@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import numpy.typing as npt
@@ -110,6 +111,11 @@ class PrefixHits:
 
 
 NO_HITS = PrefixHits([], [], np.zeros((0, 0), np.int64))
+
+
+Run = tuple[RequestState, int, int, int]
+"""A request's blocks to commit in `Replica.commit`: its state, its first
+and one-past-last block, and the row of the batch's tokens holding the first."""
 
 
 class Replica:
@@ -390,104 +396,90 @@ class Replica:
         prefix cache, deduplicating against verified twins.
 
         `due` holds only requests with blocks to commit (the manager's
-        `_due_entries`: no dummies, no broken chains). A decode step completes
-        at most one block per request: those are hashed together in one
-        vectorized call, and committed together when no twin is cached. The
-        other requests' new blocks are hashed (`_hash_due`) and committed one
-        request at a time (`_commit_one`), in batch order. Newly cached blocks
-        go to the write-through tiers.
+        `_due_entries`: no dummies, no broken chains). Their new blocks are
+        hashed (one block after hashed ones, as a decode step or a prefill's
+        last block leaves, for the whole batch in one vectorized call) and,
+        when none has a twin cached or elsewhere in the batch, committed in
+        one pool call. Otherwise the requests whose new blocks are unique go
+        in one call and the others one at a time (`_commit_one`), in batch
+        order, so dedup picks the same winner as committing request by
+        request. Newly cached blocks go to the write-through tiers.
         """
         if not self.prefix_caching or not due:
             return
         ps = self.page_size
-        decode = []  # one new full block, right after the committed (and hashed) ones
-        rest = []
-        for entry in due:
-            ctx, state = entry
-            done = state.num_committed
-            if (
-                self.keyer is None  # keyed tiers extend the keys with the hashes
-                and done  # a first block starts the request's chain: `_hash_new_blocks`
-                and len(state.hashes) == done
-                and ctx.processed_length // ps == done + 1
-                and (ctx.current_length - 1) // ps == done + 1
-                and state.num_blocks > done
-            ):
-                decode.append(entry)
-            else:
-                rest.append(entry)
-        if rest:
-            self._hash_due(rest)
-        if decode:
-            # A block another request of the batch commits too waits for its turn (`_commit_one`).
-            ends = [min(ctx.processed_length // ps, state.num_blocks) for ctx, state in rest]
-            others = set().union(
-                *(state.hashes[state.num_committed : end] for (_, state), end in zip(rest, ends, strict=True))
-            )
-            self._commit_decode(decode, others)
+        runs: list[Run] = []
+        rows = []
+        next_blocks: list[int] = []  # rows of `tokens` hashed together
+        next_states: list[RequestState] = []
+        end = 0
         for ctx, state in due:
-            if ctx.processed_length // ps > state.num_committed:  # not done above
-                self._commit_one(ctx, state)
+            first = state.num_committed
+            full = min(ctx.processed_length // ps, state.num_blocks)
+            rows.append(ctx.tokens[first * ps : full * ps])
+            runs.append((state, first, full, end))
+            end += full - first
+            hashed = len(state.hashes)
+            if hashed < full:
+                # A first block starts the request's chain, and keyed tiers
+                # extend the keys with the hashes: `_hash_new_blocks`.
+                if hashed == full - 1 and hashed and self.keyer is None:
+                    next_blocks.append(end - 1)
+                    next_states.append(state)
+                else:
+                    self._hash_new_blocks(state, ctx)
+        tokens = np.concatenate(rows).reshape(end, ps)
+        if next_states:
+            hashes = self.hasher.rehash(tokens[next_blocks], [state.hashes[-1] for state in next_states])
+            for state, block_hash in zip(next_states, hashes, strict=True):
+                state.hashes.append(block_hash)
+        new_hashes = [state.hashes[first:full] for state, first, full, _ in runs]
+        all_new = list(chain.from_iterable(new_hashes))
+        if len(set(all_new)) == len(all_new) and not self.pool.index.has_any(all_new):
+            self._commit_runs(runs, new_hashes, tokens)
+        else:
+            repeats = Counter(all_new)
+            cached = self.pool.index.get
+            unique = [
+                k for k, hashes in enumerate(new_hashes) if all(repeats[h] == 1 and cached(h) is None for h in hashes)
+            ]
+            if unique:
+                picked = np.concatenate([np.arange(runs[k][3], runs[k][3] + len(new_hashes[k])) for k in unique])
+                self._commit_runs([runs[k] for k in unique], [new_hashes[k] for k in unique], tokens[picked])
+            for ctx, state in due:
+                if state.num_committed < min(ctx.processed_length // ps, state.num_blocks):  # not done above
+                    self._commit_one(ctx, state)
+        for _, state in due:
             self.refresh_due(state)
 
-    def _commit_decode(self, decode: list[tuple[CacheContext, RequestState]], others: set[int]) -> None:
-        """Hashes each request's one new full block, in one call, and commits
-        those no twin is cached for (nor is in `others`) in one more."""
-        firsts = [state.num_committed for _, state in decode]
-        tokens = self._hash_next_block(decode)
-        cached = self.pool.index.get
-        fresh: list[int] = []  # rows of `decode`: no twin cached, none earlier in the batch
-        taken: set[int] = set()
-        for j, (_, state) in enumerate(decode):
-            block_hash = state.hashes[-1]
-            if cached(block_hash) is None and block_hash not in taken and block_hash not in others:
-                taken.add(block_hash)
-                fresh.append(j)
-        if not fresh:
-            return
-        blocks = self.table.entries([decode[j][1].row for j in fresh], [firsts[j] for j in fresh])
+    def _commit_runs(self, runs: list[Run], hashes: list[list[int]], tokens: npt.NDArray[np.int64]) -> None:
+        """Commits every run's blocks (freshly computed, none cached and no
+        hash repeated) in one pool call; `hashes` are the runs' blocks'
+        hashes and `tokens` their rows, runs in order."""
+        states = [run[0] for run in runs]
+        rows = [state.row for state in states]
+        blocks = self.table.read_spans(rows, [run[1] for run in runs], [run[2] for run in runs])
         chains = []
-        for j, block in zip(fresh, blocks, strict=True):
-            state = decode[j][1]
-            chains.append(([block], state.hashes[-1:], state.last_uid, state.hashes[-2]))
-        uids = self.pool.commit_chains(chains, tokens[fresh])
-        assert uids is not None, "fresh blocks' hashes are neither cached nor repeated"
-        for j, uid in zip(fresh, uids, strict=True):
-            state = decode[j][1]
+        start = 0
+        for (state, first, _, _), run_hashes in zip(runs, hashes, strict=True):
+            stop = start + len(run_hashes)
+            parent_hash = state.hashes[first - 1] if first else state.root_hash
+            chains.append((blocks[start:stop], run_hashes, state.last_uid, parent_hash))
+            start = stop
+        last_uids = self.pool.commit_chains(chains, tokens)
+        assert last_uids is not None, "the caller checked that no hash repeats or is cached"
+        for (state, _, full, _), uid in zip(runs, last_uids, strict=True):
             state.last_uid = uid
-            state.num_committed += 1
-
-    def _hash_due(self, due: Sequence[tuple[CacheContext, RequestState]]) -> None:
-        """`_hash_new_blocks` for each request of `due`; the usual case (one
-        new full block after hashed ones, no keyed tier: a decode step's or a
-        prefill's last block) in one vectorized call for all of them."""
-        ps = self.page_size
-        single = []
-        for entry in due:
-            ctx, state = entry
-            done = len(state.hashes)
-            hashable = (ctx.current_length - 1) // ps
-            if hashable == done + 1 and done and self.keyer is None:
-                single.append(entry)
-            elif hashable > done:
-                self._hash_new_blocks(state, ctx)
-        if single:
-            self._hash_next_block(single)
-
-    def _hash_next_block(self, entries: list[tuple[CacheContext, RequestState]]) -> npt.NDArray[np.int64]:
-        """Appends to each entry's hashes its request's next block's (its
-        parent's hash known), all in one vectorized call; returns those blocks'
-        tokens, `[len(entries), page_size]`."""
-        ps = self.page_size
-        rows = [ctx.tokens[len(state.hashes) * ps : (len(state.hashes) + 1) * ps] for ctx, state in entries]
-        tokens = np.concatenate(rows).reshape(len(entries), ps)
-        hashes = self.hasher.rehash(tokens, [state.hashes[-1] for _, state in entries])
-        for (_, state), block_hash in zip(entries, hashes, strict=True):
-            state.hashes.append(block_hash)
-        return tokens
+            state.num_committed = full
+        if self._commit_tiers:
+            saves = []
+            for (state, first, _, _), (chain_blocks, *_) in zip(runs, chains, strict=True):
+                for i, block in enumerate(chain_blocks, first):
+                    saves.append(self._save_item(state, i, block, tokens[len(saves)]))
+            self._save_through(saves)
 
     def _commit_one(self, ctx: CacheContext, state: RequestState) -> None:
-        """Commits a request's newly full blocks (hashed by `_hash_due`).
+        """Commits a request's newly full blocks (hashed by `commit`).
 
         Leading blocks whose verified twins are cached (requests sharing a
         prefix, admitted before either committed it) are swapped for them at
