@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
 
 import numpy as np
 import numpy.typing as npt
@@ -56,10 +57,6 @@ class PageIndex:
     def get(self, block_hash: int) -> int | None:
         """The slot committed under `block_hash`, if any."""
         return self._by_hash.get(block_hash)
-
-    def has_any(self, hashes: Iterable[int]) -> bool:
-        """Whether any of `hashes` is committed."""
-        return not self._by_hash.keys().isdisjoint(hashes)
 
     def is_committed(self, slot: int) -> bool:
         """Whether `slot` holds a committed page."""
@@ -236,8 +233,10 @@ class BlockPool:
         """Hands out `n` blocks from the front of the free queue, evicting cached ones."""
         if n > len(self._free):
             raise ValueError(f"cannot hand out {n} blocks, {len(self._free)} are free")
-        pop = self._free.popitem
-        blocks = [pop(last=False)[0] for _ in range(n)]
+        free = self._free
+        blocks = list(islice(free, n))
+        for block in blocks:
+            del free[block]
         committed = self.index.hash
         evicted = [block for block in blocks if committed[block] is not None]
         if evicted:

@@ -243,21 +243,15 @@ class PagedKVCacheManager:
         a block boundary (or a refused one) looks further.
         """
         ps = self.page_size
-        due = []
-        for entry in entries:
-            ctx, state = entry
-            if ctx.processed_length >= state.due_at:
-                processed = ctx.processed_length
-                if state.is_dummy:
-                    continue
-                if processed > state.num_blocks * ps:
-                    raise ValueError(
-                        f"request {ctx.request_id!r} has processed_length {processed} but "
-                        f"its pages hold only {state.num_blocks * ps} tokens: call alloc "
-                        "before running it"
-                    )
-                if not state.chain_broken:
-                    due.append(entry)
+        due = [entry for entry in entries if entry[0].processed_length >= entry[1].due_at]
+        for ctx, state in due:
+            if ctx.processed_length > state.num_blocks * ps and not state.is_dummy:
+                raise ValueError(
+                    f"request {ctx.request_id!r} has processed_length {ctx.processed_length} but "
+                    f"its pages hold only {state.num_blocks * ps} tokens: call alloc before running it"
+                )
+        if due:
+            due = [(ctx, state) for ctx, state in due if not state.is_dummy and not state.chain_broken]
         return due
 
     def _live_batch(self, batch: Sequence[object], replica: Replica) -> _ResolvedBatch:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 
 import numpy as np
@@ -206,12 +206,9 @@ class Replica:
 
     def refresh_due(self, state: RequestState) -> None:
         """Sets `state.due_at` from its pages and committed blocks."""
-        state.due_at = self._due_at(state)
-
-    def _due_at(self, state: RequestState) -> int:
         past_pages = state.num_blocks * self.page_size + 1
         next_full = (state.num_committed + 1) * self.page_size
-        return min(past_pages, next_full) if self.prefix_caching else past_pages
+        state.due_at = next_full if self.prefix_caching and next_full < past_pages else past_pages
 
     def blocks_of(self, request_id: Hashable) -> list[int]:
         """The request's page ids, in token order."""
@@ -434,11 +431,8 @@ class Replica:
             for state, block_hash in zip(next_states, hashes, strict=True):
                 state.hashes.append(block_hash)
         new_hashes = [state.hashes[first:full] for state, first, full, _ in runs]
-        all_new = list(chain.from_iterable(new_hashes))
-        if len(set(all_new)) == len(all_new) and not self.pool.index.has_any(all_new):
-            self._commit_runs(runs, new_hashes, tokens)
-        else:
-            repeats = Counter(all_new)
+        if not self._commit_runs(runs, new_hashes, tokens):
+            repeats = Counter(chain.from_iterable(new_hashes))
             cached = self.pool.index.get
             unique = [
                 k for k, hashes in enumerate(new_hashes) if all(repeats[h] == 1 and cached(h) is None for h in hashes)
@@ -452,10 +446,11 @@ class Replica:
         for _, state in due:
             self.refresh_due(state)
 
-    def _commit_runs(self, runs: list[Run], hashes: list[list[int]], tokens: npt.NDArray[np.int64]) -> None:
-        """Commits every run's blocks (freshly computed, none cached and no
-        hash repeated) in one pool call; `hashes` are the runs' blocks'
-        hashes and `tokens` their rows, runs in order."""
+    def _commit_runs(self, runs: list[Run], hashes: list[list[int]], tokens: npt.NDArray[np.int64]) -> bool:
+        """Commits every run's blocks (freshly computed) in one pool call;
+        `hashes` are the runs' blocks' hashes and `tokens` their rows, runs in
+        order. Returns False, having changed nothing, when a hash repeats or
+        is cached."""
         states = [run[0] for run in runs]
         rows = [state.row for state in states]
         blocks = self.table.read_spans(rows, [run[1] for run in runs], [run[2] for run in runs])
@@ -467,7 +462,8 @@ class Replica:
             chains.append((blocks[start:stop], run_hashes, state.last_uid, parent_hash))
             start = stop
         last_uids = self.pool.commit_chains(chains, tokens)
-        assert last_uids is not None, "the caller checked that no hash repeats or is cached"
+        if last_uids is None:
+            return False
         for (state, _, full, _), uid in zip(runs, last_uids, strict=True):
             state.last_uid = uid
             state.num_committed = full
@@ -477,6 +473,7 @@ class Replica:
                 for i, block in enumerate(chain_blocks, first):
                     saves.append(self._save_item(state, i, block, tokens[len(saves)]))
             self._save_through(saves)
+        return True
 
     def _commit_one(self, ctx: CacheContext, state: RequestState) -> None:
         """Commits a request's newly full blocks (hashed by `commit`).
@@ -580,8 +577,10 @@ class Replica:
         """Asserts the pool, the requests' table rows and the host tier agree."""
         holders: Counter[int] = Counter()
         for request_id, state in self.requests.items():
-            if state.due_at != self._due_at(state):
-                raise AssertionError(f"request {request_id!r} is due at {state.due_at}, not {self._due_at(state)}")
+            refreshed = replace(state)
+            self.refresh_due(refreshed)
+            if state.due_at != refreshed.due_at:
+                raise AssertionError(f"request {request_id!r} is due at {state.due_at}, not {refreshed.due_at}")
             if not state.is_dummy:
                 holders.update(self.table.read(state.row, 0, state.num_blocks))
         self.pool.check_invariants(holders, self.hasher)
