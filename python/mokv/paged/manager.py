@@ -356,8 +356,7 @@ class PagedKVCacheManager:
             and state.source is data
             and num_steps == 1
             and type(num_steps) is int
-            and ctx.current_length == ctx.processed_length + 1 <= state.num_blocks * self.page_size
-            and not state.is_dummy
+            and ctx.current_length == ctx.processed_length + 1 <= state.capacity
         ):
             # The usual decode step: its one token fits in the last page held.
             replica.metrics.input_tokens += 1

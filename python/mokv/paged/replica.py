@@ -89,9 +89,12 @@ class RequestState:
     """`source` adapted: the tokens a second context object must agree with."""
     due_at: int = 1
     """The `processed_length` from which `step` looks at the request: its next
-    block to commit is full, or the context ran past its pages
-    (`Replica.refresh_due` keeps it, so `step` scans a batch with one
-    comparison per request)."""
+    block to commit is full, or the context ran past its pages (so `step`
+    scans a batch with one comparison per request)."""
+    capacity: int = 0
+    """Tokens the request's pages hold; -1 for a dummy (so the manager's
+    decode `alloc` checks a request with one comparison). `Replica.refresh`
+    keeps both marks."""
 
 
 @dataclass(eq=False, slots=True)
@@ -201,11 +204,12 @@ class Replica:
         if dummy:
             state.num_blocks = 1  # table rows start out null
             state.is_dummy = True
-        self.refresh_due(state)
+        self.refresh(state)
         self.requests[request_id] = state
 
-    def refresh_due(self, state: RequestState) -> None:
-        """Sets `state.due_at` from its pages and committed blocks."""
+    def refresh(self, state: RequestState) -> None:
+        """Sets `state.due_at` and `state.capacity` from its pages and committed blocks."""
+        state.capacity = -1 if state.is_dummy else state.num_blocks * self.page_size
         past_pages = state.num_blocks * self.page_size + 1
         next_full = (state.num_committed + 1) * self.page_size
         state.due_at = next_full if self.prefix_caching and next_full < past_pages else past_pages
@@ -235,7 +239,7 @@ class Replica:
                 (block,) = self.pool.allocate(1)
                 self.table.set(state.row, state.num_blocks, block)
                 state.num_blocks += 1
-                self.refresh_due(state)
+                self.refresh(state)
             self.metrics.input_tokens += 1
             return
         looks_up = self.prefix_caching and active > 1
@@ -285,7 +289,7 @@ class Replica:
         state.num_blocks += len(device_hits) + len(new_blocks)
         num_hits = len(device_hits) + hits.num_tier_hits
         state.num_committed += num_hits
-        self.refresh_due(state)
+        self.refresh(state)
         if not num_hits:
             return 0
         state.last_uid = last_uid
@@ -444,7 +448,7 @@ class Replica:
                 if state.num_committed < min(ctx.processed_length // ps, state.num_blocks):  # not done above
                     self._commit_one(ctx, state)
         for _, state in due:
-            self.refresh_due(state)
+            self.refresh(state)
 
     def _commit_runs(self, runs: list[Run], hashes: list[list[int]], tokens: npt.NDArray[np.int64]) -> bool:
         """Commits every run's blocks (freshly computed) in one pool call;
@@ -578,9 +582,12 @@ class Replica:
         holders: Counter[int] = Counter()
         for request_id, state in self.requests.items():
             refreshed = replace(state)
-            self.refresh_due(refreshed)
-            if state.due_at != refreshed.due_at:
-                raise AssertionError(f"request {request_id!r} is due at {state.due_at}, not {refreshed.due_at}")
+            self.refresh(refreshed)
+            if (state.due_at, state.capacity) != (refreshed.due_at, refreshed.capacity):
+                raise AssertionError(
+                    f"request {request_id!r} is due at {state.due_at} with capacity {state.capacity}, "
+                    f"not {refreshed.due_at} and {refreshed.capacity}"
+                )
             if not state.is_dummy:
                 holders.update(self.table.read(state.row, 0, state.num_blocks))
         self.pool.check_invariants(holders, self.hasher)
