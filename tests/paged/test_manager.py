@@ -146,6 +146,7 @@ def test_a_mixed_batch_commits_as_its_requests_one_at_a_time(make_manager: MakeM
         "c": range(100, 110),  # unique
         "d": [*range(4), *range(50, 56)],  # a's first block, then its own
         "e": range(200, 209),  # unique
+        "f": [*range(4), *range(50, 54), 60, 61],  # d's two blocks: d, before it, keeps its own
     }
 
     def run(batched: bool) -> tuple:
@@ -169,7 +170,7 @@ def test_a_mixed_batch_commits_as_its_requests_one_at_a_time(make_manager: MakeM
     batched = run(batched=True)
     assert batched == run(batched=False)
     pages = batched[0]
-    assert pages["b"][:2] == pages["a"][:2] and pages["d"][0] == pages["a"][0]
+    assert pages["b"][:2] == pages["a"][:2] and pages["d"][0] == pages["a"][0] and pages["f"][:2] == pages["d"][:2]
     assert len(batched[2]) == 2 + 2 + 1 + 2  # a's blocks, c's, d's second, e's
 
 

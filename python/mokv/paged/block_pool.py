@@ -311,13 +311,17 @@ class BlockPool:
         last_uids = []
         uid = self._last_uid
         for chain_blocks, chain_hashes, parent_uid, parent_hash in chains:
-            if chain_blocks:
+            n = len(chain_blocks)
+            if n:
                 blocks += chain_blocks
                 hashes += chain_hashes
-                parent_uids += [parent_uid, *range(uid + 1, uid + len(chain_blocks))]
-                parent_hashes += [parent_hash, *chain_hashes[:-1]]
-                uid += len(chain_blocks)
-            last_uids.append(uid if chain_blocks else parent_uid)
+                parent_uids.append(parent_uid)
+                parent_hashes.append(parent_hash)
+                if n > 1:  # each later block's parent is the one before it
+                    parent_uids += range(uid + 1, uid + n)
+                    parent_hashes += chain_hashes[:-1]
+                uid += n
+            last_uids.append(uid if n else parent_uid)
         if not self.index.insert_many(blocks, hashes, self._last_uid + 1, parent_uids, parent_hashes, tokens):
             return None
         self._last_uid = uid

@@ -100,8 +100,10 @@ class BlockHasher:
         Used to audit a prefix index, whose entries are single blocks.
         """
         t = np.ascontiguousarray(blocks, dtype=np.int64).view(np.uint64)
-        block_sums = ((t ^ self.xor_salt) * self.weight).sum(axis=1, dtype=np.uint64)
+        block_sums = np.bitwise_xor(t, self.xor_salt) @ self.weight  # uint64 products and sums wrap mod 2**64
         if None in parents:
             parents = [ROOT if p is None else p for p in parents]
-        starts = np.array(parents, dtype=np.uint64) * np.uint64(_Q)  # wraps mod 2**64
-        return (block_sums + starts).tolist()
+        starts = np.array(parents, dtype=np.uint64)
+        starts *= np.uint64(_Q)
+        block_sums += starts
+        return block_sums.tolist()

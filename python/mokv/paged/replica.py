@@ -41,7 +41,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import chain
 
 import numpy as np
 import numpy.typing as npt
@@ -401,10 +400,11 @@ class Replica:
         hashed (one block after hashed ones, as a decode step or a prefill's
         last block leaves, for the whole batch in one vectorized call) and,
         when none has a twin cached or elsewhere in the batch, committed in
-        one pool call. Otherwise the requests whose new blocks are unique go
-        in one call and the others one at a time (`_commit_one`), in batch
-        order, so dedup picks the same winner as committing request by
-        request. Newly cached blocks go to the write-through tiers.
+        one pool call. Otherwise the requests whose new blocks are neither
+        cached nor in an earlier request of the batch go in one call and the
+        others one at a time (`_commit_one`), in batch order, so dedup picks
+        the same winner as committing request by request. Newly cached blocks
+        go to the write-through tiers.
         """
         if not self.prefix_caching or not due:
             return
@@ -431,19 +431,25 @@ class Replica:
                     self._hash_new_blocks(state, ctx)
         tokens = np.concatenate(rows).reshape(end, ps)
         if next_states:
-            hashes = self.hasher.rehash(tokens[next_blocks], [state.hashes[-1] for state in next_states])
+            blocks = tokens if len(next_blocks) == end else tokens[next_blocks]  # all of them after a decode step
+            hashes = self.hasher.rehash(blocks, [state.hashes[-1] for state in next_states])
             for state, block_hash in zip(next_states, hashes, strict=True):
                 state.hashes.append(block_hash)
         new_hashes = [state.hashes[first:full] for state, first, full, _ in runs]
         if not self._commit_runs(runs, new_hashes, tokens):
-            repeats = Counter(chain.from_iterable(new_hashes))
+            # Leaders: runs none of whose blocks is cached or in an earlier run
+            # of the batch. Committing them first changes nothing for the
+            # others, which never look their hashes up.
+            seen: set[int] = set()
             cached = self.pool.index.get
-            unique = [
-                k for k, hashes in enumerate(new_hashes) if all(repeats[h] == 1 and cached(h) is None for h in hashes)
-            ]
-            if unique:
-                picked = np.concatenate([np.arange(runs[k][3], runs[k][3] + len(new_hashes[k])) for k in unique])
-                self._commit_runs([runs[k] for k in unique], [new_hashes[k] for k in unique], tokens[picked])
+            leaders = []
+            for k, hashes in enumerate(new_hashes):
+                if seen.isdisjoint(hashes) and all(cached(h) is None for h in hashes):
+                    leaders.append(k)
+                seen.update(hashes)
+            if leaders:
+                picked = np.concatenate([np.arange(runs[k][3], runs[k][3] + len(new_hashes[k])) for k in leaders])
+                self._commit_runs([runs[k] for k in leaders], [new_hashes[k] for k in leaders], tokens[picked])
             for ctx, state in due:
                 if state.num_committed < min(ctx.processed_length // ps, state.num_blocks):  # not done above
                     self._commit_one(ctx, state)
