@@ -165,12 +165,13 @@ class PageIndex:
             `parent_uid` and whose stored tokens equal `tokens`.
         """
         slots: list[int] = []
+        slot_of, parent_uid_of, uid_of = self._by_hash.get, self.parent_uid, self.uid
         for block_hash in hashes:
-            slot = self._by_hash.get(block_hash)
-            if slot is None or self.parent_uid[slot] != parent_uid:
+            slot = slot_of(block_hash)
+            if slot is None or parent_uid_of[slot] != parent_uid:
                 break
             slots.append(slot)
-            parent_uid = self.uid[slot]
+            parent_uid = uid_of[slot]
         if slots:  # one bytes comparison for the whole run; rows only on a mismatch
             stored, wanted = self.tokens[slots], np.asarray(tokens[: len(slots)], np.int64)
             if stored.tobytes() != wanted.tobytes():

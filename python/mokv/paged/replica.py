@@ -269,7 +269,7 @@ class Replica:
         pool = self.pool
         device_hits = hits.device
         ref_count = pool.ref_count
-        free_after_hits = pool.num_free - sum(not ref_count[block] for block in device_hits)
+        free_after_hits = pool.num_free - list(map(ref_count.__getitem__, device_hits)).count(0)
         if num_new > free_after_hits:
             in_use = self.total_num_pages - pool.num_free
             raise InsufficientBlocksError(
