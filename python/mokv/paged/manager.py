@@ -243,7 +243,7 @@ class PagedKVCacheManager:
         a block boundary (or a refused one) looks further.
         """
         ps = self.page_size
-        due = [entry for entry in entries if entry[0].processed_length >= entry[1].due_at]
+        due = [(ctx, state) for ctx, state in entries if ctx.processed_length >= state.due_at]
         for ctx, state in due:
             if ctx.processed_length > state.num_blocks * ps and not state.is_dummy:
                 raise ValueError(
