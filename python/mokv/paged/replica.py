@@ -396,18 +396,26 @@ class Replica:
         prefix cache, deduplicating against verified twins.
 
         `due` holds only requests with blocks to commit (the manager's
-        `_due_entries`: no dummies, no broken chains). Their new blocks are
-        hashed (one block after hashed ones, as a decode step or a prefill's
-        last block leaves, for the whole batch in one vectorized call) and,
-        when none has a twin cached or elsewhere in the batch, committed in
-        one pool call. Otherwise the requests whose new blocks are neither
-        cached nor in an earlier request of the batch go in one call and the
-        others one at a time (`_commit_one`), in batch order, so dedup picks
-        the same winner as committing request by request. Newly cached blocks
-        go to the write-through tiers.
+        `_due_entries`: no dummies, no broken chains). When none of their new
+        blocks has a twin cached or elsewhere in the batch, they are committed
+        in one pool call; otherwise as committing request by request in batch
+        order would (`_commit_in_order`). Newly cached blocks go to the
+        write-through tiers.
         """
         if not self.prefix_caching or not due:
             return
+        runs, tokens = self._new_blocks(due)
+        hashes = [state.hashes[first:full] for state, first, full, _ in runs]
+        if not self._commit_runs(runs, hashes, tokens):
+            self._commit_in_order(due, runs, hashes, tokens)
+        for _, state in due:
+            self.refresh(state)
+
+    def _new_blocks(self, due: Sequence[tuple[CacheContext, RequestState]]) -> tuple[list[Run], npt.NDArray[np.int64]]:
+        """Each due request's run of blocks to commit, and their tokens in one
+        matrix (runs in order). Hashes the blocks not hashed yet: one block
+        after hashed ones (a decode step's, or a prefill's last) for the whole
+        batch in one vectorized call, anything else per request."""
         ps = self.page_size
         runs: list[Run] = []
         rows = []
@@ -435,26 +443,35 @@ class Replica:
             hashes = self.hasher.rehash(blocks, [state.hashes[-1] for state in next_states])
             for state, block_hash in zip(next_states, hashes, strict=True):
                 state.hashes.append(block_hash)
-        new_hashes = [state.hashes[first:full] for state, first, full, _ in runs]
-        if not self._commit_runs(runs, new_hashes, tokens):
-            # Leaders: runs none of whose blocks is cached or in an earlier run
-            # of the batch. Committing them first changes nothing for the
-            # others, which never look their hashes up.
-            seen: set[int] = set()
-            cached = self.pool.index.get
-            leaders = []
-            for k, hashes in enumerate(new_hashes):
-                if seen.isdisjoint(hashes) and all(cached(h) is None for h in hashes):
-                    leaders.append(k)
-                seen.update(hashes)
-            if leaders:
-                picked = np.concatenate([np.arange(runs[k][3], runs[k][3] + len(new_hashes[k])) for k in leaders])
-                self._commit_runs([runs[k] for k in leaders], [new_hashes[k] for k in leaders], tokens[picked])
-            for ctx, state in due:
-                if state.num_committed < min(ctx.processed_length // ps, state.num_blocks):  # not done above
-                    self._commit_one(ctx, state)
-        for _, state in due:
-            self.refresh(state)
+        return runs, tokens
+
+    def _commit_in_order(
+        self,
+        due: Sequence[tuple[CacheContext, RequestState]],
+        runs: list[Run],
+        hashes: list[list[int]],
+        tokens: npt.NDArray[np.int64],
+    ) -> None:
+        """`commit` for a batch where some new block repeats or is cached:
+        the state committing request by request in batch order ends in.
+
+        Leaders (runs none of whose blocks is cached or in an earlier run of
+        the batch) go first, in one call: that changes nothing for the others,
+        which look the leaders' hashes up only after the leaders would have
+        committed them. Then each other request in turn (`_commit_one`)."""
+        seen: set[int] = set()
+        cached = self.pool.index.get
+        leaders = []
+        for k, run_hashes in enumerate(hashes):
+            if seen.isdisjoint(run_hashes) and all(cached(h) is None for h in run_hashes):
+                leaders.append(k)
+            seen.update(run_hashes)
+        if leaders:
+            picked = np.concatenate([np.arange(runs[k][3], runs[k][3] + len(hashes[k])) for k in leaders])
+            self._commit_runs([runs[k] for k in leaders], [hashes[k] for k in leaders], tokens[picked])
+        for (ctx, state), (_, _, full, _) in zip(due, runs, strict=True):
+            if state.num_committed < full:  # not a leader
+                self._commit_one(ctx, state)
 
     def _commit_runs(self, runs: list[Run], hashes: list[list[int]], tokens: npt.NDArray[np.int64]) -> bool:
         """Commits every run's blocks (freshly computed) in one pool call;
@@ -510,15 +527,9 @@ class Replica:
             if first == full:
                 return
             tokens, blocks = tokens[len(twins) :], blocks[len(twins) :]
+        if self._commit_runs([(state, first, full, 0)], [state.hashes[first:full]], tokens):
+            return  # nothing to deduplicate: the whole run at once
         saves: list[BlockToSave] = []
-        parent_hash = state.hashes[first - 1] if first else state.root_hash
-        committed_run = pool.commit_chains([(blocks, state.hashes[first:full], state.last_uid, parent_hash)], tokens)
-        if committed_run is not None:  # nothing to deduplicate: the whole run at once
-            (state.last_uid,) = committed_run
-            state.num_committed = full
-            if self._commit_tiers:
-                self._save_through([self._save_item(state, first + j, b, tokens[j]) for j, b in enumerate(blocks)])
-            return
         # Token rows of newly committed blocks are stored in one numpy call at
         # the end (`stored`), unless a lookup needs one of them sooner.
         committed: list[int] = []
