@@ -54,6 +54,26 @@ struct BlockScales(TrivialRegisterPassable):
             return BlockScales(Group(_half(block, 0)), Group(0))
 
 
+comptime HALF = BLOCK_VALUES // 2
+"""Weights per `dequantize_half`: half a block, one AVX-512 vector of float32."""
+comptime Half = SIMD[DType.float32, HALF]
+
+
+@always_inline
+def dequantize_half[encoding: StaticString, half: Int](block: BytePtr) -> Half:
+    """Weights `16 * half ..< 16 * half + 16` of the block at `block`, its
+    scales read here: for one row of activations (a decode step), where a
+    block's weights meet one vector of `x` each and nothing is reused."""
+    var d = Half(_half(block, 0))
+    comptime if encoding == "q4_1":
+        var packed = block.unsafe_load[width=HALF](4)
+        var q = (packed & 15) if half == 0 else (packed >> 4)
+        return q.cast[DType.float32]().fma(d, Half(_half(block, 1)))
+    else:
+        var q = block.unsafe_bitcast[Int8]().unsafe_load[width=HALF](2 + half * HALF)
+        return q.cast[DType.float32]() * d
+
+
 @always_inline
 def dequantize[encoding: StaticString, group: Int](block: BytePtr, scales: BlockScales) -> Group:
     """Weights `8 * group ..< 8 * group + 8` of the block at `block`."""

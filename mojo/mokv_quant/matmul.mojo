@@ -11,9 +11,11 @@ and the two graphs' greedy tokens part wherever the top two logits are close.
 
 A register block is `MR` rows of `x` by `NR` rows of `w`: each group of 8
 weights is dequantized once and multiplied into `MR` rows, each product
-accumulated in its own vector, summed across lanes once per output. With one
-row of `x` (decode at batch 1) each output keeps `CHAINS` accumulators, so
-enough FMAs are in flight to stream the weights at memory speed.
+accumulated in its own vector, summed across lanes once per output; a tile
+of few rows keeps `CHAINS` accumulators per output, so enough FMAs are in
+flight. One row of `x` (decode at batch 1) nothing reuses, so `_row_tile`
+dequantizes each block as two 16-lane halves straight into its FMAs: fewer
+instructions per weight byte, which is what that case is bound by.
 """
 
 import extensibility
@@ -28,12 +30,15 @@ from .blocks import (
     BLOCK_VALUES,
     GROUP,
     GROUPS,
+    HALF,
     BlockScales,
+    Half,
     BytePtr,
     F32Ptr,
     Group,
     block_bytes,
     dequantize,
+    dequantize_half,
 )
 
 comptime MR = 6
@@ -72,6 +77,26 @@ def _tile[
             y[unsafe_offset=r * y_stride + c] = total.reduce_add()
 
 
+@always_inline
+def _row_tile[
+    encoding: StaticString, C: Int
+](x: F32Ptr, k: Int, w: BytePtr, w_stride: Int, y: F32Ptr):
+    """`y[0, C] = x[1, k] @ w[C, k].T` for one row of `x` (a decode step at
+    batch 1): each block's 32 weights in two 16-lane vectors, one
+    accumulator per half block and output."""
+    comptime BB = block_bytes[encoding]()
+    var acc = Array[Half, 2 * C](fill=0)
+    for b in range(k // BLOCK_VALUES):
+        var x_low = x.unsafe_load[width=HALF](b * BLOCK_VALUES)
+        var x_high = x.unsafe_load[width=HALF](b * BLOCK_VALUES + HALF)
+        comptime for c in range(C):
+            var block = w.unsafe_offset(c * w_stride + b * BB)
+            acc[2 * c] = dequantize_half[encoding, 0](block).fma(x_low, acc[2 * c])
+            acc[2 * c + 1] = dequantize_half[encoding, 1](block).fma(x_high, acc[2 * c + 1])
+    comptime for c in range(C):
+        y[unsafe_offset=c] = (acc[2 * c] + acc[2 * c + 1]).reduce_add()
+
+
 def block_matmul[
     encoding: StaticString
 ](y: F32Ptr, x: F32Ptr, w: BytePtr, m_rows: Int, n_rows: Int, k: Int):
@@ -87,8 +112,8 @@ def block_matmul[
         var last = min(n_rows, first + chunk)
         if m_rows == 1:
             for n in range(first, last, 4):
-                _tile[encoding, 1, 4, 2](
-                    x, k, w.unsafe_offset(n * w_stride), w_stride, y.unsafe_offset(n), n_rows
+                _row_tile[encoding, 4](
+                    x, k, w.unsafe_offset(n * w_stride), w_stride, y.unsafe_offset(n)
                 )
             return
         var m0 = 0
