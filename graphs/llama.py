@@ -16,7 +16,8 @@ output
     ``[R, vocab_size]`` float32: logits of the ``logit_rows`` tokens, in that order.
 
 Weights are graph :class:`~max.graph.Weight` s bound at load time (:func:`llama_weights_registry`:
-the checkpoint's tensors under their GGUF names plus the RoPE tables ``rope.cos``/``rope.sin``),
+the checkpoint's tensors under their GGUF names, the stacked block matrices of
+``FUSED_PROJECTIONS`` and the RoPE tables ``rope.cos``/``rope.sin``),
 each in its checkpoint encoding (``mokv_graphs.weight_formats``: float32, or GGUF blocks read by
 mokv's kernels), not constants: a constant is serialized into the graph's IR on every build (the two RoPE tables
 alone cost ~1.3 s of Python and 7 MB of IR). RoPE uses the half-split form (the checkpoint's Q/K
@@ -78,6 +79,20 @@ def _apply_rope(x: TensorValue, cos: TensorValue, sin: TensorValue) -> TensorVal
     return ops.concat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+FUSED_PROJECTIONS = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_gate_up": ("ffn_gate", "ffn_up")}
+"""Matrices of a layer that read the same input, by the name of their concatenation: in a
+block format one product over the stacked rows replaces two or three (at batch 1 each product
+is a kernel call with its own fixed cost, about 10 µs). Float32 weights stay apart, so the
+reference format is never copied."""
+
+
+def fused_parts(encodings: Mapping[str, str], prefix: str, fused: str) -> list[str] | None:
+    """The weight names that ``prefix + fused`` stacks, if they share one block encoding."""
+    names = [f"{prefix}{part}.weight" for part in FUSED_PROJECTIONS[fused]]
+    kinds = {encodings[name] for name in names}
+    return names if len(kinds) == 1 and kinds != {"f32"} else None
+
+
 class _LlamaWeights:
     """The graph's weights, each declared in its checkpoint encoding (see
     ``mokv_graphs.weight_formats``), with the products that read them."""
@@ -104,6 +119,21 @@ class _LlamaWeights:
     def linear(self, x: TensorValue, name: str, out_features: int) -> TensorValue:
         """``x @ W.T`` for the ``[out_features, x.shape[-1]]`` matrix ``name``."""
         return linear(x, self._matrix(name, out_features, int(x.shape[-1])), self.encodings[name])
+
+    def projections(self, x: TensorValue, prefix: str, fused: str, sizes: Sequence[int]) -> list[TensorValue]:
+        """The products of ``x`` with the layer's ``FUSED_PROJECTIONS[fused]`` matrices
+        (``sizes[i]`` rows each): one product over their stacked rows where they share a block
+        encoding (``fused_parts``), else one each."""
+        names = fused_parts(self.encodings, prefix, fused)
+        if names is None:
+            parts = FUSED_PROJECTIONS[fused]
+            return [self.linear(x, f"{prefix}{part}.weight", n) for part, n in zip(parts, sizes, strict=True)]
+        name = f"{prefix}{fused}.weight"
+        if name not in self._declared:
+            encoding = self.encodings[names[0]]
+            self._declared[name] = declare_weight(name, encoding, sum(sizes), int(x.shape[-1]), self.device)
+        stacked = linear(x, self._declared[name], self.encodings[names[0]])
+        return list(ops.split(stacked, list(sizes), axis=1))
 
     def embed(self, tokens: TensorValue) -> TensorValue:
         c = self.config
@@ -140,15 +170,15 @@ def build_llama_graph(
         for i in range(c.n_layers):
             p = f"blk.{i}."
             x = ops.rms_norm(h, w.vector(p + "attn_norm.weight"), c.rms_norm_eps)
-            q = ops.reshape(w.linear(x, p + "attn_q.weight", c.hidden_size), [total, c.n_heads, c.head_dim])
-            k = ops.reshape(w.linear(x, p + "attn_k.weight", kv_dim), [total, c.n_kv_heads, c.head_dim])
-            v = ops.reshape(w.linear(x, p + "attn_v.weight", kv_dim), [total, c.n_kv_heads, c.head_dim])
+            q, k, v = w.projections(x, p, "attn_qkv", [c.hidden_size, kv_dim, kv_dim])
+            q = ops.reshape(q, [total, c.n_heads, c.head_dim])
+            k = ops.reshape(k, [total, c.n_kv_heads, c.head_dim])
+            v = ops.reshape(v, [total, c.n_kv_heads, c.head_dim])
             attn = attention(i, _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v, row_offsets, backend_inputs)
             h = h + w.linear(ops.reshape(attn, [total, c.hidden_size]), p + "attn_output.weight", c.hidden_size)
 
             x = ops.rms_norm(h, w.vector(p + "ffn_norm.weight"), c.rms_norm_eps)
-            gate = w.linear(x, p + "ffn_gate.weight", c.ffn_hidden_size)
-            up = w.linear(x, p + "ffn_up.weight", c.ffn_hidden_size)
+            gate, up = w.projections(x, p, "ffn_gate_up", [c.ffn_hidden_size, c.ffn_hidden_size])
             h = h + w.linear(ops.silu(gate) * up, p + "ffn_down.weight", c.hidden_size)
 
         last = ops.rms_norm(ops.gather(h, logit_rows.tensor, axis=0), w.vector("output_norm.weight"), c.rms_norm_eps)
@@ -159,7 +189,13 @@ def build_llama_graph(
 def llama_weights_registry(checkpoint: LlamaCheckpoint) -> dict[str, np.ndarray]:
     """Every array the graph's weights are bound to, by weight name."""
     cos, sin = rope_tables(checkpoint.config)
-    return {**checkpoint.weights, "rope.cos": cos, "rope.sin": sin}
+    weights = {**checkpoint.weights, "rope.cos": cos, "rope.sin": sin}
+    for i in range(checkpoint.config.n_layers):
+        for fused in FUSED_PROJECTIONS:
+            names = fused_parts(checkpoint.encodings, f"blk.{i}.", fused)
+            if names is not None:  # block rows stack as they are: each row is its own blocks
+                weights[f"blk.{i}.{fused}.weight"] = np.concatenate([weights.pop(n) for n in names])
+    return weights
 
 
 def load_llama_model(
