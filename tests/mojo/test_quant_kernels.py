@@ -75,7 +75,8 @@ def _run(model: Model, x: np.ndarray, weights: dict[str, np.ndarray], ids: np.nd
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "k"), [(1, 8, 32), (1, 20, 96), (1, 12, 576), (3, 24, 64), (4, 16, 96), (5, 40, 64), (13, 32, 576), (33, 4, 32)]
+    ("m", "n", "k"),
+    [(1, 8, 32), (1, 20, 96), (1, 12, 576), (3, 24, 64), (4, 16, 96), (5, 40, 64), (13, 32, 576), (33, 4, 32)],
 )
 def test_matmul_is_the_float32_product_of_the_dequantized_weights(quant_graph: Model, m: int, n: int, k: int) -> None:
     rng = np.random.default_rng(m * 1000 + n + k)
