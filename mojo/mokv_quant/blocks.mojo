@@ -9,16 +9,18 @@ weights:
 - `q8_0`, 34 bytes: float16 scale `d`, then 32 int8 `q`; weight = `d * q`.
 
 Kernels read a block through `BlockScales` (its `d` and `m`, loaded once) and
-`dequantize[encoding, group]`, which returns weights `8 * group ..< 8 * group + 8`
+`dequantize[encoding, group]`, which returns weights `GROUP * group ..< GROUP * (group + 1)`
 as float32: straight from the stored bytes into a register, exactly the values
 `gguf.quants.dequantize` computes (up to the one rounding of the fused
 `d * q + m`).
 """
 
+from std.sys import simd_width_of
+
 comptime BytePtr = Pointer[UInt8, MutUntrackedOrigin]
 comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
-comptime GROUP = 8
-"""Weights per `dequantize`: one AVX2 vector of float32."""
+comptime GROUP = max(8, simd_width_of[DType.float32]())
+"""Weights per `dequantize`: one float32 vector (AVX2: 8, AVX-512: 16; at least 8)."""
 comptime Group = SIMD[DType.float32, GROUP]
 comptime BLOCK_VALUES = 32
 comptime GROUPS = BLOCK_VALUES // GROUP
@@ -76,10 +78,12 @@ def dequantize_half[encoding: StaticString, half: Int](block: BytePtr) -> Half:
 
 @always_inline
 def dequantize[encoding: StaticString, group: Int](block: BytePtr, scales: BlockScales) -> Group:
-    """Weights `8 * group ..< 8 * group + 8` of the block at `block`."""
+    """Weights `GROUP * group ..< GROUP * (group + 1)` of the block at `block`."""
     comptime if encoding == "q4_1":
-        var packed = block.unsafe_load[width=GROUP](4 + (group % 2) * GROUP)
-        var q = (packed & 15) if group < 2 else (packed >> 4)
+        # Bytes 0..15 hold weights 0..15 in their low nibbles, 16..31 in their high ones.
+        comptime per_nibble = HALF // GROUP
+        var packed = block.unsafe_load[width=GROUP](4 + (group % per_nibble) * GROUP)
+        var q = (packed & 15) if group < per_nibble else (packed >> 4)
         return q.cast[DType.float32]().fma(scales.d, scales.m)
     else:
         var q = block.unsafe_bitcast[Int8]().unsafe_load[width=GROUP](2 + group * GROUP)

@@ -9,7 +9,7 @@ discontinuous in its input, so the last-bit differences between two attention
 kernels (paged and dense) flip roundings, the flips grow from layer to layer,
 and the two graphs' greedy tokens part wherever the top two logits are close.
 
-A register block is `MR` rows of `x` by `NR` rows of `w`: each group of 8
+A register block is `MR` rows of `x` by `NR` rows of `w`: each vector of `GROUP`
 weights is dequantized once and multiplied into `MR` rows, each product
 accumulated in its own vector, summed across lanes once per output; a tile
 of few rows keeps `CHAINS` accumulators per output, so enough FMAs are in
