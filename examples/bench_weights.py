@@ -35,6 +35,9 @@ from mokv_graphs.weight_formats import declare_weight, linear, quant_kernel_pack
 
 CPU = DeviceRef.CPU()
 CANDIDATES = ("f32", "gguf", "q4_0", "bf16")
+NORM_EPS = 1e-6
+"""Each layer of the chain ends in an RMS norm, as the model's do: without one the chain grows
+layer by layer until float32 (and the float64 reference's SiLU) overflow."""
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -81,12 +84,13 @@ def products_graph(candidate: str, f32: LlamaCheckpoint, blocks: LlamaCheckpoint
         custom_extensions=extensions,
     ) as graph:
         x = graph.inputs[0].tensor
+        ones = ops.constant(np.ones(c.hidden_size, np.float32), DType.float32, CPU)
         for i in range(c.n_layers):
             q, k, v = (product(x, f"blk.{i}.{p}.weight") for p in PROJECTIONS[:3])
             attn = product(q, f"blk.{i}.attn_output.weight")
             gate, up = (product(x, f"blk.{i}.{p}.weight") for p in ("ffn_gate", "ffn_up"))
             down = product(ops.silu(gate) * up, f"blk.{i}.ffn_down.weight")
-            x = x + 0.1 * (attn + down + k[:, :1] + v[:, :1])
+            x = ops.rms_norm(x + 0.1 * (attn + down + k[:, :1] + v[:, :1]), ones, NORM_EPS)
         graph.output(product(x, c.lm_head_name))
     return graph, registry
 
@@ -102,6 +106,7 @@ def reference_logits(f32: LlamaCheckpoint, x: np.ndarray) -> np.ndarray:
         gate, up = x @ w[p + "ffn_gate.weight"].T, x @ w[p + "ffn_up.weight"].T
         down = (gate / (1 + np.exp(-gate)) * up) @ w[p + "ffn_down.weight"].T
         x = x + 0.1 * (attn + down + k[:, :1] + v[:, :1])
+        x = x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + NORM_EPS)
     return x @ w[f32.config.lm_head_name].T
 
 
