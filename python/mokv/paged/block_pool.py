@@ -323,10 +323,27 @@ class BlockPool:
                     parent_hashes += chain_hashes[:-1]
                 uid += n
             last_uids.append(uid if n else parent_uid)
-        if not self.index.insert_many(blocks, hashes, self._last_uid + 1, parent_uids, parent_hashes, tokens):
+        if self.commit_blocks(blocks, hashes, parent_uids, parent_hashes, tokens) is None:
             return None
-        self._last_uid = uid
         return last_uids
+
+    def commit_blocks(
+        self,
+        blocks: list[int],
+        hashes: list[int],
+        parent_uids: Sequence[int],
+        parent_hashes: Sequence[int | None],
+        tokens: npt.NDArray[np.integer],
+    ) -> range | None:
+        """`commit` for freshly computed blocks in one call: block k gets
+        `hashes[k]`, its parent's uid and hash, and row k of `tokens`. Returns
+        their new uids, or None, having changed nothing, if a hash repeats or
+        is cached already."""
+        first_uid = self._last_uid + 1
+        if not self.index.insert_many(blocks, hashes, first_uid, parent_uids, parent_hashes, tokens):
+            return None
+        self._last_uid += len(blocks)
+        return range(first_uid, self._last_uid + 1)
 
     def uncommit(self, block: int) -> None:
         """Takes a block out of the prefix cache (it keeps its holders)."""

@@ -404,12 +404,49 @@ class Replica:
         """
         if not self.prefix_caching or not due:
             return
+        if not self._commit_tiers and self.keyer is None and self._commit_next_blocks(due):
+            return
         runs, tokens = self._new_blocks(due)
         hashes = [state.hashes[first:full] for state, first, full, _ in runs]
         if not self._commit_runs(runs, hashes, tokens):
             self._commit_in_order(due, runs, hashes, tokens)
         for _, state in due:
             self.refresh(state)
+
+    def _commit_next_blocks(self, due: Sequence[tuple[CacheContext, RequestState]]) -> bool:
+        """`commit` for a decode step, where each due request has one new full
+        block, right after its hashed ones: one vectorized hash and one pool
+        call for the batch. Returns False, having changed nothing, for any
+        other batch, or when a new block repeats or is cached (dedup is the
+        general path's)."""
+        ps = self.page_size
+        rows: list[int] = []
+        cols: list[int] = []
+        parent_hashes: list[int] = []
+        parent_uids: list[int] = []
+        token_rows = []
+        for ctx, state in due:
+            i = state.num_committed
+            if not i or ctx.processed_length // ps != i + 1 or len(state.hashes) != i:
+                return False  # a chain's first block, several blocks, or ones hashed already
+            rows.append(state.row)
+            cols.append(i)
+            parent_hashes.append(state.hashes[-1])
+            parent_uids.append(state.last_uid)
+            token_rows.append(ctx.tokens[i * ps : (i + 1) * ps])
+        tokens = np.concatenate(token_rows).reshape(len(token_rows), ps)
+        hashes = self.hasher.rehash(tokens, parent_hashes)
+        blocks = self.table.read_cells(rows, cols)
+        uids = self.pool.commit_blocks(blocks, hashes, parent_uids, parent_hashes, tokens)
+        if uids is None:
+            return False
+        refresh = self.refresh
+        for (_, state), block_hash, uid in zip(due, hashes, uids, strict=True):
+            state.hashes.append(block_hash)
+            state.last_uid = uid
+            state.num_committed += 1
+            refresh(state)
+        return True
 
     def _new_blocks(self, due: Sequence[tuple[CacheContext, RequestState]]) -> tuple[list[Run], npt.NDArray[np.int64]]:
         """Each due request's run of blocks to commit, and their tokens in one

@@ -19,6 +19,7 @@ same `BatchTables` object for the same arrays and shape, refilled.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,12 +68,14 @@ class BlockTable:
     Unused entries hold `null_page`, so a row can be read past its end. The
     table doubles its rows when every row is taken and its columns when a
     request outgrows them, so it stays as wide as the longest request so far.
+    A new request takes the lowest free row: requests claimed together get
+    consecutive rows, so their batch's lookup table is one slice copy.
     """
 
     def __init__(self, null_page: int, initial_rows: int, initial_cols: int = 64) -> None:
         self.null_page = null_page
         self._table = np.full((max(initial_rows, 1), initial_cols), null_page, dtype=np.uint32)
-        self._free_rows = list(range(len(self._table) - 1, -1, -1))
+        self._free_rows = list(range(len(self._table)))  # a min-heap
 
     def _resize(self, rows: int, cols: int) -> None:
         grown = np.full((rows, cols), self.null_page, dtype=np.uint32)
@@ -85,13 +88,13 @@ class BlockTable:
         if not self._free_rows:
             old_rows, cols = self._table.shape
             self._resize(2 * old_rows, cols)
-            self._free_rows = list(range(2 * old_rows - 1, old_rows - 1, -1))
-        return self._free_rows.pop()
+            self._free_rows = list(range(old_rows, 2 * old_rows))
+        return heapq.heappop(self._free_rows)
 
     def drop_row(self, row: int, length: int) -> None:
         """Nulls the first `length` entries of `row` and recycles it."""
         self._table[row, :length] = self.null_page
-        self._free_rows.append(row)
+        heapq.heappush(self._free_rows, row)
 
     def write(self, row: int, start: int, pages: list[int]) -> None:
         """Writes `pages` at `row[start:]`."""
@@ -111,12 +114,16 @@ class BlockTable:
         """`row[start:stop]` for each row of `rows` (with its start and stop),
         concatenated, as ints: one gather for a whole batch."""
         if sum(stops) - sum(starts) == len(rows):  # one block each (a decode step)
-            return self._table[rows, starts].tolist()
+            return self.read_cells(rows, starts)
         counts = np.subtract(stops, starts)
         ends = np.cumsum(counts)
         first_index = np.multiply(rows, self._table.shape[1]) + starts - (ends - counts)
         flat = np.repeat(first_index, counts) + np.arange(ends[-1] if len(ends) else 0)
         return self._table.ravel()[flat].tolist()
+
+    def read_cells(self, rows: list[int], cols: list[int]) -> list[int]:
+        """`row[col]` for each row of `rows` (with its col), as ints."""
+        return self._table[rows, cols].tolist()
 
     def read(self, row: int, start: int, stop: int) -> list[int]:
         """`row[start:stop]` as ints."""
