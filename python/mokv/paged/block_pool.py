@@ -106,9 +106,14 @@ class PageIndex:
         own_hash, by_hash = self.hash, self._by_hash
         if len(set(slots)) != len(slots) or [own_hash[slot] for slot in slots].count(None) != len(slots):
             raise ValueError(f"slots {slots} repeat or are already committed")
-        if len(set(hashes)) != len(hashes) or not by_hash.keys().isdisjoint(hashes):
+        if not by_hash.keys().isdisjoint(hashes):
             return False
+        size = len(by_hash)
         by_hash.update(zip(hashes, slots, strict=True))
+        if len(by_hash) != size + len(hashes):  # a hash repeats among `hashes`
+            for block_hash in hashes:
+                by_hash.pop(block_hash, None)
+            return False
         uid, parent_uid, parent_hash = self.uid, self.parent_uid, self.parent_hash
         uids = range(first_uid, first_uid + len(slots))
         for slot, block_hash, slot_uid, parent, parents_hash in zip(

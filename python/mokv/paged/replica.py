@@ -515,16 +515,11 @@ class Replica:
         `hashes` are the runs' blocks' hashes and `tokens` their rows, runs in
         order. Returns False, having changed nothing, when a hash repeats or
         is cached."""
-        states = [run[0] for run in runs]
-        rows = [state.row for state in states]
-        blocks = self.table.read_spans(rows, [run[1] for run in runs], [run[2] for run in runs])
+        read = self.table.read
         chains = []
-        start = 0
-        for (state, first, _, _), run_hashes in zip(runs, hashes, strict=True):
-            stop = start + len(run_hashes)
+        for (state, first, full, _), run_hashes in zip(runs, hashes, strict=True):
             parent_hash = state.hashes[first - 1] if first else state.root_hash
-            chains.append((blocks[start:stop], run_hashes, state.last_uid, parent_hash))
-            start = stop
+            chains.append((read(state.row, first, full), run_hashes, state.last_uid, parent_hash))
         last_uids = self.pool.commit_chains(chains, tokens)
         if last_uids is None:
             return False

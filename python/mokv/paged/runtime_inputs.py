@@ -110,17 +110,6 @@ class BlockTable:
             self._resize(self._table.shape[0], 2 * self._table.shape[1])
         self._table[row, col] = page
 
-    def read_spans(self, rows: list[int], starts: list[int], stops: list[int]) -> list[int]:
-        """`row[start:stop]` for each row of `rows` (with its start and stop),
-        concatenated, as ints: one gather for a whole batch."""
-        if sum(stops) - sum(starts) == len(rows):  # one block each (a decode step)
-            return self.read_cells(rows, starts)
-        counts = np.subtract(stops, starts)
-        ends = np.cumsum(counts)
-        first_index = np.multiply(rows, self._table.shape[1]) + starts - (ends - counts)
-        flat = np.repeat(first_index, counts) + np.arange(ends[-1] if len(ends) else 0)
-        return self._table.ravel()[flat].tolist()
-
     def read_cells(self, rows: list[int], cols: list[int]) -> list[int]:
         """`row[col]` for each row of `rows` (with its col), as ints."""
         return self._table[rows, cols].tolist()
