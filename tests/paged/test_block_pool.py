@@ -120,6 +120,22 @@ def test_double_commit_is_rejected() -> None:
         index.insert(0, 6, 2, NO_UID, None, np.array([1, 2]))
 
 
+def test_commit_blocks_refuses_repeated_or_cached_hashes_and_changes_nothing() -> None:
+    pool = BlockPool(6, PS)
+    pool.allocate(6)
+    rows = np.arange(12).reshape(6, PS)
+    assert pool.commit_blocks([0, 1], [10, 11], [NO_UID, NO_UID], [None, None], rows[:2]) == range(1, 3)
+    before = (dict(pool.index._by_hash), list(pool.index.hash), list(pool.index.uid), pool.index.tokens.copy())
+    # A hash repeated within the call, and one already cached: refused, nothing written.
+    assert pool.commit_blocks([2, 3], [12, 12], [NO_UID, NO_UID], [None, None], rows[2:4]) is None
+    assert pool.commit_blocks([2, 3], [13, 10], [NO_UID, NO_UID], [None, None], rows[2:4]) is None
+    after = (dict(pool.index._by_hash), list(pool.index.hash), list(pool.index.uid), pool.index.tokens)
+    assert before[:3] == after[:3] and np.array_equal(before[3], after[3])
+    # uids keep counting from the last successful commit.
+    assert pool.commit_blocks([2], [12], [1], [10], rows[2:3]) == range(3, 4)
+    assert pool.index.parent_uid[2] == 1 and pool.index.parent_hash[2] == 10
+
+
 def test_invariant_checks_catch_inconsistencies() -> None:
     pool = BlockPool(3, PS)
     pool.allocate(2)

@@ -174,6 +174,42 @@ def test_a_mixed_batch_commits_as_its_requests_one_at_a_time(make_manager: MakeM
     assert len(batched[2]) == 2 + 2 + 1 + 2  # a's blocks, c's, d's second, e's
 
 
+def test_decode_commits_match_stepping_each_request_alone(make_manager: MakeManager) -> None:
+    """Decode steps that fill one block per request (committed for the batch
+    at once) end where stepping each request alone ends: once with twins
+    among the new blocks (a and b generate the same tokens at first, so b's
+    block is swapped for a's), once without (they diverge)."""
+    prompts = {"a": range(6), "b": range(6), "c": range(20, 30), "d": range(40, 50)}
+
+    def run(batched: bool) -> tuple:
+        m = make_manager(total_num_pages=32)
+        contexts = [ctx(request_id, tokens) for request_id, tokens in prompts.items()]
+        for c in contexts:
+            m.claim(c.request_id)
+            m.alloc(c)
+        # Every request fills a block on updates 2 and 6 (a, b: blocks 1, 2; c, d: 2, 3).
+        for k in range(7):
+            for i, c in enumerate(contexts):
+                m.alloc(c)
+                c.update(100 * k + (0 if c.request_id in "ab" and k < 3 else i))
+            for batch in [contexts] if batched else [[c] for c in contexts]:
+                m.step([batch])
+        index = m._replicas[0].pool.index
+        slot_of_uid = {index.uid[slot]: slot for slot in index.committed_slots()}
+        committed = {
+            block_hash: (slot, slot_of_uid.get(index.parent_uid[slot]), index.tokens[slot].tolist())
+            for block_hash, slot in index._by_hash.items()
+        }
+        pages = {c.request_id: m.get_req_blocks(c.request_id) for c in contexts}
+        return pages, m._replicas[0].pool.free_order(), committed
+
+    batched = run(batched=True)
+    assert batched == run(batched=False)
+    pages, _, committed = batched
+    assert pages["b"][:2] == pages["a"][:2] and pages["b"][2] != pages["a"][2]
+    assert len(committed) == 3 + 1 + 4 + 4  # a's three blocks, b's third, c's, d's
+
+
 def test_hit_rate_on_repeated_prompts(make_manager: MakeManager) -> None:
     m = make_manager(page_size=4, total_num_pages=32)
     prompt = np.arange(21)

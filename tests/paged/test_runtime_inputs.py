@@ -34,3 +34,15 @@ def test_dropped_rows_come_back_null() -> None:
     table.drop_row(row, 2)
     again = table.add_row()
     assert again == row and table.read(again, 0, 4) == [NULL] * 4
+
+
+def test_a_new_request_takes_the_lowest_free_row() -> None:
+    table = BlockTable(NULL, initial_rows=4, initial_cols=2)
+    rows = [table.add_row() for _ in range(4)]
+    for row in rows:  # released in batch order, as a finished batch is
+        table.drop_row(row, 0)
+    again = [table.add_row() for _ in range(4)]
+    assert again == [0, 1, 2, 3]  # consecutive, so the next batch's gather is one slice
+    table.drop_row(2, 0)
+    table.drop_row(0, 0)
+    assert [table.add_row(), table.add_row(), table.add_row()] == [0, 2, 4]
