@@ -58,6 +58,10 @@ class PageIndex:
         """The slot committed under `block_hash`, if any."""
         return self._by_hash.get(block_hash)
 
+    def has_any(self, hashes: Iterable[int]) -> bool:
+        """Whether any of `hashes` is committed."""
+        return not self._by_hash.keys().isdisjoint(hashes)
+
     def is_committed(self, slot: int) -> bool:
         """Whether `slot` holds a committed page."""
         return self.hash[slot] is not None

@@ -399,8 +399,10 @@ class Replica:
         `_due_entries`: no dummies, no broken chains). When none of their new
         blocks has a twin cached or elsewhere in the batch, they are committed
         in one pool call; otherwise as committing request by request in batch
-        order would (`_commit_in_order`). Newly cached blocks go to the
-        write-through tiers.
+        order would (`_commit_in_order`), which is where a batch goes at once
+        when two runs start alike or one starts with a cached block (requests
+        sharing a prefix none of them found cached). Newly cached blocks go to
+        the write-through tiers.
         """
         if not self.prefix_caching or not due:
             return
@@ -408,7 +410,12 @@ class Replica:
             return
         runs, tokens = self._new_blocks(due)
         hashes = [state.hashes[first:full] for state, first, full, _ in runs]
-        if not self._commit_runs(runs, hashes, tokens):
+        firsts = [run_hashes[0] for run_hashes in hashes if run_hashes]
+        if (
+            len(set(firsts)) < len(firsts)
+            or self.pool.index.has_any(firsts)
+            or not self._commit_runs(runs, hashes, tokens)
+        ):
             self._commit_in_order(due, runs, hashes, tokens)
         for _, state in due:
             self.refresh(state)
@@ -490,25 +497,51 @@ class Replica:
         tokens: npt.NDArray[np.int64],
     ) -> None:
         """`commit` for a batch where some new block repeats or is cached:
-        the state committing request by request in batch order ends in.
+        the state committing request by request in batch order ends in
+        (uids aside: they are assigned in another order).
 
         Leaders (runs none of whose blocks is cached or in an earlier run of
         the batch) go first, in one call: that changes nothing for the others,
         which look the leaders' hashes up only after the leaders would have
-        committed them. Then each other request in turn (`_commit_one`)."""
+        committed them. Then each other request in turn swaps its leading
+        blocks for their verified twins (`_swap_twins`). What is left of its
+        run, when none of it is cached or in another run, nobody else in the
+        batch can match: such rests are committed together at the end; any
+        other rest at its turn (`_commit_rest`)."""
+        index = self.pool.index
         seen: set[int] = set()
-        cached = self.pool.index.get
+        repeated: set[int] = set()
         leaders = []
         for k, run_hashes in enumerate(hashes):
-            if seen.isdisjoint(run_hashes) and all(cached(h) is None for h in run_hashes):
-                leaders.append(k)
+            if seen.isdisjoint(run_hashes):
+                if not index.has_any(run_hashes):
+                    leaders.append(k)
+            else:
+                repeated.update(seen.intersection(run_hashes))
             seen.update(run_hashes)
         if leaders:
             picked = np.concatenate([np.arange(runs[k][3], runs[k][3] + len(hashes[k])) for k in leaders])
             self._commit_runs([runs[k] for k in leaders], [hashes[k] for k in leaders], tokens[picked])
-        for (ctx, state), (_, _, full, _) in zip(due, runs, strict=True):
-            if state.num_committed < full:  # not a leader
-                self._commit_one(ctx, state)
+        rests: list[Run] = []
+        rest_rows = []
+        for (ctx, state), (_, start, full, row) in zip(due, runs, strict=True):
+            if state.num_committed == full:  # a leader
+                continue
+            self._swap_twins(ctx, state, full)
+            first = state.num_committed
+            if first == full:
+                continue
+            rest = state.hashes[first:full]
+            if repeated.isdisjoint(rest) and not index.has_any(rest):
+                rests.append((state, first, full, 0))
+                rest_rows.append(tokens[row + first - start : row + full - start])
+            else:
+                self._commit_rest(state, full, tokens[row + first - start : row + full - start])
+        if rests and not self._commit_runs(
+            rests, [state.hashes[first:full] for state, first, full, _ in rests], np.concatenate(rest_rows)
+        ):
+            for (state, _, full, _), rest_tokens in zip(rests, rest_rows, strict=True):
+                self._commit_rest(state, full, rest_tokens)
 
     def _commit_runs(self, runs: list[Run], hashes: list[list[int]], tokens: npt.NDArray[np.int64]) -> bool:
         """Commits every run's blocks (freshly computed) in one pool call;
@@ -534,33 +567,33 @@ class Replica:
             self._save_through(saves)
         return True
 
-    def _commit_one(self, ctx: CacheContext, state: RequestState) -> None:
-        """Commits a request's newly full blocks (hashed by `commit`).
-
-        Leading blocks whose verified twins are cached (requests sharing a
-        prefix, admitted before either committed it) are swapped for them at
-        once, and freed; the rest are committed in one call when none has a
-        cached twin, else one by one: each block with a verified twin is
-        swapped for it, an unverifiable entry nobody holds is replaced."""
+    def _swap_twins(self, ctx: CacheContext, state: RequestState, full: int) -> None:
+        """Swaps the request's leading uncommitted blocks (up to block `full`)
+        whose verified twins are cached (requests sharing a prefix, admitted
+        before either committed it) for those twins, and frees its own."""
         ps = self.page_size
         first = state.num_committed
-        full = min(ctx.processed_length // ps, state.num_blocks)
         pool = self.pool
-        index = pool.index
         tokens = ctx.tokens[first * ps : full * ps].reshape(full - first, ps)
-        blocks = self.table.read(state.row, first, full)
-        twins = index.match(state.hashes[first:full], state.last_uid, tokens)
+        twins = pool.index.match(state.hashes[first:full], state.last_uid, tokens)
         if twins:
             pool.touch(twins)
-            pool.free(blocks[: len(twins)])
+            pool.free(self.table.read(state.row, first, first + len(twins)))
             self.table.write(state.row, first, twins)
-            state.last_uid = index.uid[twins[-1]]
-            state.num_committed = first = first + len(twins)
-            if first == full:
-                return
-            tokens, blocks = tokens[len(twins) :], blocks[len(twins) :]
+            state.last_uid = pool.index.uid[twins[-1]]
+            state.num_committed = first + len(twins)
+
+    def _commit_rest(self, state: RequestState, full: int, tokens: npt.NDArray[np.int64]) -> None:
+        """Commits the request's blocks from `num_committed` up to `full`
+        (`tokens`: their rows) after `_swap_twins`: in one call when none has
+        a cached twin, else one by one: each block with a verified twin is
+        swapped for it, an unverifiable entry nobody holds is replaced."""
+        first = state.num_committed
         if self._commit_runs([(state, first, full, 0)], [state.hashes[first:full]], tokens):
             return  # nothing to deduplicate: the whole run at once
+        pool = self.pool
+        index = pool.index
+        blocks = self.table.read(state.row, first, full)
         saves: list[BlockToSave] = []
         # Token rows of newly committed blocks are stored in one numpy call at
         # the end (`stored`), unless a lookup needs one of them sooner.
