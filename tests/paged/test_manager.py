@@ -147,6 +147,8 @@ def test_a_mixed_batch_commits_as_its_requests_one_at_a_time(make_manager: MakeM
         "d": [*range(4), *range(50, 56)],  # a's first block, then its own
         "e": range(200, 209),  # unique
         "f": [*range(4), *range(50, 54), 60, 61],  # d's two blocks: d, before it, keeps its own
+        "g": [*range(4), *range(70, 76)],  # a's first block, then its own (committed with h's)
+        "h": [*range(4), *range(80, 86)],
     }
 
     def run(batched: bool) -> tuple:
@@ -171,7 +173,8 @@ def test_a_mixed_batch_commits_as_its_requests_one_at_a_time(make_manager: MakeM
     assert batched == run(batched=False)
     pages = batched[0]
     assert pages["b"][:2] == pages["a"][:2] and pages["d"][0] == pages["a"][0] and pages["f"][:2] == pages["d"][:2]
-    assert len(batched[2]) == 2 + 2 + 1 + 2  # a's blocks, c's, d's second, e's
+    assert pages["g"][0] == pages["h"][0] == pages["a"][0]
+    assert len(batched[2]) == 2 + 2 + 1 + 2 + 1 + 1  # a's blocks, c's, d's second, e's, g's second, h's
 
 
 def test_decode_commits_match_stepping_each_request_alone(make_manager: MakeManager) -> None:
