@@ -135,6 +135,35 @@ def test_step_dedups_identical_blocks(make_manager: MakeManager) -> None:
     assert m.num_free_blocks() == 16
 
 
+def admitted(make_manager: MakeManager, prompts: dict) -> tuple[PagedKVCacheManager, list[TextContext]]:
+    """A manager with a request per prompt, claimed and allocated in order."""
+    m = make_manager(total_num_pages=32)
+    contexts = [ctx(request_id, tokens) for request_id, tokens in prompts.items()]
+    for c in contexts:
+        m.claim(c.request_id)
+        m.alloc(c)
+    return m, contexts
+
+
+def step_all(m: PagedKVCacheManager, contexts: list[TextContext], batched: bool) -> None:
+    """Steps the requests as one batch, or each alone in order."""
+    for batch in [contexts] if batched else [[c] for c in contexts]:
+        m.step([batch])
+
+
+def committed_state(m: PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
+    """Each request's pages, the free queue and the prefix index (each slot's
+    tokens and parent slot: uids depend on the order blocks were committed in)."""
+    index = m._replicas[0].pool.index
+    slot_of_uid = {index.uid[slot]: slot for slot in index.committed_slots()}
+    committed = {
+        block_hash: (slot, slot_of_uid.get(index.parent_uid[slot]), index.tokens[slot].tolist())
+        for block_hash, slot in index._by_hash.items()
+    }
+    pages = {c.request_id: m.get_req_blocks(c.request_id) for c in contexts}
+    return pages, m._replicas[0].pool.free_order(), committed
+
+
 def test_a_mixed_batch_commits_as_its_requests_one_at_a_time(make_manager: MakeManager) -> None:
     """One step over a batch where some requests share blocks (deduplicated in
     batch order) and others are unique (committed together) ends where
@@ -152,22 +181,11 @@ def test_a_mixed_batch_commits_as_its_requests_one_at_a_time(make_manager: MakeM
     }
 
     def run(batched: bool) -> tuple:
-        m = make_manager(total_num_pages=32)
-        contexts = [ctx(request_id, tokens) for request_id, tokens in prompts.items()]
+        m, contexts = admitted(make_manager, prompts)
         for c in contexts:
-            m.claim(c.request_id)
-            m.alloc(c)
             c.update(7)
-        for batch in [contexts] if batched else [[c] for c in contexts]:
-            m.step([batch])
-        index = m._replicas[0].pool.index
-        slot_of_uid = {index.uid[slot]: slot for slot in index.committed_slots()}
-        committed = {
-            block_hash: (slot, slot_of_uid.get(index.parent_uid[slot]), index.tokens[slot].tolist())
-            for block_hash, slot in index._by_hash.items()
-        }
-        pages = {c.request_id: m.get_req_blocks(c.request_id) for c in contexts}
-        return pages, m._replicas[0].pool.free_order(), committed
+        step_all(m, contexts, batched)
+        return committed_state(m, contexts)
 
     batched = run(batched=True)
     assert batched == run(batched=False)
@@ -185,26 +203,14 @@ def test_decode_commits_match_stepping_each_request_alone(make_manager: MakeMana
     prompts = {"a": range(6), "b": range(6), "c": range(20, 30), "d": range(40, 50)}
 
     def run(batched: bool) -> tuple:
-        m = make_manager(total_num_pages=32)
-        contexts = [ctx(request_id, tokens) for request_id, tokens in prompts.items()]
-        for c in contexts:
-            m.claim(c.request_id)
-            m.alloc(c)
+        m, contexts = admitted(make_manager, prompts)
         # Every request fills a block on updates 2 and 6 (a, b: blocks 1, 2; c, d: 2, 3).
         for k in range(7):
             for i, c in enumerate(contexts):
                 m.alloc(c)
                 c.update(100 * k + (0 if c.request_id in "ab" and k < 3 else i))
-            for batch in [contexts] if batched else [[c] for c in contexts]:
-                m.step([batch])
-        index = m._replicas[0].pool.index
-        slot_of_uid = {index.uid[slot]: slot for slot in index.committed_slots()}
-        committed = {
-            block_hash: (slot, slot_of_uid.get(index.parent_uid[slot]), index.tokens[slot].tolist())
-            for block_hash, slot in index._by_hash.items()
-        }
-        pages = {c.request_id: m.get_req_blocks(c.request_id) for c in contexts}
-        return pages, m._replicas[0].pool.free_order(), committed
+            step_all(m, contexts, batched)
+        return committed_state(m, contexts)
 
     batched = run(batched=True)
     assert batched == run(batched=False)
