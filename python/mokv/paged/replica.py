@@ -416,7 +416,7 @@ class Replica:
             or self.pool.index.has_any(firsts)
             or not self._commit_runs(runs, hashes, tokens)
         ):
-            self._commit_in_order(due, runs, hashes, tokens)
+            self._commit_in_order(runs, hashes, tokens)
         for _, state in due:
             self.refresh(state)
 
@@ -489,13 +489,7 @@ class Replica:
                 state.hashes.append(block_hash)
         return runs, tokens
 
-    def _commit_in_order(
-        self,
-        due: Sequence[tuple[CacheContext, RequestState]],
-        runs: list[Run],
-        hashes: list[list[int]],
-        tokens: npt.NDArray[np.int64],
-    ) -> None:
+    def _commit_in_order(self, runs: list[Run], hashes: list[list[int]], tokens: npt.NDArray[np.int64]) -> None:
         """`commit` for a batch where some new block repeats or is cached:
         the state committing request by request in batch order ends in
         (uids aside: they are assigned in another order).
@@ -524,10 +518,10 @@ class Replica:
             self._commit_runs([runs[k] for k in leaders], [hashes[k] for k in leaders], tokens[picked])
         rests: list[Run] = []
         rest_rows = []
-        for (ctx, state), (_, start, full, row) in zip(due, runs, strict=True):
+        for state, start, full, row in runs:
             if state.num_committed == full:  # a leader
                 continue
-            self._swap_twins(ctx, state, full)
+            self._swap_twins(state, full, tokens[row : row + full - start])
             first = state.num_committed
             if first == full:
                 continue
@@ -567,14 +561,13 @@ class Replica:
             self._save_through(saves)
         return True
 
-    def _swap_twins(self, ctx: CacheContext, state: RequestState, full: int) -> None:
-        """Swaps the request's leading uncommitted blocks (up to block `full`)
-        whose verified twins are cached (requests sharing a prefix, admitted
-        before either committed it) for those twins, and frees its own."""
-        ps = self.page_size
+    def _swap_twins(self, state: RequestState, full: int, tokens: npt.NDArray[np.int64]) -> None:
+        """Swaps the request's leading uncommitted blocks (up to block `full`,
+        `tokens` their rows) whose verified twins are cached (requests sharing
+        a prefix, admitted before either committed it) for those twins, and
+        frees its own."""
         first = state.num_committed
         pool = self.pool
-        tokens = ctx.tokens[first * ps : full * ps].reshape(full - first, ps)
         twins = pool.index.match(state.hashes[first:full], state.last_uid, tokens)
         if twins:
             pool.touch(twins)
