@@ -532,6 +532,55 @@ def test_a_hash_collision_never_shares_kv(make_manager: MakeManager) -> None:
     assert c.processed_length == 0 and 3 not in m.get_req_blocks("c")
 
 
+def test_a_collision_with_a_held_block_ends_the_chain(make_manager: MakeManager) -> None:
+    """A new block whose hash names another request's held block with other
+    tokens can neither share nor replace it: the request's chain stops there,
+    and none of its later blocks is offered to the prefix cache."""
+    m = make_manager(checks=False)
+    m._hasher.hash_blocks = lambda tokens, parent=None: list(range(len(tokens) // 4))  # type: ignore[method-assign]
+    a, b = ctx("a", range(9)), ctx("b", range(100, 109))
+    for c in (a, b):
+        m.claim(c.request_id)
+        m.alloc(c)
+    a.update(1)
+    m.step([[a]])  # a commits fake hashes 0 and 1 and keeps its blocks
+    b.update(1)
+    m.step([[b]])  # b's hash 0 names a's held block 0, whose tokens differ
+    index = m._replicas[0].pool.index
+    assert sorted(index._by_hash.values()) == m.get_req_blocks("a")[:2]
+    for token in range(2, 6):  # b fills a third block: nothing more is committed for it
+        m.alloc(b)
+        b.update(token)
+        m.step([[b]])
+    assert len(index) == 2
+    assert m.num_free_blocks() == 16 - 3 - 4  # a holds 3 blocks, b 4: none was swapped or lost
+    m.release("b")
+    c = ctx("c", range(100, 109))  # b's prompt again: no hit
+    m.claim("c")
+    m.alloc(c)
+    assert c.processed_length == 0
+
+
+def test_a_collision_within_one_request_ends_its_chain(make_manager: MakeManager) -> None:
+    """Two blocks of one request under one hash: the first is committed, the
+    second (its tokens differ) cannot share or replace it, so the chain stops."""
+    m = make_manager(checks=False)
+    m._hasher.hash_blocks = lambda tokens, parent=None: [7] * (len(tokens) // 4)  # type: ignore[method-assign]
+    a = ctx("a", range(13))
+    m.claim("a")
+    m.alloc(a)
+    a.update(1)
+    m.step([[a]])
+    index = m._replicas[0].pool.index
+    assert index._by_hash == {7: m.get_req_blocks("a")[0]}
+    assert index.tokens[m.get_req_blocks("a")[0]].tolist() == [0, 1, 2, 3]
+    for token in range(2, 6):  # a fourth block fills: the broken chain commits nothing more
+        m.alloc(a)
+        a.update(token)
+        m.step([[a]])
+    assert len(index) == 1 and m.num_free_blocks() == 16 - 5
+
+
 def test_pct_used_blocks_after_allocation(make_manager: MakeManager) -> None:
     m = make_manager()
     a = ctx("a", range(9))
