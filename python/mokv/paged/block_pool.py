@@ -155,12 +155,6 @@ class PageIndex:
             own_hash[slot] = None
             uid[slot] = NO_UID
 
-    def holds(self, slot: int, parent_uid: int, tokens: npt.NDArray[np.integer]) -> bool:
-        """Whether `slot` continues the chain ending in `parent_uid` with `tokens`."""
-        if self.parent_uid[slot] != parent_uid:
-            return False
-        return self.tokens[slot].tobytes() == np.asarray(tokens, np.int64).tobytes()
-
     def match(self, hashes: Sequence[int], parent_uid: int, tokens: npt.NDArray[np.integer]) -> list[int]:
         """The longest run of slots continuing a chain, verified.
 

@@ -578,54 +578,36 @@ class Replica:
 
     def _commit_rest(self, state: RequestState, full: int, tokens: npt.NDArray[np.int64]) -> None:
         """Commits the request's blocks from `num_committed` up to `full`
-        (`tokens`: their rows) after `_swap_twins`: in one call when none has
-        a cached twin, else one by one: each block with a verified twin is
-        swapped for it, an unverifiable entry nobody holds is replaced."""
+        (`tokens`: their rows) after `_swap_twins`: in one call when none of
+        their hashes is taken, else one by one up to a hash taken by a block
+        someone holds, where the request's chain stops (`chain_broken`).
+
+        A taken hash here is never a verified twin: `_swap_twins` took every
+        one continuing the chain, and each later block's parent is a block
+        committed just now, which no cached entry can name. It is a collision
+        (or an orphan): an entry nobody holds is replaced."""
         first = state.num_committed
         if self._commit_runs([(state, first, full, 0)], [state.hashes[first:full]], tokens):
-            return  # nothing to deduplicate: the whole run at once
+            return
         pool = self.pool
-        index = pool.index
-        blocks = self.table.read(state.row, first, full)
         saves: list[BlockToSave] = []
-        # Token rows of newly committed blocks are stored in one numpy call at
-        # the end (`stored`), unless a lookup needs one of them sooner.
         committed: list[int] = []
-        rows: list[int] = []
-
-        def stored() -> None:
-            if committed:
-                index.tokens[committed] = tokens[rows]
-                committed.clear()
-                rows.clear()
-
-        for j, block in enumerate(blocks):
+        for j, block in enumerate(self.table.read(state.row, first, full)):
             i = first + j
             block_hash = state.hashes[i]
-            cached = index.get(block_hash)
-            if cached is not None and cached in committed:
-                stored()  # a hash collision within the request: compare real tokens
-            if cached is not None and index.holds(cached, state.last_uid, tokens[j]):
-                pool.touch([cached])
-                pool.free([block])
-                self.table.set(state.row, i, cached)
-                uid = index.uid[cached]
-            else:
-                if cached is not None:
-                    if pool.ref_count[cached]:
-                        state.chain_broken = True
-                        break
-                    # An unverifiable (orphaned or colliding) entry nobody holds.
-                    pool.uncommit(cached)
-                parent_hash = state.hashes[i - 1] if i else state.root_hash
-                uid = pool.commit(block, block_hash, state.last_uid, parent_hash, None)
-                committed.append(block)
-                rows.append(j)
-                if self._commit_tiers:
-                    saves.append(self._save_item(state, i, block, tokens[j]))
-            state.last_uid = uid
+            cached = pool.index.get(block_hash)
+            if cached is not None:
+                if pool.ref_count[cached]:
+                    state.chain_broken = True
+                    break
+                pool.uncommit(cached)
+            parent_hash = state.hashes[i - 1] if i else state.root_hash
+            state.last_uid = pool.commit(block, block_hash, state.last_uid, parent_hash, None)
             state.num_committed = i + 1
-        stored()
+            committed.append(block)
+            if self._commit_tiers:
+                saves.append(self._save_item(state, i, block, tokens[j]))
+        pool.index.tokens[committed] = tokens[: len(committed)]  # one store for the rows committed
         if saves:
             self._save_through(saves)
 
