@@ -135,20 +135,29 @@ def test_step_dedups_identical_blocks(make_manager: MakeManager) -> None:
     assert m.num_free_blocks() == 16
 
 
-def admitted(make_manager: MakeManager, prompts: dict) -> tuple[PagedKVCacheManager, list[TextContext]]:
-    """A manager with a request per prompt, claimed and allocated in order."""
-    m = make_manager(total_num_pages=32)
+def admitted(m: PagedKVCacheManager, prompts: dict) -> list[TextContext]:
+    """A request per prompt on `m`, claimed and allocated in order."""
     contexts = [ctx(request_id, tokens) for request_id, tokens in prompts.items()]
     for c in contexts:
         m.claim(c.request_id)
         m.alloc(c)
-    return m, contexts
+    return contexts
 
 
 def step_all(m: PagedKVCacheManager, contexts: list[TextContext], batched: bool) -> None:
     """Steps the requests as one batch, or each alone in order."""
     for batch in [contexts] if batched else [[c] for c in contexts]:
         m.step([batch])
+
+
+def prefilled(m: PagedKVCacheManager, prompts: dict, batched: bool) -> tuple:
+    """`committed_state` after admitting `prompts`, running them once and
+    stepping them as one batch or each alone."""
+    contexts = admitted(m, prompts)
+    for c in contexts:
+        c.update(7)
+    step_all(m, contexts, batched)
+    return committed_state(m, contexts)
 
 
 def committed_state(m: PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
@@ -180,19 +189,37 @@ def test_a_mixed_batch_commits_as_its_requests_one_at_a_time(make_manager: MakeM
         "h": [*range(4), *range(80, 86)],
     }
 
-    def run(batched: bool) -> tuple:
-        m, contexts = admitted(make_manager, prompts)
-        for c in contexts:
-            c.update(7)
-        step_all(m, contexts, batched)
-        return committed_state(m, contexts)
-
-    batched = run(batched=True)
-    assert batched == run(batched=False)
+    batched = prefilled(make_manager(total_num_pages=32), prompts, batched=True)
+    assert batched == prefilled(make_manager(total_num_pages=32), prompts, batched=False)
     pages = batched[0]
     assert pages["b"][:2] == pages["a"][:2] and pages["d"][0] == pages["a"][0] and pages["f"][:2] == pages["d"][:2]
     assert pages["g"][0] == pages["h"][0] == pages["a"][0]
     assert len(batched[2]) == 2 + 2 + 1 + 2 + 1 + 1  # a's blocks, c's, d's second, e's, g's second, h's
+
+
+def test_a_leader_whose_own_blocks_collide_commits_at_its_turn(make_manager: MakeManager) -> None:
+    """A batch whose first run repeats a hash within itself (a collision: the
+    fake hash is the block's token sum) cannot commit its leaders in one call;
+    every request still ends where stepping each alone ends."""
+    prompts = {
+        "j": [1, 2, 3, 4, 4, 3, 2, 1, 9, 9],  # two blocks, both "hash" 10
+        "u": [50, 0, 0, 0, 0, 0, 0, 60, 8, 8],  # a leader of its own
+        "k": [50, 0, 0, 0, 0, 0, 0, 60, 5, 5],  # u's twin blocks
+        "v": [70, 0, 0, 0, 80, 0, 0, 0, 6, 6],  # a rest nobody shares
+    }
+
+    def manager() -> PagedKVCacheManager:
+        m = make_manager(checks=False)
+        m._hasher.hash_blocks = lambda tokens, parent=None: [  # type: ignore[method-assign]
+            int(block.sum()) for block in np.asarray(tokens).reshape(-1, 4)
+        ]
+        return m
+
+    batched = prefilled(manager(), prompts, batched=True)
+    assert batched == prefilled(manager(), prompts, batched=False)
+    pages, _, committed = batched
+    assert pages["k"][:2] == pages["u"][:2]
+    assert len(committed) == 1 + 2 + 2  # j's first block (its second collides with it), u's, v's
 
 
 def test_decode_commits_match_stepping_each_request_alone(make_manager: MakeManager) -> None:
@@ -203,7 +230,8 @@ def test_decode_commits_match_stepping_each_request_alone(make_manager: MakeMana
     prompts = {"a": range(6), "b": range(6), "c": range(20, 30), "d": range(40, 50)}
 
     def run(batched: bool) -> tuple:
-        m, contexts = admitted(make_manager, prompts)
+        m = make_manager(total_num_pages=32)
+        contexts = admitted(m, prompts)
         # Every request fills a block on updates 2 and 6 (a, b: blocks 1, 2; c, d: 2, 3).
         for k in range(7):
             for i, c in enumerate(contexts):

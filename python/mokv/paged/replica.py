@@ -501,7 +501,8 @@ class Replica:
         blocks for their verified twins (`_swap_twins`). What is left of its
         run, when none of it is cached or in another run, nobody else in the
         batch can match: such rests are committed together at the end; any
-        other rest at its turn (`_commit_rest`)."""
+        other rest at its turn (`_commit_rest`), as is a leader whose own
+        blocks repeat a hash (so that the leaders' call fails)."""
         index = self.pool.index
         seen: set[int] = set()
         repeated: set[int] = set()
@@ -526,16 +527,15 @@ class Replica:
             if first == full:
                 continue
             rest = state.hashes[first:full]
-            if repeated.isdisjoint(rest) and not index.has_any(rest):
+            if repeated.isdisjoint(rest) and not index.has_any(rest) and len(set(rest)) == len(rest):
                 rests.append((state, first, full, 0))
                 rest_rows.append(tokens[row + first - start : row + full - start])
-            else:
+            else:  # also a leader whose own hashes repeat (its commit above failed)
                 self._commit_rest(state, full, tokens[row + first - start : row + full - start])
         if rests and not self._commit_runs(
             rests, [state.hashes[first:full] for state, first, full, _ in rests], np.concatenate(rest_rows)
         ):
-            for (state, _, full, _), rest_tokens in zip(rests, rest_rows, strict=True):
-                self._commit_rest(state, full, rest_tokens)
+            raise AssertionError("rests with hashes of their own only could not be committed")
 
     def _commit_runs(self, runs: list[Run], hashes: list[list[int]], tokens: npt.NDArray[np.int64]) -> bool:
         """Commits every run's blocks (freshly computed) in one pool call;
