@@ -216,3 +216,22 @@ def test_several_caches_behind_one_page_table_restore_together(tmp_path: Path) -
             pages = buffer.values[0].to_numpy()
             for i, block in enumerate(m.get_req_blocks("b")[:2]):
                 assert (pages[block] == 100 * offset + i).all()
+
+
+def test_a_block_replacing_a_colliding_entry_is_saved_through(tmp_path: Path) -> None:
+    """A new block whose device hash collides with an unheld cached entry (a
+    fake hash here: the block's index) replaces that entry on the device, and
+    is saved to the disk tier under its own chained key like any other."""
+    a_prompt, b_prompt = np.arange(2 * PAGE_SIZE + 1), np.arange(500, 500 + 2 * PAGE_SIZE + 1)
+    with make_manager(disk_offload_dir=tmp_path) as m:
+        m.enable_runtime_checks = False  # the audit rehashes with the real hash
+        m._hasher.hash_blocks = lambda tokens, parent=None: list(range(len(tokens) // PAGE_SIZE))  # type: ignore[method-assign]
+        run_prompt(m, "a", a_prompt)
+        run_prompt(m, "b", b_prompt)  # "hashes" 0 and 1 again: a's unheld entries are replaced
+        m.flush()
+        assert m.get_tier_metrics()["disk"].saved_blocks == 2 + 2
+    assert {p.stem for p in page_files(tmp_path)} == {*block_keys(m, a_prompt, 2), *block_keys(m, b_prompt, 2)}
+    with make_manager(disk_offload_dir=tmp_path) as second:  # b's pages come back from the disk
+        c = admit(second, "c", b_prompt)
+        assert c.processed_length == 2 * PAGE_SIZE
+        check_cached_pages(second, "c", c)
