@@ -527,11 +527,12 @@ class Replica:
             if first == full:
                 continue
             rest = state.hashes[first:full]
+            rest_tokens = tokens[row + first - start : row + full - start]
             if repeated.isdisjoint(rest) and not index.has_any(rest) and len(set(rest)) == len(rest):
                 rests.append((state, first, full, 0))
-                rest_rows.append(tokens[row + first - start : row + full - start])
+                rest_rows.append(rest_tokens)
             else:  # also a leader whose own hashes repeat (its commit above failed)
-                self._commit_rest(state, full, tokens[row + first - start : row + full - start])
+                self._commit_rest(state, full, rest_tokens)
         if rests and not self._commit_runs(
             rests, [state.hashes[first:full] for state, first, full, _ in rests], np.concatenate(rest_rows)
         ):
