@@ -2,10 +2,10 @@
 
 Two weight formats (``mokv_graphs.weight_formats``): ``f32`` dequantizes every tensor to
 float32; ``gguf`` keeps each tensor's own GGUF blocks (SmolLM2: Q4_1 layers, a Q8_0 embedding,
-F32 norms) as ``uint8`` rows ``[out_features, blocks * block_bytes]``. Reading SmolLM2's GGUF
+F32 norms) as ``uint8`` rows ``[out_features, blocks * block_bytes]``, each row planar. Reading SmolLM2's GGUF
 costs ~5 s (the ``gguf`` reader parses 49k vocabulary strings one by one) and dequantizing
 another ~2.5 s, so the first load of a format writes every tensor to
-``<cache>/models/<gguf stem>.<bytes>.<format>-v1/`` as one ``.npy`` each, plus ``config.json``.
+``<cache>/models/<gguf stem>.<bytes>.<format>-v2/`` as one ``.npy`` each, plus ``config.json``.
 Later loads memory-map those files read-only (milliseconds; pages come in as the graph or the
 numpy reference touches them, and are shared between processes).
 
@@ -38,7 +38,7 @@ from mokv_graphs.model_files import derived_cache_path, smollm2_gguf_path
 from mokv_graphs.weight_formats import BLOCK_ENCODINGS, WEIGHT_FORMATS
 
 # Bumped when the cached file layout or the transformation of the weights changes.
-_CACHE_VERSION = "v1"
+_CACHE_VERSION = "v2"
 _CONFIG_FILE = "config.json"
 
 
@@ -156,7 +156,8 @@ def dequantize_gguf(reader: gguf.GGUFReader, config: LlamaConfig) -> LlamaCheckp
 
 def gguf_blocks(reader: gguf.GGUFReader, config: LlamaConfig) -> LlamaCheckpoint:
     """Every tensor as the GGUF stores it: float32 tensors as float32, block encodings as
-    ``uint8`` rows of blocks; Q/K rows reordered for half-split RoPE."""
+    ``uint8`` rows of blocks, each row planar (``BlockEncoding.planar``); Q/K rows reordered
+    for half-split RoPE."""
     weights: dict[str, np.ndarray] = {}
     encodings: dict[str, str] = {}
     for tensor in reader.tensors:
@@ -164,7 +165,10 @@ def gguf_blocks(reader: gguf.GGUFReader, config: LlamaConfig) -> LlamaCheckpoint
         if encoding not in BLOCK_ENCODINGS and encoding != "f32":
             known = ", ".join(["F32", *(e.upper() for e in BLOCK_ENCODINGS)])
             raise ValueError(f"tensor {tensor.name} is {tensor.tensor_type.name}; mokv reads {known}")
-        weights[tensor.name] = np.ascontiguousarray(_half_split_rows(tensor.name, np.asarray(tensor.data), config))
+        rows = _half_split_rows(tensor.name, np.asarray(tensor.data), config)
+        if encoding in BLOCK_ENCODINGS:
+            rows = BLOCK_ENCODINGS[encoding].planar(rows)
+        weights[tensor.name] = np.ascontiguousarray(rows)
         encodings[tensor.name] = encoding
     return LlamaCheckpoint(config, weights, encodings, "gguf")
 

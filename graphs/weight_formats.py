@@ -3,13 +3,14 @@
 A *weight format* decides what every matrix of a checkpoint looks like inside the graph:
 
 ``gguf`` (the default)
-    the GGUF's own blocks, bit for bit: SmolLM2's layer matrices are Q4_1 (32 values in 20
+    the GGUF's own blocks, byte for byte: SmolLM2's layer matrices are Q4_1 (32 values in 20
     bytes: a float16 scale ``d`` and minimum ``m``, 16 bytes of 4-bit ``q``, value ``d*q + m``)
     and its embedding, which is also the LM head, is Q8_0 (32 values in 34 bytes: a float16
-    scale ``d`` and 32 int8 ``q``, value ``d*q``). mokv's own kernels (``mojo/mokv_quant``) read
-    the blocks as stored and dequantize them in registers, so a step reads ~96 MB of weights
-    instead of 540 MB. The arithmetic is float32 throughout, on exactly the values the ``f32``
-    format holds, so the two formats differ only in summation order.
+    scale ``d`` and 32 int8 ``q``, value ``d*q``). Each row's bytes are laid out planar
+    (:meth:`BlockEncoding.planar`). mokv's own kernels (``mojo/mokv_quant``) dequantize the
+    blocks in registers, so a step reads ~96 MB of weights instead of 540 MB. The arithmetic
+    is float32 throughout, on exactly the values the ``f32`` format holds, so the two formats
+    differ only in the order and grouping of the sums.
 ``f32``
     every matrix dequantized to float32 once, multiplied by MAX's own matmul: the reference.
 
@@ -20,8 +21,8 @@ slower than mokv's kernel; MAX's bfloat16 matmul on this AVX2 CPU was slower tha
 
 Each matrix is a graph :class:`~max.graph.Weight` named as in the GGUF; an ``encoding``
 (``"f32"``, ``"q4_1"``, ``"q8_0"``) tells :func:`linear` and :func:`embedding` which kernel
-reads it. Block matrices are ``uint8`` arrays ``[rows, blocks_per_row * block_bytes]``, the
-GGUF's own layout.
+reads it. Block matrices are ``uint8`` arrays ``[rows, blocks_per_row * block_bytes]``: the
+GGUF's own bytes, each row planar.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from max.dtype import DType
 from max.graph import DeviceRef, TensorType, TensorValue, Weight, ops
 
@@ -43,11 +45,26 @@ ROW_MULTIPLE = 4
 
 @dataclass(frozen=True)
 class BlockEncoding:
-    """A GGUF block encoding: ``values`` weights stored in ``nbytes`` bytes."""
+    """A GGUF block encoding: ``values`` weights stored in ``nbytes`` bytes, the first
+    ``2 * scales`` of them float16 fields (``d``, and ``m`` for Q4_1), then the codes."""
 
     name: str
     values: int
     nbytes: int
+    scales: int
+
+    def planar(self, blocks: np.ndarray) -> np.ndarray:
+        """GGUF rows of blocks ``[rows, blocks_per_row * nbytes]`` with each row's bytes
+        regrouped: every block's codes, then every ``d``, then (Q4_1) every ``m``.
+
+        The same bytes and row size; the kernels convert sixteen scales of a row with one
+        instruction where interleaved blocks cost a conversion and shuffles per block
+        (``mojo/mokv_quant/blocks.mojo``)."""
+        rows = blocks.shape[0]
+        per_block = np.asarray(blocks, np.uint8).reshape(rows, -1, self.nbytes)
+        fields = [per_block[:, :, 2 * self.scales :]]
+        fields += [per_block[:, :, 2 * i : 2 * i + 2] for i in range(self.scales)]
+        return np.concatenate([f.reshape(rows, -1) for f in fields], axis=1)
 
     def row_bytes(self, columns: int) -> int:
         """Bytes of one stored row of ``columns`` weights."""
@@ -56,7 +73,7 @@ class BlockEncoding:
         return columns // self.values * self.nbytes
 
 
-BLOCK_ENCODINGS = {e.name: e for e in (BlockEncoding("q4_1", 32, 20), BlockEncoding("q8_0", 32, 34))}
+BLOCK_ENCODINGS = {e.name: e for e in (BlockEncoding("q4_1", 32, 20, 2), BlockEncoding("q8_0", 32, 34, 1))}
 """The block encodings mokv's kernels read, by the name the kernels know them by."""
 
 

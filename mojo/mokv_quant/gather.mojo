@@ -1,11 +1,11 @@
-"""Embedding lookup from a table of GGUF blocks."""
+"""Embedding lookup from a table of planar rows of GGUF blocks."""
 
 import extensibility
 from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 
-from .blocks import BLOCK_VALUES, GROUP, GROUPS, BlockScales, block_bytes, dequantize
+from .blocks import BLOCK_VALUES, GROUP, GROUPS, BlockRow, block_bytes
 
 
 @extensibility.register("mokv_quant.gather_rows")
@@ -35,11 +35,12 @@ struct GatherRows:
             var row = Int(id_ptr[unsafe_offset=i])
             if row < 0 or row >= rows:
                 raise Error(t"token id {row} is outside the table's {rows} rows")
+            var blocks = BlockRow[encoding](
+                src.unsafe_offset(row * row_bytes), columns // BLOCK_VALUES
+            )
             for b in range(columns // BLOCK_VALUES):
-                var block = src.unsafe_offset(row * row_bytes + b * BB)
-                var scales = BlockScales.load[encoding](block)
+                var scales = blocks.scales(b)
                 comptime for g in range(GROUPS):
                     dst.unsafe_store(
-                        i * columns + b * BLOCK_VALUES + g * GROUP,
-                        dequantize[encoding, g](block, scales),
+                        i * columns + b * BLOCK_VALUES + g * GROUP, blocks.dequantize[g](b, scales)
                     )
