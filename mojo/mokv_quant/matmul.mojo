@@ -31,6 +31,7 @@ from max.gpu.host.device_context import DeviceContextBase
 from max.gpu.host.info import is_cpu
 from max.runtime.asyncrt import parallelism_level
 from std.math import ceildiv
+from std.sys import prefetch
 from std.sys.info import CompilationTarget
 
 from .blocks import (
@@ -51,6 +52,10 @@ comptime MR = 6
 """Rows of `x` per register block."""
 comptime NR = 2
 """Rows of `w` per register block."""
+comptime PREFETCH_AHEAD = 4096
+"""Bytes ahead of the row being read that `_row_dot` prefetches: a decode step streams
+~96 MB of weights from memory, and the hardware prefetcher stops at every 4 KB page
+(products 5-7% faster at batch 1; 2 KB gained less, 16 KB lost 3-5%)."""
 comptime SCALE_RUN = 16
 """Blocks whose scales `_row_dot` converts at once (one float16 vector)."""
 
@@ -119,6 +124,12 @@ def _row_dot[
                     )
         var j = 0
         while j < run:
+            # The rows after this one, ahead of the hardware prefetcher, which stops at pages.
+            prefetch(
+                row.codes_plane.unsafe_offset(
+                    PREFETCH_AHEAD + (first + j) * block_bytes[encoding]()
+                )
+            )
             comptime for u in range(2):
                 # An odd run's last iteration has one block.
                 if u == 0 or j + u < run:
