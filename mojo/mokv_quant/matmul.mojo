@@ -48,8 +48,9 @@ from .blocks import (
     block_bytes,
 )
 
-comptime MR = 6
-"""Rows of `x` per register block."""
+comptime MR = 8 if CompilationTarget.has_avx512f() else 6
+"""Rows of `x` per register block: as many as leave the weights, `x` and the scales a
+register each beside the `MR * NR` accumulators (32 vector registers with AVX-512, 16 without)."""
 comptime NR = 2
 """Rows of `w` per register block."""
 comptime PREFETCH_AHEAD = 4096
