@@ -2,10 +2,11 @@
 
 Two weight formats (``mokv_graphs.weight_formats``): ``f32`` dequantizes every tensor to
 float32; ``gguf`` keeps each tensor's own GGUF blocks (SmolLM2: Q4_1 layers, a Q8_0 embedding,
-F32 norms) as ``uint8`` rows ``[out_features, blocks * block_bytes]``, each row planar. Reading SmolLM2's GGUF
-costs ~5 s (the ``gguf`` reader parses 49k vocabulary strings one by one) and dequantizing
-another ~2.5 s, so the first load of a format writes every tensor to
-``<cache>/models/<gguf stem>.<bytes>.<format>-v2/`` as one ``.npy`` each, plus ``config.json``.
+F32 norms) as ``uint8`` rows ``[out_features, blocks * block_bytes]``, each row planar. Reading
+SmolLM2's GGUF costs ~5 s (the ``gguf`` reader parses 49k vocabulary strings one by one) and
+dequantizing another ~2.5 s, so the first load of a format writes every tensor to
+``<cache>/models/<gguf stem>.<bytes>.<format>-v<version>/`` as one ``.npy`` each, plus
+``config.json``.
 Later loads memory-map those files read-only (milliseconds; pages come in as the graph or the
 numpy reference touches them, and are shared between processes).
 
@@ -37,8 +38,9 @@ import numpy as np
 from mokv_graphs.model_files import derived_cache_path, smollm2_gguf_path
 from mokv_graphs.weight_formats import BLOCK_ENCODINGS, WEIGHT_FORMATS
 
-# Bumped when the cached file layout or the transformation of the weights changes.
-_CACHE_VERSION = "v2"
+_CACHE_VERSIONS = {"f32": 1, "gguf": 2}
+"""Bumped per weight format when its cached file layout or the transformation of its weights
+changes (``gguf`` 2: block rows planar). Writing a version deletes the earlier ones."""
 _CONFIG_FILE = "config.json"
 
 
@@ -208,6 +210,10 @@ def _write_cache(cache_dir: Path, checkpoint: LlamaCheckpoint) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _cache_kind(weights: str, version: int) -> str:
+    return f"{weights}-v{version}"
+
+
 def load_llama(
     gguf_path: Path | None = None, weights: str = "f32", log: Callable[[str], None] | None = None
 ) -> LlamaCheckpoint:
@@ -221,7 +227,7 @@ def load_llama(
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     path = Path(gguf_path) if gguf_path is not None else smollm2_gguf_path()
-    cache_dir = derived_cache_path(path, f"{weights}-{_CACHE_VERSION}")
+    cache_dir = derived_cache_path(path, _cache_kind(weights, _CACHE_VERSIONS[weights]))
     cached = _read_cache(cache_dir)
     if cached is not None:
         return cached
@@ -229,6 +235,8 @@ def load_llama(
         log(f"converting {path.name} to {weights} weights in {cache_dir} (once; about 10 s)...")
     reader = gguf.GGUFReader(path)
     _write_cache(cache_dir, _CONVERTERS[weights](reader, config_from_gguf(reader)))
+    for version in range(1, _CACHE_VERSIONS[weights]):  # layouts this code no longer reads
+        shutil.rmtree(derived_cache_path(path, _cache_kind(weights, version)), ignore_errors=True)
     # Read back rather than return the arrays just built: every caller then gets the same
     # read-only memory maps, and the freshly converted arrays are freed.
     cached = _read_cache(cache_dir)

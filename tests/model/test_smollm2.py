@@ -8,7 +8,7 @@ import pytest
 from max.engine import Model
 
 from mokv_graphs import model_files
-from mokv_graphs.gguf_model import LlamaCheckpoint, unpermute_rope_rows
+from mokv_graphs.gguf_model import LlamaCheckpoint, load_llama, unpermute_rope_rows
 from mokv_graphs.llama import ragged_batch
 from mokv_graphs.tokenizer import GGUFTokenizer
 from mokv_reference.numpy_llama import llama_cpp_permute, numpy_llama_logits
@@ -53,6 +53,22 @@ def test_missing_wheel_error_names_fetch_command(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(model_files.CACHE_ENV, str(tmp_path))
     with pytest.raises(FileNotFoundError, match=r"mokv_graphs\.model_files fetch"):
         model_files.smollm2_gguf_path()
+
+
+def test_a_new_weight_cache_version_replaces_the_older_ones(tmp_path, monkeypatch, checkpoints) -> None:
+    gguf_path = model_files.smollm2_gguf_path()
+    name = "blk.0.ffn_down.weight"
+    expected = np.array(checkpoints("gguf").weights[name])  # the session's cache, before moving it
+    monkeypatch.setenv(model_files.CACHE_ENV, str(tmp_path))
+    older = model_files.derived_cache_path(gguf_path, "gguf-v1")
+    other_format = model_files.derived_cache_path(gguf_path, "f32-v1")
+    for stale in (older, other_format):
+        stale.mkdir(parents=True)
+        (stale / "config.json").write_text("{}")
+    converted = load_llama(gguf_path, weights="gguf")
+    assert not older.exists()
+    assert other_format.exists()
+    np.testing.assert_array_equal(converted.weights[name], expected)
 
 
 def test_config_is_smollm2_135m(smollm2: LlamaCheckpoint) -> None:
