@@ -24,7 +24,7 @@ import numpy as np
 from max.driver import CPU
 from max.engine import InferenceSession
 
-from mokv.kernels import kernel_package, kernel_source_dir
+from mokv.kernels import MOKV_KERNELS, kernel_package, kernel_source_dir
 from mokv_examples.bench_attention import (
     Case,
     Kernels,
@@ -44,13 +44,13 @@ def _git(repo: Path, *args: str) -> bytes:
     return result.stdout
 
 
-def kernels_checkout() -> tuple[Path, str]:
-    """The git checkout the kernels in use come from, and their folder's path in it.
+def kernels_checkout(package: str = MOKV_KERNELS) -> tuple[Path, str]:
+    """The git checkout the Mojo package `package` in use comes from, and its folder's path in it.
 
     Only a checkout (mokv installed editable, as `make setup` does) has revisions to
     compare; an installed wheel's kernels are not in one.
     """
-    source = kernel_source_dir()
+    source = kernel_source_dir(package)
     try:
         repo = Path(_git(source, "rev-parse", "--show-toplevel").decode().strip())
     except click.ClickException as error:
@@ -61,10 +61,10 @@ def kernels_checkout() -> tuple[Path, str]:
     return repo, source.relative_to(repo).as_posix()
 
 
-def kernel_sources_at(revision: str, dest: Path) -> Path:
-    """Writes the kernel sources as of git `revision` under `dest` and returns
-    their folder (named like the Mojo package, as precompiling requires)."""
-    repo, folder = kernels_checkout()
+def kernel_sources_at(revision: str, dest: Path, package: str = MOKV_KERNELS) -> Path:
+    """Writes the sources of the Mojo package `package` as of git `revision` under `dest`
+    and returns their folder (named like the package, as precompiling requires)."""
+    repo, folder = kernels_checkout(package)
     names = _git(repo, "ls-tree", "-r", "--name-only", revision, "--", folder).decode().splitlines()
     if not names:
         raise click.ClickException(f"{revision} has no kernel sources at {folder} in {repo}")

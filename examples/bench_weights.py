@@ -12,10 +12,18 @@ alternately call by call at several token counts.
 
 Each case also reports how far the candidate's output is from float64 `x @ w.T` of the
 float32 weights, relative to the output's largest magnitude.
+
+`--against REV` adds `gguf@REV`: the `gguf` products with `mokv_quant` as of git revision
+`REV`, rebuilt from git's copy, in its own session (both builds register the same op names)
+and timed alternately with this checkout's: the way to measure a kernel change, since separate
+runs on a shared machine differ by more than most changes are worth. Revisions before 69fdb03
+read the GGUF's interleaved rows, not the planar ones the loader now writes: their error
+column shows it.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,9 +37,11 @@ from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
 from max.graph.quantization import QuantizationEncoding
 
+from mokv.kernels import kernel_package
+from mokv_examples.bench_kernels import kernel_sources_at
 from mokv_examples.bench_results import out_dir_option, write_results
 from mokv_graphs.gguf_model import LlamaCheckpoint, load_llama
-from mokv_graphs.weight_formats import declare_weight, linear, quant_kernel_package
+from mokv_graphs.weight_formats import QUANT_KERNELS, declare_weight, linear, quant_kernel_package
 
 CPU = DeviceRef.CPU()
 CANDIDATES = ("f32", "gguf", "q4_0", "bf16")
@@ -71,13 +81,16 @@ def candidate_linear(candidate: str, f32: LlamaCheckpoint, blocks: LlamaCheckpoi
     return product
 
 
-def products_graph(candidate: str, f32: LlamaCheckpoint, blocks: LlamaCheckpoint) -> tuple[Graph, dict]:
+def products_graph(
+    candidate: str, f32: LlamaCheckpoint, blocks: LlamaCheckpoint, quant_kernels: Path | None = None
+) -> tuple[Graph, dict]:
     """One step's matrix products, chained so that none is dead code: `x [tokens, hidden]
-    -> (layer outputs..., logits)`."""
+    -> (layer outputs..., logits)`; `gguf` products run `quant_kernels` (default: this
+    checkout's `mokv_quant`)."""
     registry: dict = {}
     product = candidate_linear(candidate, f32, blocks, registry)
     c = f32.config
-    extensions = [quant_kernel_package()] if candidate == "gguf" else []
+    extensions = [quant_kernels or quant_kernel_package()] if candidate == "gguf" else []
     with Graph(
         f"weights_{candidate}",
         input_types=[TensorType(DType.float32, ["tokens", c.hidden_size], CPU)],
@@ -125,21 +138,30 @@ def time_alternately(models: dict[str, Model], x: Buffer, rounds: int) -> dict[s
 @click.option("--tokens", default="1,16,500", show_default=True, help="Token counts (rows of x) to time.")
 @click.option("--candidates", default=",".join(CANDIDATES), show_default=True)
 @click.option("--rounds", default=10, show_default=True)
+@click.option(
+    "--against", "revision", default=None, help="Also time the gguf products with mokv_quant as of this git revision."
+)
 @out_dir_option("weights")
-def weights(tokens: str, candidates: str, rounds: int, out_dir: Path) -> None:
+def weights(tokens: str, candidates: str, rounds: int, revision: str | None, out_dir: Path) -> None:
     """Time one step's matrix products with each weight format candidate."""
     chosen = [c.strip() for c in candidates.split(",")]
     unknown = set(chosen) - set(CANDIDATES)
     if unknown:
         raise click.BadParameter(f"unknown candidates {sorted(unknown)}; choose from {', '.join(CANDIDATES)}")
+    builds = [(c, c, None) for c in chosen]  # (name, candidate, mokv_quant package)
+    if revision is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            package = kernel_package(kernel_sources_at(revision, Path(tmp), QUANT_KERNELS))
+        builds.append((f"gguf@{revision}", "gguf", package))
     f32, blocks = load_llama(weights="f32"), load_llama(weights="gguf")
     session = InferenceSession(devices=[HostCPU()])
     models: dict[str, Model] = {}
-    for candidate in chosen:
+    for name, candidate, package in builds:
         started = time.perf_counter()
-        graph, registry = products_graph(candidate, f32, blocks)
-        models[candidate] = session.load(graph, weights_registry=registry)
-        click.echo(f"{candidate}: graph ready in {time.perf_counter() - started:.0f} s", err=True)
+        graph, registry = products_graph(candidate, f32, blocks, package)
+        own_session = session if package is None else InferenceSession(devices=[HostCPU()])
+        models[name] = own_session.load(graph, weights_registry=registry)
+        click.echo(f"{name}: graph ready in {time.perf_counter() - started:.0f} s", err=True)
     rows = []
     for count in (int(t) for t in tokens.split(",")):
         x = np.random.default_rng(count).standard_normal((count, f32.config.hidden_size)).astype(np.float32)
