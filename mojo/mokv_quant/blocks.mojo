@@ -34,7 +34,7 @@ comptime Group = SIMD[DType.float32, GROUP]
 comptime BLOCK_VALUES = 32
 comptime GROUPS = BLOCK_VALUES // GROUP
 comptime HALF = BLOCK_VALUES // 2
-"""Weights per `codes`: half a block."""
+"""Half a block: the codes of one nibble of a q4_1 block's bytes."""
 comptime Half = SIMD[DType.float32, HALF]
 
 
@@ -88,33 +88,25 @@ struct BlockRow[encoding: StaticString](TrivialRegisterPassable):
             return BlockScales(d, Group(0))
 
     @always_inline
-    def codes[half: Int](self, b: Int) -> Half:
-        """Block `b`'s codes `16 * half ..< 16 * half + 16` as float32 (`q`, unscaled)."""
+    def codes[width: Int, part: Int](self, b: Int) -> SIMD[DType.float32, width]:
+        """Block `b`'s codes `width * part ..< width * (part + 1)` as float32 (`q`,
+        unscaled); `width` divides 16."""
         comptime CB = code_bytes[Self.encoding]()
+        comptime first = width * part
         comptime if Self.encoding == "q4_1":
             # Bytes 0..15 hold codes 0..15 in their low nibbles, 16..31 in their high ones.
-            var packed = self.codes_plane.unsafe_load[width=HALF](b * CB)
-            var q = (packed & 15) if half == 0 else (packed >> 4)
+            var packed = self.codes_plane.unsafe_load[width=width](b * CB + first % HALF)
+            var q = (packed & 15) if first < HALF else (packed >> 4)
             return q.cast[DType.float32]()
         else:
-            var q = self.codes_plane.unsafe_bitcast[Int8]().unsafe_load[width=HALF](
-                b * CB + half * HALF
-            )
+            var q = self.codes_plane.unsafe_bitcast[Int8]().unsafe_load[width=width](b * CB + first)
             return q.cast[DType.float32]()
 
     @always_inline
     def dequantize[group: Int](self, b: Int, scales: BlockScales) -> Group:
         """Weights `GROUP * group ..< GROUP * (group + 1)` of block `b`."""
-        comptime CB = code_bytes[Self.encoding]()
+        var q = self.codes[GROUP, group](b)
         comptime if Self.encoding == "q4_1":
-            comptime per_nibble = HALF // GROUP
-            var packed = self.codes_plane.unsafe_load[width=GROUP](
-                b * CB + (group % per_nibble) * GROUP
-            )
-            var q = (packed & 15) if group < per_nibble else (packed >> 4)
-            return q.cast[DType.float32]().fma(scales.d, scales.m)
+            return q.fma(scales.d, scales.m)
         else:
-            var q = self.codes_plane.unsafe_bitcast[Int8]().unsafe_load[width=GROUP](
-                b * CB + group * GROUP
-            )
-            return q.cast[DType.float32]() * scales.d
+            return q * scales.d

@@ -35,12 +35,12 @@ struct GatherRows:
             var row = Int(id_ptr[unsafe_offset=i])
             if row < 0 or row >= rows:
                 raise Error(t"token id {row} is outside the table's {rows} rows")
-            var blocks = BlockRow[encoding](
+            var stored = BlockRow[encoding](
                 src.unsafe_offset(row * row_bytes), columns // BLOCK_VALUES
             )
             for b in range(columns // BLOCK_VALUES):
-                var scales = blocks.scales(b)
+                var scales = stored.scales(b)
                 comptime for g in range(GROUPS):
                     dst.unsafe_store(
-                        i * columns + b * BLOCK_VALUES + g * GROUP, blocks.dequantize[g](b, scales)
+                        i * columns + b * BLOCK_VALUES + g * GROUP, stored.dequantize[g](b, scales)
                     )

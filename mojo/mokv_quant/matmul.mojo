@@ -138,8 +138,10 @@ def _row_dot[
                 # An odd run's last iteration has one block.
                 if u == 0 or j + u < run:
                     var b = first + j + u
-                    var partial = row.codes[0](b) * x.unsafe_load[width=HALF](b * BLOCK_VALUES)
-                    partial = row.codes[1](b).fma(
+                    var partial = row.codes[HALF, 0](b) * x.unsafe_load[width=HALF](
+                        b * BLOCK_VALUES
+                    )
+                    partial = row.codes[HALF, 1](b).fma(
                         x.unsafe_load[width=HALF](b * BLOCK_VALUES + HALF), partial
                     )
                     acc[u] = partial.fma(Half(scale_at[unsafe_offset=j + u]), acc[u])
@@ -169,8 +171,9 @@ def block_matmul[
     var tasks = parallelism_level(None) * (1 if m_rows == 1 else 4)
     var chunk = ceildiv(ceildiv(n_rows, tasks), 4) * 4
     var x_sums = alloc[Float32](k // BLOCK_VALUES)
-    if m_rows == 1:
-        _block_sums(x, k, F32Ptr(unsafe_from_address=Int(x_sums)))
+    comptime if encoding == "q4_1":  # for the minimums; q8_0 has none
+        if m_rows == 1:
+            _block_sums(x, k, F32Ptr(unsafe_from_address=Int(x_sums)))
     var sums_at = F32Ptr(unsafe_from_address=Int(x_sums))
 
     def run(
