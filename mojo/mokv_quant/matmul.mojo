@@ -38,10 +38,8 @@ from .blocks import (
     BLOCK_VALUES,
     GROUP,
     GROUPS,
-    HALF,
     BlockRow,
     BlockScales,
-    Half,
     BytePtr,
     F32Ptr,
     Group,
@@ -103,8 +101,8 @@ def _row_dot[
     applied to its partial product; `x_sums[b]` is the sum of `x`'s block `b` (read for
     q4_1's minimums). Two blocks per iteration into their own accumulators."""
     var blocks = k // BLOCK_VALUES
-    var acc = Array[Half, 2](fill=0)
-    var offsets = Half(0)
+    var acc = Array[Group, 2](fill=0)
+    var offsets = SIMD[DType.float32, SCALE_RUN](0)
     var scales = Array[Float32, SCALE_RUN](fill=0)
     var scale_at = F32Ptr(unsafe_from_address=Int(scales.unsafe_ptr()))
     var first = 0
@@ -138,24 +136,25 @@ def _row_dot[
                 # An odd run's last iteration has one block.
                 if u == 0 or j + u < run:
                     var b = first + j + u
-                    var partial = row.codes[HALF, 0](b) * x.unsafe_load[width=HALF](
+                    var partial = row.codes[GROUP, 0](b) * x.unsafe_load[width=GROUP](
                         b * BLOCK_VALUES
                     )
-                    partial = row.codes[HALF, 1](b).fma(
-                        x.unsafe_load[width=HALF](b * BLOCK_VALUES + HALF), partial
-                    )
-                    acc[u] = partial.fma(Half(scale_at[unsafe_offset=j + u]), acc[u])
+                    comptime for g in range(1, GROUPS):
+                        partial = row.codes[GROUP, g](b).fma(
+                            x.unsafe_load[width=GROUP](b * BLOCK_VALUES + g * GROUP), partial
+                        )
+                    acc[u] = partial.fma(Group(scale_at[unsafe_offset=j + u]), acc[u])
             j += 2
         first += SCALE_RUN
-    return (acc[0] + acc[1] + offsets).reduce_add()
+    return (acc[0] + acc[1]).reduce_add() + offsets.reduce_add()
 
 
 def _block_sums(x: F32Ptr, k: Int, sums: F32Ptr):
     """`sums[b]` = the sum of `x[b * 32 ..< b * 32 + 32]`."""
     for b in range(k // BLOCK_VALUES):
-        var v = x.unsafe_load[width=HALF](b * BLOCK_VALUES) + x.unsafe_load[width=HALF](
-            b * BLOCK_VALUES + HALF
-        )
+        var v = x.unsafe_load[width=GROUP](b * BLOCK_VALUES)
+        comptime for g in range(1, GROUPS):
+            v += x.unsafe_load[width=GROUP](b * BLOCK_VALUES + g * GROUP)
         sums[unsafe_offset=b] = v.reduce_add()
 
 
