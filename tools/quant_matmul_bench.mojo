@@ -11,14 +11,16 @@ from std.time import perf_counter_ns
 
 from max.gpu.host import DeviceContext
 
-from mokv_quant.blocks import BytePtr, F32Ptr, block_bytes
+from mokv_quant.blocks import BLOCK_VALUES, BytePtr, F32Ptr, block_bytes, code_bytes
 from mokv_quant.matmul import block_matmul
 
 comptime K = 576
 comptime N = 49152
 comptime COPIES = 4
-comptime BLOCKS = K // 32
+comptime BLOCKS = K // BLOCK_VALUES
 comptime STRIDE = BLOCKS * block_bytes["q4_1"]()
+comptime CODES = BLOCKS * code_bytes["q4_1"]()
+"""Bytes of a planar row's codes, before its scales and minimums."""
 comptime REPEATS = 8
 
 
@@ -39,7 +41,7 @@ def main() raises:
     for i in range(COPIES * N * STRIDE):
         w[unsafe_offset=i] = UInt8((i * 37) % 251)
     for n in range(COPIES * N):  # scales and minimums: small finite float16s
-        var fields = w.unsafe_offset(n * STRIDE + BLOCKS * 16).unsafe_bitcast[Float16]()
+        var fields = w.unsafe_offset(n * STRIDE + CODES).unsafe_bitcast[Float16]()
         for b in range(2 * BLOCKS):
             fields[unsafe_offset=b] = Float16(0.01 * Float32(b % 7 + 1))
     var activations = alloc[Float32](16 * K)

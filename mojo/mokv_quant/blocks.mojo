@@ -95,7 +95,8 @@ struct BlockRow[encoding: StaticString](TrivialRegisterPassable):
         comptime if Self.encoding == "q4_1":
             # Bytes 0..15 hold codes 0..15 in their low nibbles, 16..31 in their high ones.
             # Each byte is widened as it loads and split afterwards: splitting the bytes
-            # first costs a shuffle per vector to widen them (AVX2: 33% more time per block).
+            # first costs a shuffle per vector to widen them (AVX2: 40-48% more time per
+            # block in the batch-1 product).
             var packed = self.codes_plane.unsafe_load[width=width](b * CB + first % HALF)
             var wide = packed.cast[DType.int32]()
             var q = (wide & 15) if first < HALF else (wide >> 4)
