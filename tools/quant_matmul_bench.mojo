@@ -9,8 +9,6 @@ Run: .venv/bin/mojo run -I mojo tools/quant_matmul_bench.mojo
 
 from std.time import perf_counter_ns
 
-from max.gpu.host import DeviceContext
-
 from mokv_quant.blocks import BLOCK_VALUES, BytePtr, F32Ptr, block_bytes, code_bytes
 from mokv_quant.matmul import block_matmul
 
@@ -24,18 +22,17 @@ comptime CODES = BLOCKS * code_bytes["q4_1"]()
 comptime REPEATS = 8
 
 
-def best_ns(rows: Int, y: F32Ptr, x: F32Ptr, w: BytePtr, ctx: DeviceContext) raises -> Float64:
+def best_ns(rows: Int, y: F32Ptr, x: F32Ptr, w: BytePtr) -> Float64:
     """The fastest of `REPEATS` products of `rows` rows of `x`, each with the next copy."""
     var best = Float64(1e30)
     for rep in range(REPEATS):
         var started = perf_counter_ns()
-        block_matmul["q4_1"](y, x, w.unsafe_offset((rep % COPIES) * N * STRIDE), rows, N, K, ctx)
+        block_matmul["q4_1"](y, x, w.unsafe_offset((rep % COPIES) * N * STRIDE), rows, N, K)
         best = min(best, Float64(perf_counter_ns() - started))
     return best
 
 
-def main() raises:
-    var ctx = DeviceContext(api="cpu")
+def main():
     var weights = alloc[UInt8](COPIES * N * STRIDE)
     var w = BytePtr(unsafe_from_address=Int(weights))
     for i in range(COPIES * N * STRIDE):
@@ -51,8 +48,8 @@ def main() raises:
     var outputs = alloc[Float32](16 * N)
     var y = F32Ptr(unsafe_from_address=Int(outputs))
     for _ in range(3):
-        var one = best_ns(1, y, x, w, ctx)
-        var sixteen = best_ns(16, y, x, w, ctx)
+        var one = best_ns(1, y, x, w)
+        var sixteen = best_ns(16, y, x, w)
         print(
             "1 row:",
             one / Float64(N * BLOCKS),

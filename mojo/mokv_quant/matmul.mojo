@@ -25,11 +25,8 @@ apart) ran at half the speed on `ffn_down`.
 
 import extensibility
 from extensibility import InputTensor, OutputTensor
-from max.algorithm import sync_parallelize
 from max.gpu.host import DeviceContext
-from max.gpu.host.device_context import DeviceContextBase
 from max.gpu.host.info import is_cpu
-from max.runtime.asyncrt import parallelism_level
 from std.math import ceildiv
 from std.sys import prefetch
 from std.sys.info import CompilationTarget
@@ -45,6 +42,7 @@ from .blocks import (
     Group,
     block_bytes,
 )
+from .parallel import Job, run_items
 
 comptime MR = 8 if CompilationTarget.has_avx512f() else 6
 """Rows of `x` per register block: as many as leave the weights, `x` and the scales a
@@ -56,6 +54,9 @@ comptime PREFETCH_AHEAD = 4096
 streams ~96 MB of weights from memory, and the hardware prefetcher stops at every 4 KB
 page (products 5-7% faster at batch 1, 8-9% at 16 rows of `x`; 2 KB gained less, 16 KB
 lost 3-5%, 8 KB ahead of a register block's two rows the same as 4 KB)."""
+comptime BLOCKS_PER_ITEM = 4096
+"""Block products per parallel item, at least: 4-8 us of work, so a product of
+fewer runs on the calling thread alone, and taking an item costs little beside it."""
 comptime SCALE_RUN = 16
 """Blocks whose scales `_row_dot` converts at once (one float16 vector)."""
 
@@ -158,51 +159,62 @@ def _block_sums(x: F32Ptr, k: Int, sums: F32Ptr):
         sums[unsafe_offset=b] = v.reduce_add()
 
 
-def block_matmul[
-    encoding: StaticString
-](y: F32Ptr, x: F32Ptr, w: BytePtr, m_rows: Int, n_rows: Int, k: Int, ctx: DeviceContext):
-    """`y [m_rows, n_rows] = x [m_rows, k] @ w.T`, in parallel over chunks of `w`'s rows;
-    each chunk meets every row of `x` while its weights are in cache."""
-    var w_stride = (k // BLOCK_VALUES) * block_bytes[encoding]()
-    # A task costs a worker's wake-up: one per worker for a single row of `x` (its
-    # rows are equal work), four per worker for more (a slow worker's share is
-    # picked up by the others).
-    var tasks = parallelism_level(None) * (1 if m_rows == 1 else 4)
-    var chunk = ceildiv(ceildiv(n_rows, tasks), 4) * 4
-    var x_sums = alloc[Float32](k // BLOCK_VALUES)
-    comptime if encoding == "q4_1":  # for the minimums; q8_0 has none
-        if m_rows == 1:
-            _block_sums(x, k, F32Ptr(unsafe_from_address=Int(x_sums)))
-    var sums_at = F32Ptr(unsafe_from_address=Int(x_sums))
+@fieldwise_init
+struct _Products[encoding: StaticString](Job):
+    """`y = x @ w.T` over a chunk of `chunk` rows of `w` per item: each chunk
+    meets every row of `x` while its weights are in cache."""
 
-    def run(
-        item: Int,
-    ) {var y, var x, var sums_at, var w, var m_rows, var n_rows, var k, var w_stride, var chunk}:
-        var first = item * chunk
-        var last = min(n_rows, first + chunk)
-        if m_rows == 1:
+    var y: F32Ptr
+    var x: F32Ptr
+    var x_sums: F32Ptr
+    var w: BytePtr
+    var m_rows: Int
+    var n_rows: Int
+    var k: Int
+    var w_stride: Int
+    var chunk: Int
+
+    def run(self, item: Int):
+        var first = item * self.chunk
+        var last = min(self.n_rows, first + self.chunk)
+        var k = self.k
+        if self.m_rows == 1:
             var blocks = k // BLOCK_VALUES
             for n in range(first, last):
-                var row = BlockRow[encoding](w.unsafe_offset(n * w_stride), blocks)
-                y[unsafe_offset=n] = _row_dot[encoding](x, sums_at, k, row)
+                var row = BlockRow[Self.encoding](self.w.unsafe_offset(n * self.w_stride), blocks)
+                self.y[unsafe_offset=n] = _row_dot[Self.encoding](self.x, self.x_sums, k, row)
             return
         var m0 = 0
-        while m0 < m_rows:
-            var rows = min(MR, m_rows - m0)
+        while m0 < self.m_rows:
+            var rows = min(MR, self.m_rows - m0)
             for n in range(first, last, NR):
-                var xp = x.unsafe_offset(m0 * k)
-                var wp = w.unsafe_offset(n * w_stride)
-                var yp = y.unsafe_offset(m0 * n_rows + n)
+                var xp = self.x.unsafe_offset(m0 * k)
+                var wp = self.w.unsafe_offset(n * self.w_stride)
+                var yp = self.y.unsafe_offset(m0 * self.n_rows + n)
                 comptime for r in range(1, MR + 1):
                     if rows == r:
-                        _tile[encoding, r, NR, 1 if r * NR >= 8 else 8 // (r * NR)](
-                            xp, k, wp, w_stride, yp, n_rows
+                        _tile[Self.encoding, r, NR, 1 if r * NR >= 8 else 8 // (r * NR)](
+                            xp, k, wp, self.w_stride, yp, self.n_rows
                         )
             m0 += rows
 
-    # On the op's own CPU context: without one, every call makes a new context (~6 us).
-    var cpu = rebind[DeviceContextBase[CompilationTarget()]](ctx)
-    sync_parallelize(run, ceildiv(n_rows, chunk), cpu)
+
+def block_matmul[
+    encoding: StaticString
+](y: F32Ptr, x: F32Ptr, w: BytePtr, m_rows: Int, n_rows: Int, k: Int):
+    """`y [m_rows, n_rows] = x [m_rows, k] @ w.T`, in items of `BLOCKS_PER_ITEM`
+    block products or more (`parallel.run_items`)."""
+    var blocks = k // BLOCK_VALUES
+    var w_stride = blocks * block_bytes[encoding]()
+    var chunk = ceildiv(ceildiv(BLOCKS_PER_ITEM, blocks * m_rows), 4) * 4
+    var x_sums = alloc[Float32](blocks)
+    comptime if encoding == "q4_1":  # for the minimums; q8_0 has none
+        if m_rows == 1:
+            _block_sums(x, k, F32Ptr(unsafe_from_address=Int(x_sums)))
+    var job = _Products[encoding](
+        y, x, F32Ptr(unsafe_from_address=Int(x_sums)), w, m_rows, n_rows, k, w_stride, chunk
+    )
+    run_items(job, ceildiv(n_rows, chunk))
     x_sums.free()
 
 
@@ -243,5 +255,4 @@ struct BlockMatmul:
             m_rows,
             n_rows,
             k,
-            ctx,
         )

@@ -108,6 +108,9 @@ def _run(model: Model, x: np.ndarray, weights: dict[str, np.ndarray], ids: np.nd
         (5, 40, 64),
         (13, 32, 576),
         (33, 4, 32),
+        # Products big enough to be cut into parallel items, the last one short.
+        (1, 1028, 576),
+        (16, 132, 576),
     ],
 )
 def test_matmul_is_the_float32_product_of_the_dequantized_weights(quant_graph: Model, m: int, n: int, k: int) -> None:

@@ -34,5 +34,8 @@ another between register blocks; one more cache line per row spreads them."""
 comptime MIN_SPLIT = 512
 """Fewest context tokens worth a split of their own."""
 comptime SPLITS_PER_WORKER = 4
+comptime PARALLEL_MIN_PRODUCTS = 262144
+"""Multiply-adds (scores and values) below which a call runs on the calling
+thread alone: ~20-30 us of work, what waking a worker can cost inside a graph."""
 comptime LOG2E: Float32 = 1.4426950408889634
 comptime NEG_INF = neg_inf[DType.float32]()

@@ -3,12 +3,9 @@ work items run in parallel and the split ones merged."""
 
 import extensibility
 from extensibility import InputTensor, OutputTensor, _MutableInputTensor
-from max.algorithm import sync_parallelize
 from max.gpu.host import DeviceContext
-from max.gpu.host.device_context import DeviceContextBase
 from max.gpu.host.info import is_cpu
 from max.runtime.asyncrt import parallelism_level
-from std.sys.info import CompilationTarget
 
 from ..bind import (
     bind_collection,
@@ -18,18 +15,49 @@ from ..bind import (
     check_row_offsets,
     check_token_range,
 )
-from ..cache import BatchSummary, KVCollectionT
+from ..cache import BatchSummary, KVCacheT, KVCollectionT
 from ..gpu.attention import attention_gpu
 from ..gpu.block import GpuLauncher
 from ..quant import codes_in, is_quantized
 from ..store import no_quantized_gpu_path
-from .config import HEAD_DIM_MULTIPLE, LOG2E, W
+from ..parallel import Job, run_items
+from .config import F32Ptr, HEAD_DIM_MULTIPLE, LOG2E, PARALLEL_MIN_PRODUCTS, W
 from .decode import _decode_any_group
-from .plan import WorkItem, _plan
+from .plan import WorkItem, _output_heads, _plan
 from .prefill import _prefill_item
 from .queries import RaggedQueries
 from .scratch import Arena
 from .softmax import SplitGroup, _merge_splits
+
+
+@fieldwise_init
+struct _AttendItems[q_dtype: DType, cache_t: KVCacheT](Job):
+    """The batch's work items, decode or prefill, each into its output or partials."""
+
+    var k_cache: Self.cache_t
+    var v_cache: Self.cache_t
+    var queries: RaggedQueries[Self.q_dtype]
+    var items: Pointer[WorkItem, MutUntrackedOrigin]
+    var partials: F32Ptr
+
+    def run(self, i: Int):
+        var item = self.items[unsafe_offset=i]
+        if item.kv_head >= 0:
+            _prefill_item(self.k_cache, self.v_cache, self.queries, item, self.partials)
+        else:
+            _decode_any_group(self.k_cache, self.v_cache, self.queries, item, self.partials)
+
+
+@fieldwise_init
+struct _MergeSplits[q_dtype: DType](Job):
+    """The split items' partial states, merged into the outputs."""
+
+    var queries: RaggedQueries[Self.q_dtype]
+    var groups: Pointer[SplitGroup, MutUntrackedOrigin]
+    var partials: F32Ptr
+
+    def run(self, i: Int):
+        _merge_splits(self.queries, self.groups[unsafe_offset=i], self.partials)
 
 
 def attention_over[
@@ -43,11 +71,10 @@ def attention_over[
     layer_idx: UInt32,
     scale: Float32,
     sliding_window: UInt32,
-    ctx: DeviceContext,
 ) raises:
     """Checks every input against the cache and every row against the batch
-    summary, then runs the batch's work items in parallel on `ctx`'s workers
-    and merges the split ones."""
+    summary, then runs the batch's work items in parallel (`run_items`) and
+    merges the split ones."""
     var layer = Int(layer_idx)
     check_layer(layer, collection.num_layers())
     var k_cache = collection.get_cache(layer, 0)
@@ -98,23 +125,29 @@ def attention_over[
     )
     var partials_arena = Arena(partial_floats)
     var partials = partials_arena.take(partial_floats)
-    var item_list = items.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    var group_list = groups.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-
-    def run_item(i: Int) {var k_cache, var v_cache, var queries, var item_list, var partials}:
-        var item = item_list[unsafe_offset=i]
-        if item.kv_head >= 0:
-            _prefill_item(k_cache, v_cache, queries, item, partials)
-        else:
-            _decode_any_group(k_cache, v_cache, queries, item, partials)
-
-    def merge_group(i: Int) {var queries, var group_list, var partials}:
-        _merge_splits(queries, group_list[unsafe_offset=i], partials)
-
-    # On the op's own CPU context: without one, every call makes a new context (~6 us).
-    var cpu = rebind[DeviceContextBase[CompilationTarget()]](ctx)
-    sync_parallelize(run_item, len(items), cpu)
-    sync_parallelize(merge_group, len(groups), cpu)
+    var products = 0
+    for item in items:
+        var heads = _output_heads(item, n_q, n_q // n_kv)[1]
+        products += 2 * d * item.num_tokens * heads * (item.ctx_end - item.ctx_start)
+    var helpers = Int.MAX if products >= PARALLEL_MIN_PRODUCTS else 0
+    run_items(
+        _AttendItems(
+            k_cache,
+            v_cache,
+            queries,
+            items.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            partials,
+        ),
+        len(items),
+        helpers,
+    )
+    run_items(
+        _MergeSplits(
+            queries, groups.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), partials
+        ),
+        len(groups),
+        helpers,
+    )
     _ = partials_arena^
     _ = items^
     _ = groups^
@@ -137,7 +170,7 @@ def attention_on[
     launched on `ctx` (`gpu.attention`), whose grid the summary sizes."""
     comptime if is_cpu[target]():
         attention_over(
-            collection, summary, output, q, row_offsets, layer_idx, scale, sliding_window, ctx
+            collection, summary, output, q, row_offsets, layer_idx, scale, sliding_window
         )
     else:
         comptime cache_dtype = collection_t.CacheType.dtype

@@ -1,0 +1,1 @@
+../mokv_quant/parallel.mojo

@@ -1,0 +1,115 @@
+"""Fork-join for the CPU kernels: the calling thread works through the items
+itself, and the runtime's other workers join in as they wake up.
+
+`max.algorithm.sync_parallelize` (26.7) queues every item on the runtime's
+workers and sleeps until they are done. Inside a graph the calling thread is
+not one of those workers, so that costs a wake-up on both sides: measured in
+a graph op on a 2-core VM, the items started 10-17 us after the call (up to
+hundreds when a worker was slow to wake), and the call returned 0.1-1 ms after
+the items ended on long ops; called back to back with empty items it costs
+~10 us, against ~0.2 us here. A decode step at batch 1 makes ~180 such calls.
+
+Here the caller takes items from a shared counter from the first
+nanosecond; each helper queued on the runtime (`KGEN_CompilerRT_AsyncRT_Execute`,
+the C entry point the runtime's own task groups use) takes items from the
+same counter once it runs, so a helper that wakes late takes fewer, and one
+that wakes after the last item takes none. The state lives on the heap and
+the last of the caller and its helpers to leave frees it, so the caller never
+has to wait for a helper that has not started: it waits only for items a
+helper has taken, and then briefly (`HELPER_GRACE_NS`) for helpers to leave,
+so a kernel returns with its helpers gone unless one never found a worker.
+"""
+
+from std.atomic import Atomic
+from std.ffi import external_call
+from std.sys import llvm_intrinsic
+from std.sys.info import CompilationTarget
+from std.time import perf_counter_ns
+
+from max.runtime.asyncrt import parallelism_level
+
+comptime HELPER_GRACE_NS = 50_000
+"""How long the caller waits, once every item is done, for helpers still
+running or not yet started to leave before it returns without them."""
+
+
+trait Job(ImplicitlyCopyable & Movable & Deinitable):
+    """Work cut into numbered items that may run on any thread, in any order."""
+
+    def run(self, item: Int):
+        """Does item `item`."""
+        ...
+
+
+struct _Team[J: Job](Movable):
+    """What the caller and its helpers share: the job, the next item to take,
+    the items finished, and how many of them have not left yet."""
+
+    var job: Self.J
+    var items: Int
+    var next: Atomic[Int64]
+    var finished: Atomic[Int64]
+    var present: Atomic[Int64]
+
+    def __init__(out self, job: Self.J, items: Int, members: Int):
+        self.job = job
+        self.items = items
+        self.next = Atomic[Int64](0)
+        self.finished = Atomic[Int64](0)
+        self.present = Atomic[Int64](Int64(members))
+
+
+comptime _TeamPtr[J: Job] = Pointer[_Team[J], MutUntrackedOrigin]
+
+
+def _take_items[J: Job](team: _TeamPtr[J]):
+    while True:
+        var item = Int(team[].next.fetch_add(1))
+        if item >= team[].items:
+            return
+        team[].job.run(item)
+        _ = team[].finished.fetch_add(1)
+
+
+def _leave[J: Job](team: _TeamPtr[J]):
+    if team[].present.fetch_sub(1) == 1:
+        team.free()
+
+
+def _helper[J: Job](state: Pointer[Int8, MutUntrackedOrigin]):
+    """A helper's task on the runtime: take items until none are left, then leave."""
+    var team = state.unsafe_bitcast[_Team[J]]()
+    _take_items(team)
+    _leave(team)
+
+
+@always_inline
+def _pause():
+    comptime if CompilationTarget.is_x86():
+        llvm_intrinsic["llvm.x86.sse2.pause", NoneType]()
+
+
+def run_items[J: Job](job: J, items: Int, max_helpers: Int = Int.MAX):
+    """Runs `job.run(i)` for every `i` in `range(items)` and returns when all are
+    done: on the calling thread, joined by up to `max_helpers` of the runtime's
+    workers (`parallelism_level() - 1` at most: the caller is the other core).
+    Keep items at a few microseconds or more, so that taking one costs little
+    beside it."""
+    var helpers = min(parallelism_level(None) - 1, items - 1, max_helpers)
+    if helpers <= 0:
+        for item in range(items):
+            job.run(item)
+        return
+    var team = alloc[_Team[J]](1)
+    team[] = _Team[J](job, items, helpers + 1)
+    for _ in range(helpers):
+        external_call["KGEN_CompilerRT_AsyncRT_Execute", NoneType](
+            _helper[J], team.unsafe_bitcast[Int8](), Int(-1)
+        )
+    _take_items(team)
+    while Int(team[].finished.load()) < items:
+        _pause()
+    var deadline = perf_counter_ns() + HELPER_GRACE_NS
+    while Int(team[].present.load()) > 1 and perf_counter_ns() < deadline:
+        _pause()
+    _leave(team)
