@@ -100,8 +100,9 @@ def run_items[J: Job](job: J, items: Int, max_helpers: Int = Int.MAX):
         for item in range(items):
             job.run(item)
         return
-    var team = alloc[_Team[J]](1)
-    team[] = _Team[J](job, items, helpers + 1)
+    comptime assert _Team[J].__del__is_trivial, "a Job's fields must need no destructor"
+    var team = alloc[_Team[J]](1)  # freed, never destroyed: see the assert
+    team.unsafe_write(_Team[J](job, items, helpers + 1))
     for _ in range(helpers):
         external_call["KGEN_CompilerRT_AsyncRT_Execute", NoneType](
             _helper[J], team.unsafe_bitcast[Int8](), Int(-1)

@@ -1,0 +1,41 @@
+"""`parallel.run_items`, the fork-join every CPU kernel runs its items through:
+each item runs exactly once, helpers join in when there are workers for them,
+and a job whose items call `run_items` again finishes (no worker waits forever
+for a helper that cannot start). Both kernel packages read the same source."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from mokv.kernels import kernel_sources_root, mojo_compiler
+
+PROGRAM = Path(__file__).with_name("programs") / "parallel_items.mojo"
+
+
+def test_every_item_runs_exactly_once_on_the_caller_and_its_helpers():
+    result = subprocess.run(
+        [mojo_compiler(), "run", "-I", str(kernel_sources_root()), str(PROGRAM)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert [line.rsplit(" ", 1)[0] for line in lines if line.endswith(" ok")] == [
+        "no items",
+        "one item",
+        "two items",
+        "many short items",
+        "many long items",
+        "nested",
+    ], result.stdout
+
+
+def test_both_kernel_packages_carry_the_same_fork_join():
+    """A link in the checkout, a copy in a wheel: the same text either way."""
+    root = kernel_sources_root()
+    assert (root / "mokv_kernels" / "parallel.mojo").read_text() == (root / "mokv_quant" / "parallel.mojo").read_text()
