@@ -1,13 +1,13 @@
 """Fork-join for the CPU kernels: the calling thread works through the items
 itself, and the runtime's other workers join in as they wake up.
 
-`max.algorithm.sync_parallelize` (26.7) queues every item on the runtime's
-workers and sleeps until they are done. Inside a graph the calling thread is
-not one of those workers, so that costs a wake-up on both sides: measured in
-a graph op on a 2-core VM, the items started 10-17 us after the call (up to
-hundreds when a worker was slow to wake), and the call returned 0.1-1 ms after
-the items ended on long ops; called back to back with empty items it costs
-~10 us, against ~0.2 us here. A decode step at batch 1 makes ~180 such calls.
+`max.algorithm.sync_parallelize` (26.7) enqueues every item on the CPU
+device's stream, which starts none of them before `synchronize()`, and then
+waits for all of them. Measured in a graph op on a 2-core VM, the items
+started 10-17 us after the call (hundreds when a worker was slow to wake) and
+the call returned up to 1 ms after the last item ended on long ops; called back
+to back with empty items it costs ~10 us, against ~0.2 us here. A decode step
+at batch 1 made ~180 such calls.
 
 Here the caller takes items from a shared counter from the first
 nanosecond; each helper queued on the runtime (`KGEN_CompilerRT_AsyncRT_Execute`,
