@@ -14,6 +14,7 @@ reported too: a refactor should leave it at 0.
 from __future__ import annotations
 
 import math
+import posixpath
 import subprocess
 import tempfile
 from pathlib import Path
@@ -35,6 +36,9 @@ from mokv_examples.bench_attention import (
     to_float,
 )
 from mokv_examples.bench_results import out_dir_option, write_results
+
+GIT_LINK_MODE = "120000"
+"""The mode `git ls-tree` gives a symbolic link."""
 
 
 def _git(repo: Path, *args: str) -> bytes:
@@ -63,15 +67,24 @@ def kernels_checkout(package: str = MOKV_KERNELS) -> tuple[Path, str]:
 
 def kernel_sources_at(revision: str, dest: Path, package: str = MOKV_KERNELS) -> Path:
     """Writes the sources of the Mojo package `package` as of git `revision` under `dest`
-    and returns their folder (named like the package, as precompiling requires)."""
+    and returns their folder (named like the package, as precompiling requires).
+
+    A file the package links to in another package (`parallel.mojo`) is written as the file
+    it points to at `revision`: git keeps a link as its target's path."""
     repo, folder = kernels_checkout(package)
-    names = _git(repo, "ls-tree", "-r", "--name-only", revision, "--", folder).decode().splitlines()
-    if not names:
+    entries = _git(repo, "ls-tree", "-r", revision, "--", folder).decode().splitlines()
+    if not entries:
         raise click.ClickException(f"{revision} has no kernel sources at {folder} in {repo}")
-    for name in names:
+    for entry in entries:
+        mode, _, rest = entry.partition(" ")
+        name = rest.split("\t", 1)[1]
+        content = _git(repo, "show", f"{revision}:{name}")
+        if mode == GIT_LINK_MODE:
+            target = posixpath.normpath(posixpath.join(posixpath.dirname(name), content.decode()))
+            content = _git(repo, "show", f"{revision}:{target}")
         path = dest / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(_git(repo, "show", f"{revision}:{name}"))
+        path.write_bytes(content)
     return dest / folder
 
 

@@ -82,7 +82,8 @@ def _apply_rope(x: TensorValue, cos: TensorValue, sin: TensorValue) -> TensorVal
 FUSED_PROJECTIONS = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_gate_up": ("ffn_gate", "ffn_up")}
 """Matrices of a layer that read the same input, by the name of their concatenation: in a
 block format one product over the stacked rows replaces two or three (at batch 1 each product
-is a kernel call with its own fixed cost, about 5 µs: waking the other worker). Float32
+is a kernel call with its own fixed cost: a graph op, and helpers queued on the runtime's
+workers). Float32
 weights stay apart, so the reference format is never copied."""
 
 
