@@ -29,6 +29,7 @@ from std.sys.info import CompilationTarget
 
 from max.runtime.asyncrt import parallelism_level
 
+
 trait Job(ImplicitlyCopyable & Movable & Deinitable):
     """Work cut into numbered items that may run on any thread, in any order."""
 
