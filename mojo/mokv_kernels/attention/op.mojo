@@ -23,7 +23,7 @@ from ..store import no_quantized_gpu_path
 from ..parallel import Job, run_items
 from .config import F32Ptr, HEAD_DIM_MULTIPLE, LOG2E, PARALLEL_MIN_PRODUCTS, W
 from .decode import _decode_any_group
-from .plan import WorkItem, _output_heads, _plan
+from .plan import WorkItem, _plan, _scores
 from .prefill import _prefill_item
 from .queries import RaggedQueries
 from .scratch import Arena
@@ -127,8 +127,7 @@ def attention_over[
     var partials = partials_arena.take(partial_floats)
     var products = 0
     for item in items:
-        var heads = _output_heads(item, n_q, n_q // n_kv)[1]
-        products += 2 * d * item.num_tokens * heads * (item.ctx_end - item.ctx_start)
+        products += 2 * d * _scores(item, queries)
     var helpers = Int.MAX if products >= PARALLEL_MIN_PRODUCTS else 0
     run_items(
         _AttendItems(

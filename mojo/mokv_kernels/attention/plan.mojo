@@ -39,6 +39,12 @@ def _output_heads(item: WorkItem, n_q_heads: Int, group: Int) -> Tuple[Int, Int]
     return (item.kv_head * group, group)
 
 
+def _scores[q_dtype: DType, //](item: WorkItem, queries: RaggedQueries[q_dtype]) -> Int:
+    """Query rows x context positions of `item`: its share of the batch's work."""
+    var heads = _output_heads(item, queries.n_q_heads, queries.group)[1]
+    return item.num_tokens * heads * (item.ctx_end - item.ctx_start)
+
+
 def _plan[
     q_dtype: DType, //, cache_t: KVCacheT
 ](
@@ -93,16 +99,13 @@ def _plan[
 
     var total_work = 0
     for item in whole:
-        var heads = _output_heads(item, queries.n_q_heads, queries.group)
-        total_work += item.num_tokens * heads[1] * (item.ctx_end - item.ctx_start)
+        total_work += _scores(item, queries)
     var share = max(1, ceildiv(total_work, workers * SPLITS_PER_WORKER))
     var partial_floats = 0
     for item in whole:
         var heads = _output_heads(item, queries.n_q_heads, queries.group)
         var length = item.ctx_end - item.ctx_start
-        var pieces = min(
-            ceildiv(item.num_tokens * heads[1] * length, share), ceildiv(length, MIN_SPLIT)
-        )
+        var pieces = min(ceildiv(_scores(item, queries), share), ceildiv(length, MIN_SPLIT))
         if pieces <= 1:
             items.append(item)
             continue
