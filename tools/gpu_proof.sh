@@ -1,15 +1,29 @@
 #!/usr/bin/env bash
 # The GPU proof, on a GPU machine whose Python has no MAX (this workplace's
 # device machines): installs the wheels that tools/gpu_carry.sh packed and
-# earlier calls copied to /tmp/gpu-carry, then in one run builds the GPU
-# paths for the machine's GPU, runs tests/gpu, and the GPU attention
-# benchmark. Logs and results go to $OUT (or ./gpu-proof) as they are made.
+# earlier calls copied to /tmp/gpu-carry, then in one run runs tests/gpu (the
+# three GPU files side by side where pytest-xdist is installed; the emulator
+# tests need no GPU and run in CI) and the GPU attention benchmark, each under
+# its own time limit so that one slow step leaves the other its share. Logs
+# and results go to $OUT (or ./gpu-proof) as they are made.
 #
-# Usage (on the GPU machine, in the repository root): tools/gpu_proof.sh [--full]
+# Usage (on the GPU machine, in the repository root):
+#   tools/gpu_proof.sh [--full] [--build]
 #   --full: the whole GPU benchmark instead of --quick.
+#   --build: first compile every GPU kernel for the machine's architecture
+#            (tools/check_gpu_build.sh; CI already does it for sm_90).
+# TESTS_S and BENCH_S (seconds, default 330 and 180) bound the two steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+full=false build=false
+for arg in "$@"; do
+    case $arg in
+        --full) full=true ;;
+        --build) build=true ;;
+        *) echo "unknown argument $arg" >&2; exit 2 ;;
+    esac
+done
 OUT=${OUT:-gpu-proof}
 mkdir -p "$OUT"
 CARRY=/tmp/gpu-carry
@@ -17,11 +31,15 @@ SITE=/tmp/mokv-site
 export MOKV_CACHE_DIR=/tmp/mokv-cache MODULAR_CACHE_DIR=/tmp/mokv-cache/modular PYTHONUNBUFFERED=1
 mkdir -p "$MOKV_CACHE_DIR/wheels" "$SITE"
 
-step() {  # step NAME COMMAND...: runs it, logs to $OUT/NAME.log, reports the time
-    local name=$1 start=$SECONDS
-    shift
+step() {  # step NAME SECONDS COMMAND...: runs it (at most SECONDS if not 0), logs to $OUT/NAME.log
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
     echo "== $name"
-    "$@" > "$OUT/$name.log" 2>&1
+    if [ "$limit" -gt 0 ]; then
+        timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    else
+        "$@" > "$OUT/$name.log" 2>&1
+    fi
     local status=$?
     tail -n 25 "$OUT/$name.log"
     echo "== $name: exit $status in $((SECONDS - start)) s"
@@ -42,14 +60,25 @@ install() {
     done
 }
 
-step install install || exit 1
+step install 0 install || exit 1
 export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 ARCH=$(python3 -c "from max.driver import accelerator_architecture_name as a; print(a())" 2>/dev/null || echo sm_90)
 status=0
-step build env MOJO="$SITE/bin/mojo" tools/check_gpu_build.sh "$ARCH" || status=1
-step tests python3 -m pytest tests/gpu -q -rs -p no:cacheprovider || status=1
+if $build; then
+    step build 300 env MOJO="$SITE/bin/mojo" tools/check_gpu_build.sh "$ARCH" || status=1
+fi
+# The machine's own pytest plugins (jaxtyping, anyio, ...) stay out of it.
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+side_by_side=()
+python3 -c "import xdist" 2>/dev/null && side_by_side=(-p xdist.plugin -n 3 --dist loadfile)
+# Importing the tests once first builds the Mojo extensions MAX compiles on
+# first import (max._kv_cache_ops), which parallel workers would race to write.
+step collect 120 python3 -m pytest tests/gpu --collect-only -q -p no:cacheprovider || status=1
+step tests "${TESTS_S:-330}" python3 -m pytest tests/gpu --ignore tests/gpu/test_emulated_kernels.py \
+    "${side_by_side[@]}" -v -rfEs --durations=15 -p no:cacheprovider || status=1
 bench=(--quick)
-[ "${1:-}" = "--full" ] && bench=()
-step bench python3 -c "from mokv_examples.cli import main; main()" bench attention --device gpu "${bench[@]}" --out "$OUT" || status=1
+$full && bench=()
+step bench "${BENCH_S:-180}" python3 -c "from mokv_examples.cli import main; main()" \
+    bench attention --device gpu "${bench[@]}" --out "$OUT" || status=1
 exit $status
