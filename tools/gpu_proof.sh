@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # The GPU proof, on a GPU machine whose Python has no MAX (this workplace's
 # device machines): installs the wheels that tools/gpu_carry.sh packed and
-# earlier calls copied to /tmp/gpu-carry, then in one run runs tests/gpu (the
-# three GPU files side by side where pytest-xdist is installed; the emulator
-# tests need no GPU and run in CI) and the GPU attention benchmark, each under
-# its own time limit so that one slow step leaves the other its share. Logs
-# and results go to $OUT (or ./gpu-proof) as they are made.
+# earlier calls copied to /tmp/gpu-carry, then in one run the GPU attention
+# benchmark (short and bounded, so first) and tests/gpu (the three GPU files
+# side by side where pytest-xdist is installed; the emulator tests need no GPU
+# and run in CI), each under its own time limit so that one slow step leaves
+# the other its share. Logs and results go to $OUT (or ./gpu-proof) as they
+# are made.
 #
 # Usage (on the GPU machine, in the repository root):
 #   tools/gpu_proof.sh [--full] [--build]
 #   --full: the whole GPU benchmark instead of --quick.
 #   --build: first compile every GPU kernel for the machine's architecture
 #            (tools/check_gpu_build.sh; CI already does it for sm_90).
-# TESTS_S and BENCH_S (seconds, default 330 and 180) bound the two steps.
+# TESTS_S and BENCH_S (seconds, default 330 and 180) bound the two steps;
+# PYTEST_ARGS (split on spaces) goes to pytest, e.g. "-k long_contexts".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -68,6 +70,10 @@ status=0
 if $build; then
     step build 300 env MOJO="$SITE/bin/mojo" tools/check_gpu_build.sh "$ARCH" || status=1
 fi
+bench=(--quick)
+$full && bench=()
+step bench "${BENCH_S:-180}" python3 -c "from mokv_examples.cli import main; main()" \
+    bench attention --device gpu "${bench[@]}" --out "$OUT" || status=1
 # The machine's own pytest plugins (jaxtyping, anyio, ...) stay out of it.
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 side_by_side=()
@@ -75,10 +81,7 @@ python3 -c "import xdist" 2>/dev/null && side_by_side=(-p xdist.plugin -n 3 --di
 # Importing the tests once first builds the Mojo extensions MAX compiles on
 # first import (max._kv_cache_ops), which parallel workers would race to write.
 step collect 120 python3 -m pytest tests/gpu --collect-only -q -p no:cacheprovider || status=1
+# shellcheck disable=SC2086
 step tests "${TESTS_S:-330}" python3 -m pytest tests/gpu --ignore tests/gpu/test_emulated_kernels.py \
-    "${side_by_side[@]}" -v -rfEs --durations=15 -p no:cacheprovider || status=1
-bench=(--quick)
-$full && bench=()
-step bench "${BENCH_S:-180}" python3 -c "from mokv_examples.cli import main; main()" \
-    bench attention --device gpu "${bench[@]}" --out "$OUT" || status=1
+    "${side_by_side[@]}" -v -rfEs --durations=15 -p no:cacheprovider ${PYTEST_ARGS:-} || status=1
 exit $status

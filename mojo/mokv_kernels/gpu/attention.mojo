@@ -1,60 +1,73 @@
-"""Flash attention of a ragged batch over the cache, on a GPU.
+"""Flash attention of a ragged batch over the cache, on a GPU: the op's
+entry point, the plan, the prefill tile kernel and the split-K merge.
 
 Same semantics as the CPU op (see `..attention`): new token i of batch row b
 sits at position `cache_lengths[b] + i` and attends to positions
 `0 ..= cache_lengths[b] + i` of its own sequence (the last W with a sliding
 window), query head h reading KV head `h // group`.
 
-One thread block (CTA) per (query tile, KV head, batch row, split):
+One thread block per (query tile, KV head, batch row, split)
+(`attention_work`): its query rows are consecutive new tokens of the row
+times the `group` query heads sharing the KV head, so every K/V element a
+block loads serves the whole GQA group. Two kernels:
 
-- its query rows are `tokens_per_tile` consecutive new tokens of the row
-  times the `group` query heads sharing the KV head, so every K/V element
-  loaded into shared memory serves the whole GQA group;
-- it walks its share of the context in tiles of `BN` tokens: K and V of the
-  tile are staged in shared memory as float32, scores go through an online
-  softmax (running max and sum per query row, base 2, float32), and each
-  thread keeps its share of the output rows in registers;
-- split-K: when the grid would not cover the device, the context is cut into
-  `splits` ranges, each block writes its unnormalised state (output, max,
-  sum) to scratch, and `MergeKernel` combines them per (token, head).
+- decode (`decode`): up to `DECODE_ROWS` = 8 query rows, keys read straight
+  into registers, one per thread, 128 per tile (flash decoding);
+- prefill (`AttentionKernel` here): 64 query rows (32 for head_dim 256); K
+  and V of each 32-key tile staged in shared memory as float32, each thread
+  scoring a few rows against a few keys, and keeping its share of the output
+  rows in registers.
 
-Two tile shapes: decode (`DECODE_ROWS` = 8 query rows, a decode step of a
-GQA group up to 8 heads: flash decoding) and prefill (64 query rows, or 32
-for head_dim 256), chosen by the host from the batch summary.
+Both go through the same online softmax (`tile_softmax`). Split-K: when the
+grid would not cover the device, the context is cut into `splits` ranges,
+each block writes its unnormalised state (output, max, sum) to scratch, and
+`MergeKernel` combines them per (token, head).
 
 The grid is sized on the host from the batch summary (`BatchBounds`: most
 new tokens of a row, longest context) without reading device memory; each block reads its row's
 offsets and cache length itself. Rows with more new tokens than the bound are
 not fully covered: the bound must hold (the manager's `max_lengths` does).
 
-Not yet here: Hopper's wgmma and bulk tensor copies, double-buffered tiles.
-The products are float32 FMAs on shared-memory tiles.
+Not yet here: tensor cores (Hopper's wgmma), bulk tensor copies,
+double-buffered tiles; the products are float32 FMAs.
 """
 
 from extensibility import InputTensor, OutputTensor
 from std.math import ceildiv, exp2
 from std.sys import size_of
-from std.utils.numerics import neg_inf
 
 from ..bind import check_layer
-from ..cache import BatchSummary, CachePtr, KVCacheT, KVCollectionT, U32Ptr
-from .block import BlockExecutor, BlockId, F32Ptr, KernelT, Launcher, ThreadProgram
+from ..cache import BatchSummary, CachePtr, KVCacheT, KVCollectionT
+from .attention_work import (
+    BLOCK_THREADS,
+    DECODE_ROWS,
+    LOG2E,
+    NEG_INF,
+    WARP,
+    WARPS,
+    AttentionArgs,
+    BlockWork,
+    block_work,
+    write_row_part,
+)
+from .block import (
+    BlockExecutor,
+    BlockId,
+    F32Ptr,
+    KernelT,
+    Launcher,
+    ThreadProgram,
+)
+from .decode import DecodeKernel
 from .rows import row_in_cache
+from .tile_softmax import TileSoftmax
 
-comptime BLOCK_THREADS = 128
-comptime WARP = 32
-comptime WARPS = BLOCK_THREADS // WARP
-comptime DECODE_ROWS = 8
-"""Query rows of a decode block: one token times a GQA group of up to 8."""
 comptime MIN_SPLIT_TOKENS = 256
 """Fewest context tokens worth a split of their own."""
 comptime MAX_SPLITS = 64
 comptime BLOCKS_PER_MULTIPROCESSOR = 4
 """Blocks per multiprocessor the grid aims for before splitting the context."""
-comptime LOG2E: Float32 = 1.4426950408889634
-comptime NEG_INF = neg_inf[DType.float32]()
-
-# Phases of an attention block (`AttentionThread.step`).
+# Phases of a prefill block (`AttentionThread.step`).
 comptime LOAD_Q = 0
 comptime LOAD_KV = 1
 comptime SCORES = 2
@@ -120,104 +133,18 @@ def plan_attention(
     return AttentionPlan(decode, tokens_per_tile, query_tiles, splits)
 
 
-@fieldwise_init
-struct AttentionArgs[cache_t: KVCacheT](TrivialRegisterPassable):
-    """What every attention block reads."""
-
-    var k_cache: Self.cache_t
-    var v_cache: Self.cache_t
-    var q: CachePtr[Self.cache_t.dtype]
-    var out: CachePtr[Self.cache_t.dtype]
-    var row_offsets: U32Ptr
-    var partials: F32Ptr
-    """Split states `[splits, total_tokens, n_q_heads, head_dim + 2]`
-    (output, then max and sum), when `splits > 1`."""
-    var total_tokens: Int
-    var n_q_heads: Int
-    var group: Int
-    var scale_log2: Float32
-    var window: Int
-    var tokens_per_tile: Int
-    var splits: Int
-
-    def visible_start(self, position: Int) -> Int:
-        """First position the token at `position` attends to."""
-        if self.window > 0:
-            return max(0, position + 1 - self.window)
-        return 0
-
-    def state_offset(self, split: Int, token: Int, head: Int, head_dim: Int) -> Int:
-        return ((split * self.total_tokens + token) * self.n_q_heads + head) * (head_dim + 2)
-
-
-@fieldwise_init
-struct BlockWork(TrivialRegisterPassable):
-    """One block's query rows and context range; the same in all its threads."""
-
-    var row: Int
-    var kv_head: Int
-    var split: Int
-    var first_token: Int
-    """Index into q/out of the block's first new token."""
-    var num_tokens: Int
-    var first_position: Int
-    """Position of that token in its sequence."""
-    var kv_start: Int
-    var kv_end: Int
-
-    def empty(self) -> Bool:
-        return self.num_tokens <= 0
-
-
-def block_work[
-    cache_t: KVCacheT
-](args: AttentionArgs[cache_t], block: BlockId, tile_tokens: Int) -> BlockWork:
-    """Block (x = query tile * splits + split, y = KV head, z = batch row)'s
-    rows and its split's share of their context, aligned to `tile_tokens`."""
-    var row = block.z
-    var tile = block.x // args.splits
-    var split = block.x % args.splits
-    var start = Int(args.row_offsets[unsafe_offset=row])
-    var end = Int(args.row_offsets[unsafe_offset=row + 1])
-    var first = tile * args.tokens_per_tile
-    var count = min(args.tokens_per_tile, end - start - first)
-    if end > args.total_tokens or count <= 0:
-        return BlockWork(row, block.y, split, 0, 0, 0, 0, 0)
-    var first_position = args.k_cache.cache_length(row) + first
-    var lo = args.visible_start(first_position)
-    var hi = first_position + count
-    var chunk = ceildiv(ceildiv(hi - lo, args.splits), tile_tokens) * tile_tokens
-    var kv_start = min(hi, lo + split * chunk)
-    return BlockWork(
-        row,
-        block.y,
-        split,
-        start + first,
-        count,
-        first_position,
-        kv_start,
-        min(hi, kv_start + chunk),
-    )
-
-
 struct SharedTiles[D: Int, BM: Int, BN: Int, LPR: Int](TrivialRegisterPassable):
-    """The block's shared memory, float32: queries `[BM, D + 1]`, keys
-    `[BN, D + 1]` (rows padded by one word, so a warp reading one column of
-    several rows hits distinct banks), values `[BN, D]`, probabilities
-    `[BM, BN]`, then per query row its running max, running sum and this
-    tile's rescale factor, and `LPR` partial maxima and sums."""
+    """The prefill block's shared memory, float32: queries `[BM, D + 1]`,
+    keys `[BN, D + 1]` (rows padded by one word, so a warp reading one column
+    of several rows hits distinct banks), values `[BN, D]`, then the online
+    softmax's regions for `BM` rows."""
 
     comptime STRIDE = Self.D + 1
     comptime Q = 0
     comptime K = Self.Q + Self.BM * Self.STRIDE
     comptime V = Self.K + Self.BN * Self.STRIDE
-    comptime P = Self.V + Self.BN * Self.D
-    comptime MAX = Self.P + Self.BM * Self.BN
-    comptime SUM = Self.MAX + Self.BM
-    comptime ALPHA = Self.SUM + Self.BM
-    comptime PART_MAX = Self.ALPHA + Self.BM
-    comptime PART_SUM = Self.PART_MAX + Self.BM * Self.LPR
-    comptime FLOATS = Self.PART_SUM + Self.BM * Self.LPR
+    comptime SOFTMAX = Self.V + Self.BN * Self.D
+    comptime FLOATS = Self.SOFTMAX + Self.BM * TileSoftmax[Self.BN, Self.LPR].FLOATS_PER_ROW
 
     var base: F32Ptr
 
@@ -229,7 +156,7 @@ struct SharedTiles[D: Int, BM: Int, BN: Int, LPR: Int](TrivialRegisterPassable):
 
 
 struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](ThreadProgram):
-    """One thread of an attention block. Thread layouts per phase:
+    """One thread of a prefill block. Thread layouts per phase:
 
     - scores: `KG = BN / SK` key groups by `RG` row groups; the thread scores
       rows `rg + RG * k` against keys `kg + KG * i`;
@@ -242,21 +169,26 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
     comptime RG = BLOCK_THREADS // Self.KG
     comptime SR = Self.BM // Self.RG
     comptime LPR = BLOCK_THREADS // Self.BM
-    comptime KPL = Self.BN // Self.LPR
     comptime RPW = Self.BM // WARPS
     comptime CPL = Self.D // WARP
     comptime VEC = 16 // size_of[Scalar[Self.dtype]]()
     comptime UNITS = Self.BN * Self.D // Self.VEC // BLOCK_THREADS
     comptime Tiles = SharedTiles[Self.D, Self.BM, Self.BN, Self.LPR]
+    comptime Softmax = TileSoftmax[Self.BN, Self.LPR]
 
     var args: AttentionArgs[Self.cache_t]
     var work: BlockWork
     var tid: Int
     var smem: Self.Tiles
+    var softmax: Self.Softmax
     var acc: Array[Float32, Self.RPW * Self.CPL]
 
     def __init__(
-        out self, args: AttentionArgs[Self.cache_t], work: BlockWork, tid: Int, shared: F32Ptr
+        out self,
+        args: AttentionArgs[Self.cache_t],
+        work: BlockWork,
+        tid: Int,
+        shared: F32Ptr,
     ):
         comptime assert Self.D % WARP == 0, "head_dim must be a multiple of 32"
         comptime assert (
@@ -269,18 +201,11 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
         self.work = work
         self.tid = tid
         self.smem = Self.Tiles(shared)
+        self.softmax = Self.Softmax.at(self.smem.at(Self.Tiles.SOFTMAX, 0), Self.BM)
         self.acc = Array[Float32, Self.RPW * Self.CPL](fill=0)
 
     def rows(self) -> Int:
-        """Query rows of the block that exist: tokens times the group."""
-        return self.work.num_tokens * self.args.group
-
-    def position(self, r: Int) -> Int:
-        """Position of query row `r`'s token (rows are token-major)."""
-        return self.work.first_position + r // self.args.group
-
-    def head(self, r: Int) -> Int:
-        return self.work.kv_head * self.args.group + r % self.args.group
+        return self.work.rows(self.args.group)
 
     def step(mut self, phase: Int, arg: Int):
         if phase == LOAD_Q:
@@ -290,9 +215,9 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
         elif phase == SCORES:
             self.score_tile(arg)
         elif phase == ROW_MAX:
-            self.partial_maxima()
+            self.softmax.partial_max(self.tid // Self.LPR, self.tid % Self.LPR)
         elif phase == EXPONENTIATE:
-            self.exponentiate()
+            self.softmax.exponentiate(self.tid // Self.LPR, self.tid % Self.LPR)
         elif phase == ACCUMULATE:
             self.accumulate()
         else:
@@ -308,14 +233,14 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
             var value: Float32 = 0
             if r < rows:
                 var token = self.work.first_token + r // self.args.group
-                var index = (token * self.args.n_q_heads + self.head(r)) * Self.D + d
+                var head = self.work.head(r, self.args.group)
+                var index = (token * self.args.n_q_heads + head) * Self.D + d
                 value = (
                     self.args.q[unsafe_offset=index].cast[DType.float32]() * self.args.scale_log2
                 )
             self.smem.at(Self.Tiles.Q, r * Self.Tiles.STRIDE + d)[] = value
         if self.tid < Self.BM:
-            self.smem.at(Self.Tiles.MAX, self.tid)[] = NEG_INF
-            self.smem.at(Self.Tiles.SUM, self.tid)[] = 0
+            self.softmax.reset(self.tid)
 
     def load_tile(self, kv_start: Int):
         """K and V of positions `kv_start ..< kv_start + BN` into shared
@@ -348,8 +273,7 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
 
     def score_tile(self, kv_start: Int):
         """Scores of the thread's rows and keys, -inf where masked. A thread
-        whose rows are all past `rows()` (most of a decode block's, for small
-        GQA groups) skips the products."""
+        whose rows are all past `rows()` skips the products."""
         var kg = self.tid % Self.KG
         var rg = self.tid // Self.KG
         var rows = self.rows()
@@ -366,7 +290,7 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
                         )
         comptime for k in range(Self.SR):
             var r = rg + k * Self.RG
-            var position = self.position(r)
+            var position = self.work.position(r, self.args.group)
             var first_visible = self.args.visible_start(position)
             comptime for i in range(Self.SK):
                 var j = kg + i * Self.KG
@@ -374,76 +298,30 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
                 var visible = (
                     r < rows and key < self.work.kv_end and key <= position and key >= first_visible
                 )
-                self.smem.at(Self.Tiles.P, r * Self.BN + j)[] = scores[
-                    k * Self.SK + i
-                ] if visible else NEG_INF
-
-    def partial_maxima(self):
-        var r = self.tid // Self.LPR
-        var u = self.tid % Self.LPR
-        var best = NEG_INF
-        for i in range(Self.KPL):
-            best = max(best, self.smem.at(Self.Tiles.P, r * Self.BN + u + i * Self.LPR)[])
-        self.smem.at(Self.Tiles.PART_MAX, r * Self.LPR + u)[] = best
-
-    def new_max(self, r: Int) -> Float32:
-        """Row `r`'s running max including this tile."""
-        var best = self.smem.at(Self.Tiles.MAX, r)[]
-        for u in range(Self.LPR):
-            best = max(best, self.smem.at(Self.Tiles.PART_MAX, r * Self.LPR + u)[])
-        return best
-
-    def exponentiate(self):
-        """Scores become `exp2(score - new max)`; partial sums, and each
-        row's factor for rescaling what it accumulated before this tile."""
-        var r = self.tid // Self.LPR
-        var u = self.tid % Self.LPR
-        var new_max = self.new_max(r)
-        var total: Float32 = 0
-        for i in range(Self.KPL):
-            var p = self.smem.at(Self.Tiles.P, r * Self.BN + u + i * Self.LPR)
-            var weight: Float32 = 0
-            if new_max != NEG_INF:
-                weight = exp2(p[] - new_max)
-            p[] = weight
-            total += weight
-        self.smem.at(Self.Tiles.PART_SUM, r * Self.LPR + u)[] = total
-        if u == 0:
-            var old_max = self.smem.at(Self.Tiles.MAX, r)[]
-            self.smem.at(Self.Tiles.ALPHA, r)[] = 1 if new_max == NEG_INF else exp2(
-                old_max - new_max
-            )
+                self.softmax.score(r, j)[] = scores[k * Self.SK + i] if visible else NEG_INF
 
     def accumulate(mut self):
-        """Rescales the thread's outputs and adds this tile's weighted
-        values (for the warp's rows that exist: the branch is the same in
-        the whole warp); thread r < BM also updates row r's running max and
-        sum."""
+        """Rescales the thread's outputs and adds this tile's weighted values
+        (for the warp's rows that exist: the branch is the same in the whole
+        warp); thread r < BM then folds the tile into row r's max and sum."""
         var warp = self.tid // WARP
         var lane = self.tid % WARP
         var rows = self.rows()
         comptime for k in range(Self.RPW):
-            var alpha = self.smem.at(Self.Tiles.ALPHA, warp + k * WARPS)[]
+            var alpha = self.softmax.alpha[unsafe_offset=warp + k * WARPS]
             comptime for i in range(Self.CPL):
                 self.acc[k * Self.CPL + i] *= alpha
-        var p_base = self.smem.at(Self.Tiles.P, warp * Self.BN)
         var v_base = self.smem.at(Self.Tiles.V, lane)
         for j in range(Self.BN):
             comptime for k in range(Self.RPW):
                 if warp + k * WARPS < rows:
-                    var p = p_base[unsafe_offset=k * WARPS * Self.BN + j]
+                    var p = self.softmax.score(warp + k * WARPS, j)[]
                     comptime for i in range(Self.CPL):
                         self.acc[k * Self.CPL + i] += (
                             p * v_base[unsafe_offset=j * Self.D + i * WARP]
                         )
         if self.tid < Self.BM:
-            var r = self.tid
-            var total = self.smem.at(Self.Tiles.SUM, r)[] * self.smem.at(Self.Tiles.ALPHA, r)[]
-            for u in range(Self.LPR):
-                total += self.smem.at(Self.Tiles.PART_SUM, r * Self.LPR + u)[]
-            var new_max = self.new_max(r)
-            self.smem.at(Self.Tiles.SUM, r)[] = total
-            self.smem.at(Self.Tiles.MAX, r)[] = new_max
+            self.softmax.update(self.tid)
 
     def finish(self):
         """Normalised outputs, or this split's state for the merge."""
@@ -453,32 +331,22 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
         comptime for k in range(Self.RPW):
             var r = warp + k * WARPS
             if r < rows:
-                var token = self.work.first_token + r // self.args.group
-                var head = self.head(r)
-                var total = self.smem.at(Self.Tiles.SUM, r)[]
-                if self.args.splits == 1:
-                    var inv: Float32 = 1 / total if total > 0 else 0
-                    var out = self.args.out.unsafe_offset(
-                        (token * self.args.n_q_heads + head) * Self.D + lane
+                comptime for i in range(Self.CPL):
+                    write_row_part[Self.cache_t, Self.D, 1](
+                        self.args,
+                        self.work,
+                        r,
+                        lane + i * WARP,
+                        self.acc[k * Self.CPL + i],
+                        self.softmax.running_max[unsafe_offset=r],
+                        self.softmax.running_sum[unsafe_offset=r],
+                        lane == 0 and i == 0,
                     )
-                    comptime for i in range(Self.CPL):
-                        out[unsafe_offset=i * WARP] = (self.acc[k * Self.CPL + i] * inv).cast[
-                            Self.dtype
-                        ]()
-                else:
-                    var state = self.args.partials.unsafe_offset(
-                        self.args.state_offset(self.work.split, token, head, Self.D)
-                    )
-                    comptime for i in range(Self.CPL):
-                        state[unsafe_offset=lane + i * WARP] = self.acc[k * Self.CPL + i]
-                    if lane == 0:
-                        state[unsafe_offset=Self.D] = self.smem.at(Self.Tiles.MAX, r)[]
-                        state[unsafe_offset=Self.D + 1] = total
 
 
 @fieldwise_init
 struct AttentionKernel[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](KernelT):
-    """Grid (query tiles * splits, KV heads, batch rows) of attention blocks."""
+    """Grid (query tiles * splits, KV heads, batch rows) of prefill blocks."""
 
     comptime Program = AttentionThread[Self.cache_t, Self.D, Self.BM, Self.BN, Self.SK]
     comptime THREADS = BLOCK_THREADS
@@ -620,7 +488,7 @@ def _run[
     if plan.splits > 1:
         args.partials = launcher.scratch(plan.splits * args.total_tokens * args.n_q_heads * (D + 2))
     if plan.decode:
-        launcher.launch(AttentionKernel[cache_t, D, DECODE_ROWS, 32, 2](args, plan.query_tiles))
+        launcher.launch(DecodeKernel[cache_t, D](args, plan.query_tiles))
     else:
         comptime rows = 32 if D > 128 else 64
         launcher.launch(AttentionKernel[cache_t, D, rows, 32, 4](args, plan.query_tiles))
@@ -628,7 +496,11 @@ def _run[
         launcher.launch(
             MergeKernel[cache_t.dtype, D](
                 MergeArgs[cache_t.dtype](
-                    args.partials, args.out, args.total_tokens, args.n_q_heads, plan.splits
+                    args.partials,
+                    args.out,
+                    args.total_tokens,
+                    args.n_q_heads,
+                    plan.splits,
                 )
             )
         )

@@ -1,0 +1,147 @@
+"""What every GPU attention block shares: its arguments, its share of the
+batch (query rows and context range), and how it writes its rows out.
+
+Both kernels (`decode` and the tile kernel of `attention`) run one thread
+block per (query tile, KV head, batch row, split); this module says which
+rows and which context positions such a block owns, and writes a row's
+finished values: normalised outputs, or, when the context is split, the
+split's unnormalised state (output, running max, running sum) that the merge
+kernel combines."""
+
+from std.math import ceildiv
+from std.utils.numerics import neg_inf
+
+from ..cache import CachePtr, KVCacheT, U32Ptr
+from .block import BlockId, F32Ptr
+
+comptime BLOCK_THREADS = 128
+comptime WARP = 32
+comptime WARPS = BLOCK_THREADS // WARP
+comptime DECODE_ROWS = 8
+"""Query rows of a decode block: one token times a GQA group of up to 8."""
+comptime LOG2E: Float32 = 1.4426950408889634
+comptime NEG_INF = neg_inf[DType.float32]()
+
+
+@fieldwise_init
+struct AttentionArgs[cache_t: KVCacheT](TrivialRegisterPassable):
+    """What every attention block reads."""
+
+    var k_cache: Self.cache_t
+    var v_cache: Self.cache_t
+    var q: CachePtr[Self.cache_t.dtype]
+    var out: CachePtr[Self.cache_t.dtype]
+    var row_offsets: U32Ptr
+    var partials: F32Ptr
+    """Split states `[splits, total_tokens, n_q_heads, head_dim + 2]`
+    (output, then max and sum), when `splits > 1`."""
+    var total_tokens: Int
+    var n_q_heads: Int
+    var group: Int
+    var scale_log2: Float32
+    var window: Int
+    var tokens_per_tile: Int
+    var splits: Int
+
+    def visible_start(self, position: Int) -> Int:
+        """First position the token at `position` attends to."""
+        if self.window > 0:
+            return max(0, position + 1 - self.window)
+        return 0
+
+    def state_offset(self, split: Int, token: Int, head: Int, head_dim: Int) -> Int:
+        return ((split * self.total_tokens + token) * self.n_q_heads + head) * (head_dim + 2)
+
+
+@fieldwise_init
+struct BlockWork(TrivialRegisterPassable):
+    """One block's query rows and context range; the same in all its threads.
+    Query rows are token-major: row `r` is token `r // group`, query head
+    `kv_head * group + r % group`."""
+
+    var row: Int
+    var kv_head: Int
+    var split: Int
+    var first_token: Int
+    """Index into q/out of the block's first new token."""
+    var num_tokens: Int
+    var first_position: Int
+    """Position of that token in its sequence."""
+    var kv_start: Int
+    var kv_end: Int
+
+    def empty(self) -> Bool:
+        return self.num_tokens <= 0
+
+    def rows(self, group: Int) -> Int:
+        """Query rows of the block that exist: tokens times the group."""
+        return self.num_tokens * group
+
+    def position(self, r: Int, group: Int) -> Int:
+        """Position of query row `r`'s token."""
+        return self.first_position + r // group
+
+    def head(self, r: Int, group: Int) -> Int:
+        return self.kv_head * group + r % group
+
+
+def block_work[
+    cache_t: KVCacheT
+](args: AttentionArgs[cache_t], block: BlockId, tile_tokens: Int) -> BlockWork:
+    """Block (x = query tile * splits + split, y = KV head, z = batch row)'s
+    rows and its split's share of their context, aligned to `tile_tokens`."""
+    var row = block.z
+    var tile = block.x // args.splits
+    var split = block.x % args.splits
+    var start = Int(args.row_offsets[unsafe_offset=row])
+    var end = Int(args.row_offsets[unsafe_offset=row + 1])
+    var first = tile * args.tokens_per_tile
+    var count = min(args.tokens_per_tile, end - start - first)
+    if end > args.total_tokens or count <= 0:
+        return BlockWork(row, block.y, split, 0, 0, 0, 0, 0)
+    var first_position = args.k_cache.cache_length(row) + first
+    var lo = args.visible_start(first_position)
+    var hi = first_position + count
+    var chunk = ceildiv(ceildiv(hi - lo, args.splits), tile_tokens) * tile_tokens
+    var kv_start = min(hi, lo + split * chunk)
+    return BlockWork(
+        row,
+        block.y,
+        split,
+        start + first,
+        count,
+        first_position,
+        kv_start,
+        min(hi, kv_start + chunk),
+    )
+
+
+def write_row_part[
+    cache_t: KVCacheT, D: Int, W: Int
+](
+    args: AttentionArgs[cache_t],
+    work: BlockWork,
+    r: Int,
+    d: Int,
+    acc: SIMD[DType.float32, W],
+    row_max: Float32,
+    row_sum: Float32,
+    writes_stats: Bool,
+):
+    """Writes dims `d ..< d + W` of query row `r`: its output divided by the
+    row's sum, or with a split context the split's unnormalised output (and,
+    from the one thread whose `writes_stats`, the row's max and sum)."""
+    var token = work.first_token + r // args.group
+    var head = work.head(r, args.group)
+    if args.splits == 1:
+        var inv: Float32 = 1 / row_sum if row_sum > 0 else 0
+        var out = args.out.unsafe_offset((token * args.n_q_heads + head) * D + d)
+        comptime for i in range(W):
+            out[unsafe_offset=i] = (acc[i] * inv).cast[cache_t.dtype]()
+    else:
+        var state = args.partials.unsafe_offset(args.state_offset(work.split, token, head, D))
+        comptime for i in range(W):
+            state[unsafe_offset=d + i] = acc[i]
+        if writes_stats:
+            state[unsafe_offset=D] = row_max
+            state[unsafe_offset=D + 1] = row_sum
