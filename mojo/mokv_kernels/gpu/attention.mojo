@@ -144,7 +144,7 @@ struct SharedTiles[D: Int, BM: Int, BN: Int, LPR: Int](TrivialRegisterPassable):
     comptime K = Self.Q + Self.BM * Self.STRIDE
     comptime V = Self.K + Self.BN * Self.STRIDE
     comptime SOFTMAX = Self.V + Self.BN * Self.D
-    comptime FLOATS = Self.SOFTMAX + Self.BM * TileSoftmax[Self.BN, Self.LPR].FLOATS_PER_ROW
+    comptime FLOATS = Self.SOFTMAX + TileSoftmax[Self.BM, Self.BN, Self.LPR].FLOATS
 
     var base: F32Ptr
 
@@ -174,13 +174,12 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
     comptime VEC = 16 // size_of[Scalar[Self.dtype]]()
     comptime UNITS = Self.BN * Self.D // Self.VEC // BLOCK_THREADS
     comptime Tiles = SharedTiles[Self.D, Self.BM, Self.BN, Self.LPR]
-    comptime Softmax = TileSoftmax[Self.BN, Self.LPR]
+    comptime Softmax = TileSoftmax[Self.BM, Self.BN, Self.LPR]
 
     var args: AttentionArgs[Self.cache_t]
     var work: BlockWork
     var tid: Int
     var smem: Self.Tiles
-    var softmax: Self.Softmax
     var acc: Array[Float32, Self.RPW * Self.CPL]
 
     def __init__(
@@ -201,11 +200,13 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
         self.work = work
         self.tid = tid
         self.smem = Self.Tiles(shared)
-        self.softmax = Self.Softmax.at(self.smem.at(Self.Tiles.SOFTMAX, 0), Self.BM)
         self.acc = Array[Float32, Self.RPW * Self.CPL](fill=0)
 
     def rows(self) -> Int:
         return self.work.rows(self.args.group)
+
+    def softmax(self) -> Self.Softmax:
+        return Self.Softmax(self.smem.at(Self.Tiles.SOFTMAX, 0))
 
     def step(mut self, phase: Int, arg: Int):
         if phase == LOAD_Q:
@@ -215,9 +216,9 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
         elif phase == SCORES:
             self.score_tile(arg)
         elif phase == ROW_MAX:
-            self.softmax.partial_max(self.tid // Self.LPR, self.tid % Self.LPR)
+            self.softmax().partial_max(self.tid // Self.LPR, self.tid % Self.LPR)
         elif phase == EXPONENTIATE:
-            self.softmax.exponentiate(self.tid // Self.LPR, self.tid % Self.LPR)
+            self.softmax().exponentiate(self.tid // Self.LPR, self.tid % Self.LPR)
         elif phase == ACCUMULATE:
             self.accumulate()
         else:
@@ -240,7 +241,7 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
                 )
             self.smem.at(Self.Tiles.Q, r * Self.Tiles.STRIDE + d)[] = value
         if self.tid < Self.BM:
-            self.softmax.reset(self.tid)
+            self.softmax().reset(self.tid)
 
     def load_tile(self, kv_start: Int):
         """K and V of positions `kv_start ..< kv_start + BN` into shared
@@ -298,7 +299,7 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
                 var visible = (
                     r < rows and key < self.work.kv_end and key <= position and key >= first_visible
                 )
-                self.softmax.score(r, j)[] = scores[k * Self.SK + i] if visible else NEG_INF
+                self.softmax().score(r, j)[] = scores[k * Self.SK + i] if visible else NEG_INF
 
     def accumulate(mut self):
         """Rescales the thread's outputs and adds this tile's weighted values
@@ -308,20 +309,21 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
         var lane = self.tid % WARP
         var rows = self.rows()
         comptime for k in range(Self.RPW):
-            var alpha = self.softmax.alpha[unsafe_offset=warp + k * WARPS]
+            var alpha = self.softmax().alpha(warp + k * WARPS)
             comptime for i in range(Self.CPL):
                 self.acc[k * Self.CPL + i] *= alpha
+        var p_base = self.softmax().score(warp, 0)
         var v_base = self.smem.at(Self.Tiles.V, lane)
         for j in range(Self.BN):
             comptime for k in range(Self.RPW):
                 if warp + k * WARPS < rows:
-                    var p = self.softmax.score(warp + k * WARPS, j)[]
+                    var p = p_base[unsafe_offset=k * WARPS * Self.BN + j]
                     comptime for i in range(Self.CPL):
                         self.acc[k * Self.CPL + i] += (
                             p * v_base[unsafe_offset=j * Self.D + i * WARP]
                         )
         if self.tid < Self.BM:
-            self.softmax.update(self.tid)
+            self.softmax().update(self.tid)
 
     def finish(self):
         """Normalised outputs, or this split's state for the merge."""
@@ -338,8 +340,8 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
                         r,
                         lane + i * WARP,
                         self.acc[k * Self.CPL + i],
-                        self.softmax.running_max[unsafe_offset=r],
-                        self.softmax.running_sum[unsafe_offset=r],
+                        self.softmax().row_max(r),
+                        self.softmax().row_sum(r),
                         lane == 0 and i == 0,
                     )
 

@@ -64,17 +64,15 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
     comptime RPW = Self.BM // WARPS
     comptime DPL = Self.D // WARP
     comptime V_ALIGN = min(Self.DPL * Self.ELEM, 16)
-    comptime Softmax = TileSoftmax[Self.BN, Self.LPR]
+    comptime Softmax = TileSoftmax[Self.BM, Self.BN, Self.LPR]
     comptime SOFTMAX_AT = Self.BM * Self.D
-    comptime V_AT = Self.SOFTMAX_AT + Self.BM * Self.Softmax.FLOATS_PER_ROW
+    comptime V_AT = Self.SOFTMAX_AT + Self.Softmax.FLOATS
     comptime FLOATS = Self.V_AT + ceildiv(Self.BN * Self.V_STRIDE * Self.ELEM, 4)
 
     var args: AttentionArgs[Self.cache_t]
     var work: BlockWork
     var tid: Int
-    var queries: F32Ptr
-    var softmax: Self.Softmax
-    var values: CachePtr[Self.dtype]
+    var shared: F32Ptr
     var acc: Array[SIMD[DType.float32, Self.DPL], Self.RPW]
 
     def __init__(
@@ -90,13 +88,20 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
         self.args = args
         self.work = work
         self.tid = tid
-        self.queries = shared
-        self.softmax = Self.Softmax.at(shared.unsafe_offset(Self.SOFTMAX_AT), Self.BM)
-        self.values = shared.unsafe_offset(Self.V_AT).unsafe_bitcast[Scalar[Self.dtype]]()
+        self.shared = shared
         self.acc = Array[SIMD[DType.float32, Self.DPL], Self.RPW](fill=0)
 
     def rows(self) -> Int:
         return self.work.rows(self.args.group)
+
+    def queries(self) -> F32Ptr:
+        return self.shared
+
+    def softmax(self) -> Self.Softmax:
+        return Self.Softmax(self.shared.unsafe_offset(Self.SOFTMAX_AT))
+
+    def values(self) -> CachePtr[Self.dtype]:
+        return self.shared.unsafe_offset(Self.V_AT).unsafe_bitcast[Scalar[Self.dtype]]()
 
     def step(mut self, phase: Int, arg: Int):
         if phase == LOAD_Q:
@@ -104,9 +109,9 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
         elif phase == SCORE:
             self.score_key(arg)
         elif phase == ROW_MAX:
-            self.softmax.partial_max(self.tid // Self.LPR, self.tid % Self.LPR)
+            self.softmax().partial_max(self.tid // Self.LPR, self.tid % Self.LPR)
         elif phase == EXPONENTIATE:
-            self.softmax.exponentiate(self.tid // Self.LPR, self.tid % Self.LPR)
+            self.softmax().exponentiate(self.tid // Self.LPR, self.tid % Self.LPR)
         elif phase == ACCUMULATE:
             self.accumulate()
         else:
@@ -126,9 +131,9 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
                 value = (
                     self.args.q[unsafe_offset=index].cast[DType.float32]() * self.args.scale_log2
                 )
-            self.queries[unsafe_offset=e] = value
+            self.queries()[unsafe_offset=e] = value
         if self.tid < Self.BM:
-            self.softmax.reset(self.tid)
+            self.softmax().reset(self.tid)
 
     def score_key(self, kv_start: Int):
         """Key `kv_start + tid`: its scores against every query row (-inf
@@ -148,7 +153,7 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
             comptime for c in range(Self.CHUNKS):
                 keys[c] = k_row.unsafe_load[width=Self.VEC, alignment=16](c * Self.VEC)
                 values[c] = v_row.unsafe_load[width=Self.VEC, alignment=16](c * Self.VEC)
-        var v_dst = self.values.unsafe_offset(j * Self.V_STRIDE)
+        var v_dst = self.values().unsafe_offset(j * Self.V_STRIDE)
         comptime for c in range(Self.CHUNKS):
             v_dst.unsafe_store[alignment=16](c * Self.VEC, values[c])
         var rows = self.rows()
@@ -162,14 +167,14 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
                 and pos >= self.args.visible_start(position)
             ):
                 var dot = SIMD[DType.float32, Self.VEC](0)
-                var q_row = self.queries.unsafe_offset(r * Self.D)
+                var q_row = self.queries().unsafe_offset(r * Self.D)
                 comptime for c in range(Self.CHUNKS):
                     dot += (
                         q_row.unsafe_load[width=Self.VEC, alignment=16](c * Self.VEC)
                         * keys[c].cast[DType.float32]()
                     )
                 score = dot.reduce_add()
-            self.softmax.score(r, j)[] = score
+            self.softmax().score(r, j)[] = score
 
     def accumulate(mut self):
         """Rescales the thread's outputs and adds the tile's weighted values
@@ -179,17 +184,17 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
         var lane = self.tid % WARP
         var first_row = warp * Self.RPW
         comptime for k in range(Self.RPW):
-            self.acc[k] *= self.softmax.alpha[unsafe_offset=first_row + k]
+            self.acc[k] *= self.softmax().alpha(first_row + k)
         if first_row < self.rows():
-            var column = self.values.unsafe_offset(lane * Self.DPL)
+            var column = self.values().unsafe_offset(lane * Self.DPL)
             for j in range(Self.BN):
                 var v = column.unsafe_load[width=Self.DPL, alignment=Self.V_ALIGN](
                     j * Self.V_STRIDE
                 ).cast[DType.float32]()
                 comptime for k in range(Self.RPW):
-                    self.acc[k] += self.softmax.score(first_row + k, j)[] * v
+                    self.acc[k] += self.softmax().score(first_row + k, j)[] * v
         if self.tid < Self.BM:
-            self.softmax.update(self.tid)
+            self.softmax().update(self.tid)
 
     def finish(self):
         """Normalised outputs, or this split's state for the merge."""
@@ -205,8 +210,8 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
                     r,
                     lane * Self.DPL,
                     self.acc[k],
-                    self.softmax.running_max[unsafe_offset=r],
-                    self.softmax.running_sum[unsafe_offset=r],
+                    self.softmax().row_max(r),
+                    self.softmax().row_sum(r),
                     lane == 0,
                 )
 

@@ -15,55 +15,55 @@ from std.math import exp2
 
 
 @fieldwise_init
-struct TileSoftmax[BN: Int, LPR: Int](TrivialRegisterPassable):
-    """Pointers into shared memory: scores `p [rows][BN]`, per row its
-    running max, running sum and rescale factor, and `LPR` partial maxima
-    and sums per row."""
+struct TileSoftmax[BM: Int, BN: Int, LPR: Int](TrivialRegisterPassable):
+    """The online softmax of `BM` query rows, in shared memory from `base`:
+    scores `[BM, BN]`, per row its running max, running sum and rescale
+    factor, then `LPR` partial maxima and sums per row. One pointer, and
+    every region at a compile-time offset from it, so a kernel can make one
+    whenever it needs it without holding registers for it."""
 
     comptime KPL = Self.BN // Self.LPR
     """Keys per thread in the partial phases."""
-    comptime FLOATS_PER_ROW = Self.BN + 3 + 2 * Self.LPR
-    """Shared-memory words per query row, over all the regions."""
+    comptime MAX = Self.BM * Self.BN
+    comptime SUM = Self.MAX + Self.BM
+    comptime ALPHA = Self.SUM + Self.BM
+    comptime PART_MAX = Self.ALPHA + Self.BM
+    comptime PART_SUM = Self.PART_MAX + Self.BM * Self.LPR
+    comptime FLOATS = Self.PART_SUM + Self.BM * Self.LPR
+    """Shared-memory words of all the regions."""
 
-    var p: F32Ptr
-    var running_max: F32Ptr
-    var running_sum: F32Ptr
-    var alpha: F32Ptr
-    var part_max: F32Ptr
-    var part_sum: F32Ptr
-
-    @staticmethod
-    def at(base: F32Ptr, rows: Int) -> Self:
-        """The regions for `rows` query rows laid out from `base`, in the
-        order of the fields: `rows * FLOATS_PER_ROW` words."""
-        var p = base
-        var running_max = p.unsafe_offset(rows * Self.BN)
-        var running_sum = running_max.unsafe_offset(rows)
-        var alpha = running_sum.unsafe_offset(rows)
-        var part_max = alpha.unsafe_offset(rows)
-        var part_sum = part_max.unsafe_offset(rows * Self.LPR)
-        return Self(p, running_max, running_sum, alpha, part_max, part_sum)
-
-    def reset(self, r: Int):
-        """Row `r` before its first tile."""
-        self.running_max[unsafe_offset=r] = NEG_INF
-        self.running_sum[unsafe_offset=r] = 0
+    var base: F32Ptr
 
     def score(self, r: Int, j: Int) -> F32Ptr:
         """Where row `r`'s score (then weight) of key `j` lives."""
-        return self.p.unsafe_offset(r * Self.BN + j)
+        return self.base.unsafe_offset(r * Self.BN + j)
+
+    def row_max(self, r: Int) -> Float32:
+        return self.base[unsafe_offset=Self.MAX + r]
+
+    def row_sum(self, r: Int) -> Float32:
+        return self.base[unsafe_offset=Self.SUM + r]
+
+    def alpha(self, r: Int) -> Float32:
+        """Row `r`'s factor for what it accumulated before this tile."""
+        return self.base[unsafe_offset=Self.ALPHA + r]
+
+    def reset(self, r: Int):
+        """Row `r` before its first tile."""
+        self.base[unsafe_offset=Self.MAX + r] = NEG_INF
+        self.base[unsafe_offset=Self.SUM + r] = 0
 
     def partial_max(self, r: Int, u: Int):
         var best = NEG_INF
         for i in range(Self.KPL):
             best = max(best, self.score(r, u + i * Self.LPR)[])
-        self.part_max[unsafe_offset=r * Self.LPR + u] = best
+        self.base[unsafe_offset=Self.PART_MAX + r * Self.LPR + u] = best
 
     def new_max(self, r: Int) -> Float32:
         """Row `r`'s running max including this tile."""
-        var best = self.running_max[unsafe_offset=r]
+        var best = self.row_max(r)
         for u in range(Self.LPR):
-            best = max(best, self.part_max[unsafe_offset=r * Self.LPR + u])
+            best = max(best, self.base[unsafe_offset=Self.PART_MAX + r * Self.LPR + u])
         return best
 
     def exponentiate(self, r: Int, u: Int):
@@ -78,17 +78,19 @@ struct TileSoftmax[BN: Int, LPR: Int](TrivialRegisterPassable):
                 weight = exp2(p[] - new_max)
             p[] = weight
             total += weight
-        self.part_sum[unsafe_offset=r * Self.LPR + u] = total
+        self.base[unsafe_offset=Self.PART_SUM + r * Self.LPR + u] = total
         if u == 0:
-            var old_max = self.running_max[unsafe_offset=r]
-            self.alpha[unsafe_offset=r] = 1 if new_max == NEG_INF else exp2(old_max - new_max)
+            var old_max = self.row_max(r)
+            self.base[unsafe_offset=Self.ALPHA + r] = 1 if new_max == NEG_INF else exp2(
+                old_max - new_max
+            )
 
     def update(self, r: Int):
         """Row `r`'s running sum and max with this tile folded in (after
         every thread has read `alpha`)."""
-        var total = self.running_sum[unsafe_offset=r] * self.alpha[unsafe_offset=r]
+        var total = self.row_sum(r) * self.alpha(r)
         for u in range(Self.LPR):
-            total += self.part_sum[unsafe_offset=r * Self.LPR + u]
+            total += self.base[unsafe_offset=Self.PART_SUM + r * Self.LPR + u]
         var new_max = self.new_max(r)
-        self.running_sum[unsafe_offset=r] = total
-        self.running_max[unsafe_offset=r] = new_max
+        self.base[unsafe_offset=Self.SUM + r] = total
+        self.base[unsafe_offset=Self.MAX + r] = new_max
