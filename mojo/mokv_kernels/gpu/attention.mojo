@@ -48,6 +48,8 @@ from .attention_work import (
     AttentionArgs,
     BlockWork,
     block_work,
+    split_state_offset,
+    stage_queries,
     write_row_part,
 )
 from .block import (
@@ -232,19 +234,9 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
     def load_queries(self):
         """Scaled queries into shared memory (zero rows past `rows()`), and
         every row's running max and sum reset."""
-        var rows = self.rows()
-        for e in range(self.tid, Self.BM * Self.D, BLOCK_THREADS):
-            var r = e // Self.D
-            var d = e % Self.D
-            var value: Float32 = 0
-            if r < rows:
-                var token = self.work.first_token + r // self.args.group
-                var head = self.work.head(r, self.args.group)
-                var index = (token * self.args.n_q_heads + head) * Self.D + d
-                value = (
-                    self.args.q[unsafe_offset=index].cast[DType.float32]() * self.args.scale_log2
-                )
-            self.smem.at(Self.Tiles.Q, r * Self.Tiles.STRIDE + d)[] = value
+        stage_queries[Self.cache_t, Self.D, Self.BM](
+            self.args, self.work, self.tid, self.smem.at(Self.Tiles.Q, 0), Self.Tiles.STRIDE
+        )
         if self.tid < Self.BM:
             self.softmax().reset(self.tid)
 
@@ -431,10 +423,11 @@ struct MergeThread[dtype: DType, D: Int](ThreadProgram):
         self.shared = shared
 
     def state(self, split: Int) -> F32Ptr:
-        var offset = (
-            (split * self.args.total_tokens + self.token) * self.args.n_q_heads + self.head
-        ) * (Self.D + 2)
-        return self.args.partials.unsafe_offset(offset)
+        return self.args.partials.unsafe_offset(
+            split_state_offset(
+                split, self.token, self.head, self.args.total_tokens, self.args.n_q_heads, Self.D
+            )
+        )
 
     def step(mut self, phase: Int, arg: Int):
         if phase == MERGE_READ:

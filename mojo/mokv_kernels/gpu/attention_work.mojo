@@ -50,7 +50,7 @@ struct AttentionArgs[cache_t: KVCacheT](TrivialRegisterPassable):
         return 0
 
     def state_offset(self, split: Int, token: Int, head: Int, head_dim: Int) -> Int:
-        return ((split * self.total_tokens + token) * self.n_q_heads + head) * (head_dim + 2)
+        return split_state_offset(split, token, head, self.total_tokens, self.n_q_heads, head_dim)
 
 
 @fieldwise_init
@@ -76,6 +76,10 @@ struct BlockWork(TrivialRegisterPassable):
     def rows(self, group: Int) -> Int:
         """Query rows of the block that exist: tokens times the group."""
         return self.num_tokens * group
+
+    def token(self, r: Int, group: Int) -> Int:
+        """Index into q/out of query row `r`'s token."""
+        return self.first_token + r // group
 
     def position(self, r: Int, group: Int) -> Int:
         """Position of query row `r`'s token."""
@@ -116,6 +120,42 @@ def block_work[
     )
 
 
+def split_state_offset(
+    split: Int, token: Int, head: Int, total_tokens: Int, n_q_heads: Int, head_dim: Int
+) -> Int:
+    """Where split `split`'s state of (token, query head) starts in the
+    partials `[splits, total_tokens, n_q_heads, head_dim + 2]`."""
+    return ((split * total_tokens + token) * n_q_heads + head) * (head_dim + 2)
+
+
+def row_offset[
+    cache_t: KVCacheT, D: Int
+](args: AttentionArgs[cache_t], work: BlockWork, r: Int) -> Int:
+    """Where query row `r`'s `D` values start in q, and in out."""
+    return (work.token(r, args.group) * args.n_q_heads + work.head(r, args.group)) * D
+
+
+def stage_queries[
+    cache_t: KVCacheT, D: Int, BM: Int
+](args: AttentionArgs[cache_t], work: BlockWork, tid: Int, dest: F32Ptr, stride: Int):
+    """The block's `BM` query rows into `dest` (rows `stride` floats apart) as
+    float32, scaled by `scale * log2(e)`; rows past the block's are zeros.
+    Every thread of the block takes its share of the elements."""
+    var rows = work.rows(args.group)
+    for e in range(tid, BM * D, BLOCK_THREADS):
+        var r = e // D
+        var d = e % D
+        var value: Float32 = 0
+        if r < rows:
+            value = (
+                args.q[unsafe_offset=row_offset[cache_t, D](args, work, r) + d].cast[
+                    DType.float32
+                ]()
+                * args.scale_log2
+            )
+        dest[unsafe_offset=r * stride + d] = value
+
+
 def write_row_part[
     cache_t: KVCacheT, D: Int, W: Int
 ](
@@ -131,15 +171,15 @@ def write_row_part[
     """Writes dims `d ..< d + W` of query row `r`: its output divided by the
     row's sum, or with a split context the split's unnormalised output (and,
     from the one thread whose `writes_stats`, the row's max and sum)."""
-    var token = work.first_token + r // args.group
-    var head = work.head(r, args.group)
     if args.splits == 1:
         var inv: Float32 = 1 / row_sum if row_sum > 0 else 0
-        var out = args.out.unsafe_offset((token * args.n_q_heads + head) * D + d)
+        var out = args.out.unsafe_offset(row_offset[cache_t, D](args, work, r) + d)
         comptime for i in range(W):
             out[unsafe_offset=i] = (acc[i] * inv).cast[cache_t.dtype]()
     else:
-        var state = args.partials.unsafe_offset(args.state_offset(work.split, token, head, D))
+        var state = args.partials.unsafe_offset(
+            args.state_offset(work.split, work.token(r, args.group), work.head(r, args.group), D)
+        )
         comptime for i in range(W):
             state[unsafe_offset=d + i] = acc[i]
         if writes_stats:

@@ -33,6 +33,7 @@ from .attention_work import (
     AttentionArgs,
     BlockWork,
     block_work,
+    stage_queries,
     write_row_part,
 )
 from .block import BlockExecutor, BlockId, F32Ptr, KernelT, ThreadProgram
@@ -120,18 +121,9 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
     def load_queries(self):
         """Scaled queries as float32 (zero rows past `rows()`); every row's
         running max and sum reset."""
-        var rows = self.rows()
-        for e in range(self.tid, Self.BM * Self.D, BLOCK_THREADS):
-            var r = e // Self.D
-            var value: Float32 = 0
-            if r < rows:
-                var token = self.work.first_token + r // self.args.group
-                var head = self.work.head(r, self.args.group)
-                var index = (token * self.args.n_q_heads + head) * Self.D + e % Self.D
-                value = (
-                    self.args.q[unsafe_offset=index].cast[DType.float32]() * self.args.scale_log2
-                )
-            self.queries()[unsafe_offset=e] = value
+        stage_queries[Self.cache_t, Self.D, Self.BM](
+            self.args, self.work, self.tid, self.queries(), Self.D
+        )
         if self.tid < Self.BM:
             self.softmax().reset(self.tid)
 
