@@ -83,8 +83,7 @@ FUSED_PROJECTIONS = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_gate_up": 
 """Matrices of a layer that read the same input, by the name of their concatenation: in a
 block format one product over the stacked rows replaces two or three (at batch 1 each product
 is a kernel call with its own fixed cost: a graph op, and helpers queued on the runtime's
-workers). Float32
-weights stay apart, so the reference format is never copied."""
+workers). Float32 weights stay apart, so the reference format is never copied."""
 
 
 def fused_parts(encodings: Mapping[str, str], prefix: str, fused: str) -> list[str] | None:

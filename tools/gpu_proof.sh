@@ -65,9 +65,9 @@ install() {
 step install 0 install || exit 1
 export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
-ARCH=$(python3 -c "from max.driver import accelerator_architecture_name as a; print(a())" 2>/dev/null || echo sm_90)
 status=0
 if $build; then
+    ARCH=$(python3 -c "from max.driver import accelerator_architecture_name as a; print(a())" 2>/dev/null || echo sm_90)
     step build 300 env MOJO="$SITE/bin/mojo" tools/check_gpu_build.sh "$ARCH" || status=1
 fi
 bench=(--quick)
