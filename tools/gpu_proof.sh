@@ -9,20 +9,25 @@
 # are made.
 #
 # Usage (on the GPU machine, in the repository root):
-#   tools/gpu_proof.sh [--full] [--build]
+#   tools/gpu_proof.sh [--full] [--build] [--profile]
 #   --full: the whole GPU benchmark instead of --quick.
 #   --build: first compile every GPU kernel for the machine's architecture
 #            (tools/check_gpu_build.sh; CI already does it for sm_90).
+#   --profile: instead of the benchmark and tests, Nsight Compute's report
+#            (occupancy, stall reasons, memory throughput) of mokv's kernels
+#            on a decode and a prefill case (tools/gpu_profile.py), PROFILE_S
+#            seconds at most (default 240).
 # TESTS_S and BENCH_S (seconds, default 330 and 180) bound the two steps;
 # PYTEST_ARGS (split on spaces) goes to pytest, e.g. "-k long_contexts".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-full=false build=false
+full=false build=false profile=false
 for arg in "$@"; do
     case $arg in
         --full) full=true ;;
         --build) build=true ;;
+        --profile) profile=true ;;
         *) echo "unknown argument $arg" >&2; exit 2 ;;
     esac
 done
@@ -69,6 +74,13 @@ status=0
 if $build; then
     ARCH=$(python3 -c "from max.driver import accelerator_architecture_name as a; print(a())" 2>/dev/null || echo sm_90)
     step build 300 env MOJO="$SITE/bin/mojo" tools/check_gpu_build.sh "$ARCH" || status=1
+fi
+if $profile; then
+    step profile "${PROFILE_S:-240}" ncu --target-processes all --launch-count 12 \
+        --section LaunchStats --section Occupancy --section SpeedOfLight --section SchedulerStats \
+        --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        python3 tools/gpu_profile.py || status=1
+    exit $status
 fi
 bench=(--quick)
 $full && bench=()

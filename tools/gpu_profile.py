@@ -1,0 +1,45 @@
+"""Runs mokv's GPU attention on a few of `mokv bench attention --device gpu`'s
+cases, each call twice, for a profiler to watch (`tools/gpu_proof.sh
+--profile` runs it under Nsight Compute): the first call of a case warms it
+up, the second is the one to read. No MAX kernel runs here, so every kernel
+the profiler sees is mokv's (attention, and the split-K merge where the plan
+splits the context).
+
+Usage: python3 tools/gpu_profile.py [CASE ...]  (names as in the benchmark;
+default: the 32-sequence decode and the 2k prefill)."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+from max.driver import CPU, Accelerator
+from max.engine import InferenceSession
+
+from mokv_examples.bench_attention import Kernels, gpu_quick_cases, make_inputs
+
+DEFAULT_CASES = (
+    "decode-bfloat16-32x8x128-page128-b32-ctx4096",
+    "prefill-bfloat16-32x8x128-page128-b1-ctx2048-new2048",
+)
+
+
+def main(names: list[str]) -> None:
+    gpu = Accelerator()
+    kernels = Kernels(InferenceSession(devices=[CPU(), gpu]), device=gpu)
+    cases = {case.name: case for case in gpu_quick_cases()}
+    for name in names or DEFAULT_CASES:
+        case = cases[name]
+        model = kernels.mokv_model(case.dtype)
+        args = make_inputs(case, np.random.default_rng(0), (case.dtype,), gpu)[case.dtype].mokv_args(
+            1 / math.sqrt(case.heads[2])
+        )
+        for _ in range(2):
+            model.execute(*args)
+            gpu.synchronize()
+        print(f"ran {name} twice", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
