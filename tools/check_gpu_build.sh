@@ -7,8 +7,10 @@
 # modules than the ops launch (a launch the compiler proved unreachable is
 # not compiled, so it would not be checked).
 #
-# Usage: tools/check_gpu_build.sh [arch ...]   (default: sm_90 gfx942)
+# Usage: tools/check_gpu_build.sh [--registers] [arch ...]   (default: sm_90 gfx942)
 # Takes about 15-30 s of CPU per architecture on an idle 2-core machine.
+# --registers: for NVIDIA builds, also each kernel's registers, spills and
+# stack as ptxas (CUDA's, when on PATH) compiles it (tools/ptx_registers.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +19,11 @@ cd "$(dirname "$0")/.."
 # 2 dtypes. Update when a kernel is added or removed.
 EXPECTED_MODULES=46
 MOJO=${MOJO:-.venv/bin/mojo}
+REGISTERS=false
+if [ "${1:-}" = --registers ]; then
+    REGISTERS=true
+    shift
+fi
 ARCHS=("$@")
 [ ${#ARCHS[@]} -gt 0 ] || ARCHS=(sm_90 gfx942)
 OUT=$(mktemp -d)
@@ -45,6 +52,13 @@ EOF
         return 1
     fi
     echo "GPU build for $arch: $modules device modules in $((SECONDS - start)) s"
+    if $REGISTERS && [[ $arch == sm_* ]]; then
+        if command -v ptxas > /dev/null; then
+            python3 tools/ptx_registers.py "$OUT/check-$arch"
+        else
+            echo "register report for $arch skipped: no ptxas on PATH" >&2
+        fi
+    fi
 }
 
 pids=()

@@ -215,6 +215,7 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
     def softmax(self) -> Self.Softmax:
         return Self.Softmax(self.smem.at(Self.Tiles.SOFTMAX, 0))
 
+    @always_inline
     def step(mut self, phase: Int, arg: Int):
         if phase == LOAD_Q:
             self.load_queries()
@@ -231,6 +232,7 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
         else:
             self.finish()
 
+    @always_inline
     def load_queries(self):
         """Scaled queries into shared memory (zero rows past `rows()`), and
         every row's running max and sum reset."""
@@ -240,6 +242,7 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
         if self.tid < Self.BM:
             self.softmax().reset(self.tid)
 
+    @always_inline
     def load_tile(self, kv_start: Int):
         """K and V of positions `kv_start ..< kv_start + BN` into shared
         memory as float32; positions outside the block's range (or the
@@ -269,6 +272,7 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
                 self.smem.at(Self.Tiles.K, j * Self.Tiles.STRIDE + d + e)[] = k[e]
                 self.smem.at(Self.Tiles.V, j * Self.D + d + e)[] = v[e]
 
+    @always_inline
     def score_tile(self, kv_start: Int):
         """Scores of the thread's rows and keys, -inf where masked. A thread
         whose rows are all past `rows()` skips the products."""
@@ -298,6 +302,7 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
                 )
                 self.softmax().score(r, j)[] = scores[k * Self.SK + i] if visible else NEG_INF
 
+    @always_inline
     def accumulate(mut self):
         """Rescales the thread's outputs and adds this tile's weighted values
         (for the warp's rows that exist: the branch is the same in the whole
@@ -322,6 +327,7 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
         if self.tid < Self.BM:
             self.softmax().update(self.tid)
 
+    @always_inline
     def finish(self):
         """Normalised outputs, or this split's state for the merge."""
         var warp = self.tid // WARP
@@ -363,9 +369,11 @@ struct AttentionKernel[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Ker
     def shared_floats(self) -> Int:
         return Self.Program.Tiles.FLOATS
 
+    @always_inline
     def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:
         return Self.Program(self.args, block_work(self.args, block, Self.BN), tid, shared)
 
+    @always_inline
     def schedule[E: BlockExecutor](self, mut threads: E, block: BlockId):
         var work = block_work(self.args, block, Self.BN)
         if work.empty():
