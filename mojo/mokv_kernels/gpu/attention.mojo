@@ -355,6 +355,7 @@ struct AttentionKernel[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Ker
 
     comptime Program = AttentionThread[Self.cache_t, Self.D, Self.BM, Self.BN, Self.SK]
     comptime THREADS = BLOCK_THREADS
+    comptime MIN_BLOCKS = 1
 
     var args: AttentionArgs[Self.cache_t]
     var query_tiles: Int
@@ -516,6 +517,7 @@ struct MergeKernel[dtype: DType, D: Int](KernelT):
 
     comptime Program = MergeThread[Self.dtype, Self.D]
     comptime THREADS = MergeThread[Self.dtype, Self.D].THREADS
+    comptime MIN_BLOCKS = 1
 
     var args: MergeArgs[Self.dtype]
 

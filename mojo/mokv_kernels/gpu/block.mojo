@@ -23,7 +23,8 @@ merging are tested on machines without a GPU; it cannot show timing, warp
 behaviour or anything the hardware adds.
 """
 
-from max.gpu import barrier, block_idx, thread_idx
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, thread_idx
+from std.utils.static_tuple import StaticTuple
 from max.gpu.host import DeviceAttribute, DeviceBuffer, DeviceContext, Dim, FuncAttribute
 from max.gpu.memory import external_memory
 from std.memory import AddressSpace
@@ -71,6 +72,10 @@ trait KernelT(TrivialRegisterPassable):
 
     comptime Program: ThreadProgram
     comptime THREADS: Int
+    comptime MIN_BLOCKS: Int
+    """Blocks per multiprocessor the compiler must leave registers for
+    (it then keeps each thread under 65536 / (THREADS * MIN_BLOCKS)
+    registers, spilling if it must): 1 leaves it free to take up to 255."""
 
     def grid(self) -> BlockId:
         """Blocks along x, y and z."""
@@ -166,6 +171,10 @@ struct GpuLauncher(Launcher):
             raise Error(t"grid {grid.x} x {grid.y} x {grid.z} exceeds 65535 blocks along y or z")
         var shared_bytes = kernel.shared_floats() * 4
 
+        @__llvm_metadata(
+            MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(K.THREADS)),
+            `nvvm.minctasm`=SIMDLength(K.MIN_BLOCKS),
+        )
         def run_block() {var kernel}:
             var block = BlockId(Int(block_idx.x), Int(block_idx.y), Int(block_idx.z))
             var threads = GpuBlock(kernel.program(block, Int(thread_idx.x), _shared_memory()))

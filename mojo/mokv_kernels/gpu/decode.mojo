@@ -5,12 +5,13 @@ reading K and V once, at memory speed.
 One block of 128 threads per (query tile, KV head, batch row, split) walks its
 context range in tiles of 128 keys, one key per thread:
 
-- scores: thread j loads key j's row straight from the cache into registers
-  (one page-table lookup) and dots it with every query row (the queries sit in
-  shared memory as float32, each word read by all threads at once: a
-  broadcast); it also copies value j's row, as stored, into shared memory
-  (rows padded by 16 bytes, so the rows a warp writes at once start in
-  different banks);
+- scores: thread j reads key j's row straight from the cache into registers
+  (one page-table lookup), a quarter of the row at a time, and dots each
+  quarter with every query row's matching dims (the queries sit in shared
+  memory as float32, each word read by all threads at once: a broadcast); it
+  also copies value j's row, as stored, into shared memory, quarter by
+  quarter beside the key's (rows padded by 16 bytes, so the rows a warp
+  writes at once start in different banks);
 - the online softmax over the tile (`tile_softmax`);
 - values: warp w owns query rows `RPW * w ..< RPW * (w + 1)`, lane c the `DPL`
   contiguous dims from `c * DPL`: per key, one vector read of the value row
@@ -63,6 +64,9 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
     comptime V_STRIDE = Self.D + Self.VEC
     comptime LPR = BLOCK_THREADS // Self.BM
     comptime RPW = Self.BM // WARPS
+    comptime KEY_PARTS = 4
+    """Parts a key and value row are read and used in (`score_key`)."""
+    comptime PART_CHUNKS = Self.CHUNKS // Self.KEY_PARTS
     comptime DPL = Self.D // WARP
     comptime V_ALIGN = min(Self.DPL * Self.ELEM, 16)
     comptime Softmax = TileSoftmax[Self.BM, Self.BN, Self.LPR]
@@ -85,6 +89,7 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
     ):
         comptime assert Self.D % WARP == 0 and Self.D % Self.VEC == 0, "head_dim layout"
         comptime assert Self.BM % WARPS == 0 and BLOCK_THREADS % Self.BM == 0, "row layout"
+        comptime assert Self.CHUNKS % Self.KEY_PARTS == 0, "key parts"
         comptime assert Self.V_AT % 4 == 0, "values must start 16-byte aligned"
         self.args = args
         self.work = work
@@ -104,6 +109,7 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
     def values(self) -> CachePtr[Self.dtype]:
         return self.shared.unsafe_offset(Self.V_AT).unsafe_bitcast[Scalar[Self.dtype]]()
 
+    @always_inline
     def step(mut self, phase: Int, arg: Int):
         if phase == LOAD_Q:
             self.load_queries()
@@ -118,6 +124,7 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
         else:
             self.finish()
 
+    @always_inline
     def load_queries(self):
         """Scaled queries as float32 (zero rows past `rows()`); every row's
         running max and sum reset."""
@@ -127,47 +134,69 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
         if self.tid < Self.BM:
             self.softmax().reset(self.tid)
 
+    @always_inline
     def score_key(self, kv_start: Int):
         """Key `kv_start + tid`: its scores against every query row (-inf
         where masked or outside the block's range), and its value row into
-        shared memory (zeros outside the range, so a zero weight stays 0)."""
+        shared memory (zeros outside the range, so a zero weight stays 0).
+
+        Key and value rows are read in `KEY_PARTS` parts, each key part
+        widened to float32 once and dotted with every query row's matching
+        dims, each value part stored before the next is read. Whole rows
+        (the compiler widens the key once for all query rows) held
+        `head_dim` float32 registers plus the value row: 255 registers and
+        spills for head_dim 128, two blocks per multiprocessor."""
         var j = self.tid
         var pos = kv_start + j
         var in_range = pos < self.work.kv_end and row_in_cache(
             self.args.k_cache, self.work.row, pos
         )
-        var keys = Array[SIMD[Self.dtype, Self.VEC], Self.CHUNKS](fill=0)
-        var values = Array[SIMD[Self.dtype, Self.VEC], Self.CHUNKS](fill=0)
+        var v_dst = self.values().unsafe_offset(j * Self.V_STRIDE)
+        # The page table is read only for a key in range; otherwise the rows
+        # stay pointed at `v_dst` and are never read.
+        var k_row = v_dst
+        var v_row = v_dst
         if in_range:
             var head_offset = self.work.kv_head * Self.D
-            var k_row = self.args.k_cache.row_ptr(self.work.row, pos).unsafe_offset(head_offset)
-            var v_row = self.args.v_cache.row_ptr(self.work.row, pos).unsafe_offset(head_offset)
-            comptime for c in range(Self.CHUNKS):
-                keys[c] = k_row.unsafe_load[width=Self.VEC, alignment=16](c * Self.VEC)
-                values[c] = v_row.unsafe_load[width=Self.VEC, alignment=16](c * Self.VEC)
-        var v_dst = self.values().unsafe_offset(j * Self.V_STRIDE)
-        comptime for c in range(Self.CHUNKS):
-            v_dst.unsafe_store[alignment=16](c * Self.VEC, values[c])
+            k_row = self.args.k_cache.row_ptr(self.work.row, pos).unsafe_offset(head_offset)
+            v_row = self.args.v_cache.row_ptr(self.work.row, pos).unsafe_offset(head_offset)
         var rows = self.rows()
+        var dots = SIMD[DType.float32, Self.BM](0)
+        comptime for part in range(Self.KEY_PARTS):
+            comptime first = part * Self.PART_CHUNKS
+            var keys = Array[SIMD[DType.float32, Self.VEC], Self.PART_CHUNKS](fill=0)
+            var values = Array[SIMD[Self.dtype, Self.VEC], Self.PART_CHUNKS](fill=0)
+            if in_range:
+                comptime for c in range(Self.PART_CHUNKS):
+                    values[c] = v_row.unsafe_load[width=Self.VEC, alignment=16](
+                        (first + c) * Self.VEC
+                    )
+                    keys[c] = k_row.unsafe_load[width=Self.VEC, alignment=16](
+                        (first + c) * Self.VEC
+                    ).cast[DType.float32]()
+            comptime for c in range(Self.PART_CHUNKS):
+                v_dst.unsafe_store[alignment=16]((first + c) * Self.VEC, values[c])
+            comptime for r in range(Self.BM):
+                if r < rows:
+                    var dot = SIMD[DType.float32, Self.VEC](0)
+                    var q_row = self.queries().unsafe_offset(r * Self.D)
+                    comptime for c in range(Self.PART_CHUNKS):
+                        dot += (
+                            q_row.unsafe_load[width=Self.VEC, alignment=16]((first + c) * Self.VEC)
+                            * keys[c]
+                        )
+                    dots[r] += dot.reduce_add()
         comptime for r in range(Self.BM):
-            var score = NEG_INF
             var position = self.work.position(r, self.args.group)
-            if (
+            var visible = (
                 r < rows
                 and in_range
                 and pos <= position
                 and pos >= self.args.visible_start(position)
-            ):
-                var dot = SIMD[DType.float32, Self.VEC](0)
-                var q_row = self.queries().unsafe_offset(r * Self.D)
-                comptime for c in range(Self.CHUNKS):
-                    dot += (
-                        q_row.unsafe_load[width=Self.VEC, alignment=16](c * Self.VEC)
-                        * keys[c].cast[DType.float32]()
-                    )
-                score = dot.reduce_add()
-            self.softmax().score(r, j)[] = score
+            )
+            self.softmax().score(r, j)[] = dots[r] if visible else NEG_INF
 
+    @always_inline
     def accumulate(mut self):
         """Rescales the thread's outputs and adds the tile's weighted values
         (for the warp's rows that exist: the branch is the same in the whole
@@ -188,6 +217,7 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
         if self.tid < Self.BM:
             self.softmax().update(self.tid)
 
+    @always_inline
     def finish(self):
         """Normalised outputs, or this split's state for the merge."""
         var warp = self.tid // WARP
@@ -214,6 +244,13 @@ struct DecodeKernel[cache_t: KVCacheT, D: Int](KernelT):
 
     comptime Program = DecodeThread[Self.cache_t, Self.D]
     comptime THREADS = BLOCK_THREADS
+    comptime MIN_BLOCKS = 3 if Self.D <= 128 else 1
+    """Three blocks per multiprocessor for head sizes to 128: ptxas then
+    keeps the thread at 168 registers with at most a few bytes of spills
+    (`tools/check_gpu_build.sh --registers`), where it would take ~200 and
+    leave room for two (measured on the H200: 255 registers, 2 blocks,
+    12% occupancy, the warps mostly waiting). Larger heads spill too
+    much under that cap."""
 
     var args: AttentionArgs[Self.cache_t]
     var query_tiles: Int
@@ -228,6 +265,7 @@ struct DecodeKernel[cache_t: KVCacheT, D: Int](KernelT):
     def shared_floats(self) -> Int:
         return Self.Program.FLOATS
 
+    @always_inline
     def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:
         return Self.Program(
             self.args,
@@ -236,6 +274,7 @@ struct DecodeKernel[cache_t: KVCacheT, D: Int](KernelT):
             shared,
         )
 
+    @always_inline
     def schedule[E: BlockExecutor](self, mut threads: E, block: BlockId):
         var work = block_work(self.args, block, Self.Program.BN)
         if work.empty():

@@ -94,6 +94,7 @@ struct StoreKernel[cache_t: KVCacheT, width: Int](KernelT, RowKernelBody):
 
     comptime Program = EachThread[Self]
     comptime THREADS = ROW_THREADS
+    comptime MIN_BLOCKS = 1
 
     var k_cache: Self.cache_t
     var v_cache: Self.cache_t
@@ -137,6 +138,7 @@ struct GatherKernel[cache_t: KVCacheT, width: Int](KernelT, RowKernelBody):
 
     comptime Program = EachThread[Self]
     comptime THREADS = ROW_THREADS
+    comptime MIN_BLOCKS = 1
 
     var cache: Self.cache_t
     var dest: CachePtr[Self.cache_t.dtype]
