@@ -24,8 +24,8 @@ float32 rows). Every timed call ends with a device synchronize, so a row is
 the call's wall time, launch overhead included for both kernels. The memory
 yardstick is then a 1 GiB device-to-device copy: its traffic (read plus
 write) per second stands for the achievable HBM bandwidth, against which the
-KV read rate of decode is set. Without a GPU it says so and exits. (This
-mode has not yet run on a GPU.)
+KV read rate of decode is set. Without a GPU it says so and exits.
+`tests/gpu/results/` keeps the H200 runs' tables.
 """
 
 from __future__ import annotations
