@@ -438,6 +438,7 @@ struct MergeThread[dtype: DType, D: Int](ThreadProgram):
             )
         )
 
+    @always_inline
     def step(mut self, phase: Int, arg: Int):
         if phase == MERGE_READ:
             self.read_split()
@@ -446,6 +447,7 @@ struct MergeThread[dtype: DType, D: Int](ThreadProgram):
         else:
             self.combine()
 
+    @always_inline
     def read_split(self):
         """Thread s < splits: split s's max and sum into shared memory."""
         if self.tid < self.args.splits:
@@ -453,6 +455,7 @@ struct MergeThread[dtype: DType, D: Int](ThreadProgram):
             self.shared[unsafe_offset=Self.MAXIMA + self.tid] = state[unsafe_offset=Self.D]
             self.shared[unsafe_offset=Self.SUMS + self.tid] = state[unsafe_offset=Self.D + 1]
 
+    @always_inline
     def weigh_split(self):
         """Thread s < splits: split s's weight `exp2(max_s - max)`, 0 for a
         split that saw no visible key."""
@@ -466,6 +469,7 @@ struct MergeThread[dtype: DType, D: Int](ThreadProgram):
                 weight = exp2(own - best)
             self.shared[unsafe_offset=Self.WEIGHTS + self.tid] = weight
 
+    @always_inline
     def combine(self):
         """Every thread: the weighted sum of its dims over the splits, over
         the weighted sum of the splits' sums. A split of weight 0 adds
@@ -527,9 +531,11 @@ struct MergeKernel[dtype: DType, D: Int](KernelT):
     def shared_floats(self) -> Int:
         return Self.Program.FLOATS
 
+    @always_inline
     def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:
         return Self.Program(self.args, block.x, block.y, tid, shared)
 
+    @always_inline
     def schedule[E: BlockExecutor](self, mut threads: E, block: BlockId):
         threads.each(MERGE_READ, 0)
         threads.sync()

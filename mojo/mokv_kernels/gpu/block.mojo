@@ -24,11 +24,11 @@ behaviour or anything the hardware adds.
 """
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, thread_idx
-from std.utils.static_tuple import StaticTuple
 from max.gpu.host import DeviceAttribute, DeviceBuffer, DeviceContext, Dim, FuncAttribute
 from max.gpu.memory import external_memory
 from std.memory import AddressSpace
 from std.utils.numerics import nan
+from std.utils.static_tuple import StaticTuple
 
 comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
 
