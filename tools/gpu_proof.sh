@@ -13,10 +13,10 @@
 #   --full: the whole GPU benchmark instead of --quick.
 #   --build: first compile every GPU kernel for the machine's architecture
 #            (tools/check_gpu_build.sh; CI already does it for sm_90).
-#   --profile: instead of the benchmark and tests, Nsight Compute's report
-#            (occupancy, stall reasons, memory throughput) of mokv's kernels
-#            on a decode and a prefill case (tools/gpu_profile.py), PROFILE_S
-#            seconds at most (default 240).
+#   --profile: also, between the benchmark and the tests, Nsight Compute's
+#            report (occupancy, stall reasons, memory throughput) of mokv's
+#            kernels on a decode and a prefill case (tools/gpu_profile.py),
+#            PROFILE_S seconds at most (default 240; it took 54 s on the H200).
 # TESTS_S and BENCH_S (seconds, default 330 and 180) bound the two steps;
 # PYTEST_ARGS (split on spaces) goes to pytest, e.g. "-k long_contexts".
 set -uo pipefail
@@ -75,17 +75,16 @@ if $build; then
     ARCH=$(python3 -c "from max.driver import accelerator_architecture_name as a; print(a())" 2>/dev/null || echo sm_90)
     step build 300 env MOJO="$SITE/bin/mojo" tools/check_gpu_build.sh "$ARCH" || status=1
 fi
+bench=(--quick)
+$full && bench=()
+step bench "${BENCH_S:-180}" python3 -c "from mokv_examples.cli import main; main()" \
+    bench attention --device gpu "${bench[@]}" --out "$OUT" || status=1
 if $profile; then
     step profile "${PROFILE_S:-240}" ncu --target-processes all --launch-count 12 \
         --section LaunchStats --section Occupancy --section SpeedOfLight --section SchedulerStats \
         --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         python3 tools/gpu_profile.py || status=1
-    exit $status
 fi
-bench=(--quick)
-$full && bench=()
-step bench "${BENCH_S:-180}" python3 -c "from mokv_examples.cli import main; main()" \
-    bench attention --device gpu "${bench[@]}" --out "$OUT" || status=1
 # The machine's own pytest plugins (jaxtyping, anyio, ...) stay out of it.
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 side_by_side=()
