@@ -293,13 +293,10 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
         comptime for k in range(Self.SR):
             var r = rg + k * Self.RG
             var position = self.work.position(r, self.args.group)
-            var first_visible = self.args.visible_start(position)
             comptime for i in range(Self.SK):
                 var j = kg + i * Self.KG
                 var key = kv_start + j
-                var visible = (
-                    r < rows and key < self.work.kv_end and key <= position and key >= first_visible
-                )
+                var visible = r < rows and key < self.work.kv_end and self.args.sees(position, key)
                 self.softmax().score(r, j)[] = scores[k * Self.SK + i] if visible else NEG_INF
 
     @always_inline

@@ -49,6 +49,11 @@ struct AttentionArgs[cache_t: KVCacheT](TrivialRegisterPassable):
             return max(0, position + 1 - self.window)
         return 0
 
+    def sees(self, position: Int, key: Int) -> Bool:
+        """Whether the token at `position` attends to the key at `key`:
+        not after it, and inside the window when there is one."""
+        return key <= position and key >= self.visible_start(position)
+
     def state_offset(self, split: Int, token: Int, head: Int, head_dim: Int) -> Int:
         return split_state_offset(split, token, head, self.total_tokens, self.n_q_heads, head_dim)
 

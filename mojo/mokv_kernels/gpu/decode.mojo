@@ -187,12 +187,10 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
                         )
                     dots[r] += dot.reduce_add()
         comptime for r in range(Self.BM):
-            var position = self.work.position(r, self.args.group)
             var visible = (
                 r < rows
                 and in_range
-                and pos <= position
-                and pos >= self.args.visible_start(position)
+                and self.args.sees(self.work.position(r, self.args.group), pos)
             )
             self.softmax().score(r, j)[] = dots[r] if visible else NEG_INF
 
