@@ -3,21 +3,27 @@
 reading K and V once, at memory speed.
 
 One block of 128 threads per (query tile, KV head, batch row, split) walks its
-context range in tiles of 128 keys, one key per thread:
+context range in tiles of 128 keys:
 
-- scores: thread j reads key j's row straight from the cache into registers
-  (one page-table lookup), a quarter of the row at a time, and dots each
-  quarter with every query row's matching dims (the queries sit in shared
-  memory as float32, each word read by all threads at once: a broadcast); it
-  also copies value j's row, as stored, into shared memory, quarter by
-  quarter beside the key's (rows padded by 16 bytes, so the rows a warp
-  writes at once start in different banks);
-- the online softmax over the tile (`tile_softmax`);
+- thread j looks key j's rows up in the page table once, and leaves their
+  addresses in shared memory (for the first tile beside the queries, for the
+  next while values are added): the copies read them from there;
+- the tile's key rows are copied, as stored, into shared memory, coalesced:
+  consecutive threads read consecutive 16-byte chunks of a row (rows padded
+  by 16 bytes, so the rows a warp later reads at once start in different
+  banks). A thread reading a whole row of its own straight from the cache
+  made every warp load touch 32 cache lines: on the H200 the L1 was the
+  busiest unit (75%) and DRAM ran at 29%;
+- scores: thread j dots key j's row, a quarter at a time widened to
+  float32, with every query row's matching dims (the queries sit in shared
+  memory as float32, each word read by all threads at once: a broadcast);
+- the online softmax over the tile (`tile_softmax`), while the value rows
+  are copied over the keys, which are no longer needed;
 - values: warp w owns query rows `RPW * w ..< RPW * (w + 1)`, lane c the `DPL`
   contiguous dims from `c * DPL`: per key, one vector read of the value row
-  and one broadcast weight per row.
+  and one broadcast weight per row (four keys' weights per read).
 
-Four barriers per 128 keys, and no float32 copy of K or V. The split-K plan
+Five barriers per 128 keys, and no float32 copy of K or V. The split-K plan
 and the merge of splits are `attention`'s; the prefill tile kernel there
 serves larger query tiles."""
 
@@ -43,17 +49,20 @@ from .tile_softmax import TileSoftmax
 
 # Phases of a decode block (`DecodeThread.step`).
 comptime LOAD_Q = 0
-comptime SCORE = 1
-comptime ROW_MAX = 2
-comptime EXPONENTIATE = 3
-comptime ACCUMULATE = 4
-comptime FINISH = 5
+comptime LOAD_K = 1
+comptime SCORE = 2
+comptime ROW_MAX_LOAD_V = 3
+comptime EXPONENTIATE = 4
+comptime ACCUMULATE = 5
+comptime FINISH = 6
 
 
 struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
     """One thread of a decode block (layouts in the module docstring).
     Shared memory, in float32 words: queries `[BM, D]`, the softmax regions,
-    then values `[BN, V_STRIDE]` in the cache's dtype."""
+    the addresses of the tile's key and value rows `[2, BN]` (0 for a key
+    outside the block's range or the cache), then one tile of rows
+    `[BN, ROW_STRIDE]` in the cache's dtype: the keys, then the values."""
 
     comptime dtype = Self.cache_t.dtype
     comptime BM = DECODE_ROWS
@@ -61,18 +70,25 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
     comptime ELEM = size_of[Scalar[Self.dtype]]()
     comptime VEC = 16 // Self.ELEM
     comptime CHUNKS = Self.D // Self.VEC
-    comptime V_STRIDE = Self.D + Self.VEC
+    """16-byte chunks of a row."""
+    comptime ROW_STRIDE = Self.D + Self.VEC
+    comptime PART_CHUNKS = 8
+    """Chunks a thread loads before it stores them (`copy_tile`)."""
+    comptime COPY_PARTS = Self.BN * Self.CHUNKS // BLOCK_THREADS // Self.PART_CHUNKS
+    comptime KEY_PARTS = 4
+    """Parts a key row is widened and dotted in (`score_key`)."""
+    comptime KEY_PART_CHUNKS = Self.CHUNKS // Self.KEY_PARTS
     comptime LPR = BLOCK_THREADS // Self.BM
     comptime RPW = Self.BM // WARPS
-    comptime KEY_PARTS = 4
-    """Parts a key and value row are read and used in (`score_key`)."""
-    comptime PART_CHUNKS = Self.CHUNKS // Self.KEY_PARTS
     comptime DPL = Self.D // WARP
     comptime V_ALIGN = min(Self.DPL * Self.ELEM, 16)
+    comptime KEYS_PER_READ = 4
+    """Keys whose weights `accumulate` reads at once."""
     comptime Softmax = TileSoftmax[Self.BM, Self.BN, Self.LPR]
     comptime SOFTMAX_AT = Self.BM * Self.D
-    comptime V_AT = Self.SOFTMAX_AT + Self.Softmax.FLOATS
-    comptime FLOATS = Self.V_AT + ceildiv(Self.BN * Self.V_STRIDE * Self.ELEM, 4)
+    comptime ADDRESSES_AT = Self.SOFTMAX_AT + Self.Softmax.FLOATS
+    comptime TILE_AT = Self.ADDRESSES_AT + 2 * Self.BN * size_of[Int]() // 4
+    comptime FLOATS = Self.TILE_AT + ceildiv(Self.BN * Self.ROW_STRIDE * Self.ELEM, 4)
 
     var args: AttentionArgs[Self.cache_t]
     var work: BlockWork
@@ -90,7 +106,12 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
         comptime assert Self.D % WARP == 0 and Self.D % Self.VEC == 0, "head_dim layout"
         comptime assert Self.BM % WARPS == 0 and BLOCK_THREADS % Self.BM == 0, "row layout"
         comptime assert Self.CHUNKS % Self.KEY_PARTS == 0, "key parts"
-        comptime assert Self.V_AT % 4 == 0, "values must start 16-byte aligned"
+        comptime assert (
+            Self.COPY_PARTS * Self.PART_CHUNKS * BLOCK_THREADS == Self.BN * Self.CHUNKS
+        ), "copy parts"
+        comptime assert Self.BN % Self.KEYS_PER_READ == 0, "weight reads"
+        comptime assert Self.ADDRESSES_AT % 2 == 0, "addresses must be 8-byte aligned"
+        comptime assert Self.TILE_AT % 4 == 0, "the tile must start 16-byte aligned"
         self.args = args
         self.work = work
         self.tid = tid
@@ -106,21 +127,34 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
     def softmax(self) -> Self.Softmax:
         return Self.Softmax(self.shared.unsafe_offset(Self.SOFTMAX_AT))
 
-    def values(self) -> CachePtr[Self.dtype]:
-        return self.shared.unsafe_offset(Self.V_AT).unsafe_bitcast[Scalar[Self.dtype]]()
+    def addresses(self, kind: Int) -> Pointer[Int, MutUntrackedOrigin]:
+        """Where the tile's key (`kind` 0) or value (1) row addresses live."""
+        return (
+            self.shared.unsafe_offset(Self.ADDRESSES_AT)
+            .unsafe_bitcast[Int]()
+            .unsafe_offset(kind * Self.BN)
+        )
+
+    def tile(self) -> CachePtr[Self.dtype]:
+        return self.shared.unsafe_offset(Self.TILE_AT).unsafe_bitcast[Scalar[Self.dtype]]()
 
     @always_inline
     def step(mut self, phase: Int, arg: Int):
         if phase == LOAD_Q:
             self.load_queries()
+            self.locate_rows(arg)
+        elif phase == LOAD_K:
+            self.copy_tile(0)
         elif phase == SCORE:
             self.score_key(arg)
-        elif phase == ROW_MAX:
+        elif phase == ROW_MAX_LOAD_V:
+            self.copy_tile(1)
             self.softmax().partial_max(self.tid // Self.LPR, self.tid % Self.LPR)
         elif phase == EXPONENTIATE:
             self.softmax().exponentiate(self.tid // Self.LPR, self.tid % Self.LPR)
         elif phase == ACCUMULATE:
             self.accumulate()
+            self.locate_rows(arg + Self.BN)
         else:
             self.finish()
 
@@ -135,52 +169,73 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
             self.softmax().reset(self.tid)
 
     @always_inline
-    def score_key(self, kv_start: Int):
-        """Key `kv_start + tid`: its scores against every query row (-inf
-        where masked or outside the block's range), and its value row into
-        shared memory (zeros outside the range, so a zero weight stays 0).
+    def locate_rows(self, kv_start: Int):
+        """The addresses of key `kv_start + tid`'s rows in this block's KV
+        head, for the tile that starts there (0 outside the block's range or
+        the cache): one page-table lookup per key, where each copy would
+        otherwise look up every row it reads."""
+        var pos = kv_start + self.tid
+        var k_address = 0
+        var v_address = 0
+        if pos < self.work.kv_end and row_in_cache(self.args.k_cache, self.work.row, pos):
+            var head_offset = self.work.kv_head * Self.D
+            k_address = Int(
+                self.args.k_cache.row_ptr(self.work.row, pos).unsafe_offset(head_offset)
+            )
+            v_address = Int(
+                self.args.v_cache.row_ptr(self.work.row, pos).unsafe_offset(head_offset)
+            )
+        self.addresses(0)[unsafe_offset=self.tid] = k_address
+        self.addresses(1)[unsafe_offset=self.tid] = v_address
 
-        Key and value rows are read in `KEY_PARTS` parts, each key part
-        widened to float32 once and dotted with every query row's matching
-        dims, each value part stored before the next is read. Whole rows
-        (the compiler widens the key once for all query rows) held
-        `head_dim` float32 registers plus the value row: 255 registers and
-        spills for head_dim 128, two blocks per multiprocessor."""
+    @always_inline
+    def copy_tile(self, kind: Int):
+        """The tile's key (`kind` 0) or value (1) rows into shared memory, as
+        stored; zeros for a key without an address. Thread t copies chunks
+        t, t + BLOCK_THREADS, ... of the tile, so a warp reads whole rows."""
+        var sources = self.addresses(kind)
+        comptime for part in range(Self.COPY_PARTS):
+            var chunks = Array[SIMD[Self.dtype, Self.VEC], Self.PART_CHUNKS](fill=0)
+            comptime for n in range(Self.PART_CHUNKS):
+                comptime first = (part * Self.PART_CHUNKS + n) * BLOCK_THREADS
+                var unit = self.tid + first
+                var address = sources[unsafe_offset=unit // Self.CHUNKS]
+                if address != 0:
+                    chunks[n] = CachePtr[Self.dtype](unsafe_from_address=address).unsafe_load[
+                        width=Self.VEC, alignment=16
+                    ]((unit % Self.CHUNKS) * Self.VEC)
+            comptime for n in range(Self.PART_CHUNKS):
+                var unit = self.tid + (part * Self.PART_CHUNKS + n) * BLOCK_THREADS
+                self.tile().unsafe_store[alignment=16](
+                    (unit // Self.CHUNKS) * Self.ROW_STRIDE + (unit % Self.CHUNKS) * Self.VEC,
+                    chunks[n],
+                )
+
+    @always_inline
+    def score_key(self, kv_start: Int):
+        """Key `kv_start + tid`'s scores against every query row (-inf where
+        masked or outside the block's range), from its row in the tile, read
+        and widened to float32 in `KEY_PARTS` parts: a whole row widened at
+        once held `head_dim` float32 registers."""
         var j = self.tid
         var pos = kv_start + j
-        var in_range = pos < self.work.kv_end and row_in_cache(
-            self.args.k_cache, self.work.row, pos
-        )
-        var v_dst = self.values().unsafe_offset(j * Self.V_STRIDE)
-        # The page table is read only for a key in range; otherwise the rows
-        # stay pointed at `v_dst` and are never read.
-        var k_row = v_dst
-        var v_row = v_dst
-        if in_range:
-            var head_offset = self.work.kv_head * Self.D
-            k_row = self.args.k_cache.row_ptr(self.work.row, pos).unsafe_offset(head_offset)
-            v_row = self.args.v_cache.row_ptr(self.work.row, pos).unsafe_offset(head_offset)
+        var in_range = self.addresses(0)[unsafe_offset=j] != 0
+        var key = self.tile().unsafe_offset(j * Self.ROW_STRIDE)
         var rows = self.rows()
         var dots = SIMD[DType.float32, Self.BM](0)
         comptime for part in range(Self.KEY_PARTS):
-            comptime first = part * Self.PART_CHUNKS
-            var keys = Array[SIMD[DType.float32, Self.VEC], Self.PART_CHUNKS](fill=0)
-            var values = Array[SIMD[Self.dtype, Self.VEC], Self.PART_CHUNKS](fill=0)
+            comptime first = part * Self.KEY_PART_CHUNKS
+            var keys = Array[SIMD[DType.float32, Self.VEC], Self.KEY_PART_CHUNKS](fill=0)
             if in_range:
-                comptime for c in range(Self.PART_CHUNKS):
-                    values[c] = v_row.unsafe_load[width=Self.VEC, alignment=16](
-                        (first + c) * Self.VEC
-                    )
-                    keys[c] = k_row.unsafe_load[width=Self.VEC, alignment=16](
+                comptime for c in range(Self.KEY_PART_CHUNKS):
+                    keys[c] = key.unsafe_load[width=Self.VEC, alignment=16](
                         (first + c) * Self.VEC
                     ).cast[DType.float32]()
-            comptime for c in range(Self.PART_CHUNKS):
-                v_dst.unsafe_store[alignment=16]((first + c) * Self.VEC, values[c])
             comptime for r in range(Self.BM):
                 if r < rows:
                     var dot = SIMD[DType.float32, Self.VEC](0)
                     var q_row = self.queries().unsafe_offset(r * Self.D)
-                    comptime for c in range(Self.PART_CHUNKS):
+                    comptime for c in range(Self.KEY_PART_CHUNKS):
                         dot += (
                             q_row.unsafe_load[width=Self.VEC, alignment=16]((first + c) * Self.VEC)
                             * keys[c]
@@ -205,13 +260,21 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
         comptime for k in range(Self.RPW):
             self.acc[k] *= self.softmax().alpha(first_row + k)
         if first_row < self.rows():
-            var column = self.values().unsafe_offset(lane * Self.DPL)
-            for j in range(Self.BN):
-                var v = column.unsafe_load[width=Self.DPL, alignment=Self.V_ALIGN](
-                    j * Self.V_STRIDE
-                ).cast[DType.float32]()
+            var column = self.tile().unsafe_offset(lane * Self.DPL)
+            for j0 in range(0, Self.BN, Self.KEYS_PER_READ):
+                var weights = Array[SIMD[DType.float32, Self.KEYS_PER_READ], Self.RPW](fill=0)
                 comptime for k in range(Self.RPW):
-                    self.acc[k] += self.softmax().score(first_row + k, j)[] * v
+                    weights[k] = (
+                        self.softmax()
+                        .score(first_row + k, j0)
+                        .unsafe_load[width=Self.KEYS_PER_READ, alignment=16]()
+                    )
+                comptime for i in range(Self.KEYS_PER_READ):
+                    var v = column.unsafe_load[width=Self.DPL, alignment=Self.V_ALIGN](
+                        (j0 + i) * Self.ROW_STRIDE
+                    ).cast[DType.float32]()
+                    comptime for k in range(Self.RPW):
+                        self.acc[k] += weights[k][i] * v
         if self.tid < Self.BM:
             self.softmax().update(self.tid)
 
@@ -243,12 +306,13 @@ struct DecodeKernel[cache_t: KVCacheT, D: Int](KernelT):
     comptime Program = DecodeThread[Self.cache_t, Self.D]
     comptime THREADS = BLOCK_THREADS
     comptime MIN_BLOCKS = 3 if Self.D <= 128 else 1
-    """Three blocks per multiprocessor for head sizes to 128: ptxas then
-    keeps the thread at 168 registers with at most a few bytes of spills
-    (`tools/check_gpu_build.sh --registers`), where it would take ~200 and
-    leave room for two (measured on the H200: 255 registers, 2 blocks,
-    12% occupancy, the warps mostly waiting). Larger heads spill too
-    much under that cap."""
+    """Three blocks per multiprocessor for head sizes to 128: ptxas keeps
+    the thread at 168 registers without spills (`tools/check_gpu_build.sh
+    --registers`). On the H200 (bfloat16, head_dim 128), uncapped, the
+    kernel before the coalesced copies timed the same; four blocks (128
+    registers, 72 bytes of spills) took b1/32k from 0.151 to 0.128 ms but
+    b32/4k from 0.331 to 0.387 ms. Larger heads spill too much under a
+    cap."""
 
     var args: AttentionArgs[Self.cache_t]
     var query_tiles: Int
@@ -277,17 +341,19 @@ struct DecodeKernel[cache_t: KVCacheT, D: Int](KernelT):
         var work = block_work(self.args, block, Self.Program.BN)
         if work.empty():
             return
-        threads.each(LOAD_Q, 0)
+        threads.each(LOAD_Q, work.kv_start)
         threads.sync()
         var kv = work.kv_start
         while kv < work.kv_end:
+            threads.each(LOAD_K, kv)
+            threads.sync()
             threads.each(SCORE, kv)
             threads.sync()
-            threads.each(ROW_MAX, 0)
+            threads.each(ROW_MAX_LOAD_V, kv)
             threads.sync()
             threads.each(EXPONENTIATE, 0)
             threads.sync()
-            threads.each(ACCUMULATE, 0)
+            threads.each(ACCUMULATE, kv)
             threads.sync()
             kv += Self.Program.BN
         threads.each(FINISH, 0)
