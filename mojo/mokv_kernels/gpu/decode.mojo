@@ -3,32 +3,40 @@
 reading K and V once, at memory speed.
 
 One block of 128 threads per (query tile, KV head, batch row, split) walks its
-context range in tiles of 128 keys:
+context range in tiles of 128 keys (64 where rows are too wide for two such
+tiles in `TILE_PAIR_BYTES`: float32 from head_dim 128, bfloat16 256), with
+the next tile's keys and this tile's values copied into shared memory while
+it computes:
 
 - thread j looks key j's rows up in the page table once, and leaves their
-  addresses in shared memory (for the first tile beside the queries, for the
-  next while values are added): the copies read them from there;
-- the tile's key rows are copied, as stored, into shared memory, coalesced:
-  consecutive threads read consecutive 16-byte chunks of a row (rows padded
-  by 16 bytes, so the rows a warp later reads at once start in different
-  banks). A thread reading a whole row of its own straight from the cache
-  made every warp load touch 32 cache lines: on the H200 the L1 was the
-  busiest unit (75%) and DRAM ran at 29%;
+  addresses in shared memory (two slots: this tile's and the next's);
+- copies are coalesced (consecutive threads copy consecutive 16-byte chunks
+  of a row) and, on NVIDIA GPUs, asynchronous (`cp.async`: no registers
+  held, the block computes while they land); rows are padded by 16 bytes,
+  so the rows a warp later reads at once start in different banks. A thread
+  reading a whole row of its own straight from the cache made every warp
+  load touch 32 cache lines (the H200's L1 75% busy, DRAM at 29%), and
+  copies only between phases left memory idle while the block computed;
 - scores: thread j dots key j's row, a quarter at a time widened to
   float32, with every query row's matching dims (the queries sit in shared
   memory as float32, each word read by all threads at once: a broadcast);
-- the online softmax over the tile (`tile_softmax`), while the value rows
-  are copied over the keys, which are no longer needed;
+- the online softmax over the tile (`tile_softmax`);
 - values: warp w owns query rows `RPW * w ..< RPW * (w + 1)`, lane c the `DPL`
   contiguous dims from `c * DPL`: per key, one vector read of the value row
   and one broadcast weight per row (four keys' weights per read).
 
-Five barriers per 128 keys, and no float32 copy of K or V. The split-K plan
-and the merge of splits are `attention`'s; the prefill tile kernel there
-serves larger query tiles."""
+Per tile, four phases and a barrier after each (`DecodeKernel.schedule`):
+SCORE (then start copying this tile's values, and locate the next tile's
+rows), ROW_MAX (then start copying the next tile's keys), EXPONENTIATE (then
+wait for the values), ACCUMULATE (then wait for the keys). No float32 copy
+of K or V. The split-K plan and the merge of splits are `attention`'s; the
+prefill tile kernel there serves larger query tiles."""
 
+from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_group
 from std.math import ceildiv
+from std.memory import AddressSpace
 from std.sys import size_of
+from std.sys.info import is_nvidia_gpu
 
 from ..cache import CachePtr, KVCacheT
 from .attention_work import (
@@ -49,32 +57,42 @@ from .tile_softmax import TileSoftmax
 
 # Phases of a decode block (`DecodeThread.step`).
 comptime LOAD_Q = 0
-comptime LOAD_K = 1
+comptime LOAD_FIRST_KEYS = 1
 comptime SCORE = 2
-comptime ROW_MAX_LOAD_V = 3
+comptime ROW_MAX = 3
 comptime EXPONENTIATE = 4
 comptime ACCUMULATE = 5
 comptime FINISH = 6
+
+comptime KEYS = 0
+comptime VALUES = 1
+
+comptime TILE_PAIR_BYTES = 72 * 1024
+"""Shared memory a block's key and value tiles may take together, so that
+two blocks fit on a multiprocessor (an H100 gives them 227 KB)."""
 
 
 struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
     """One thread of a decode block (layouts in the module docstring).
     Shared memory, in float32 words: queries `[BM, D]`, the softmax regions,
-    the addresses of the tile's key and value rows `[2, BN]` (0 for a key
-    outside the block's range or the cache), then one tile of rows
-    `[BN, ROW_STRIDE]` in the cache's dtype: the keys, then the values."""
+    row addresses `[2 slots, KEYS/VALUES, BN]` (0 for a key outside the
+    block's range or the cache), then the key tile and the value tile, each
+    `[BN, ROW_STRIDE]` in the cache's dtype."""
 
     comptime dtype = Self.cache_t.dtype
     comptime BM = DECODE_ROWS
-    comptime BN = BLOCK_THREADS
     comptime ELEM = size_of[Scalar[Self.dtype]]()
     comptime VEC = 16 // Self.ELEM
     comptime CHUNKS = Self.D // Self.VEC
     """16-byte chunks of a row."""
     comptime ROW_STRIDE = Self.D + Self.VEC
-    comptime PART_CHUNKS = 8
-    """Chunks a thread loads before it stores them (`copy_tile`)."""
-    comptime COPY_PARTS = Self.BN * Self.CHUNKS // BLOCK_THREADS // Self.PART_CHUNKS
+    comptime BN = (
+        BLOCK_THREADS if 2 * BLOCK_THREADS * Self.ROW_STRIDE * Self.ELEM
+        <= TILE_PAIR_BYTES else BLOCK_THREADS // 2
+    )
+    """Keys per tile: one per thread (or per thread of the first half)."""
+    comptime COPIES = Self.BN * Self.CHUNKS // BLOCK_THREADS
+    """Chunks of a tile each thread copies."""
     comptime KEY_PARTS = 4
     """Parts a key row is widened and dotted in (`score_key`)."""
     comptime KEY_PART_CHUNKS = Self.CHUNKS // Self.KEY_PARTS
@@ -87,8 +105,9 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
     comptime Softmax = TileSoftmax[Self.BM, Self.BN, Self.LPR]
     comptime SOFTMAX_AT = Self.BM * Self.D
     comptime ADDRESSES_AT = Self.SOFTMAX_AT + Self.Softmax.FLOATS
-    comptime TILE_AT = Self.ADDRESSES_AT + 2 * Self.BN * size_of[Int]() // 4
-    comptime FLOATS = Self.TILE_AT + ceildiv(Self.BN * Self.ROW_STRIDE * Self.ELEM, 4)
+    comptime TILES_AT = Self.ADDRESSES_AT + 4 * Self.BN * size_of[Int]() // 4
+    comptime TILE_FLOATS = ceildiv(Self.BN * Self.ROW_STRIDE * Self.ELEM, 16) * 4
+    comptime FLOATS = Self.TILES_AT + 2 * Self.TILE_FLOATS
 
     var args: AttentionArgs[Self.cache_t]
     var work: BlockWork
@@ -106,12 +125,10 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
         comptime assert Self.D % WARP == 0 and Self.D % Self.VEC == 0, "head_dim layout"
         comptime assert Self.BM % WARPS == 0 and BLOCK_THREADS % Self.BM == 0, "row layout"
         comptime assert Self.CHUNKS % Self.KEY_PARTS == 0, "key parts"
-        comptime assert (
-            Self.COPY_PARTS * Self.PART_CHUNKS * BLOCK_THREADS == Self.BN * Self.CHUNKS
-        ), "copy parts"
+        comptime assert Self.COPIES * BLOCK_THREADS == Self.BN * Self.CHUNKS, "copies"
         comptime assert Self.BN % Self.KEYS_PER_READ == 0, "weight reads"
         comptime assert Self.ADDRESSES_AT % 2 == 0, "addresses must be 8-byte aligned"
-        comptime assert Self.TILE_AT % 4 == 0, "the tile must start 16-byte aligned"
+        comptime assert Self.TILES_AT % 4 == 0, "tiles must start 16-byte aligned"
         self.args = args
         self.work = work
         self.tid = tid
@@ -127,34 +144,51 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
     def softmax(self) -> Self.Softmax:
         return Self.Softmax(self.shared.unsafe_offset(Self.SOFTMAX_AT))
 
-    def addresses(self, kind: Int) -> Pointer[Int, MutUntrackedOrigin]:
-        """Where the tile's key (`kind` 0) or value (1) row addresses live."""
+    def addresses(self, kv_start: Int, kind: Int) -> Pointer[Int, MutUntrackedOrigin]:
+        """Where the key (`kind` KEYS) or value (VALUES) row addresses of
+        the tile at `kv_start` live: tiles alternate between two slots."""
+        var slot = (kv_start - self.work.kv_start) // Self.BN % 2
         return (
             self.shared.unsafe_offset(Self.ADDRESSES_AT)
             .unsafe_bitcast[Int]()
-            .unsafe_offset(kind * Self.BN)
+            .unsafe_offset((slot * 2 + kind) * Self.BN)
         )
 
-    def tile(self) -> CachePtr[Self.dtype]:
-        return self.shared.unsafe_offset(Self.TILE_AT).unsafe_bitcast[Scalar[Self.dtype]]()
+    def tile(self, kind: Int) -> CachePtr[Self.dtype]:
+        """The key (`kind` KEYS) or value (VALUES) tile."""
+        return self.shared.unsafe_offset(Self.TILES_AT + kind * Self.TILE_FLOATS).unsafe_bitcast[
+            Scalar[Self.dtype]
+        ]()
 
     @always_inline
     def step(mut self, phase: Int, arg: Int):
+        var next = arg + Self.BN
         if phase == LOAD_Q:
             self.load_queries()
             self.locate_rows(arg)
-        elif phase == LOAD_K:
-            self.copy_tile(0)
+        elif phase == LOAD_FIRST_KEYS:
+            self.start_copy(arg, KEYS)
+            async_copy_commit_group()
+            async_copy_wait_group(0)
         elif phase == SCORE:
+            self.start_copy(arg, VALUES)
+            async_copy_commit_group()
             self.score_key(arg)
-        elif phase == ROW_MAX_LOAD_V:
-            self.copy_tile(1)
+            if next < self.work.kv_end:
+                self.locate_rows(next)
+        elif phase == ROW_MAX:
+            if next < self.work.kv_end:
+                self.start_copy(next, KEYS)
+            # A group even when empty, so that EXPONENTIATE's wait for all
+            # but the newest group always waits for this tile's values.
+            async_copy_commit_group()
             self.softmax().partial_max(self.tid // Self.LPR, self.tid % Self.LPR)
         elif phase == EXPONENTIATE:
             self.softmax().exponentiate(self.tid // Self.LPR, self.tid % Self.LPR)
+            async_copy_wait_group(1)
         elif phase == ACCUMULATE:
             self.accumulate()
-            self.locate_rows(arg + Self.BN)
+            async_copy_wait_group(0)
         else:
             self.finish()
 
@@ -174,6 +208,8 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
         head, for the tile that starts there (0 outside the block's range or
         the cache): one page-table lookup per key, where each copy would
         otherwise look up every row it reads."""
+        if self.tid >= Self.BN:
+            return
         var pos = kv_start + self.tid
         var k_address = 0
         var v_address = 0
@@ -185,42 +221,53 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
             v_address = Int(
                 self.args.v_cache.row_ptr(self.work.row, pos).unsafe_offset(head_offset)
             )
-        self.addresses(0)[unsafe_offset=self.tid] = k_address
-        self.addresses(1)[unsafe_offset=self.tid] = v_address
+        self.addresses(kv_start, KEYS)[unsafe_offset=self.tid] = k_address
+        self.addresses(kv_start, VALUES)[unsafe_offset=self.tid] = v_address
 
     @always_inline
-    def copy_tile(self, kind: Int):
-        """The tile's key (`kind` 0) or value (1) rows into shared memory, as
-        stored; zeros for a key without an address. Thread t copies chunks
-        t, t + BLOCK_THREADS, ... of the tile, so a warp reads whole rows."""
-        var sources = self.addresses(kind)
-        comptime for part in range(Self.COPY_PARTS):
-            var chunks = Array[SIMD[Self.dtype, Self.VEC], Self.PART_CHUNKS](fill=0)
-            comptime for n in range(Self.PART_CHUNKS):
-                comptime first = (part * Self.PART_CHUNKS + n) * BLOCK_THREADS
-                var unit = self.tid + first
-                var address = sources[unsafe_offset=unit // Self.CHUNKS]
-                if address != 0:
-                    chunks[n] = CachePtr[Self.dtype](unsafe_from_address=address).unsafe_load[
-                        width=Self.VEC, alignment=16
-                    ]((unit % Self.CHUNKS) * Self.VEC)
-            comptime for n in range(Self.PART_CHUNKS):
-                var unit = self.tid + (part * Self.PART_CHUNKS + n) * BLOCK_THREADS
-                self.tile().unsafe_store[alignment=16](
-                    (unit // Self.CHUNKS) * Self.ROW_STRIDE + (unit % Self.CHUNKS) * Self.VEC,
-                    chunks[n],
+    def start_copy(self, kv_start: Int, kind: Int):
+        """Starts copying the key or value rows of the tile at `kv_start`
+        into their tile, as stored (zeros for a key without an address),
+        as asynchronous copies that the caller commits as one group
+        (`async_copy_wait_group` then says when they have landed). Thread t
+        copies chunks t, t + BLOCK_THREADS, ... of the tile, so a warp reads
+        whole rows. Where `cp.async` does not exist (other GPUs, the CPU
+        emulator) the copies complete here. A loop, not unrolled: unrolled,
+        ptxas held every copy's address at once and spilled."""
+        var sources = self.addresses(kv_start, kind)
+        var dest = self.tile(kind)
+        for n in range(Self.COPIES):
+            var unit = self.tid + n * BLOCK_THREADS
+            var address = sources[unsafe_offset=unit // Self.CHUNKS]
+            var offset = (unit % Self.CHUNKS) * Self.VEC
+            var to = dest.unsafe_offset((unit // Self.CHUNKS) * Self.ROW_STRIDE + offset)
+            if address == 0:
+                to.unsafe_store[alignment=16](0, SIMD[Self.dtype, Self.VEC](0))
+                continue
+            var source = CachePtr[Self.dtype](unsafe_from_address=address).unsafe_offset(offset)
+            comptime if is_nvidia_gpu():
+                async_copy[16](
+                    source.unsafe_address_space_cast[AddressSpace.GLOBAL](),
+                    to.unsafe_address_space_cast[AddressSpace.SHARED](),
+                )
+            else:
+                to.unsafe_store[alignment=16](
+                    0, source.unsafe_load[width=Self.VEC, alignment=16](0)
                 )
 
     @always_inline
     def score_key(self, kv_start: Int):
         """Key `kv_start + tid`'s scores against every query row (-inf where
-        masked or outside the block's range), from its row in the tile, read
-        and widened to float32 in `KEY_PARTS` parts: a whole row widened at
-        once held `head_dim` float32 registers."""
+        masked or outside the block's range; threads past `BN` have none),
+        from its row in the tile, read and widened to float32 in
+        `KEY_PARTS` parts: a whole row widened at once held `head_dim`
+        float32 registers."""
         var j = self.tid
+        if j >= Self.BN:
+            return
         var pos = kv_start + j
-        var in_range = self.addresses(0)[unsafe_offset=j] != 0
-        var key = self.tile().unsafe_offset(j * Self.ROW_STRIDE)
+        var in_range = self.addresses(kv_start, KEYS)[unsafe_offset=j] != 0
+        var key = self.tile(KEYS).unsafe_offset(j * Self.ROW_STRIDE)
         var rows = self.rows()
         var dots = SIMD[DType.float32, Self.BM](0)
         comptime for part in range(Self.KEY_PARTS):
@@ -260,7 +307,7 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
         comptime for k in range(Self.RPW):
             self.acc[k] *= self.softmax().alpha(first_row + k)
         if first_row < self.rows():
-            var column = self.tile().unsafe_offset(lane * Self.DPL)
+            var column = self.tile(VALUES).unsafe_offset(lane * Self.DPL)
             for j0 in range(0, Self.BN, Self.KEYS_PER_READ):
                 var weights = Array[SIMD[DType.float32, Self.KEYS_PER_READ], Self.RPW](fill=0)
                 comptime for k in range(Self.RPW):
@@ -305,14 +352,11 @@ struct DecodeKernel[cache_t: KVCacheT, D: Int](KernelT):
 
     comptime Program = DecodeThread[Self.cache_t, Self.D]
     comptime THREADS = BLOCK_THREADS
-    comptime MIN_BLOCKS = 3 if Self.D <= 128 else 1
-    """Three blocks per multiprocessor for head sizes to 128: ptxas keeps
-    the thread at 168 registers without spills (`tools/check_gpu_build.sh
-    --registers`). On the H200 (bfloat16, head_dim 128), uncapped, the
-    kernel before the coalesced copies timed the same; four blocks (128
-    registers, 72 bytes of spills) took b1/32k from 0.151 to 0.128 ms but
-    b32/4k from 0.331 to 0.387 ms. Larger heads spill too much under a
-    cap."""
+    comptime MIN_BLOCKS = 2 if Self.D <= 128 else 1
+    """Two blocks per multiprocessor for head sizes to 128, as many as
+    their shared memory (83 KB for bfloat16, head_dim 128) lets run at
+    once: ptxas gives the thread 178 registers, no spills
+    (`tools/check_gpu_build.sh --registers`)."""
 
     var args: AttentionArgs[Self.cache_t]
     var query_tiles: Int
@@ -343,15 +387,15 @@ struct DecodeKernel[cache_t: KVCacheT, D: Int](KernelT):
             return
         threads.each(LOAD_Q, work.kv_start)
         threads.sync()
+        threads.each(LOAD_FIRST_KEYS, work.kv_start)
+        threads.sync()
         var kv = work.kv_start
         while kv < work.kv_end:
-            threads.each(LOAD_K, kv)
-            threads.sync()
             threads.each(SCORE, kv)
             threads.sync()
-            threads.each(ROW_MAX_LOAD_V, kv)
+            threads.each(ROW_MAX, kv)
             threads.sync()
-            threads.each(EXPONENTIATE, 0)
+            threads.each(EXPONENTIATE, kv)
             threads.sync()
             threads.each(ACCUMULATE, kv)
             threads.sync()
