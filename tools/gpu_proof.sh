@@ -19,6 +19,10 @@
 #            PROFILE_S seconds at most (default 240; it took 54 s on the H200).
 # TESTS_S and BENCH_S (seconds, default 330 and 180) bound the two steps;
 # PYTEST_ARGS (split on spaces) goes to pytest, e.g. "-k long_contexts".
+# COMPARE="TARGET=FILE ..." times other versions of source files in the same
+# call, right after the benchmark: for each pair, FILE (say an older kernel,
+# from `git show`, carried as an untracked file) replaces TARGET for one more
+# --quick benchmark (results in $OUT/compare-K), then TARGET is put back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -79,6 +83,17 @@ bench=(--quick)
 $full && bench=()
 step bench "${BENCH_S:-180}" python3 -c "from mokv_examples.cli import main; main()" \
     bench attention --device gpu "${bench[@]}" --out "$OUT" || status=1
+k=0
+for pair in ${COMPARE:-}; do
+    k=$((k + 1))
+    target=${pair%%=*} file=${pair#*=}
+    cp "$target" "$OUT/.kept" && cp "$file" "$target" || { status=1; continue; }
+    mkdir -p "$OUT/compare-$k"
+    echo "$file in place of $target" > "$OUT/compare-$k/what.txt"
+    step "compare-$k/bench" "${BENCH_S:-180}" python3 -c "from mokv_examples.cli import main; main()" \
+        bench attention --device gpu --quick --out "$OUT/compare-$k" || status=1
+    cp "$OUT/.kept" "$target" && rm "$OUT/.kept"
+done
 if $profile; then
     step profile "${PROFILE_S:-240}" ncu --target-processes all --launch-count 12 \
         --section LaunchStats --section Occupancy --section SpeedOfLight --section SchedulerStats \
