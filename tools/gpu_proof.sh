@@ -22,7 +22,7 @@
 # COMPARE="TARGET=FILE ..." times other versions of source files in the same
 # call, right after the benchmark: for each pair, FILE (say an older kernel,
 # from `git show`, carried as an untracked file) replaces TARGET for one more
-# --quick benchmark (results in $OUT/compare-K), then TARGET is put back.
+# run of the same benchmark (results in $OUT/compare-K), then TARGET is put back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -79,10 +79,9 @@ if $build; then
     ARCH=$(python3 -c "from max.driver import accelerator_architecture_name as a; print(a())" 2>/dev/null || echo sm_90)
     step build 300 env MOJO="$SITE/bin/mojo" tools/check_gpu_build.sh "$ARCH" || status=1
 fi
-bench=(--quick)
-$full && bench=()
-step bench "${BENCH_S:-180}" python3 -c "from mokv_examples.cli import main; main()" \
-    bench attention --device gpu "${bench[@]}" --out "$OUT" || status=1
+bench=(python3 -c "from mokv_examples.cli import main; main()" bench attention --device gpu)
+$full || bench+=(--quick)
+step bench "${BENCH_S:-180}" "${bench[@]}" --out "$OUT" || status=1
 k=0
 for pair in ${COMPARE:-}; do
     k=$((k + 1))
@@ -90,8 +89,7 @@ for pair in ${COMPARE:-}; do
     cp "$target" "$OUT/.kept" && cp "$file" "$target" || { status=1; continue; }
     mkdir -p "$OUT/compare-$k"
     echo "$file in place of $target" > "$OUT/compare-$k/what.txt"
-    step "compare-$k/bench" "${BENCH_S:-180}" python3 -c "from mokv_examples.cli import main; main()" \
-        bench attention --device gpu --quick --out "$OUT/compare-$k" || status=1
+    step "compare-$k/bench" "${BENCH_S:-180}" "${bench[@]}" --out "$OUT/compare-$k" || status=1
     cp "$OUT/.kept" "$target" && rm "$OUT/.kept"
 done
 if $profile; then
