@@ -29,8 +29,8 @@ Per tile, four phases and a barrier after each (`DecodeKernel.schedule`):
 SCORE (which first starts copying this tile's values, and last locates the
 next tile's rows), ROW_MAX (which first starts copying the next tile's keys),
 EXPONENTIATE (then waits for the values), ACCUMULATE (then waits for the
-keys). No float32 copy of K or V. The split-K plan and the merge of splits are `attention`'s; the
-prefill tile kernel there serves larger query tiles."""
+keys). No float32 copy of K or V. The split-K plan and the merge of splits
+are `attention`'s; the prefill tile kernel there serves larger query tiles."""
 
 from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_group
 from std.math import ceildiv
