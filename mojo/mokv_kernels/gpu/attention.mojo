@@ -61,7 +61,6 @@ from .block import (
     ThreadProgram,
 )
 from .decode import DecodeKernel
-from .rows import row_in_cache
 from .tile_softmax import TileSoftmax
 
 comptime MIN_SPLIT_TOKENS = 256
@@ -255,7 +254,7 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
             var unit = self.tid + n * BLOCK_THREADS
             var pos = kv_start + unit // per_row
             var d = (unit % per_row) * Self.VEC + head_offset
-            if pos < self.work.kv_end and row_in_cache(self.args.k_cache, self.work.row, pos):
+            if self.args.has_key(self.work, pos):
                 keys[n] = self.args.k_cache.row_ptr(self.work.row, pos).unsafe_load[
                     width=Self.VEC, alignment=16
                 ](d)

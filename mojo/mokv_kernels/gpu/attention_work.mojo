@@ -13,6 +13,7 @@ from std.utils.numerics import neg_inf
 
 from ..cache import CachePtr, KVCacheT, U32Ptr
 from .block import BlockId, F32Ptr
+from .rows import row_in_cache
 
 comptime BLOCK_THREADS = 128
 comptime WARP = 32
@@ -53,6 +54,12 @@ struct AttentionArgs[cache_t: KVCacheT](TrivialRegisterPassable):
         """Whether the token at `position` attends to the key at `key`:
         not after it, and inside the window when there is one."""
         return key <= position and key >= self.visible_start(position)
+
+    def has_key(self, work: BlockWork, pos: Int) -> Bool:
+        """Whether the key at `pos` is in `work`'s context range and its row
+        in the cache: a block reads no other row (a bad table entry is
+        skipped, never followed)."""
+        return pos < work.kv_end and row_in_cache(self.k_cache, work.row, pos)
 
     def state_offset(self, split: Int, token: Int, head: Int, head_dim: Int) -> Int:
         return split_state_offset(split, token, head, self.total_tokens, self.n_q_heads, head_dim)

@@ -52,7 +52,6 @@ from .attention_work import (
     write_row_part,
 )
 from .block import BlockExecutor, BlockId, F32Ptr, KernelT, ThreadProgram
-from .rows import row_in_cache
 from .tile_softmax import TileSoftmax
 
 # Phases of a decode block (`DecodeThread.step`).
@@ -213,7 +212,7 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
         var pos = kv_start + self.tid
         var k_address = 0
         var v_address = 0
-        if pos < self.work.kv_end and row_in_cache(self.args.k_cache, self.work.row, pos):
+        if self.args.has_key(self.work, pos):
             var head_offset = self.work.kv_head * Self.D
             k_address = Int(
                 self.args.k_cache.row_ptr(self.work.row, pos).unsafe_offset(head_offset)
