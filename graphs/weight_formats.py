@@ -39,9 +39,6 @@ from mokv.kernels import kernel_package
 WEIGHT_FORMATS = ("gguf", "f32")
 """Every weight format a checkpoint can be loaded in; the first is the default."""
 
-ROW_MULTIPLE = 4
-"""Block matrices have a multiple of this many rows (the kernels' register blocks)."""
-
 
 @dataclass(frozen=True)
 class BlockEncoding:
@@ -96,8 +93,6 @@ def declare_weight(name: str, encoding: str, rows: int, columns: int, device: De
     if encoding == "f32":
         return Weight(name, DType.float32, [rows, columns], device)
     block = _block_encoding(encoding)
-    if rows % ROW_MULTIPLE:
-        raise ValueError(f"{name} has {rows} rows; mokv's block kernels need a multiple of {ROW_MULTIPLE}")
     return Weight(name, DType.uint8, [rows, block.row_bytes(columns)], device)
 
 

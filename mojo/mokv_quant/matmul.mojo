@@ -95,6 +95,16 @@ def _tile[
 
 
 @always_inline
+def _tile_of[
+    encoding: StaticString, C: Int
+](rows: Int, x: F32Ptr, k: Int, w: BytePtr, w_stride: Int, y: F32Ptr, y_stride: Int):
+    """`_tile` for `rows <= MR` rows of `x` (known only at run time) by `C` rows of `w`."""
+    comptime for r in range(1, MR + 1):
+        if rows == r:
+            _tile[encoding, r, C, 1 if r * C >= 8 else 8 // (r * C)](x, k, w, w_stride, y, y_stride)
+
+
+@always_inline
 def _row_dot[
     encoding: StaticString
 ](x: F32Ptr, x_sums: F32Ptr, k: Int, row: BlockRow[encoding]) -> Float32:
@@ -191,11 +201,10 @@ struct _Products[encoding: StaticString](Job):
                 var xp = self.x.unsafe_offset(m0 * k)
                 var wp = self.w.unsafe_offset(n * self.w_stride)
                 var yp = self.y.unsafe_offset(m0 * self.n_rows + n)
-                comptime for r in range(1, MR + 1):
-                    if rows == r:
-                        _tile[Self.encoding, r, NR, 1 if r * NR >= 8 else 8 // (r * NR)](
-                            xp, k, wp, self.w_stride, yp, self.n_rows
-                        )
+                if last - n >= NR:
+                    _tile_of[Self.encoding, NR](rows, xp, k, wp, self.w_stride, yp, self.n_rows)
+                else:  # the weight's odd last row
+                    _tile_of[Self.encoding, 1](rows, xp, k, wp, self.w_stride, yp, self.n_rows)
             m0 += rows
 
 
@@ -206,6 +215,7 @@ def block_matmul[
     block products or more (`parallel.run_items`)."""
     var blocks = k // BLOCK_VALUES
     var w_stride = blocks * block_bytes[encoding]()
+    # A multiple of 4 rows, so of `NR`: only the last chunk can end on an odd row.
     var chunk = ceildiv(ceildiv(BLOCKS_PER_ITEM, blocks * m_rows), 4) * 4
     var x_sums = alloc[Float32](blocks)
     comptime if encoding == "q4_1":  # for the minimums; q8_0 has none
@@ -241,8 +251,6 @@ struct BlockMatmul:
             raise Error(
                 t"x has {k} columns but the {encoding} weight rows are {w.dim_size(1)} bytes"
             )
-        if n_rows % 4 != 0:
-            raise Error(t"the weight has {n_rows} rows, not a multiple of 4")
         if output.dim_size(0) != m_rows or output.dim_size(1) != n_rows:
             raise Error(
                 t"output is [{output.dim_size(0)}, {output.dim_size(1)}], expected [{m_rows},"

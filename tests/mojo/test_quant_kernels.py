@@ -108,9 +108,14 @@ def _run(model: Model, x: np.ndarray, weights: dict[str, np.ndarray], ids: np.nd
         (5, 40, 64),
         (13, 32, 576),
         (33, 4, 32),
+        # Weights of an odd number of rows: the register blocks' last row alone.
+        (1, 7, 64),
+        (6, 9, 96),
+        (7, 1, 32),
         # Products big enough to be cut into parallel items, the last one short.
         (1, 1028, 576),
         (16, 132, 576),
+        (16, 131, 576),
     ],
 )
 def test_matmul_is_the_float32_product_of_the_dequantized_weights(quant_graph: Model, m: int, n: int, k: int) -> None:
@@ -162,8 +167,6 @@ def test_matmul_rejects_weights_of_another_width(quant_graph: Model) -> None:
 
 
 def test_formats_reject_shapes_the_kernels_cannot_read() -> None:
-    with pytest.raises(ValueError, match="w has 10 rows; mokv's block kernels need a multiple of 4"):
-        declare_weight("w", "q8_0", 10, 32, CPU)
     with pytest.raises(ValueError, match="unknown weight encoding 'q5_k'"):
         declare_weight("w", "q5_k", 8, 32, CPU)
     with pytest.raises(ValueError, match="q4_1 rows hold multiples of 32 values, not 40"):
