@@ -10,11 +10,12 @@ discontinuous in its input, so the last-bit differences between two attention
 kernels (paged and dense) flip roundings, the flips grow from layer to layer,
 and the two graphs' greedy tokens part wherever the top two logits are close.
 
-Several rows of `x`: each parallel item dequantizes its rows of `w` into a
-float32 panel once (`_dequantize_rows`), then runs register blocks of `MR`
-rows of `x` by `NR` panel rows over it, each product accumulated in its own
-vector, summed across lanes once per output; a tile of few rows keeps
-`CHAINS` accumulators per output, so enough FMAs are in flight.
+Several rows of `x`: register blocks (`_tile`) of rows of `x` by rows of `w`,
+each product accumulated in its own vector and summed across lanes once per
+output. Up to `DIRECT_MR` rows of `x` fit one block, which dequantizes each
+weight in registers as it goes; for more, each parallel item first dequantizes
+its rows of `w` into a float32 panel (`_dequantize_rows`), once for all the
+blocks of rows of `x` that read it.
 
 One row of `x` (decode at batch 1) nothing reuses, so `_row_dot` applies each
 block's scale once, to the block's partial product, instead of to each
@@ -39,6 +40,7 @@ from .blocks import (
     GROUP,
     GROUPS,
     BlockRow,
+    BlockScales,
     BytePtr,
     F32Ptr,
     Group,
@@ -47,12 +49,16 @@ from .blocks import (
 )
 from .parallel import Job, run_items
 
-comptime MR = 8 if CompilationTarget.has_avx512f() else 4
-"""Rows of `x` per register block: `MR * NR` accumulators, `NR` weight vectors and one of `x`
-fit the vector registers (32 with AVX-512, 16 without). On AVX2, 4 x 3 beat 6 x 2 by 3-13%
-(fewer loads per multiply-add; 16 rows in 4 blocks, not 6 + 6 + 4)."""
-comptime NR = 2 if CompilationTarget.has_avx512f() else 3
-"""Rows of `w` per register block."""
+comptime DIRECT_MR = 8 if CompilationTarget.has_avx512f() else 6
+"""Rows of `x` up to which a product dequantizes each weight in registers, in register
+blocks of all its rows by `DIRECT_NR` rows of `w`: the accumulators, the weights, `x` and
+the blocks' scales a register each (32 vector registers with AVX-512, 16 without)."""
+comptime DIRECT_NR = 2
+comptime PANEL_MR = 8 if CompilationTarget.has_avx512f() else 4
+"""Rows of `x` per register block over an item's dequantized panel (more than `DIRECT_MR`
+rows of `x`): `PANEL_MR * PANEL_NR` accumulators, `PANEL_NR` weight vectors and one of `x`.
+On AVX2, 4 x 3 beat 6 x 2 by 3-13% (fewer loads per multiply-add; 16 rows in 4 blocks)."""
+comptime PANEL_NR = 2 if CompilationTarget.has_avx512f() else 3
 comptime PREFETCH_AHEAD = 4096
 """Bytes ahead of the weight rows being read that the products prefetch: a decode step
 streams ~96 MB of weights from memory, and the hardware prefetcher stops at every 4 KB
@@ -61,10 +67,10 @@ lost 3-5%, 8 KB ahead of a register block's two rows the same as 4 KB)."""
 comptime BLOCKS_PER_ITEM = 4096
 """Block products per parallel item, at least: 4-8 us of work, so a product of
 fewer runs on the calling thread alone, and taking an item costs little beside it."""
-comptime PANEL_ROWS = 12 * NR
-"""Rows of `w` an item dequantizes at least, when `x` has several rows: each block of `MR`
-rows of `x` then meets 12 register blocks while it is in cache (500 rows of `x`: 1.2x
-faster than items of 4 rows of `w`)."""
+comptime PANEL_ROWS = 12 * PANEL_NR
+"""Rows of `w` an item dequantizes into its panel at least: each block of `PANEL_MR` rows of
+`x` then meets 12 register blocks while it is in cache (500 rows of `x`: 1.2x faster than
+items of 4 rows of `w`)."""
 comptime SCALE_RUN = 16
 """Blocks whose scales `_row_dot` converts at once (one float16 vector)."""
 
@@ -73,8 +79,8 @@ def _dequantize_rows[
     encoding: StaticString
 ](w: BytePtr, w_stride: Int, rows: Int, k: Int, panel: F32Ptr):
     """Rows `0 ..< rows` of `w` as float32 `[rows, k]` in `panel`: once for all rows of
-    `x`, where dequantizing inside the register blocks repeated it for every `MR` rows
-    and left no registers for the scales (AVX2 spilled accumulators to the stack)."""
+    `x`, where dequantizing inside the register blocks would repeat it for every block of
+    rows of `x` (and, on AVX2, spill accumulators to make room for the scales)."""
     var blocks = k // BLOCK_VALUES
     for c in range(rows):
         var row = BlockRow[encoding](w.unsafe_offset(c * w_stride), blocks)
@@ -88,15 +94,35 @@ def _dequantize_rows[
 
 
 @always_inline
-def _tile[R: Int, C: Int, CHAINS: Int](x: F32Ptr, k: Int, panel: F32Ptr, y: F32Ptr, y_stride: Int):
-    """`y[R, C] = x[R, k] @ panel[C, k].T`, with `CHAINS` accumulators per output."""
+def _tile[
+    encoding: StaticString, R: Int, C: Int, FROM_PANEL: Bool
+](x: F32Ptr, k: Int, w: BytePtr, w_stride: Int, y: F32Ptr, y_stride: Int):
+    """`y[R, C] = x[R, k] @ w[C, k].T`, the rows of `w` `w_stride` bytes apart: blocks of
+    `encoding` dequantized here, or (`FROM_PANEL`) float32 weights. A block of fewer than 8
+    outputs gives each several accumulators (`CHAINS`), so that enough FMAs are in flight."""
+    comptime CHAINS = 1 if R * C >= 8 else 8 // (R * C)
+    var blocks = k // BLOCK_VALUES
+    var rows = Array[BlockRow[encoding], C](uninitialized=True)
+    comptime if not FROM_PANEL:
+        comptime for c in range(C):
+            rows[c] = BlockRow[encoding](w.unsafe_offset(c * w_stride), blocks)
     var acc = Array[Group, R * C * CHAINS](fill=0)
-    for b in range(k // BLOCK_VALUES):
+    for b in range(blocks):
+        var scales = Array[BlockScales, C](fill=BlockScales(Group(0), Group(0)))
+        comptime if not FROM_PANEL:
+            # The `C` rows' bytes are contiguous: this walks them, `PREFETCH_AHEAD` ahead.
+            prefetch(w.unsafe_offset(PREFETCH_AHEAD + b * C * block_bytes[encoding]()))
+            comptime for c in range(C):
+                scales[c] = rows[c].scales(b)
         comptime for g in range(GROUPS):
             var at = b * BLOCK_VALUES + g * GROUP
             var weights = Array[Group, C](fill=0)
             comptime for c in range(C):
-                weights[c] = panel.unsafe_load[width=GROUP](c * k + at)
+                comptime if FROM_PANEL:
+                    var row = w.unsafe_offset(c * w_stride).unsafe_bitcast[Float32]()
+                    weights[c] = row.unsafe_load[width=GROUP](at)
+                else:
+                    weights[c] = rows[c].dequantize[g](b, scales[c])
             comptime for r in range(R):
                 var xv = x.unsafe_load[width=GROUP](r * k + at)
                 comptime for c in range(C):
@@ -111,11 +137,32 @@ def _tile[R: Int, C: Int, CHAINS: Int](x: F32Ptr, k: Int, panel: F32Ptr, y: F32P
 
 
 @always_inline
-def _tile_of[C: Int](rows: Int, x: F32Ptr, k: Int, panel: F32Ptr, y: F32Ptr, y_stride: Int):
-    """`_tile` for `rows <= MR` rows of `x` (known only at run time) by `C` panel rows."""
+def _tile_of[
+    encoding: StaticString, MR: Int, C: Int, FROM_PANEL: Bool
+](rows: Int, x: F32Ptr, k: Int, w: BytePtr, w_stride: Int, y: F32Ptr, y_stride: Int):
+    """`_tile` for `rows <= MR` rows of `x`, known only at run time."""
     comptime for r in range(1, MR + 1):
         if rows == r:
-            _tile[r, C, 1 if r * C >= 8 else 8 // (r * C)](x, k, panel, y, y_stride)
+            _tile[encoding, r, C, FROM_PANEL](x, k, w, w_stride, y, y_stride)
+
+
+@no_inline
+def _tiles[
+    encoding: StaticString, MR: Int, NR: Int, FROM_PANEL: Bool
+](rows: Int, x: F32Ptr, k: Int, w: BytePtr, w_stride: Int, n_rows: Int, y: F32Ptr, y_stride: Int):
+    """`y[rows, n_rows] = x[rows, k] @ w[n_rows, k].T` for `rows <= MR`, in register blocks
+    of `NR` rows of `w` and a last one of fewer. A function of its own: inlined into an
+    item's `run` beside the other kind of block, the direct blocks ran 10-18% slower at
+    2-5 rows of `x`."""
+    for n in range(0, n_rows, NR):
+        var wp = w.unsafe_offset(n * w_stride)
+        var yp = y.unsafe_offset(n)
+        if n_rows - n >= NR:
+            _tile_of[encoding, MR, NR, FROM_PANEL](rows, x, k, wp, w_stride, yp, y_stride)
+        else:
+            comptime for c in range(1, NR):
+                if n_rows - n == c:
+                    _tile_of[encoding, MR, c, FROM_PANEL](rows, x, k, wp, w_stride, yp, y_stride)
 
 
 @always_inline
@@ -208,24 +255,29 @@ struct _Products[encoding: StaticString](Job):
                 var row = BlockRow[Self.encoding](self.w.unsafe_offset(n * self.w_stride), blocks)
                 self.y[unsafe_offset=n] = _row_dot[Self.encoding](self.x, self.x_sums, k, row)
             return
+        var w = self.w.unsafe_offset(first * self.w_stride)
+        var y = self.y.unsafe_offset(first)
+        if self.m_rows <= DIRECT_MR:
+            _tiles[Self.encoding, DIRECT_MR, DIRECT_NR, False](
+                self.m_rows, self.x, k, w, self.w_stride, last - first, y, self.n_rows
+            )
+            return
         var panel_storage = alloc[Float32]((last - first) * k)
         var panel = F32Ptr(unsafe_from_address=Int(panel_storage))
-        _dequantize_rows[Self.encoding](
-            self.w.unsafe_offset(first * self.w_stride), self.w_stride, last - first, k, panel
-        )
+        _dequantize_rows[Self.encoding](w, self.w_stride, last - first, k, panel)
         var m0 = 0
         while m0 < self.m_rows:
-            var rows = min(MR, self.m_rows - m0)
-            for n in range(first, last, NR):
-                var xp = self.x.unsafe_offset(m0 * k)
-                var wp = panel.unsafe_offset((n - first) * k)
-                var yp = self.y.unsafe_offset(m0 * self.n_rows + n)
-                if last - n >= NR:
-                    _tile_of[NR](rows, xp, k, wp, yp, self.n_rows)
-                else:  # the weight's last rows, fewer than `NR`
-                    comptime for c in range(1, NR):
-                        if last - n == c:
-                            _tile_of[c](rows, xp, k, wp, yp, self.n_rows)
+            var rows = min(PANEL_MR, self.m_rows - m0)
+            _tiles[Self.encoding, PANEL_MR, PANEL_NR, True](
+                rows,
+                self.x.unsafe_offset(m0 * k),
+                k,
+                BytePtr(unsafe_from_address=Int(panel_storage)),
+                k * 4,
+                last - first,
+                y.unsafe_offset(m0 * self.n_rows),
+                self.n_rows,
+            )
             m0 += rows
         panel_storage.free()
 
@@ -237,8 +289,10 @@ def block_matmul[
     block products or more (`parallel.run_items`)."""
     var blocks = k // BLOCK_VALUES
     var w_stride = blocks * block_bytes[encoding]()
-    # A multiple of `NR` rows: only the last chunk can end in a partial register block.
-    var chunk = ceildiv(ceildiv(BLOCKS_PER_ITEM, blocks * m_rows), NR) * NR
+    # A multiple of both register blocks' rows of `w`: only the last chunk can end in a
+    # partial block.
+    comptime ROWS = DIRECT_NR * PANEL_NR
+    var chunk = ceildiv(ceildiv(BLOCKS_PER_ITEM, blocks * m_rows), ROWS) * ROWS
     if m_rows > 1:
         chunk = max(chunk, PANEL_ROWS)
     var x_sums = alloc[Float32](blocks)
