@@ -108,7 +108,8 @@ def _run(model: Model, x: np.ndarray, weights: dict[str, np.ndarray], ids: np.nd
         (5, 40, 64),
         (13, 32, 576),
         (33, 4, 32),
-        # Weights of an odd number of rows: the register blocks' last row alone.
+        # Weights whose rows leave the last register block short (blocks of 2 rows of w up to
+        # 6 rows of x, of 3 over the dequantized panel beyond).
         (1, 7, 64),
         (6, 9, 96),
         (7, 1, 32),
