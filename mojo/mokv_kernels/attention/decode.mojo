@@ -133,7 +133,7 @@ def _decode_item[
                                     key *= scale[t]
                                 comptime for g in range(GB):
                                     var qv = q_g.unsafe_load[width=W](g * d + i)
-                                    dots[g * JB + t] = qv.fma(key, dots[g * JB + t])
+                                    dots[t * GB + g] = qv.fma(key, dots[t * GB + g])
                             i += W
                     comptime for first_dot in range(0, GB * JB, W):  # W dot products per reduction
                         comptime COUNT = min(W, GB * JB - first_dot)
@@ -141,13 +141,22 @@ def _decode_item[
                         comptime for k in range(COUNT):
                             part[k] = dots[first_dot + k]
                         var sums = _lane_sums(part)
-                        comptime for k in range(COUNT):
-                            comptime g = (first_dot + k) // JB
-                            comptime t = (first_dot + k) % JB
-                            var score = sums[k]
-                            comptime if quantized and not PER_VECTOR:
-                                score *= k_scales[t][unsafe_offset=h] * unit
-                            state.column(j0 + t)[unsafe_offset=base + g] = score
+                        comptime if GB > 1 and GB & (GB - 1) == 0:
+                            # A token's GB scores are adjacent lanes: one store for them.
+                            comptime for k in range(0, COUNT, GB):
+                                comptime t = (first_dot + k) // GB
+                                var scores = sums.slice[GB, offset=k]()
+                                comptime if quantized and not PER_VECTOR:
+                                    scores *= k_scales[t][unsafe_offset=h] * unit
+                                state.column(j0 + t).unsafe_store(base, scores)
+                        else:
+                            comptime for k in range(COUNT):
+                                comptime t = (first_dot + k) // GB
+                                comptime g = (first_dot + k) % GB
+                                var score = sums[k]
+                                comptime if quantized and not PER_VECTOR:
+                                    score *= k_scales[t][unsafe_offset=h] * unit
+                                state.column(j0 + t)[unsafe_offset=base + g] = score
         state.update(n)
         for j in range(n, _round_up(n, JB)):  # padding tokens of the last block weigh nothing
             for r in range(0, rows, W):
