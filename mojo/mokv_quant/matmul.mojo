@@ -32,7 +32,7 @@ from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 from std.math import ceildiv
-from std.sys import prefetch
+from std.sys import prefetch, size_of
 from std.sys.info import CompilationTarget
 
 from .blocks import (
@@ -272,8 +272,8 @@ struct _Products[encoding: StaticString](Job):
                 rows,
                 self.x.unsafe_offset(m0 * k),
                 k,
-                BytePtr(unsafe_from_address=Int(panel_storage)),
-                k * 4,
+                panel.unsafe_bitcast[UInt8](),
+                k * size_of[Float32](),
                 last - first,
                 y.unsafe_offset(m0 * self.n_rows),
                 self.n_rows,
