@@ -14,6 +14,8 @@ so the two cannot share a mistake:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from mokv_graphs.gguf_model import LlamaCheckpoint
@@ -40,8 +42,16 @@ def _rope_adjacent_pairs(x: np.ndarray, base: float) -> np.ndarray:
     return out
 
 
-def numpy_llama_logits(checkpoint: LlamaCheckpoint, tokens: np.ndarray) -> np.ndarray:
-    """Logits ``[T, vocab]`` (float64) of every position of one sequence starting at position 0."""
+KVStore = Callable[[int, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+"""``(layer, keys, values) -> (keys, values)``: what a cache hands back of the keys (after RoPE)
+and values ``[T, kv_heads, head_dim]`` it was given, in llama.cpp's channel order."""
+
+
+def numpy_llama_logits(checkpoint: LlamaCheckpoint, tokens: np.ndarray, kv_store: KVStore | None = None) -> np.ndarray:
+    """Logits ``[T, vocab]`` (float64) of every position of one sequence starting at position 0.
+
+    ``kv_store`` models a lossy cache (e.g. 8-bit storage): attention reads the keys and values
+    it returns instead of the exact ones."""
     c = checkpoint.config
     w = checkpoint.weights
 
@@ -60,11 +70,14 @@ def numpy_llama_logits(checkpoint: LlamaCheckpoint, tokens: np.ndarray) -> np.nd
         q = _rope_adjacent_pairs((x @ wq.T).reshape(t, c.n_heads, c.head_dim), c.rope_base)
         k = _rope_adjacent_pairs((x @ wk.T).reshape(t, c.n_kv_heads, c.head_dim), c.rope_base)
         v = (x @ weight(p + "attn_v.weight").T).reshape(t, c.n_kv_heads, c.head_dim)
+        if kv_store is not None:
+            k, v = kv_store(i, k, v)
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # head h uses kv h // group
-        scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(c.head_dim) + causal
+        # [heads, T, T] scores as batched matrix products (BLAS: an einsum took minutes at 2k tokens)
+        scores = q.transpose(1, 0, 2) @ k.transpose(1, 2, 0) / np.sqrt(c.head_dim) + causal
         probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)
-        attn = np.einsum("hts,shd->thd", probs, v).reshape(t, c.hidden_size)
+        attn = (probs @ v.transpose(1, 0, 2)).transpose(1, 0, 2).reshape(t, c.hidden_size)
         h = h + attn @ weight(p + "attn_output.weight").T
         x = _rms_norm(h, weight(p + "ffn_norm.weight"), c.rms_norm_eps)
         gate, up = x @ weight(p + "ffn_gate.weight").T, x @ weight(p + "ffn_up.weight").T
