@@ -12,6 +12,8 @@ from mokv_examples.logprobs import log_softmax
 from mokv_examples.score import agreement, score_tokens
 from mokv_graphs.llama import ragged_batch
 from mokv_graphs.weight_formats import WEIGHT_FORMATS
+from mokv_reference.lossy_kv import eight_bit_store
+from mokv_reference.numpy_llama import numpy_llama_logits
 from tests.model.conftest import logprob_tolerance
 
 TEXT = (
@@ -76,3 +78,24 @@ def test_float8_kv_scores_close_to_the_float32_cache(paged_models, smollm2_token
     assert result["top1_agreement"] >= 0.9, result
     assert result["perplexity_ratio"] == pytest.approx(1.0, abs=0.03), result
     assert result["max_logprob_gap"] > 0, "an 8-bit cache is not the float32 cache"
+
+
+def test_float8_kv_error_is_the_formats_own(paged_models, smollm2_tokenizer, smollm2):
+    """How far a float8 cache moves each token's log-probability from the float32 cache's
+    equals how far float8 KV modelled in numpy (`mokv_reference.lossy_kv`, no kernel
+    involved) moves the float64 forward's: the kernels add no error of their own (here
+    0.065 against 0.066; rounding by truncation instead of to nearest makes the model's 0.145).
+    `tools/kv_format_error.py` measures the format's error over 2,000 tokens."""
+    ids = smollm2_tokenizer.encode(LONGER_TEXT)
+
+    def paged(kv_dtype: str) -> np.ndarray:
+        scored = score_tokens(paged_models(WEIGHT_FORMATS[0], kv_dtype), ids, top_k=1, token_budget=32)
+        return np.array([s.logprob for s in scored.scores])
+
+    def modelled(kv_store=None) -> np.ndarray:
+        return log_softmax(numpy_llama_logits(smollm2, ids, kv_store)[:-1])[np.arange(len(ids) - 1), ids[1:]]
+
+    kernels = np.abs(paged("float8_e4m3fn") - paged("float32")).mean()
+    store = eight_bit_store("float8_e4m3fn", smollm2.config.head_dim)
+    model = np.abs(modelled(store) - modelled()).mean()
+    assert 1 / 1.5 < kernels / model < 1.5, f"mean log-prob change: kernels {kernels:.4f}, numpy model {model:.4f}"
