@@ -18,7 +18,8 @@ PARTS = ("keys", "values", "both")
 
 
 def sylvester_hadamard(n: int) -> np.ndarray:
-    """The orthonormal `n x n` Hadamard matrix (`n` a power of two)."""
+    """The orthonormal `n x n` Hadamard matrix (`n` a power of two), built here rather than
+    taken from `mokv.graph.hadamard` so that the model shares no code with what it checks."""
     h = np.ones((1, 1))
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])
