@@ -21,17 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
+from mokv_examples.logprobs import log_softmax
 from mokv_graphs.gguf_model import load_llama
 from mokv_graphs.tokenizer import load_tokenizer
 from mokv_reference.lossy_kv import PARTS, eight_bit_store
 from mokv_reference.numpy_llama import KVStore, numpy_llama_logits
 
 FORMATS = ("float8_e4m3fn", "int8")
-
-
-def log_probs(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
 def main() -> None:
@@ -44,23 +40,21 @@ def main() -> None:
     tokens = np.asarray(load_tokenizer().encode(args.file.read_text())[: args.tokens])
     targets = tokens[1:]
 
-    def run(name: str, kv_store: KVStore | None) -> np.ndarray:
+    def run(name: str, kv_store: KVStore | None) -> tuple[np.ndarray, float]:
+        """Each position's likeliest next token, and the text's mean negative log-likelihood."""
         started = time.perf_counter()
         logits = numpy_llama_logits(checkpoint, tokens, kv_store)[:-1]
         print(f"  {name}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-        return logits
+        return logits.argmax(axis=-1), float(-log_softmax(logits)[np.arange(len(targets)), targets].mean())
 
-    exact = run("exact", None)
-    exact_top = exact.argmax(axis=-1)
-    exact_nll = -log_probs(exact)[np.arange(len(targets)), targets].mean()
+    exact_top, exact_nll = run("exact", None)
     print(f"{args.file.name}, first {len(tokens)} tokens; against the exact float64 forward\n")
     print("| format | stored in 8 bits | top-1 agreement | perplexity change |")
     print("|---|---|---|---|")
     for fmt in args.formats.split(","):
         for part in PARTS:
-            logits = run(f"{fmt} {part}", eight_bit_store(fmt, checkpoint.config.head_dim, part))
-            nll = -log_probs(logits)[np.arange(len(targets)), targets].mean()
-            agreement = (logits.argmax(axis=-1) == exact_top).mean()
+            top, nll = run(f"{fmt} {part}", eight_bit_store(fmt, checkpoint.config.head_dim, part))
+            agreement = (top == exact_top).mean()
             print(f"| {fmt} | {part} | {100 * agreement:.2f}% | {100 * np.expm1(nll - exact_nll):+.2f}% |", flush=True)
 
 
