@@ -19,10 +19,12 @@
 #            PROFILE_S seconds at most (default 240; it took 54 s on the H200).
 # TESTS_S and BENCH_S (seconds, default 330 and 180) bound the two steps;
 # PYTEST_ARGS (split on spaces) goes to pytest, e.g. "-k long_contexts".
-# COMPARE="TARGET=FILE ..." times other versions of source files in the same
-# call, right after the benchmark: for each pair, FILE (say an older kernel,
-# from `git show`, carried as an untracked file) replaces TARGET for one more
-# run of the same benchmark (results in $OUT/compare-K), then TARGET is put back.
+# COMPARE="TARGET=FILE[,TARGET=FILE...] ..." times other versions of source
+# files in the same call, right after the benchmark: for each variant (pairs
+# joined by commas change several files at once), each FILE (say an older
+# kernel, from `git show`, carried as an untracked file) replaces its TARGET
+# for one more run of the same benchmark (results in $OUT/compare-K), then the
+# TARGETs are put back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -83,14 +85,24 @@ bench=(python3 -c "from mokv_examples.cli import main; main()" bench attention -
 $full || bench+=(--quick)
 step bench "${BENCH_S:-180}" "${bench[@]}" --out "$OUT" || status=1
 k=0
-for pair in ${COMPARE:-}; do
+for variant in ${COMPARE:-}; do
     k=$((k + 1))
-    target=${pair%%=*} file=${pair#*=}
-    cp "$target" "$OUT/.kept" && cp "$file" "$target" || { status=1; continue; }
-    mkdir -p "$OUT/compare-$k"
-    echo "$file in place of $target" > "$OUT/compare-$k/what.txt"
-    step "compare-$k/bench" "${BENCH_S:-180}" "${bench[@]}" --out "$OUT/compare-$k" || status=1
-    cp "$OUT/.kept" "$target" && rm "$OUT/.kept"
+    mkdir -p "$OUT/compare-$k/kept"
+    swapped=() ok=true
+    for pair in ${variant//,/ }; do
+        target=${pair%%=*} file=${pair#*=}
+        kept="$OUT/compare-$k/kept/${#swapped[@]}"
+        cp "$target" "$kept" && cp "$file" "$target" || { ok=false; status=1; break; }
+        swapped+=("$target")
+        echo "$file in place of $target" >> "$OUT/compare-$k/what.txt"
+    done
+    if $ok; then
+        step "compare-$k/bench" "${BENCH_S:-180}" "${bench[@]}" --out "$OUT/compare-$k" || status=1
+    fi
+    for i in "${!swapped[@]}"; do
+        cp "$OUT/compare-$k/kept/$i" "${swapped[$i]}"
+    done
+    rm -rf "$OUT/compare-$k/kept"
 done
 if $profile; then
     step profile "${PROFILE_S:-240}" ncu --target-processes all --launch-count 12 \
