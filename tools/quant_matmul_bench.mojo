@@ -9,6 +9,7 @@ Run: .venv/bin/mojo run -I mojo tools/quant_matmul_bench.mojo
 """
 
 from std.math import ceildiv
+from std.memory.alloc import unsafe_alloc
 from std.time import perf_counter_ns
 
 from mokv_quant.blocks import BLOCK_VALUES, BytePtr, F32Ptr, block_bytes, code_bytes
@@ -37,23 +38,23 @@ def gmacs[encoding: StaticString](n: Int, k: Int, m: Int) -> Float64:
     """Multiply-adds per ns of the fastest of `REPEATS` products `[m, k] x [n, k].T`."""
     var bytes = n * (k // BLOCK_VALUES) * block_bytes[encoding]()
     var copies = max(2, ceildiv(STREAMED_BYTES, bytes))
-    var weights = alloc[UInt8](copies * bytes)
+    var weights = unsafe_alloc[UInt8](copies * bytes)
     var w = BytePtr(unsafe_from_address=Int(weights))
     fill_rows[encoding](w, copies * n, k)
-    var activations = alloc[Float32](m * k)
+    var activations = unsafe_alloc[Float32](m * k)
     var x = F32Ptr(unsafe_from_address=Int(activations))
     for i in range(m * k):
         x[unsafe_offset=i] = Float32((i % 13) - 6) * 0.1
-    var outputs = alloc[Float32](m * n)
+    var outputs = unsafe_alloc[Float32](m * n)
     var y = F32Ptr(unsafe_from_address=Int(outputs))
     var best = Float64(1e30)
     for rep in range(REPEATS):
         var started = perf_counter_ns()
         block_matmul[encoding](y, x, w.unsafe_offset((rep % copies) * bytes), m, n, k)
         best = min(best, Float64(perf_counter_ns() - started))
-    weights.free()
-    activations.free()
-    outputs.free()
+    weights.unsafe_free()
+    activations.unsafe_free()
+    outputs.unsafe_free()
     return Float64(m * n * k) / best
 
 

@@ -32,6 +32,7 @@ from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 from std.math import ceildiv
+from std.memory.alloc import unsafe_alloc
 from std.sys import prefetch, size_of
 from std.sys.info import CompilationTarget
 
@@ -262,7 +263,7 @@ struct _Products[encoding: StaticString](Job):
                 self.m_rows, self.x, k, w, self.w_stride, last - first, y, self.n_rows
             )
             return
-        var panel_storage = alloc[Float32]((last - first) * k)
+        var panel_storage = unsafe_alloc[Float32]((last - first) * k)
         var panel = F32Ptr(unsafe_from_address=Int(panel_storage))
         _dequantize_rows[Self.encoding](w, self.w_stride, last - first, k, panel)
         var m0 = 0
@@ -279,7 +280,7 @@ struct _Products[encoding: StaticString](Job):
                 self.n_rows,
             )
             m0 += rows
-        panel_storage.free()
+        panel_storage.unsafe_free()
 
 
 def block_matmul[
@@ -295,7 +296,7 @@ def block_matmul[
     var chunk = ceildiv(ceildiv(BLOCKS_PER_ITEM, blocks * m_rows), ROWS) * ROWS
     if m_rows > 1:
         chunk = max(chunk, PANEL_ROWS)
-    var x_sums = alloc[Float32](blocks)
+    var x_sums = unsafe_alloc[Float32](blocks)
     comptime if encoding == "q4_1":  # for the minimums; q8_0 has none
         if m_rows == 1:
             _block_sums(x, k, F32Ptr(unsafe_from_address=Int(x_sums)))
@@ -303,7 +304,7 @@ def block_matmul[
         y, x, F32Ptr(unsafe_from_address=Int(x_sums)), w, m_rows, n_rows, k, w_stride, chunk
     )
     run_items(job, ceildiv(n_rows, chunk))
-    x_sums.free()
+    x_sums.unsafe_free()
 
 
 @extensibility.register("mokv_quant.matmul")

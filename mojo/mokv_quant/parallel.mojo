@@ -24,13 +24,14 @@ made 40 independent 576x576 products in one graph 2.3x slower, 45 against
 
 from std.atomic import Atomic
 from std.ffi import external_call
+from std.memory.alloc import unsafe_alloc
 from std.sys import llvm_intrinsic
 from std.sys.info import CompilationTarget
 
 from max.runtime.asyncrt import parallelism_level
 
 
-trait Job(ImplicitlyCopyable & Movable & Deinitable):
+trait Job(ImplicitlyCopyable & Deinitable):
     """Work cut into numbered items that may run on any thread, in any order."""
 
     def run(self, item: Int):
@@ -70,7 +71,7 @@ def _take_items[J: Job](team: _TeamPtr[J]):
 
 def _leave[J: Job](team: _TeamPtr[J]):
     if team[].present.fetch_sub(1) == 1:
-        team.free()
+        team.unsafe_free()
 
 
 def _helper[J: Job](state: Pointer[Int8, MutUntrackedOrigin]):
@@ -98,7 +99,7 @@ def run_items[J: Job](job: J, items: Int, max_helpers: Int = Int.MAX):
             job.run(item)
         return
     comptime assert _Team[J].__del__is_trivial, "a Job's fields must need no destructor"
-    var team = alloc[_Team[J]](1)  # freed, never destroyed: see the assert
+    var team = unsafe_alloc[_Team[J]](1)  # freed, never destroyed: see the assert
     team.unsafe_write(_Team[J](job, items, helpers + 1))
     for _ in range(helpers):
         external_call["KGEN_CompilerRT_AsyncRT_Execute", NoneType](

@@ -166,8 +166,9 @@ struct SharedTiles[D: Int, BM: Int, BN: Int, LPR: Int](TrivialRegisterPassable):
 
 
 struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](ThreadProgram):
-    """One thread of a prefill block. Thread layouts per phase:
+    """One thread of a prefill block.
 
+    Thread layouts per phase:
     - scores: `KG = BN / SK` key groups by `RG` row groups; the thread scores
       rows `rg + RG * k` against keys `kg + KG * i`;
     - softmax: `LPR` threads per query row, each over `BN / LPR` keys;

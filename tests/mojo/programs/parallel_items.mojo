@@ -2,6 +2,7 @@
 
 from std.atomic import Atomic
 from std.ffi import external_call
+from std.memory.alloc import unsafe_alloc
 
 from max.runtime.asyncrt import parallelism_level
 
@@ -68,8 +69,8 @@ def check(
 
 def main():
     comptime MOST = 64 * 1000
-    var runs = alloc[Atomic[Int64]](MOST)
-    var threads = alloc[Int](MOST)
+    var runs = unsafe_alloc[Atomic[Int64]](MOST)
+    var threads = unsafe_alloc[Int](MOST)
     # (name, items, spin per item, whether helpers must have joined)
     var cases: List[Tuple[String, Int, Int, Bool]] = [
         ("no items", 0, 0, False),
@@ -87,5 +88,5 @@ def main():
         runs[unsafe_offset=i] = Atomic[Int64](0)
     run_items(Nested(runs, 1000, threads), 64)
     check("nested", runs, threads, MOST, True)
-    runs.free()
-    threads.free()
+    runs.unsafe_free()
+    threads.unsafe_free()
