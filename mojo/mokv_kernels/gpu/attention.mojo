@@ -68,10 +68,12 @@ comptime MIN_SPLIT_TOKENS = 256
 comptime MAX_SPLITS = 64
 comptime BLOCKS_PER_MULTIPROCESSOR = 2
 """Blocks per multiprocessor the grid aims for before splitting the context:
-as many as fit at once (a decode block's 83 KB of shared memory and 178
-registers per thread allow two), so that a long context is one wave of longer
-splits rather than two of shorter ones (H100: batch 1 at 32k 0.72-0.73x MAX's
-kernel against 0.63-0.68x with 4; tests/gpu/results/2026-11-26-h100-sixth)."""
+as many as fit at once (two: a decode block's 83 KB of shared memory and 178
+registers per thread, sized by `decode.mojo`'s `TILE_PAIR_BYTES` and
+`MIN_BLOCKS`, and a prefill block's 76 KB and 232 registers), so that a long
+context is one wave of longer splits rather than two of shorter ones (H100:
+batch 1 at 32k 0.72-0.73x MAX's kernel against 0.63-0.68x with 4;
+tests/gpu/results/2026-11-26-h100-sixth)."""
 # Phases of a prefill block (`AttentionThread.step`).
 comptime LOAD_Q = 0
 comptime LOAD_KV = 1
