@@ -25,7 +25,7 @@ the call's wall time, launch overhead included for both kernels. The memory
 yardstick is then a 1 GiB device-to-device copy: its traffic (read plus
 write) per second stands for the achievable HBM bandwidth, against which the
 KV read rate of decode is set. Without a GPU it says so and exits.
-`tests/gpu/results/` keeps the H200 runs' tables.
+`docs/gpu/results/` keeps the GPU runs' tables.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def test_long_contexts(rows, dtype, gpu_attention, gpu: Device):
 
 # MAX's GPU kernel in bfloat16 with Llama's heads, the shape MAX serves and that the GPU
 # benchmark also runs. Its float32 path with SmolLM2's 9/3 heads of 64 was left out after the
-# first H200 run (tests/gpu/results): that one test was still compiling or running when the
+# first H200 run (docs/gpu/results): that one test was still compiling or running when the
 # step's 330 s ran out, and mokv's float32 attention is checked against numpy above.
 GPU_MAX_SHAPES = [
     MaxAttentionShape(DType.bfloat16, cpu_attention.NUM_LAYERS, 32, 8, 128, 128, 1 / math.sqrt(128)),
