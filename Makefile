@@ -17,9 +17,9 @@ $(BIN)/python:
 
 # The .pth line points the checkout's venv at the checkout's caches however it is
 # started (.venv/bin/mokv, .venv/bin/python -m pytest), as make does.
-$(VENV)/.installed: requirements.txt requirements-cli.txt requirements-remote.txt requirements-test.txt constraints.txt pyproject.toml | $(BIN)/python
+$(VENV)/.installed: requirements.txt requirements-cli.txt requirements-remote.txt requirements-test.txt constraints.txt pyproject.toml reference/pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --disable-pip-version-check -q -c constraints.txt -r requirements-test.txt
-	$(BIN)/pip install --disable-pip-version-check -q --no-deps -e .
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps -e . -e reference
 	echo 'import os; os.environ.setdefault("MOKV_CACHE_DIR", "$(MOKV_CACHE_DIR)")' \
 		> "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/mokv_checkout_cache.pth"
 	touch $@
@@ -27,7 +27,7 @@ $(VENV)/.installed: requirements.txt requirements-cli.txt requirements-remote.tx
 setup: $(VENV)/.installed
 
 model: setup
-	$(BIN)/python -m mokv_graphs.model_files fetch
+	$(BIN)/python -m mokv_models.model_files fetch
 
 # What a fresh install of mokv's wheel needs (its pinned dependencies and the build
 # backend), so the packaging test installs into a new virtualenv without the network.

@@ -19,17 +19,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import click
 import numpy as np
-from max.driver import CPU
-from max.dtype import DType
-from max.engine import InferenceSession
 
-from mokv import KVCacheParams, PagedKVCacheManager, TextContext
 from mokv_examples.bench_results import out_dir_option, write_results
-from mokv_reference.max_manager import MaxBackend
+from mokv_reference.manager_backends import Backend, MaxBackend, MokvBackend
 
 OPS = ("admit", "alloc", "runtime_inputs", "step", "release")
 """`admit` is claim + first alloc (prefix matching happens there); `alloc` the decode allocations."""
@@ -68,67 +64,6 @@ def make_prompts(case: Case, seed: int = 0) -> list[np.ndarray]:
         system = rng.integers(0, _VOCAB, size=(4, shared_len), dtype=np.int64)
         prompts[:, :shared_len] = system[np.arange(n) % 4]
     return list(prompts)
-
-
-class Backend(Protocol):
-    """A paged KV cache manager driven through one common interface."""
-
-    def new_context(self, request_id: str, tokens: np.ndarray) -> Any: ...
-    def claim(self, ctx: Any) -> None: ...
-    def alloc(self, ctx: Any) -> None: ...
-    def runtime_inputs(self, batch: list[Any]) -> Any: ...
-    def step(self, batch: list[Any]) -> None: ...
-    def release(self, ctx: Any) -> None: ...
-    def blocks(self, ctx: Any) -> list[int]: ...
-    def num_free_blocks(self) -> int: ...
-    def hit_rate(self) -> float: ...
-
-
-class MokvBackend:
-    """mokv's `PagedKVCacheManager` on replica 0."""
-
-    def __init__(self, page_size: int, total_num_pages: int, max_batch_size: int) -> None:
-        params = KVCacheParams(
-            DType.float32,
-            n_kv_heads=1,
-            head_dim=8,
-            num_layers=1,
-            page_size=page_size,
-            enable_prefix_caching=True,
-        )
-        self.manager = PagedKVCacheManager(
-            params,
-            InferenceSession(devices=[CPU()]),
-            total_num_pages,
-            max_batch_size=max_batch_size,
-        )
-
-    def new_context(self, request_id: str, tokens: np.ndarray) -> TextContext:
-        return TextContext(request_id, tokens)
-
-    def claim(self, ctx: TextContext) -> None:
-        self.manager.claim(ctx.request_id, 0)
-
-    def alloc(self, ctx: TextContext) -> None:
-        self.manager.alloc(ctx, 0)
-
-    def runtime_inputs(self, batch: list[TextContext]) -> Any:
-        return self.manager.runtime_inputs([batch])
-
-    def step(self, batch: list[TextContext]) -> None:
-        self.manager.step([batch])
-
-    def release(self, ctx: TextContext) -> None:
-        self.manager.release(ctx.request_id, 0)
-
-    def blocks(self, ctx: TextContext) -> list[int]:
-        return self.manager.get_req_blocks(ctx.request_id, 0)
-
-    def num_free_blocks(self) -> int:
-        return self.manager.num_free_blocks(0)
-
-    def hit_rate(self) -> float:
-        return self.manager.get_metrics_aggregated().cache_hit_rate
 
 
 @dataclass

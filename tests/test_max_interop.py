@@ -26,7 +26,7 @@ from mokv import (
     from_max,
 )
 from mokv.context import MaxTextContextAdapter
-from mokv_reference.max_manager import MaxBackend
+from mokv_reference.manager_backends import MaxBackend
 
 PAGE = 4
 

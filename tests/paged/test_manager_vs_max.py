@@ -27,8 +27,7 @@ from max.nn.kv_cache import KVCacheQuantizationConfig, MHAKVCacheParams
 from max.pipelines.kv_cache import PagedKVCacheManager as MaxManager
 
 from mokv import PagedKVCacheManager, TextContext
-from mokv_examples.bench_manager import MokvBackend
-from mokv_reference.max_manager import MaxBackend
+from mokv_reference.manager_backends import MaxBackend, MokvBackend
 
 
 class Lockstep:
