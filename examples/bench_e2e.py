@@ -41,9 +41,9 @@ from mokv_examples.generate import tier_options
 from mokv_examples.inspect_cache import QUESTIONS, SYSTEM_PROMPT
 from mokv_examples.pipeline import KV_DTYPES, GenerationConfig, SmolLM2, generate
 from mokv_examples.scheduler import CacheInputs, Scheduler
-from mokv_graphs.llama import last_token_rows, load_llama_model
-from mokv_graphs.model_files import smollm2_gguf_path
-from mokv_graphs.weight_formats import WEIGHT_FORMATS
+from mokv_models.llama import last_token_rows, load_llama_model
+from mokv_models.model_files import smollm2_gguf_path
+from mokv_models.weight_formats import WEIGHT_FORMATS
 
 PREFILL_TOKENS = 500
 GOALS = {

@@ -11,7 +11,7 @@ import click
 
 from mokv_examples.pipeline import KV_DTYPES, GenerationConfig, SmolLM2, request_id, run_prompts
 from mokv_examples.streaming import answer_display
-from mokv_graphs.weight_formats import WEIGHT_FORMATS
+from mokv_models.weight_formats import WEIGHT_FORMATS
 
 DEFAULT_PROMPTS = (
     "What is the capital of France?",

@@ -34,12 +34,12 @@ from mokv_examples.scheduler import (
     StepStats,
     mokv_context,
 )
-from mokv_graphs.attention_backends import AttentionBackend
-from mokv_graphs.gguf_model import LlamaCheckpoint, load_llama
-from mokv_graphs.llama import last_token_rows, load_llama_model
-from mokv_graphs.paged_attention import PagedCacheAttention
-from mokv_graphs.tokenizer import GGUFTokenizer, load_tokenizer
-from mokv_graphs.weight_formats import WEIGHT_FORMATS
+from mokv_models.attention_backends import AttentionBackend
+from mokv_models.gguf_model import LlamaCheckpoint, load_llama
+from mokv_models.llama import last_token_rows, load_llama_model
+from mokv_models.paged_attention import PagedCacheAttention
+from mokv_models.tokenizer import GGUFTokenizer, load_tokenizer
+from mokv_models.weight_formats import WEIGHT_FORMATS
 
 KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "int8")
 """How the pipeline can store its KV: plain float32 or bfloat16, or 8-bit
@@ -155,7 +155,7 @@ class GenerationReport:
 
 class SmolLM2:
     """The compiled SmolLM2 graph over a paged cache (`cache`, mokv's by default),
-    with its weights in format `weights` (`mokv_graphs.weight_formats`), its KV
+    with its weights in format `weights` (`mokv_models.weight_formats`), its KV
     stored as `kv_dtype` (`KV_DTYPES`; 8-bit keys Hadamard-rotated unless
     `rotate_keys` is False), weights and cache on `device` (the CPU unless
     given)."""

@@ -24,7 +24,7 @@ import numpy.typing as npt
 from mokv_examples.generate import kv_dtype_option, weights_option
 from mokv_examples.logprobs import TokenLogprob, token_logprobs
 from mokv_examples.pipeline import KV_DTYPES, GenerationConfig, SmolLM2
-from mokv_graphs.weight_formats import WEIGHT_FORMATS
+from mokv_models.weight_formats import WEIGHT_FORMATS
 
 
 @dataclass

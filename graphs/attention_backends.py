@@ -1,6 +1,6 @@
 """How a Llama graph's attention is plugged in, and the cache-free reference backend.
 
-The decoder graph (``mokv_graphs.llama``) computes Q, K and V for a ragged batch, applies RoPE,
+The decoder graph (``mokv_models.llama``) computes Q, K and V for a ragged batch, applies RoPE,
 and hands them to an :class:`AttentionBackend`. A backend may declare extra graph inputs (a
 paged KV cache declares its blocks, cache lengths and lookup table); the graph appends them
 after its own inputs and passes them back on every call. Swapping the backend is the only

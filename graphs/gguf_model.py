@@ -1,6 +1,6 @@
 """Llama hyper-parameters and weights from a GGUF file, cached as ``.npy`` files.
 
-Two weight formats (``mokv_graphs.weight_formats``): ``f32`` dequantizes every tensor to
+Two weight formats (``mokv_models.weight_formats``): ``f32`` dequantizes every tensor to
 float32; ``gguf`` keeps each tensor's own GGUF blocks (SmolLM2: Q4_1 layers, a Q8_0 embedding,
 F32 norms) as ``uint8`` rows ``[out_features, blocks * block_bytes]``, each row planar. Reading
 SmolLM2's GGUF costs ~5 s (the ``gguf`` reader parses 49k vocabulary strings one by one) and
@@ -35,8 +35,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from mokv_graphs.model_files import derived_cache_path, smollm2_gguf_path
-from mokv_graphs.weight_formats import BLOCK_ENCODINGS, WEIGHT_FORMATS
+from mokv_models.model_files import derived_cache_path, smollm2_gguf_path
+from mokv_models.weight_formats import BLOCK_ENCODINGS, WEIGHT_FORMATS
 
 _CACHE_VERSIONS = {"f32": 1, "gguf": 2}
 """Bumped per weight format when its cached file layout or the transformation of its weights
@@ -81,7 +81,7 @@ class LlamaCheckpoint:
     """A config with its weights (GGUF names, half-split RoPE row order) in one weight format.
 
     ``encodings[name]`` says how ``weights[name]`` is stored: ``"f32"``, or a block encoding
-    of ``mokv_graphs.weight_formats.BLOCK_ENCODINGS`` (``uint8`` rows of blocks).
+    of ``mokv_models.weight_formats.BLOCK_ENCODINGS`` (``uint8`` rows of blocks).
     """
 
     config: LlamaConfig

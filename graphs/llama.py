@@ -18,7 +18,7 @@ output
 Weights are graph :class:`~max.graph.Weight` s bound at load time (:func:`llama_weights_registry`:
 the checkpoint's tensors under their GGUF names, the stacked block matrices of
 ``FUSED_PROJECTIONS`` and the RoPE tables ``rope.cos``/``rope.sin``),
-each in its checkpoint encoding (``mokv_graphs.weight_formats``: float32, or GGUF blocks read by
+each in its checkpoint encoding (``mokv_models.weight_formats``: float32, or GGUF blocks read by
 mokv's kernels), not constants: a constant is serialized into the graph's IR on every build (the two RoPE tables
 alone cost ~1.3 s of Python and 7 MB of IR). RoPE uses the half-split form (the checkpoint's Q/K
 rows are already in that order), with cos/sin computed in float64 on the host and gathered by
@@ -39,9 +39,9 @@ from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
 
-from mokv_graphs.attention_backends import AttentionBackend
-from mokv_graphs.gguf_model import LlamaCheckpoint, LlamaConfig
-from mokv_graphs.weight_formats import declare_weight, embedding, linear, quant_kernel_package, uses_quant_kernels
+from mokv_models.attention_backends import AttentionBackend
+from mokv_models.gguf_model import LlamaCheckpoint, LlamaConfig
+from mokv_models.weight_formats import declare_weight, embedding, linear, quant_kernel_package, uses_quant_kernels
 
 CPU = DeviceRef.CPU()
 TOTAL_TOKENS = "total_tokens"
@@ -95,7 +95,7 @@ def fused_parts(encodings: Mapping[str, str], prefix: str, fused: str) -> list[s
 
 class _LlamaWeights:
     """The graph's weights, each declared in its checkpoint encoding (see
-    ``mokv_graphs.weight_formats``), with the products that read them."""
+    ``mokv_models.weight_formats``), with the products that read them."""
 
     def __init__(self, config: LlamaConfig, encodings: Mapping[str, str], device: DeviceRef) -> None:
         self.config = config

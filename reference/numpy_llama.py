@@ -1,11 +1,11 @@
 """A plain numpy Llama forward pass: the independent reference for the MAX model graphs.
 
-Deliberately written the other way round from ``mokv_graphs.llama`` wherever that is possible,
+Deliberately written the other way round from ``mokv_models.llama`` wherever that is possible,
 so the two cannot share a mistake:
 
 * float64 throughout (the graph is float32);
 * llama.cpp's RoPE convention: it first re-applies the converter's per-head Q/K row permutation
-  (undoing ``mokv_graphs.gguf_model``'s un-permutation, i.e. back to the GGUF's own order) and
+  (undoing ``mokv_models.gguf_model``'s un-permutation, i.e. back to the GGUF's own order) and
   then rotates *adjacent* pairs ``(2i, 2i+1)``, as ggml's default RoPE mode does, with angles
   computed in place rather than from a table;
 * one sequence at a time, with an explicit upper-triangular mask and ``np.repeat`` for
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mokv_graphs.gguf_model import LlamaCheckpoint
+from mokv_models.gguf_model import LlamaCheckpoint
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:

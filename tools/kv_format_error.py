@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from mokv_examples.logprobs import log_softmax
-from mokv_graphs.gguf_model import load_llama
-from mokv_graphs.tokenizer import load_tokenizer
+from mokv_models.gguf_model import load_llama
+from mokv_models.tokenizer import load_tokenizer
 from mokv_reference.lossy_kv import PARTS, eight_bit_store
 from mokv_reference.numpy_llama import KVStore, numpy_llama_logits
 

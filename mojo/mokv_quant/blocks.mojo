@@ -9,7 +9,7 @@ weights:
 - `q8_0`, 34 bytes: float16 scale `d`, then 32 int8 `q`; weight = `d * q`.
 
 mokv keeps exactly these bytes but moves each row's fields into planes
-(`mokv_graphs.weight_formats.BlockEncoding.planar`): the codes of all its blocks,
+(`mokv_models.weight_formats.BlockEncoding.planar`): the codes of all its blocks,
 then all their `d`, then (q4_1) all their `m`. A row is the same size, and a
 decode step's product converts sixteen scales with one instruction and reads
 each from memory as it needs it, where the interleaved blocks cost a

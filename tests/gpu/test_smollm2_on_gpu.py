@@ -11,10 +11,10 @@ from max.engine import InferenceSession
 from max.graph import DeviceRef
 
 from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
-from mokv_graphs.attention_backends import DenseCausalAttention
-from mokv_graphs.llama import load_llama_model
-from tests.gpu.conftest import needs_gpu
-from tests.model.conftest import QUESTIONS, SYSTEM, dense_greedy_fn
+from mokv_models.attention_backends import DenseCausalAttention
+from mokv_models.llama import load_llama_model
+from tests.support.gpu import needs_gpu
+from tests.support.smollm2 import QUESTIONS, SYSTEM, dense_greedy_fn
 
 pytestmark = needs_gpu("SmolLM2-135M greedy generation on mokv's paged cache against the dense graph")
 

@@ -17,8 +17,8 @@ from mokv_examples import score as score_module
 from mokv_examples.cli import main
 from mokv_examples.logprobs import log_softmax
 from mokv_examples.pipeline import GenerationConfig
-from mokv_graphs.llama import ragged_batch
-from tests.model.conftest import DEFAULT_FORMAT, logprob_tolerance
+from mokv_models.llama import ragged_batch
+from tests.support.smollm2 import DEFAULT_FORMAT, logprob_tolerance
 
 PROMPTS = ["What is the capital of France?", "Name a prime number."]
 NEW_TOKENS = 8

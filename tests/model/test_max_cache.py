@@ -10,7 +10,7 @@ pytest.importorskip("max.pipelines")
 
 from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
 from mokv_reference.max_cache import MaxCache
-from tests.model.conftest import DEFAULT_FORMAT, NEW_TOKENS
+from tests.support.smollm2 import DEFAULT_FORMAT, NEW_TOKENS
 
 
 @pytest.fixture(scope="module")

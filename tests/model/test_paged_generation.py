@@ -10,9 +10,9 @@ import pytest
 from max.driver import Buffer
 
 from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
-from mokv_graphs.llama import ragged_batch
-from mokv_graphs.weight_formats import WEIGHT_FORMATS
-from tests.model.conftest import NEW_TOKENS, PAGED_LOGIT_ATOL, PAGED_LOGIT_RTOL, SYSTEM
+from mokv_models.llama import ragged_batch
+from mokv_models.weight_formats import WEIGHT_FORMATS
+from tests.support.smollm2 import NEW_TOKENS, PAGED_LOGIT_ATOL, PAGED_LOGIT_RTOL, SYSTEM
 
 
 @pytest.fixture(params=WEIGHT_FORMATS)

@@ -10,11 +10,11 @@ from max.driver import Buffer
 
 from mokv_examples.logprobs import log_softmax
 from mokv_examples.score import agreement, score_tokens
-from mokv_graphs.llama import ragged_batch
-from mokv_graphs.weight_formats import WEIGHT_FORMATS
+from mokv_models.llama import ragged_batch
+from mokv_models.weight_formats import WEIGHT_FORMATS
 from mokv_reference.lossy_kv import eight_bit_store
 from mokv_reference.numpy_llama import numpy_llama_logits
-from tests.model.conftest import logprob_tolerance
+from tests.support.smollm2 import logprob_tolerance
 
 TEXT = (
     "The key-value cache stores the attention keys and values of every token a model has already "

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from max.engine import Model
 
-from mokv_graphs import model_files
-from mokv_graphs.gguf_model import LlamaCheckpoint, load_llama, unpermute_rope_rows
-from mokv_graphs.llama import ragged_batch
-from mokv_graphs.tokenizer import GGUFTokenizer
+from mokv_models import model_files
+from mokv_models.gguf_model import LlamaCheckpoint, load_llama, unpermute_rope_rows
+from mokv_models.llama import ragged_batch
+from mokv_models.tokenizer import GGUFTokenizer
 from mokv_reference.numpy_llama import llama_cpp_permute, numpy_llama_logits
 
 # float32 graph vs float64 reference through 30 layers: measured max |diff| 2e-6..7e-6 of the
@@ -51,7 +51,7 @@ def _greedy_dense(
 
 def test_missing_wheel_error_names_fetch_command(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(model_files.CACHE_ENV, str(tmp_path))
-    with pytest.raises(FileNotFoundError, match=r"mokv_graphs\.model_files fetch"):
+    with pytest.raises(FileNotFoundError, match=r"mokv_models\.model_files fetch"):
         model_files.smollm2_gguf_path()
 
 

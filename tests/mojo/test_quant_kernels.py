@@ -15,7 +15,7 @@ from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, ops
 
-from mokv_graphs.weight_formats import BLOCK_ENCODINGS, declare_weight, quant_kernel_package
+from mokv_models.weight_formats import BLOCK_ENCODINGS, declare_weight, quant_kernel_package
 
 CPU = DeviceRef.CPU()
 GGML_TYPES = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
