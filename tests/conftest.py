@@ -14,9 +14,9 @@ from max.engine import InferenceSession
 
 from mokv.kernels import kernel_package
 from mokv.paths import CACHE_ENV, keep_compiled_graphs_in_cache_dir
-from tests import property_stats
-from tests.attention_graph import build_attention_graph
-from tests.compile_once import compiled_per_key
+from tests.support import property_stats
+from tests.support.attention_graph import build_attention_graph
+from tests.support.compile_once import compiled_per_key
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault(CACHE_ENV, str(REPO / ".cache"))

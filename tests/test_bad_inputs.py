@@ -2,7 +2,7 @@
 
 Each case is a call that must be refused: it raises the documented exception
 type, the message names the bad value, and the manager's whole observable
-state (`tests.manager_state`) is exactly as before. For the managers a twin,
+state (`tests.support.manager_state`) is exactly as before. For the managers a twin,
 built the same way but never given the bad call, then runs the same follow-up
 workload: both must behave identically afterwards.
 """
@@ -33,7 +33,7 @@ from mokv import (
 )
 from mokv.graph import PagedCacheValues, attention, gather_kv, paged_input_types, store_kv
 from mokv.paged import BatchCharacteristics
-from tests.manager_state import continuous_snapshot, paged_snapshot
+from tests.support.manager_state import continuous_snapshot, paged_snapshot
 
 HUGE = 10**15
 NAN = float("nan")

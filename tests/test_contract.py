@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import pytest
 from max.dtype import DType
-from max.graph import BufferType, DeviceRef, Graph, TensorType
+from max.graph import BufferType, DeviceRef, Graph
 
 from mokv import (
     KVCacheInputs,
@@ -30,6 +30,7 @@ from mokv.contract import (
     paged_input_types,
 )
 from mokv.graph import ContinuousCacheValues, FetchContinuousBatchingKVCacheCollection, PagedCacheValues
+from tests.support.input_types import QUANTIZATIONS, assert_inputs_match_types
 
 CPU = DeviceRef.CPU()
 
@@ -39,35 +40,11 @@ def test_records_follow_the_specs() -> None:
     assert [f.name for f in fields(ContinuousCacheInputs)] == [s.name for s in CONTINUOUS_INPUTS]
 
 
-def assert_inputs_match_types(buffers: list, types: list[BufferType | TensorType]) -> None:
-    """Every buffer has its type's dtype, rank, device kind and static sizes, and
-    each symbolic dimension takes one value across all the inputs."""
-    assert len(buffers) == len(types)
-    symbols: dict[str, int] = {}
-    for buffer, t in zip(buffers, types, strict=True):
-        assert buffer.dtype == t.dtype, (buffer, t)
-        assert buffer.rank == len(t.shape), (buffer, t)
-        assert buffer.device.is_host == (t.device.device_type.value == "cpu"), (buffer, t)
-        for size, dim in zip(buffer.shape, t.shape, strict=True):
-            text = str(dim)
-            if text.isdigit():
-                assert size == int(text), (buffer, t)
-            else:
-                assert symbols.setdefault(text, size) == size, f"{text}: {symbols[text]} vs {size}"
-
-
 def run_one_request(manager: PagedKVCacheManager, tokens, replica: int = 0) -> TextContext:
     ctx = TextContext(f"r{replica}-{len(tokens)}", np.asarray(tokens, np.int64))
     manager.claim(ctx.request_id, replica)
     manager.alloc(ctx, replica)
     return ctx
-
-
-QUANTIZATIONS = {
-    "bfloat16": (DType.bfloat16, None),
-    "float8-per-token": (DType.float8_e4m3fn, KVCacheQuantConfig()),
-    "int8-blocks": (DType.int8, KVCacheQuantConfig(quantization_granularity=4, tokens_per_scale=2)),
-}
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)

@@ -3,21 +3,10 @@ causal attention (checked against numpy)."""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import numpy as np
 
 from mokv_reference.attention import causal_attention
-
-README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-def readme_example() -> str:
-    section = README.read_text().split("## Using it in a graph", 1)[1]
-    match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
-    assert match, "the section has no python example"
-    return match.group(1)
+from tests.support.readme import README, readme_example
 
 
 def test_using_it_in_a_graph_runs_as_written() -> None:

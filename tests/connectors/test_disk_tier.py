@@ -13,8 +13,7 @@ import pytest
 
 from mokv.connectors import KVConnectorConfig
 from mokv.connectors.disk import SUFFIX
-
-from .conftest import PAGE_SIZE, admit, check_cached_pages, make_manager, run_prompt, small_params
+from tests.support.tiers import PAGE_SIZE, admit, check_cached_pages, make_manager, run_prompt, small_params
 
 
 def page_files(directory: Path) -> list[Path]:

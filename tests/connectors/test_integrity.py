@@ -13,8 +13,7 @@ import pytest
 import mokv.connectors.config as connector_config
 from mokv.connectors import KVConnectorConfig, RemoteStoreError
 from mokv_examples.pipeline import GenerationConfig
-
-from .conftest import PAGE_SIZE, RedisServer, admit, check_cached_pages, make_manager, run_prompt
+from tests.support.tiers import PAGE_SIZE, RedisServer, admit, check_cached_pages, make_manager, run_prompt
 
 PROMPT = np.arange(3 * PAGE_SIZE + 1)
 KEY = b"correct horse battery staple"

@@ -13,8 +13,7 @@ from max.dtype import DType
 
 from mokv import KVCacheQuantConfig, PagedKVCacheManager, TextContext
 from mokv.connectors import KVConnectorConfig
-
-from .conftest import PAGE_SIZE, shared_tier, small_params
+from tests.support.tiers import PAGE_SIZE, shared_tier, small_params
 
 PROMPT = np.arange(300, 300 + 3 * PAGE_SIZE + 1)  # three full pages to cache
 QUANT = KVCacheQuantConfig(quantization_granularity=4, tokens_per_scale=2)

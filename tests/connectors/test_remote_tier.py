@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .conftest import PAGE_SIZE, RedisServer, admit, check_cached_pages, make_manager, run_prompt
+from tests.support.tiers import PAGE_SIZE, RedisServer, admit, check_cached_pages, make_manager, run_prompt
 
 TIMEOUT_S = 0.3
 

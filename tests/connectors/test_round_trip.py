@@ -13,10 +13,9 @@ from max.engine import InferenceSession
 
 from mokv import KVCacheParams, PagedKVCacheManager, TextContext
 from mokv.connectors import KVConnectorConfig
-from tests.compile_once import compiled_per_key
-from tests.mojo.test_store_gather import HEAD_DIM, N_KV_HEADS, NUM_LAYERS, build_store_gather_graph
-
-from .conftest import shared_tier
+from tests.support.compile_once import compiled_per_key
+from tests.support.store_gather import HEAD_DIM, N_KV_HEADS, NUM_LAYERS, build_store_gather_graph
+from tests.support.tiers import shared_tier
 
 PAGE = 8
 PROMPT = np.arange(500, 500 + 3 * PAGE + 1)

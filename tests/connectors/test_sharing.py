@@ -11,7 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .conftest import PAGE_SIZE, RedisServer, admit, check_cached_pages, make_manager, run_prompt, start_worker
+from tests.support.tiers import (
+    PAGE_SIZE,
+    RedisServer,
+    admit,
+    check_cached_pages,
+    make_manager,
+    run_prompt,
+    start_worker,
+)
 
 
 def run_worker(config: dict, prompts: list[list[int]], timeout: float = 120) -> dict:

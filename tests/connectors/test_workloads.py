@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from mokv.connectors.disk import SUFFIX
-
-from .conftest import (
+from tests.support.tiers import (
     PAGE_SIZE,
     RedisServer,
     admit,

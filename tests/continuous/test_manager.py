@@ -10,7 +10,7 @@ from max.dtype import DType
 
 from mokv import KVCacheParams, KVCacheQuantConfig, TextContext
 from mokv.continuous import ContinuousBatchingKVCacheManager
-from tests.test_contract import QUANTIZATIONS, assert_inputs_match_types
+from tests.support.input_types import QUANTIZATIONS, assert_inputs_match_types
 
 PARAMS = KVCacheParams(dtype=DType.float32, n_kv_heads=3, head_dim=8, num_layers=2)
 

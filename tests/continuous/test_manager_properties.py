@@ -22,8 +22,8 @@ from max.engine import InferenceSession
 
 from mokv import KVCacheParams, TextContext
 from mokv.continuous import ContinuousBatchingKVCacheManager
-from tests import kv_markers
-from tests.machine_base import ManagerMachine
+from tests.support import kv_markers
+from tests.support.machine_base import ManagerMachine
 
 PARAMS = KVCacheParams(DType.float32, n_kv_heads=1, head_dim=2, num_layers=1)
 _SESSION = InferenceSession(devices=[CPU()])

@@ -9,7 +9,7 @@ import math
 import numpy as np
 from max.dtype import DType
 
-from tests.mojo import test_attention as cpu_attention
+from tests.support import attention_cases as cpu_attention
 
 
 def mixed_case(case: tuple) -> tuple[cpu_attention.Batch, int, float]:

@@ -5,16 +5,9 @@ emulator tests beside them need no GPU and always run.)"""
 from __future__ import annotations
 
 import pytest
-from max.driver import CPU, Accelerator, Device, accelerator_count
+from max.driver import CPU, Accelerator, Device
 from max.engine import InferenceSession
 from max.graph import DeviceRef
-
-HAS_GPU = accelerator_count() > 0
-
-
-def needs_gpu(what: str) -> pytest.MarkDecorator:
-    """Skips the module's tests without a GPU, saying what they would run."""
-    return pytest.mark.skipif(not HAS_GPU, reason=f"no GPU on this machine: would run {what} on one")
 
 
 @pytest.fixture(scope="session")

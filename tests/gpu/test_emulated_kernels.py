@@ -23,8 +23,8 @@ from mokv_reference import bfloat16
 from mokv_reference import cache as ref
 from tests.gpu.cases import mixed_case, window_case
 from tests.gpu.emulation import Emulator, build_emulator, cache_meta, float32_bits
-from tests.mojo import test_attention as cpu_attention
-from tests.mojo import test_store_gather as cpu_rows
+from tests.support import attention_cases as cpu_attention
+from tests.support import store_gather as cpu_rows
 
 H100_MULTIPROCESSORS = 132
 
@@ -159,7 +159,7 @@ def emulate_attention(
 
 
 @pytest.mark.parametrize("multiprocessors", [1, H100_MULTIPROCESSORS], ids=["unsplit", "split"])
-@pytest.mark.parametrize("case", cpu_attention.CASES, ids=cpu_attention._case_id)
+@pytest.mark.parametrize("case", cpu_attention.CASES, ids=cpu_attention.case_id)
 def test_mixed_batch_matches_numpy(case, multiprocessors, emulator):
     b, layer, scale = mixed_case(case)
     out = emulate_attention(emulator, b, layer, scale, multiprocessors=multiprocessors)

@@ -11,7 +11,7 @@ from max.dtype import DType
 from max.graph import DeviceRef
 
 from mokv import KVCacheParams, PagedKVCacheManager, TextContext
-from tests.gpu.conftest import needs_gpu
+from tests.support.gpu import needs_gpu
 
 pytestmark = needs_gpu("the paged manager and its host tier with block tensors in GPU memory")
 

@@ -16,12 +16,12 @@ from max.graph import DeviceRef
 
 from mokv_reference import cache as ref
 from mokv_reference.max_attention import MaxAttentionShape, MaxPagedAttention
-from tests.attention_graph import build_attention_graph
-from tests.compile_once import compiled_per_key
 from tests.gpu.cases import mixed_case, window_case
-from tests.gpu.conftest import needs_gpu
-from tests.mojo import test_attention as cpu_attention
-from tests.mojo import test_store_gather as cpu_rows
+from tests.support import attention_cases as cpu_attention
+from tests.support import store_gather as cpu_rows
+from tests.support.attention_graph import build_attention_graph
+from tests.support.compile_once import compiled_per_key
+from tests.support.gpu import needs_gpu
 
 pytestmark = needs_gpu("the store, gather and attention ops against numpy and MAX's GPU attention")
 
@@ -65,7 +65,7 @@ def test_store_then_gather_bit_exact(layout, dtype, block_len, seed, gpu_store_g
     rows, positions = cpu_rows.written_positions(b)
 
     def on_gpu(array: np.ndarray, dtype: DType = DType.uint32) -> Buffer:
-        return cpu_rows._buffer(array, dtype).to(gpu)
+        return cpu_rows.to_buffer(array, dtype).to(gpu)
 
     blocks = on_gpu(b.blocks, dtype)
     keys, values = gpu_store_gather(layout, dtype).execute(
@@ -80,9 +80,9 @@ def test_store_then_gather_bit_exact(layout, dtype, block_len, seed, gpu_store_g
         on_gpu(rows),
         on_gpu(positions),
     )
-    np.testing.assert_array_equal(cpu_rows._bits(blocks, dtype), expected)
-    np.testing.assert_array_equal(cpu_rows._bits(keys, dtype), b.keys)
-    np.testing.assert_array_equal(cpu_rows._bits(values, dtype), b.values)
+    np.testing.assert_array_equal(cpu_rows.to_bits(blocks, dtype), expected)
+    np.testing.assert_array_equal(cpu_rows.to_bits(keys, dtype), b.keys)
+    np.testing.assert_array_equal(cpu_rows.to_bits(values, dtype), b.values)
 
 
 # -- attention ----------------------------------------------------------------
@@ -90,20 +90,20 @@ def test_store_then_gather_bit_exact(layout, dtype, block_len, seed, gpu_store_g
 
 def run_on_gpu(model, b: cpu_attention.Batch, gpu: Device, layer: int, scale: float, window: int = 0) -> np.ndarray:
     (out,) = model.execute(
-        cpu_attention._buffer(b.blocks, b.dtype).to(gpu),
+        cpu_attention.to_buffer(b.blocks, b.dtype).to(gpu),
         Buffer.from_numpy(b.cache_lengths).to(gpu),
         Buffer.from_numpy(b.lookup_table).to(gpu),
         _host_summary(b.layout, b.cache_lengths, b.row_offsets),
-        cpu_attention._buffer(b.q, b.dtype).to(gpu),
+        cpu_attention.to_buffer(b.q, b.dtype).to(gpu),
         Buffer.from_numpy(b.row_offsets).to(gpu),
         _u32(layer),
         Buffer.from_numpy(np.array(scale, np.float32)),
         _u32(window),
     )
-    return cpu_attention._to_numpy(out, b.dtype)
+    return cpu_attention.to_numpy(out, b.dtype)
 
 
-@pytest.mark.parametrize("case", cpu_attention.CASES, ids=cpu_attention._case_id)
+@pytest.mark.parametrize("case", cpu_attention.CASES, ids=cpu_attention.case_id)
 def test_mixed_batch_matches_numpy(case, gpu_attention, gpu: Device):
     b, layer, scale = mixed_case(case)
     out = run_on_gpu(gpu_attention(b.layout, b.dtype), b, gpu, layer, scale)
@@ -155,11 +155,11 @@ def test_matches_max_gpu_kernel(shape, rows, gpu_attention, gpu_session, gpu: De
     rng = np.random.default_rng(11)
     heads = (shape.n_q_heads, shape.n_kv_heads, shape.head_dim)
     b = cpu_attention.make_batch(rng, "paged", dtype, rows, *heads, shape.page_size)
-    blocks = cpu_attention._buffer(b.blocks, dtype).to(gpu)
-    q = cpu_attention._buffer(b.q, dtype).to(gpu)
+    blocks = cpu_attention.to_buffer(b.blocks, dtype).to(gpu)
+    q = cpu_attention.to_buffer(b.q, dtype).to(gpu)
     kernel = MaxPagedAttention.compile(gpu_session, shape, gpu)
     theirs = kernel(kernel.inputs(blocks, b.cache_lengths, b.lookup_table, b.row_offsets, q, 1))
-    theirs = cpu_attention._to_numpy(theirs, dtype)
+    theirs = cpu_attention.to_numpy(theirs, dtype)
     ours = run_on_gpu(gpu_attention("paged", dtype), b, gpu, 1, shape.scale)
     reference = cpu_attention.expected(b, 1, shape.scale)
     cpu_attention.assert_close(theirs, reference, dtype, cpu_attention.MAX_TOLERANCE)

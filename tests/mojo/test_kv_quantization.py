@@ -32,8 +32,8 @@ from mokv_reference import bfloat16
 from mokv_reference import cache as layout
 from mokv_reference import quant as ref
 from mokv_reference.attention import attention as reference_attention
-from tests.compile_once import compiled_per_key
-from tests.mojo.quantized_graphs import GRAPH_DTYPE, NUM_LAYERS, build_attention, build_store_gather
+from tests.support.compile_once import compiled_per_key
+from tests.support.quantized_graphs import GRAPH_DTYPE, NUM_LAYERS, build_attention, build_store_gather
 
 FORMATS = ["float8_e4m3fn", "int8"]
 

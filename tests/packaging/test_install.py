@@ -24,7 +24,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from mokv.paths import CACHE_ENV, MODULAR_CACHE_ENV, cache_dir
 from mokv_reference.attention import causal_attention
-from tests.test_readme import readme_example
+from tests.support.readme import readme_example
 
 pytestmark = pytest.mark.slow
 
@@ -128,6 +128,16 @@ def test_sdist_and_wheel_carry_every_mojo_package(project: dict):
         in_wheel = sorted(name.removeprefix("mokv/mojo/") for name in archive.namelist() if name.endswith(".mojo"))
     assert in_sdist == mojo_sources()
     assert in_wheel == mojo_sources()
+
+
+def test_wheel_ships_the_library_the_models_and_the_command_only(project: dict):
+    """The references MAX's own cache is compared through, and the tests, stay in the checkout."""
+    (wheel,) = (project["folder"] / "dist").glob("mokv-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        top_level = {
+            name.split("/", 1)[0] for name in archive.namelist() if not name.split("/", 1)[0].endswith(".dist-info")
+        }
+    assert top_level == {"mokv", "mokv_models", "mokv_examples"}
 
 
 def test_python_m_mokv_names_the_installed_kernels_and_the_user_cache(project: dict):

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from mokv import PagedKVCacheManager, TextContext
-
-from .conftest import MakeManager
+from tests.support.small_cache import MakeManager
 
 
 def admit(m: PagedKVCacheManager, request_id: str, tokens, salt: str | None) -> TextContext:

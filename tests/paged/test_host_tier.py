@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from mokv import PagedKVCacheManager, TextContext
-
-from .conftest import MakeManager, ctx
+from tests.support.small_cache import MakeManager, ctx
 
 
 def fill(m: PagedKVCacheManager, request_id: str, base: float) -> None:

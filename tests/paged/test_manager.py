@@ -12,8 +12,7 @@ from max.dtype import DType
 from max.graph import DeviceRef
 
 from mokv import InsufficientBlocksError, KVCacheParams, KVCacheQuantConfig, PagedKVCacheManager, TextContext
-
-from .conftest import MakeManager, ctx
+from tests.support.small_cache import MakeManager, ctx
 
 
 def run_request(m: PagedKVCacheManager, c: TextContext, decode: int = 1, replica: int = 0) -> None:

@@ -30,10 +30,10 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from mokv import InsufficientBlocksError, TextContext
 from mokv.paged.runtime_inputs import BatchCharacteristics
-from tests import kv_markers
-from tests.machine_base import ManagerMachine
-from tests.manager_state import paged_snapshot
-from tests.paged.small_cache import small_paged_manager
+from tests.support import kv_markers
+from tests.support.machine_base import ManagerMachine
+from tests.support.manager_state import paged_snapshot
+from tests.support.small_cache import small_paged_manager
 
 _BASES = [np.random.default_rng(k).integers(0, 3, size=400) for k in range(3)]
 """Shared prompt heads, so requests hit each other's cached prefixes."""

@@ -1,4 +1,4 @@
-"""A second process for the sharing tests: `python -m tests.connectors.tier_worker JSON`.
+"""A second process for the sharing tests: `python -m tests.support.tier_worker JSON`.
 
 JSON holds `config` (`KVConnectorConfig` fields), `prompts` (token lists) and
 optionally `params` (`KVCacheParams` overrides).
@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from tests.connectors.conftest import admit, check_cached_pages, make_manager, run_prompt, small_params
+from tests.support.tiers import admit, check_cached_pages, make_manager, run_prompt, small_params
 
 
 def main(spec: dict) -> dict:

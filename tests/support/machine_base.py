@@ -1,5 +1,5 @@
 """What both managers' hypothesis state machines share: counting generated cases
-and operations (`tests.property_stats`), and the model's update rule."""
+and operations (`tests.support.property_stats`), and the model's update rule."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from tests import property_stats
+from tests.support import property_stats
 
 
 class ManagerMachine(RuleBasedStateMachine):

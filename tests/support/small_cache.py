@@ -3,10 +3,15 @@ milliseconds: what the manager's unit and property tests run on."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 from max.dtype import DType
 from max.graph import DeviceRef
 
-from mokv import KVCacheParams, PagedKVCacheManager
+from mokv import KVCacheParams, PagedKVCacheManager, TextContext
+
+MakeManager = Callable[..., PagedKVCacheManager]
 
 
 def small_paged_manager(
@@ -38,3 +43,8 @@ def small_paged_manager(
         enable_runtime_checks=checks,
         max_batch_size=max_batch_size,
     )
+
+
+def ctx(request_id: str, tokens: list[int] | np.ndarray) -> TextContext:
+    """A context with `tokens` as its prompt."""
+    return TextContext(request_id, np.asarray(tokens, dtype=np.int64))
