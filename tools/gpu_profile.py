@@ -17,7 +17,7 @@ import numpy as np
 from max.driver import CPU, Accelerator
 from max.engine import InferenceSession
 
-from mokv_examples.bench_attention import Kernels, gpu_quick_cases, make_inputs
+from mokv_examples.bench.attention import Kernels, gpu_quick_cases, make_inputs
 
 DEFAULT_CASES = (
     "decode-bfloat16-32x8x128-page128-b32-ctx4096",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 import time
 
-from mokv_examples import llama_cpp_bench
-from mokv_examples.bench_e2e import CacheCost, TimedManager, engines_markdown
+from mokv_examples.bench import e2e_llama_cpp as llama_cpp_bench
+from mokv_examples.bench.e2e import CacheCost, TimedManager, engines_markdown
 
 
 class SlowManager:

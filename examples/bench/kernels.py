@@ -26,7 +26,7 @@ from max.driver import CPU
 from max.engine import InferenceSession
 
 from mokv.kernels import MOKV_KERNELS, kernel_package, kernel_source_dir
-from mokv_examples.bench_attention import (
+from mokv_examples.bench.attention import (
     Case,
     Kernels,
     full_cases,
@@ -35,7 +35,7 @@ from mokv_examples.bench_attention import (
     time_alternately,
     to_float,
 )
-from mokv_examples.bench_results import out_dir_option, write_results
+from mokv_examples.bench.results import out_dir_option, write_results
 
 GIT_LINK_MODE = "120000"
 """The mode `git ls-tree` gives a symbolic link."""

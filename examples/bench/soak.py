@@ -24,7 +24,7 @@ import numpy as np
 from max.dtype import DType
 
 from mokv import InsufficientBlocksError, KVCacheParams, PagedKVCacheManager, TextContext
-from mokv_examples.bench_results import out_dir_option, write_results
+from mokv_examples.bench.results import out_dir_option, write_results
 
 _VOCAB = 32000
 

@@ -27,7 +27,7 @@ from max.graph import DeviceRef, Graph, TensorType
 
 from mokv import KVCacheQuantConfig
 from mokv import graph as mokv_graph
-from mokv_examples.bench_attention import LLAMA, SMOLLM2, shape_fields, time_alternately, to_float
+from mokv_examples.bench.attention import LLAMA, SMOLLM2, shape_fields, time_alternately, to_float
 from mokv_reference import bfloat16
 
 FORMATS = ("float32", "bfloat16", "float8_e4m3fn", "int8")

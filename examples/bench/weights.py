@@ -38,8 +38,8 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
 from max.graph.quantization import QuantizationEncoding
 
 from mokv.kernels import kernel_package
-from mokv_examples.bench_kernels import kernel_sources_at
-from mokv_examples.bench_results import out_dir_option, write_results
+from mokv_examples.bench.kernels import kernel_sources_at
+from mokv_examples.bench.results import out_dir_option, write_results
 from mokv_models.gguf_model import LlamaCheckpoint, load_llama
 from mokv_models.weight_formats import QUANT_KERNELS, declare_weight, linear, quant_kernel_package
 

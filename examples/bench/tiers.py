@@ -34,7 +34,7 @@ import numpy as np
 
 from mokv import KVCacheParams, PagedKVCacheManager, TextContext
 from mokv.connectors import KVConnectorConfig
-from mokv_examples.bench_results import out_dir_option, write_results
+from mokv_examples.bench.results import out_dir_option, write_results
 from mokv_examples.inspect_cache import SYSTEM_PROMPT
 from mokv_examples.local_redis import LocalRedis
 from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate

@@ -24,7 +24,7 @@ from typing import Any
 import click
 import numpy as np
 
-from mokv_examples.bench_results import out_dir_option, write_results
+from mokv_examples.bench.results import out_dir_option, write_results
 from mokv_reference.manager_backends import Backend, MaxBackend, MokvBackend
 
 OPS = ("admit", "alloc", "runtime_inputs", "step", "release")

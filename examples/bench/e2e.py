@@ -35,8 +35,8 @@ from max.driver import Buffer
 from max.engine import Model
 from max.graph import BufferType, TensorType, TensorValue, Value
 
-from mokv_examples import llama_cpp_bench
-from mokv_examples.bench_results import out_dir_option, write_results
+from mokv_examples.bench import e2e_llama_cpp as llama_cpp_bench
+from mokv_examples.bench.results import out_dir_option, write_results
 from mokv_examples.generate import tier_options
 from mokv_examples.inspect_cache import QUESTIONS, SYSTEM_PROMPT
 from mokv_examples.pipeline import KV_DTYPES, GenerationConfig, SmolLM2, generate

@@ -49,7 +49,7 @@ from max.graph import DeviceRef, Graph, TensorType
 
 from mokv import graph as mokv_graph
 from mokv.kernels import kernel_package
-from mokv_examples.bench_results import out_dir_option, write_results
+from mokv_examples.bench.results import out_dir_option, write_results
 from mokv_reference import bfloat16
 from mokv_reference.max_attention import MaxAttentionShape, MaxPagedAttention
 
@@ -558,7 +558,7 @@ def attention(quick: bool, device: str, kv_formats: bool, out_dir: Path) -> None
     markdown = to_markdown(rows, header)
     write_results(out_dir, "attention" if device == "cpu" else "attention-gpu", rows, markdown)
     if device == "cpu" and kv_formats:
-        from mokv_examples.bench_kv_formats import format_rows, formats_markdown  # it builds on this module
+        from mokv_examples.bench.kv_formats import format_rows, formats_markdown  # it builds on this module
 
         formats = format_rows(kernels.session, kernels.package, quick)
         header = (
