@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import click
 
-from mokv_examples.generate import generation_options, make_config
+from mokv_examples.options import generation_options, make_config
 from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
 from mokv_examples.scheduler import CacheManager
 from mokv_examples.streaming import TokenStream

@@ -6,13 +6,13 @@ import click
 
 from mokv.about import report
 from mokv.paths import keep_compiled_graphs_in_cache_dir
-from mokv_examples.bench_attention import attention as bench_attention
-from mokv_examples.bench_e2e import e2e as bench_e2e
-from mokv_examples.bench_kernels import kernels as bench_kernels
-from mokv_examples.bench_manager import manager as bench_manager
-from mokv_examples.bench_soak import soak as bench_soak
-from mokv_examples.bench_tiers import tiers as bench_tiers
-from mokv_examples.bench_weights import weights as bench_weights
+from mokv_examples.bench.attention import attention as bench_attention
+from mokv_examples.bench.e2e import e2e as bench_e2e
+from mokv_examples.bench.kernels import kernels as bench_kernels
+from mokv_examples.bench.manager import manager as bench_manager
+from mokv_examples.bench.soak import soak as bench_soak
+from mokv_examples.bench.tiers import tiers as bench_tiers
+from mokv_examples.bench.weights import weights as bench_weights
 from mokv_examples.chat import chat
 from mokv_examples.generate import generate
 from mokv_examples.inspect_cache import inspect_cache

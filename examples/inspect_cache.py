@@ -11,21 +11,10 @@ import click
 import numpy as np
 
 from mokv import PagedKVCacheManager
-from mokv_examples.generate import tier_options
+from mokv_examples.options import tier_options
 from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
+from mokv_examples.prompts import QUESTIONS, system_chat
 from mokv_examples.scheduler import Scheduler
-
-SYSTEM_PROMPT = (
-    "You are a concise assistant for a systems engineering team. Answer in one or two "
-    "sentences, prefer concrete numbers, and say so when you are unsure."
-)
-QUESTIONS = (
-    "What is a page table?",
-    "Why do LLM servers cache keys and values?",
-    "What does prefix caching save?",
-    "What is continuous batching?",
-    "Name one way to reduce memory use during inference.",
-)
 
 
 @dataclass
@@ -34,7 +23,8 @@ class PageSnapshot:
 
     step: int
     request_ids: list[str]
-    blocks: list[list[int]]
+    pages: list[list[int]]
+    """Each request's page ids, in order (MAX's `get_req_blocks`)."""
 
     @classmethod
     def take(cls, scheduler: Scheduler) -> PageSnapshot:
@@ -43,11 +33,11 @@ class PageSnapshot:
 
     @property
     def num_pages_held(self) -> int:
-        return len({b for blocks in self.blocks for b in blocks})
+        return len({page for pages in self.pages for page in pages})
 
     def sharing(self) -> dict[int, int]:
         """Page id -> number of requests holding it."""
-        ids, counts = np.unique(np.concatenate([np.asarray(b, int) for b in self.blocks]), return_counts=True)
+        ids, counts = np.unique(np.concatenate([np.asarray(p, int) for p in self.pages]), return_counts=True)
         return dict(zip(ids.tolist(), counts.tolist(), strict=True))
 
 
@@ -63,9 +53,9 @@ def draw(snapshot: PageSnapshot, path: Path) -> None:
     pages = sorted(sharing)
     column = {page: i for i, page in enumerate(pages)}
     grid = np.zeros((len(snapshot.request_ids), len(pages)))
-    for row, blocks in enumerate(snapshot.blocks):
-        for b in blocks:
-            grid[row, column[b]] = 2 if sharing[b] > 1 else 1
+    for row, held in enumerate(snapshot.pages):
+        for page in held:
+            grid[row, column[page]] = 2 if sharing[page] > 1 else 1
     fig, (ax_grid, ax_bars) = plt.subplots(
         1, 2, figsize=(13, 0.5 * len(snapshot.request_ids) + 2.5), gridspec_kw={"width_ratios": [3, 1]}
     )
@@ -76,8 +66,8 @@ def draw(snapshot: PageSnapshot, path: Path) -> None:
     ax_grid.set_xticks(range(0, len(pages), step), [pages[i] for i in range(0, len(pages), step)])
     ax_grid.set_xlabel("page id (held pages only)")
     ax_grid.set_title(f"pages held at step {snapshot.step}: blue private, red shared via prefix cache")
-    shared = [sum(sharing[b] > 1 for b in blocks) for blocks in snapshot.blocks]
-    private = [len(blocks) - s for blocks, s in zip(snapshot.blocks, shared, strict=True)]
+    shared = [sum(sharing[page] > 1 for page in held) for held in snapshot.pages]
+    private = [len(held) - s for held, s in zip(snapshot.pages, shared, strict=True)]
     y = np.arange(len(snapshot.request_ids))
     ax_bars.barh(y, shared, color="#e4572e", label="shared")
     ax_bars.barh(y, private, left=shared, color="#7fa7d6", label="private")
@@ -95,10 +85,7 @@ def fullest_snapshot(model: SmolLM2, config: GenerationConfig) -> tuple[PageSnap
     the rest together on the same cache; returns the step of the second run
     that held the most pages, and the manager (shut down: its tiers have
     stored everything)."""
-    prompts = [
-        model.tokenizer.encode_chat([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}])
-        for q in QUESTIONS
-    ]
+    prompts = [system_chat(model.tokenizer, q) for q in QUESTIONS]
     fullest: list[PageSnapshot] = []
 
     def keep_fullest(scheduler: Scheduler) -> None:
@@ -122,7 +109,7 @@ def tier_lines(manager: PagedKVCacheManager) -> list[str]:
         m = metrics[name]
         lines.append(
             f"  {name}: {usage.used_pages}{total} pages, {usage.used_bytes / 1e6:.1f}{budget} MB; "
-            f"{m.hit_blocks} blocks served, {m.saved_blocks} stored, {m.rejected_blocks} rejected"
+            f"{m.hit_blocks} pages served, {m.saved_blocks} stored, {m.rejected_blocks} rejected"
         )
     return lines
 

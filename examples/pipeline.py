@@ -277,7 +277,7 @@ class GenerationConfig:
 
     def connector_config(self, model_id: str) -> KVConnectorConfig | None:
         """The disk and remote tiers asked for, if any (they keep only
-        prefix-cached blocks, so none without prefix caching)."""
+        prefix-cached pages, so none without prefix caching)."""
         if not self.enable_prefix_caching or (self.disk_cache is None and self.remote_cache is None):
             return None
         return KVConnectorConfig(
@@ -293,6 +293,11 @@ class GenerationConfig:
         if self.remote_cache is not None:
             out["remote_cache"] = KVConnectorConfig(remote_url=self.remote_cache).remote_where
         return out
+
+
+def pages_to_hold(prompts: Sequence[npt.NDArray[np.int64]], new_tokens: int, page_size: int) -> int:
+    """Pages that hold every prompt with its new tokens at once (no preemption)."""
+    return sum(-(-(len(p) + new_tokens) // page_size) for p in prompts) + 1
 
 
 def request_id(index: int) -> str:

@@ -21,8 +21,8 @@ import click
 import numpy as np
 import numpy.typing as npt
 
-from mokv_examples.generate import kv_dtype_option, weights_option
 from mokv_examples.logprobs import TokenLogprob, token_logprobs
+from mokv_examples.options import kv_dtype_option, weights_option
 from mokv_examples.pipeline import KV_DTYPES, GenerationConfig, SmolLM2
 from mokv_models.weight_formats import WEIGHT_FORMATS
 

@@ -4,8 +4,8 @@ The batch decodes every prompt at once, so every answer grows at once. How that 
 depends on where it goes:
 
 - one prompt: its tokens are written as they arrive, on any output;
-- several prompts on a terminal (`LivePanel`): one block per prompt, its answer so far
-  wrapped under its prompt, all blocks redrawn in place after every token, so the answers
+- several prompts on a terminal (`LivePanel`): a few lines per prompt, its answer so far
+  wrapped under its prompt, all of them redrawn in place after every token, so the answers
   can be watched growing side by side;
 - several prompts on a pipe or in a log (`FinishedAnswers`): a log cannot be redrawn, so
   each answer is written whole as soon as its request finishes.

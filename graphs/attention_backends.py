@@ -2,7 +2,7 @@
 
 The decoder graph (``mokv_models.llama``) computes Q, K and V for a ragged batch, applies RoPE,
 and hands them to an :class:`AttentionBackend`. A backend may declare extra graph inputs (a
-paged KV cache declares its blocks, cache lengths and lookup table); the graph appends them
+paged KV cache declares its page tensor, cache lengths and lookup table); the graph appends them
 after its own inputs and passes them back on every call. Swapping the backend is the only
 difference between a cache-free graph and a paged-cache one, which is what lets the two be
 compared token for token.

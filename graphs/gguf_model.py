@@ -3,12 +3,12 @@
 Two weight formats (``mokv_models.weight_formats``): ``f32`` dequantizes every tensor to
 float32; ``gguf`` keeps each tensor's own GGUF blocks (SmolLM2: Q4_1 layers, a Q8_0 embedding,
 F32 norms) as ``uint8`` rows ``[out_features, blocks * block_bytes]``, each row planar. Reading
-SmolLM2's GGUF costs ~5 s (the ``gguf`` reader parses 49k vocabulary strings one by one) and
-dequantizing another ~2.5 s, so the first load of a format writes every tensor to
+a GGUF is slow (the ``gguf`` reader parses every vocabulary string one by one) and so is
+dequantizing it, so the first load of a format writes every tensor to
 ``<cache>/models/<gguf stem>.<bytes>.<format>-v<version>/`` as one ``.npy`` each, plus
 ``config.json``.
-Later loads memory-map those files read-only (milliseconds; pages come in as the graph or the
-numpy reference touches them, and are shared between processes).
+Later loads memory-map those files read-only (nothing is read up front: the memory pages come
+in as the graph or the numpy reference touches them, and are shared between processes).
 
 Weight naming and layout: tensors keep their GGUF names (``token_embd.weight``,
 ``blk.{i}.attn_q.weight``, ``output_norm.weight``, ...); matrices are ``[out_features,

@@ -19,14 +19,14 @@ Weights are graph :class:`~max.graph.Weight` s bound at load time (:func:`llama_
 the checkpoint's tensors under their GGUF names, the stacked block matrices of
 ``FUSED_PROJECTIONS`` and the RoPE tables ``rope.cos``/``rope.sin``),
 each in its checkpoint encoding (``mokv_models.weight_formats``: float32, or GGUF blocks read by
-mokv's kernels), not constants: a constant is serialized into the graph's IR on every build (the two RoPE tables
-alone cost ~1.3 s of Python and 7 MB of IR). RoPE uses the half-split form (the checkpoint's Q/K
-rows are already in that order), with cos/sin computed in float64 on the host and gathered by
-position.
+mokv's kernels), not constants: a constant is serialized into the graph's IR on every build,
+which for tables as large as RoPE's costs build time and IR size. RoPE uses the half-split form
+(the checkpoint's Q/K rows are already in that order), with cos/sin computed in float64 on the
+host and gathered by position.
 
-Compile cost (2-core CPU, measured): ~3.5 s with a warm MAX cache; 180-190 s cold, most of it
-compiling MAX's kernels for this graph rather than per layer (a 1-layer graph is not much
-cheaper), so building the layer as a shared subgraph (``ops.call``) saved nothing measurable.
+The layers are built one after another, not as a shared subgraph (``ops.call``): a cold compile
+goes mostly to MAX's kernels for this graph rather than to each layer, so sharing the layer
+would not shorten it.
 """
 
 from __future__ import annotations

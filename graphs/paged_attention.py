@@ -23,7 +23,7 @@ from mokv.kernels import kernel_package
 
 
 class PagedCacheAttention:
-    """`AttentionBackend` over a `PagedKVCacheManager`'s runtime inputs (blocks,
+    """`AttentionBackend` over a `PagedKVCacheManager`'s runtime inputs (the page tensor,
     cache_lengths, lookup_table, max_lengths), appended after the model's inputs;
     the cache lives on `device`, as the model does."""
 

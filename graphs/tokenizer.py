@@ -12,7 +12,7 @@ Jinja chat template. We rebuild the Hugging Face ``tokenizers`` pipeline from th
 * control tokens are registered as special tokens, so ``<|im_start|>`` in rendered chat text
   encodes to its single id. No BOS is added (``tokenizer.ggml.add_bos_token`` is false).
 
-Opening the GGUF costs ~5 s (the reader parses every vocabulary string), so the built
+Opening the GGUF is slow (the reader parses every vocabulary string), so the built
 tokenizer and its metadata are cached as one JSON file next to the GGUF.
 """
 

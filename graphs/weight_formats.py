@@ -15,7 +15,7 @@ A *weight format* decides what every matrix of a checkpoint looks like inside th
     every matrix dequantized to float32 once, multiplied by MAX's own matmul: the reference.
 
 Why these two and not MAX's quantized matmul or bfloat16 (measured on the real shapes, see
-``examples/bench_weights.py``): MAX 26.7's ``qmatmul`` reads neither Q4_1 nor Q8_0, so using
+``mokv bench weights``): MAX 26.7's ``qmatmul`` reads neither Q4_1 nor Q8_0, so using
 it means requantizing the checkpoint to Q4_0 (a second rounding of every weight) and it was
 slower than mokv's kernel; MAX's bfloat16 matmul on this AVX2 CPU was slower than float32.
 

@@ -10,14 +10,14 @@ default: the 32-sequence decode and the 2k prefill)."""
 
 from __future__ import annotations
 
-import math
 import sys
 
 import numpy as np
 from max.driver import CPU, Accelerator
 from max.engine import InferenceSession
 
-from mokv_examples.bench_attention import Kernels, gpu_quick_cases, make_inputs
+from mokv_examples.bench.attention_cases import gpu_quick_cases, make_inputs
+from mokv_examples.bench.attention_kernels import Kernels
 
 DEFAULT_CASES = (
     "decode-bfloat16-32x8x128-page128-b32-ctx4096",
@@ -32,9 +32,7 @@ def main(names: list[str]) -> None:
     for name in names or DEFAULT_CASES:
         case = cases[name]
         model = kernels.mokv_model(case.dtype)
-        args = make_inputs(case, np.random.default_rng(0), (case.dtype,), gpu)[case.dtype].mokv_args(
-            1 / math.sqrt(case.heads[2])
-        )
+        args = make_inputs(case, np.random.default_rng(0), (case.dtype,), gpu)[case.dtype].mokv_args(case.softmax_scale)
         for _ in range(2):
             model.execute(*args)
             gpu.synchronize()

@@ -68,9 +68,9 @@ install() {
     # mokv's packages as links into this checkout (pyproject's package-dir), so
     # that mokv finds its Mojo sources beside them, as an editable install does.
     ln -sfn "$PWD/python/mokv" "$SITE/mokv"
-    for package in graphs examples reference; do
-        ln -sfn "$PWD/$package" "$SITE/mokv_$package"
-    done
+    ln -sfn "$PWD/graphs" "$SITE/mokv_models"
+    ln -sfn "$PWD/examples" "$SITE/mokv_examples"
+    ln -sfn "$PWD/reference" "$SITE/mokv_reference"
 }
 
 step install 0 install || exit 1

@@ -6,8 +6,9 @@ from __future__ import annotations
 import sys
 import time
 
-from mokv_examples import llama_cpp_bench
-from mokv_examples.bench_e2e import CacheCost, TimedManager, engines_markdown
+from mokv_examples.bench import e2e_llama_cpp
+from mokv_examples.bench.e2e_cache_cost import CacheCost, TimedManager
+from mokv_examples.bench.e2e_engines import engines_markdown
 
 
 class SlowManager:
@@ -46,7 +47,7 @@ def test_goal_lines_compare_with_llama_cpp_batch_one():
 
 def test_missing_llama_cpp_is_a_skip_with_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
-    reason = llama_cpp_bench.unavailable_reason()
+    reason = e2e_llama_cpp.unavailable_reason()
     assert reason is not None and "requirements-bench.txt" in reason
     rows = [{"case": "decode-b1", "mokv_tokens_per_s": 1.0, "mokv_cache_share": 0.1, "llama.cpp_tokens_per_s": None}]
     assert f"llama.cpp column skipped: {reason}" in engines_markdown(rows, ["mokv"], reason)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from mokv_examples.bench_soak import SoakConfig, failures, run_soak
+from mokv_examples.bench.soak import SoakConfig, failures, run_soak
 from mokv_examples.cli import main
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from mokv.kernels import _source_digest, kernel_source_dir
-from mokv_examples.bench_kernels import kernel_sources_at
+from mokv_examples.bench.revisions import kernel_sources_at
 from mokv_examples.cli import main
 from mokv_models.weight_formats import QUANT_KERNELS
 

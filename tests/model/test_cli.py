@@ -17,6 +17,7 @@ from mokv_examples import score as score_module
 from mokv_examples.cli import main
 from mokv_examples.logprobs import log_softmax
 from mokv_examples.pipeline import GenerationConfig
+from mokv_examples.prompts import QUESTIONS, system_chat
 from mokv_models.llama import ragged_batch
 from tests.support.smollm2 import DEFAULT_FORMAT, logprob_tolerance
 
@@ -102,20 +103,15 @@ def test_inspect_snapshot_shares_the_system_prompt_pages(paged_smollm2):
     config = GenerationConfig(max_new_tokens=2, page_size=16, num_pages=256)
     snapshot, manager = inspect_cache.fullest_snapshot(paged_smollm2, config)
     hit_rate = manager.get_metrics_aggregated().cache_hit_rate
-    prompts = [
-        paged_smollm2.tokenizer.encode_chat(
-            [{"role": "system", "content": inspect_cache.SYSTEM_PROMPT}, {"role": "user", "content": q}]
-        )
-        for q in inspect_cache.QUESTIONS
-    ]
+    prompts = [system_chat(paged_smollm2.tokenizer, q) for q in QUESTIONS]
     shortest = min(len(p) for p in prompts)
     common = int(np.argmax(np.any(np.stack([p[:shortest] for p in prompts]) != prompts[0][:shortest], axis=0)))
     full_pages = common // 16
     assert full_pages > 0 and len(snapshot.request_ids) == len(prompts) - 1
-    heads = {tuple(blocks[:full_pages]) for blocks in snapshot.blocks}
+    heads = {tuple(pages[:full_pages]) for pages in snapshot.pages}
     assert len(heads) == 1, "every request should map the shared prefix to the same pages"
     sharing = snapshot.sharing()
-    assert all(sharing[b] == len(snapshot.request_ids) for b in next(iter(heads)))
+    assert all(sharing[page] == len(snapshot.request_ids) for page in next(iter(heads)))
     assert 0 < hit_rate < 1
 
 

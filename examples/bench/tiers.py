@@ -34,10 +34,10 @@ import numpy as np
 
 from mokv import KVCacheParams, PagedKVCacheManager, TextContext
 from mokv.connectors import KVConnectorConfig
-from mokv_examples.bench_results import out_dir_option, write_results
-from mokv_examples.inspect_cache import SYSTEM_PROMPT
+from mokv_examples.bench.results import out_dir_option, write_results
 from mokv_examples.local_redis import LocalRedis
 from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
+from mokv_examples.prompts import SYSTEM_PROMPT
 
 TOPICS = (
     "page tables",
@@ -130,17 +130,17 @@ def tier_row(name: str, manager: PagedKVCacheManager, ttft: list[float], wall: f
 def tier_throughput(params: KVCacheParams, tiers: dict[str, dict], pages: int = 64) -> list[dict]:
     """Wall-clock GB/s of each tier alone (no model running): `pages` committed
     pages written (host: evicted; disk, remote: saved and flushed), then loaded
-    back into device blocks (by a fresh manager for disk and remote)."""
+    back into device pages (by a fresh manager for disk and remote)."""
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 40000, pages * params.page_size + 1)
     rows = []
     for tier, config in tiers.items():
-        connectors = None if tier == "host" else KVConnectorConfig(model_id="bench-tiers", **config)
+        connector_config = None if tier == "host" else KVConnectorConfig(model_id="bench-tiers", **config)
         host_pages = pages if tier == "host" else 0
 
-        def fresh(connectors=connectors, host_pages=host_pages) -> PagedKVCacheManager:
+        def fresh(connector_config=connector_config, host_pages=host_pages) -> PagedKVCacheManager:
             return PagedKVCacheManager(
-                params, None, pages + 1, host_pages, max_batch_size=2, connector_config=connectors
+                params, None, pages + 1, host_pages, max_batch_size=2, connector_config=connector_config
             )
 
         with fresh() as writer:

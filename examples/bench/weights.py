@@ -23,6 +23,7 @@ column shows it.
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import time
 from pathlib import Path
@@ -38,8 +39,9 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
 from max.graph.quantization import QuantizationEncoding
 
 from mokv.kernels import kernel_package
-from mokv_examples.bench_kernels import kernel_sources_at
-from mokv_examples.bench_results import out_dir_option, write_results
+from mokv_examples.bench.results import out_dir_option, write_results
+from mokv_examples.bench.revisions import kernel_sources_at
+from mokv_examples.bench.timing import time_rounds
 from mokv_models.gguf_model import LlamaCheckpoint, load_llama
 from mokv_models.weight_formats import QUANT_KERNELS, declare_weight, linear, quant_kernel_package
 
@@ -123,17 +125,6 @@ def reference_logits(f32: LlamaCheckpoint, x: np.ndarray) -> np.ndarray:
     return x @ w[f32.config.lm_head_name].T
 
 
-def time_alternately(models: dict[str, Model], x: Buffer, rounds: int) -> dict[str, float]:
-    """Median seconds per `execute`, the candidates taking turns call by call."""
-    seconds: dict[str, list[float]] = {name: [] for name in models}
-    for _ in range(rounds):
-        for name, model in models.items():
-            started = time.perf_counter()
-            model.execute(x)
-            seconds[name].append(time.perf_counter() - started)
-    return {name: float(np.median(s)) for name, s in seconds.items()}
-
-
 @click.command("weights")
 @click.option("--tokens", default="1,16,500", show_default=True, help="Token counts (rows of x) to time.")
 @click.option("--candidates", default=",".join(CANDIDATES), show_default=True)
@@ -170,7 +161,9 @@ def weights(tokens: str, candidates: str, rounds: int, revision: str | None, out
         for name, model in models.items():
             got = model.execute(Buffer.from_numpy(x))[0].to_numpy()[: len(expected)]
             errors[name] = float(np.abs(got - expected).max() / np.abs(expected).max())
-        times = time_alternately(models, Buffer.from_numpy(x), rounds if count < 100 else max(3, rounds // 3))
+        x_buffer = Buffer.from_numpy(x)
+        calls = {name: functools.partial(model.execute, x_buffer) for name, model in models.items()}
+        times = time_rounds(calls, rounds if count < 100 else max(3, rounds // 3))
         for name in models:
             macs = count * sum(np.asarray(f32.weights[n]).size for n in f32.weights if f32.weights[n].ndim == 2)
             rows.append(

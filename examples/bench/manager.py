@@ -19,14 +19,19 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import numpy as np
 
-from mokv_examples.bench_results import out_dir_option, write_results
-from mokv_reference.manager_backends import Backend, MaxBackend, MokvBackend
+from mokv_examples.bench.references import reference
+from mokv_examples.bench.results import out_dir_option, write_results
 
+if TYPE_CHECKING:
+    from mokv_reference.manager_backends import Backend
+
+MAX_MANAGER = "mokv bench manager times MAX's own PagedKVCacheManager beside mokv's"
+"""Why the benchmark needs the reference package (its error message says so)."""
 OPS = ("admit", "alloc", "runtime_inputs", "step", "release")
 """`admit` is claim + first alloc (prefix matching happens there); `alloc` the decode allocations."""
 _VOCAB = 32000
@@ -93,16 +98,6 @@ def clock_overhead_ns(clock: Any, samples: int = 2001) -> int:
     return int(np.median(deltas))
 
 
-def run_trace(
-    backend: Backend, case: Case, prompts: list[np.ndarray], seed: int = 1, clock_name: str = "cpu"
-) -> Timings:
-    """Serves the whole trace (see `trace`) and returns its timings."""
-    t = Timings()
-    for _ in trace(backend, case, prompts, t, seed, clock_name):
-        pass
-    return t
-
-
 def trace(
     backend: Backend, case: Case, prompts: list[np.ndarray], t: Timings, seed: int = 1, clock_name: str = "cpu"
 ) -> Iterator[None]:
@@ -158,13 +153,20 @@ def interleaved(runs: list[Iterator[None]]) -> None:
         gc.unfreeze()
 
 
+def both_managers(page_size: int, total_num_pages: int, max_batch_size: int) -> dict[str, Backend]:
+    """mokv's manager and MAX's over caches of the same size, behind the reference package's
+    common interface (`mokv_reference.manager_backends`)."""
+    backends = reference("manager_backends", MAX_MANAGER)
+    return {
+        "mokv": backends.MokvBackend(page_size, total_num_pages, max_batch_size),
+        "max": backends.MaxBackend(page_size, total_num_pages, max_batch_size),
+    }
+
+
 def run_case(case: Case, clock_name: str = "cpu") -> list[dict[str, Any]]:
     """Both managers on one case: one JSON row per operation plus the `request` row."""
     prompts = make_prompts(case)
-    backends = {
-        "mokv": MokvBackend(case.page_size, case.total_num_pages, case.batch_size),
-        "max": MaxBackend(case.page_size, case.total_num_pages, case.batch_size),
-    }
+    backends = both_managers(case.page_size, case.total_num_pages, case.batch_size)
     timings = {name: Timings() for name in backends}
     interleaved([trace(b, case, prompts, timings[name], clock_name=clock_name) for name, b in backends.items()])
     num_requests = case.num_batches * case.batch_size
@@ -252,10 +254,7 @@ def decode_step_rows(batch_sizes: tuple[int, ...], e2e_json: Path, clock_name: s
     page_size = 16
     for batch_size in batch_sizes:
         pages = 2 * batch_size * -(-(512 + 80) // page_size)
-        backends = {
-            "mokv": MokvBackend(page_size, pages, batch_size),
-            "max": MaxBackend(page_size, pages, batch_size),
-        }
+        backends = both_managers(page_size, pages, batch_size)
         timings = {name: Timings() for name in backends}
         interleaved(
             [decode_steps(b, batch_size, page_size, timings[n], clock_name=clock_name) for n, b in backends.items()]
@@ -337,6 +336,7 @@ def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
 @out_dir_option("manager")
 def manager(quick: bool, clock_name: str, e2e_json: Path, out_dir: Path) -> None:
     """mokv's PagedKVCacheManager vs MAX 26.7's on the same request trace."""
+    reference("manager_backends", MAX_MANAGER)  # stop early where it is missing
     num_batches = 4 if quick else 16
     cases = [Case(ps, kind, num_batches) for ps in (128, 16) for kind in ("shared", "random")]
     rows: list[dict[str, Any]] = []

@@ -24,7 +24,7 @@ import numpy as np
 from max.dtype import DType
 
 from mokv import InsufficientBlocksError, KVCacheParams, PagedKVCacheManager, TextContext
-from mokv_examples.bench_results import out_dir_option, write_results
+from mokv_examples.bench.results import out_dir_option, write_results
 
 _VOCAB = 32000
 
@@ -161,7 +161,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         ("pages in use at the end", str(result["pages_in_use_at_end"])),
         ("invariant audits", str(result["invariant_audits"])),
         ("prefix hit rate", str(result["cache_hit_rate"])),
-        ("blocks offloaded / restored (host tier)", f"{result['d2h_blocks_copied']} / {result['h2d_blocks_copied']}"),
+        ("pages offloaded / restored (host tier)", f"{result['d2h_blocks_copied']} / {result['h2d_blocks_copied']}"),
     ]
     header = (
         "# mokv paged manager soak\n\n"

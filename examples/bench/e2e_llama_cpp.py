@@ -1,8 +1,8 @@
 """llama.cpp (through llama-cpp-python) on the same GGUF, for `mokv bench e2e
 --against-llama-cpp`: the yardstick for mokv's SmolLM2 pipeline.
 
-llama-cpp-python is an optional benchmark extra (`pip install -r requirements-bench.txt`;
-it builds llama.cpp from source, about 8 minutes on 2 cores), never part of `make test`.
+llama-cpp-python is an optional benchmark extra (`INSTALL_HINT`; it builds llama.cpp from
+source), never part of `make test`.
 It runs with as many threads as the machine has cores (2 here), on the token ids mokv's
 tokenizer produced, greedy like mokv's runs.
 """
@@ -20,9 +20,8 @@ INSTALL_HINT = "pip install -r requirements-bench.txt (builds llama.cpp from sou
 
 SPIN_DOWN_SECONDS = 2.5
 """How long to let this process's MAX worker threads go idle before timing llama.cpp.
-They spin-wait for between 1 and 2 s after a graph runs (measured: llama.cpp decoded
-31-40 tokens/s within 1 s of a mokv step, 124-131 after 2 s or more), which would
-take the cores llama.cpp's threads need."""
+They spin-wait for a while after a graph runs, which would take the cores llama.cpp's
+threads need."""
 
 
 def unavailable_reason() -> str | None:

@@ -27,8 +27,9 @@ from max.graph import DeviceRef, Graph, TensorType
 
 from mokv import KVCacheQuantConfig
 from mokv import graph as mokv_graph
-from mokv_examples.bench_attention import LLAMA, SMOLLM2, shape_fields, time_alternately, to_float
-from mokv_reference import bfloat16
+from mokv_examples.bench.attention_cases import LLAMA, SMOLLM2, bfloat16_exact, device_buffer, shape_fields, to_float
+from mokv_examples.bench.results import span
+from mokv_examples.bench.timing import time_alternately
 
 FORMATS = ("float32", "bfloat16", "float8_e4m3fn", "int8")
 CPU_REF = DeviceRef.CPU()
@@ -128,22 +129,14 @@ class FormatKernels:
         return self.models[kv_format]
 
 
-def _rows_buffer(values: np.ndarray, dtype: DType) -> Buffer:
-    return (
-        Buffer.from_numpy(bfloat16.to_bits(values)).view(DType.bfloat16)
-        if dtype == DType.bfloat16
-        else Buffer.from_numpy(values)
-    )
-
-
 def _cache_buffers(shape: FormatShape, case: FormatCase) -> list[Buffer]:
-    """A zeroed one-layer block tensor (as the graph takes it) and, quantized, its scales."""
+    """A zeroed one-layer page tensor (as the graph takes it) and, quantized, its scales."""
     _, hkv, d = case.heads
     pages = case.batch * -(-case.context // case.page_size) + 1
-    blocks = Buffer.zeros([pages, 2, 1, case.page_size, hkv, d], shape.dtype)
+    values = Buffer.zeros([pages, 2, 1, case.page_size, hkv, d], shape.dtype)
     if shape.dtype == DType.float8_e4m3fn:
-        blocks = blocks.view(DType.uint8)
-    buffers = [blocks]
+        values = values.view(DType.uint8)
+    buffers = [values]
     if shape.kvcache_quant_config is not None:
         buffers.append(Buffer.zeros([pages, 2, 1, case.page_size, hkv, 1], DType.float32))
     CPU().synchronize()  # Buffer.zeros fills asynchronously (mokv.validation.allocate)
@@ -158,11 +151,10 @@ def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -
     pages_per_seq = -(-case.context // case.page_size)
     lookup = rng.permutation(case.batch * pages_per_seq).astype(np.uint32).reshape(case.batch, pages_per_seq)
     # bfloat16-exact values, so float32 and bfloat16 caches hold the same numbers.
-    keys, values = (
-        bfloat16.from_bits(bfloat16.to_bits(rng.standard_normal((case.batch * case.context, hkv, d), np.float32)))
-        for _ in range(2)
-    )
-    q = bfloat16.from_bits(bfloat16.to_bits(rng.standard_normal((case.batch, hq, d), np.float32)))
+    kv_shape = (case.batch * case.context, hkv, d)
+    keys = bfloat16_exact(rng.standard_normal(kv_shape, np.float32))
+    values = bfloat16_exact(rng.standard_normal(kv_shape, np.float32))
+    q = bfloat16_exact(rng.standard_normal((case.batch, hq, d), np.float32))
     prefill_offsets = Buffer.from_numpy((np.arange(case.batch + 1) * case.context).astype(np.uint32))
     prefill_tables = [
         Buffer.from_numpy(np.zeros(case.batch, np.uint32)),
@@ -180,16 +172,16 @@ def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -
     for kv_format in FORMATS:
         shape = FormatShape.of(kv_format)
         store, decode = kernels[kv_format]
-        blocks, *scales = _cache_buffers(shape, case)
+        pages, *scales = _cache_buffers(shape, case)
         store_args = [
-            blocks,
+            pages,
             *prefill_tables,
             *scales,
-            _rows_buffer(keys, shape.rows),
-            _rows_buffer(values, shape.rows),
+            device_buffer(keys, shape.rows),
+            device_buffer(values, shape.rows),
             prefill_offsets,
         ]
-        decode_args = [blocks, *decode_tables, *scales, _rows_buffer(q, shape.rows), decode_offsets, softmax_scale]
+        decode_args = [pages, *decode_tables, *scales, device_buffer(q, shape.rows), decode_offsets, softmax_scale]
         store.execute(*store_args)
         # A copy: the output buffer is reused by later calls.
         outputs[kv_format] = to_float(decode.execute(*decode_args)[0], shape.rows).copy()
@@ -234,12 +226,6 @@ def format_rows(session: InferenceSession, package: Path, quick: bool) -> list[d
     return rows
 
 
-def _span(values: list[float]) -> str:
-    return (
-        f"min {min(values):.2f}, median {float(np.median(values)):.2f}, max {max(values):.2f}" if values else "no cases"
-    )
-
-
 def formats_markdown(rows: list[dict[str, Any]], header: str) -> str:
     """The formats' targets (float8 decode >= 1.6x bfloat16 and >= 3x float32), then every row."""
     float8 = [r for r in rows if r["kv_format"] == "float8_e4m3fn"]
@@ -247,13 +233,11 @@ def formats_markdown(rows: list[dict[str, Any]], header: str) -> str:
     lines = [
         header,
         "",
-        f"- float8_e4m3fn decode tokens/s over bfloat16 (target >= 1.6): {_span([r['over_bfloat16'] for r in float8])}",
-        f"- float8_e4m3fn decode tokens/s over float32 (target >= 3): {_span([r['over_float32'] for r in float8])}",
-        f"- int8 decode tokens/s over bfloat16: {_span([r['over_bfloat16'] for r in int8])}",
+        f"- float8_e4m3fn decode tokens/s over bfloat16 (target >= 1.6): {span([r['over_bfloat16'] for r in float8])}",
+        f"- float8_e4m3fn decode tokens/s over float32 (target >= 3): {span([r['over_float32'] for r in float8])}",
+        f"- int8 decode tokens/s over bfloat16: {span([r['over_bfloat16'] for r in int8])}",
         "- storing a whole context, quantized over a float32 copy: "
-        + ", ".join(
-            f"{f} {_span([r['store_over_float32'] for r in rows if r['kv_format'] == f])}" for f in FORMATS[1:]
-        ),
+        + ", ".join(f"{f} {span([r['store_over_float32'] for r in rows if r['kv_format'] == f])}" for f in FORMATS[1:]),
         "",
         "| case | KV format | bytes/token | decode ms | tokens/s | KV GB/s | vs bf16 | vs f32 | max diff vs f32"
         " | store ms | store vs f32 |",

@@ -1,0 +1,229 @@
+"""`mokv bench attention`: mokv's paged flash attention against MAX 26.7's own.
+
+Both kernels read the very same page tensor, lookup table and queries in the same process,
+timed alternately call by call (the cores are shared, so only side-by-side ratios are
+trustworthy), on the cases of `attention_cases`.
+
+Each row reports the median seconds per `execute` of both kernels, KV bytes read per second by
+each (one pass over every sequence's context: the figure of merit for decode, incidental for
+compute-bound prefill), new tokens per second, the read rate of a plain 1 GiB `np.copyto`
+measured next to the case as the machine's memory yardstick, and the largest difference
+between the two kernels' outputs. bfloat16 decode rows also time mokv on the same values
+stored as float32, in the same rounds, for the bfloat16/float32 tokens/s ratio. MAX's kernel
+is compiled per (dtype, heads, head_dim, page size) before its cases are timed, so a full run
+spends much of its time compiling. On the CPU the KV formats are then timed side by side
+(`kv_formats`).
+
+`--device gpu` runs the same comparison on a GPU against MAX's built-in GPU kernel (flash
+decoding for decode batches): longer contexts and larger batches, bfloat16 (and a few float32
+rows). Every timed call ends with a device synchronize, so a row is the call's wall time,
+launch overhead included for both kernels. The memory yardstick is then a 1 GiB
+device-to-device copy: its traffic (read plus write) per second stands for the achievable HBM
+bandwidth, against which the KV read rate of decode is set. Without a GPU it says so and
+exits. `docs/gpu/results/` keeps the GPU runs' tables.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+from max.driver import CPU, Accelerator, accelerator_architecture_name, accelerator_count
+from max.dtype import DType
+from max.engine import InferenceSession
+
+from mokv_examples.bench.attention_cases import (
+    Case,
+    bfloat16_codec,
+    full_cases,
+    gpu_full_cases,
+    gpu_quick_cases,
+    make_inputs,
+    quick_cases,
+    shape_fields,
+    to_float,
+)
+from mokv_examples.bench.attention_kernels import MAX_KERNELS, Kernels
+from mokv_examples.bench.kv_formats import format_rows, formats_markdown
+from mokv_examples.bench.references import reference
+from mokv_examples.bench.results import out_dir_option, span, write_results
+from mokv_examples.bench.timing import CopyProbe, GpuCopyProbe, time_alternately
+
+
+def run_case(case: Case, kernels: Kernels, copy: CopyProbe | GpuCopyProbe, budget_s: float) -> dict[str, Any]:
+    """Times one case. A bfloat16 decode case on the CPU also times mokv on
+    the same values stored as float32, in the same rounds, for the tokens/s
+    ratio."""
+    scale = case.softmax_scale
+    with_f32 = case.dtype == DType.bfloat16 and case.phase == "decode" and kernels.device.is_host
+    dtypes = (case.dtype, DType.float32) if with_f32 else (case.dtype,)
+    data = make_inputs(case, np.random.default_rng(0), dtypes, kernels.device)
+    mine = data[case.dtype]
+    mokv = kernels.mokv_model(case.dtype)
+    mokv_args = mine.mokv_args(scale)
+    max_kernel = kernels.max_kernel(case)
+    max_args = max_kernel.inputs(mine.pages, mine.cache_lengths, mine.lookup_table, mine.row_offsets, mine.q, 0)
+    calls: dict[str, Callable[[], Any]] = {
+        "mokv": kernels.finished(lambda: mokv.execute(*mokv_args)),
+        "max": kernels.finished(lambda: max_kernel(max_args)),
+    }
+    if with_f32:
+        mokv_f32 = kernels.mokv_model(DType.float32)
+        f32_args = data[DType.float32].mokv_args(scale)
+        calls["mokv_float32"] = lambda: mokv_f32.execute(*f32_args)
+
+    diff = np.abs(to_float(mokv.execute(*mokv_args)[0], case.dtype) - to_float(max_kernel(max_args), case.dtype))
+    copy_rate = copy.gbps()
+    times = time_alternately(calls, min_runs=5, budget_s=budget_s)
+    row = {
+        "device": "cpu" if kernels.device.is_host else "gpu",
+        "case": case.name,
+        "phase": case.phase,
+        "dtype": case.dtype.name,
+        **shape_fields(case.heads, case.page_size, case.batch, case.context),
+        "new_tokens": case.new_tokens,
+        "kv_bytes": case.kv_bytes,
+        "mokv_s": times["mokv"],
+        "max_s": times["max"],
+        "speedup": times["max"] / times["mokv"],
+        "kv_gbps": case.kv_bytes / times["mokv"] / 1e9,
+        "max_kv_gbps": case.kv_bytes / times["max"] / 1e9,
+        "copy_gbps": copy_rate,
+        "tokens_per_s": case.batch * case.new_tokens / times["mokv"],
+        "max_abs_diff": float(diff.max()),
+    }
+    if with_f32:
+        row["mokv_float32_s"] = times["mokv_float32"]
+        row["bf16_over_f32"] = times["mokv_float32"] / times["mokv"]
+    return row
+
+
+MEMORY_BOUND_BYTES = 1 << 28
+"""A GPU decode case reading at least this much KV is memory-bound: the
+launch overhead in its wall time is small."""
+
+
+def gpu_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """The GPU targets: decode at least MAX's speed and 80% of the HBM
+    bandwidth where memory-bound, prefill at least 0.8x MAX's."""
+    decode = [r for r in rows if r["phase"] == "decode"]
+    bound = [r for r in decode if r["kv_bytes"] >= MEMORY_BOUND_BYTES]
+    prefill = [r for r in rows if r["phase"] == "prefill"]
+    return [
+        f"- decode, speedup over MAX's GPU kernel (target >= 1): {span([r['speedup'] for r in decode])}",
+        (
+            "- decode reading >= 256 MiB of KV, KV read rate / device copy traffic (target >= 0.8):"
+            f" {span([r['kv_gbps'] / r['copy_gbps'] for r in bound])}"
+        ),
+        f"- prefill, speedup over MAX (target >= 0.8): {span([r['speedup'] for r in prefill])}",
+    ]
+
+
+def summary(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per target: the range of each ratio over the cases it covers."""
+    if rows and rows[0]["device"] == "gpu":
+        return gpu_summary(rows)
+    long_decode = [r for r in rows if r["phase"] == "decode" and r["context"] >= 2048]
+    return [
+        f"- decode at 2k+ context, speedup over MAX (target >= 3): {span([r['speedup'] for r in long_decode])}",
+        (
+            "- decode at 2k+ context, KV read rate / np.copyto read rate (target >= 1):"
+            f" {span([r['kv_gbps'] / r['copy_gbps'] for r in long_decode])}"
+        ),
+        (
+            "- decode, bfloat16 tokens/s over float32 tokens/s, same values, timed side by side (target >= 1.6):"
+            f" {span([r['bf16_over_f32'] for r in rows if 'bf16_over_f32' in r])}"
+        ),
+        f"- prefill, speedup over MAX (target >= 1.5): {span([r['speedup'] for r in rows if r['phase'] == 'prefill'])}",
+    ]
+
+
+def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
+    lines = [
+        header,
+        "",
+        *summary(rows),
+        "",
+        "| case | mokv ms | MAX ms | speedup | mokv KV GB/s | MAX KV GB/s | copy GB/s | tokens/s | bf16/f32"
+        " | max abs diff |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ratio = f"{r['bf16_over_f32']:.2f}x" if "bf16_over_f32" in r else ""
+        lines.append(
+            f"| {r['case']} | {r['mokv_s'] * 1e3:.3f} | {r['max_s'] * 1e3:.3f} | {r['speedup']:.2f}x"
+            f" | {r['kv_gbps']:.1f} | {r['max_kv_gbps']:.1f} | {r['copy_gbps']:.1f}"
+            f" | {r['tokens_per_s']:.0f} | {ratio} | {r['max_abs_diff']:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+@click.command("attention")
+@click.option("--quick", is_flag=True, help="A representative subset (under five minutes, MAX's compiles included).")
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "gpu"]),
+    default="cpu",
+    show_default=True,
+    help="Where both kernels run; gpu writes attention-gpu.json/.md and exits with a message when there is no GPU.",
+)
+@click.option(
+    "--kv-formats/--no-kv-formats",
+    default=True,
+    show_default=True,
+    help="On the CPU, also time decode and store over float32, bfloat16, float8_e4m3fn and int8 caches "
+    "(attention-kv-formats.json/.md).",
+)
+@out_dir_option("attention")
+def attention(quick: bool, device: str, kv_formats: bool, out_dir: Path) -> None:
+    """Paged flash attention: mokv's kernel against MAX's built-in, decode and prefill; KV formats side by side."""
+    reference("max_attention", MAX_KERNELS)  # before any compile: stop early where it is missing
+    bfloat16_codec()
+    copy: CopyProbe | GpuCopyProbe
+    if device == "gpu":
+        if accelerator_count() == 0:
+            click.echo(
+                "mokv bench attention --device gpu: skipped, MAX sees no GPU on this machine; nothing was timed",
+                err=True,
+            )
+            return
+        gpu = Accelerator()
+        cases = gpu_quick_cases() if quick else gpu_full_cases()
+        kernels = Kernels(InferenceSession(devices=[CPU(), gpu]), device=gpu)
+        copy = GpuCopyProbe(gpu)
+        where = f"GPU {accelerator_architecture_name()}"
+        yardstick = "copy = traffic (read + write) of a 1 GiB device-to-device copy"
+    else:
+        cases = quick_cases() if quick else full_cases()
+        kernels = Kernels(InferenceSession(devices=[CPU()]))
+        copy = CopyProbe()
+        where = f"{platform.machine()}, {os.cpu_count()} cores"
+        yardstick = "copy = np.copyto of 1 GiB"
+    rows = []
+    for case in cases:
+        click.echo(f"{case.name} ...", err=True)
+        row = run_case(case, kernels, copy, budget_s=0.5 if quick else 1.5)
+        rows.append(row)
+        click.echo(
+            f"  mokv {row['mokv_s'] * 1e3:.3f} ms, MAX {row['max_s'] * 1e3:.3f} ms, {row['speedup']:.2f}x,"
+            f" {row['kv_gbps']:.1f} GB/s (copy {row['copy_gbps']:.1f})",
+            err=True,
+        )
+    header = (
+        f"## Paged attention, mokv vs MAX 26.7 ({where}{', quick' if quick else ''}):"
+        f" median seconds per call, timed alternately; {yardstick}, measured next to each case"
+    )
+    markdown = to_markdown(rows, header)
+    write_results(out_dir, "attention" if device == "cpu" else "attention-gpu", rows, markdown)
+    if device == "cpu" and kv_formats:
+        formats = format_rows(kernels.session, kernels.package, quick)
+        header = (
+            f"## KV formats, mokv decode and store ({where}{', quick' if quick else ''}):"
+            " median seconds per call, all formats timed alternately"
+        )
+        write_results(out_dir, "attention-kv-formats", formats, formats_markdown(formats, header))
