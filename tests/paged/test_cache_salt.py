@@ -60,7 +60,7 @@ def test_unsalted_requests_share_as_before(make_manager: MakeManager) -> None:
 def test_forced_hash_collisions_never_cross_salts(make_manager: MakeManager, pages: int, host_pages: int) -> None:
     m = make_manager(total_num_pages=pages, total_num_host_pages=host_pages, checks=False)
     # Every block of every request hashes to its index, whatever the salt or tokens.
-    m._hasher.hash_blocks = lambda tokens, parent=None: list(range(len(tokens) // 4))  # type: ignore[method-assign]
+    m._hasher.hash_pages = lambda tokens, parent=None: list(range(len(tokens) // 4))  # type: ignore[method-assign]
     run(m, "alice", PROMPT, "alice")
     if host_pages:  # alice's blocks go to the host tier, under the same colliding hashes
         run(m, "filler", range(500, 524), "filler")

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from mokv import InsufficientBlocksError, TextContext
-from mokv.paged.runtime_inputs import BatchCharacteristics
+from mokv.paged import BatchCharacteristics
 from tests.support import kv_markers
 from tests.support.machine_base import ManagerMachine
 from tests.support.manager_state import paged_snapshot
@@ -191,7 +191,7 @@ class PagedManagerMachine(ManagerMachine):
             pages, slots = row[positions // self.ps], positions % self.ps
             kv_markers.write(blocks, pages, slots, kv_markers.markers(ctx.tokens)[positions])
             full = ctx.current_length // self.ps
-            for j, block_hash in enumerate(self.m._hasher.hash_blocks(ctx.tokens[: full * self.ps])):
+            for j, block_hash in enumerate(self.m._hasher.hash_pages(ctx.tokens[: full * self.ps])):
                 self.prefixes[block_hash] = ctx.tokens[: (j + 1) * self.ps].copy()
             r.ran = True
 
@@ -301,7 +301,7 @@ class PagedManagerMachine(ManagerMachine):
         for replica, r in enumerate(self.m._replicas):
             r.check_invariants()  # every hash is its slot's tokens' hash, on both tiers
             index = r.pool.index
-            slots = index.committed_slots()
+            slots = index.committed_pages()
             if not slots:
                 continue
             blocks = self.blocks(replica)

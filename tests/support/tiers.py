@@ -18,7 +18,7 @@ import pytest
 from max.dtype import DType
 
 from mokv import KVCacheParams, PagedKVCacheManager, TextContext
-from mokv.connectors import KVConnectorConfig
+from mokv.tiers import KVConnectorConfig
 from mokv_examples.local_redis import LocalRedis
 
 PAGE_SIZE = 4

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mokv.connectors import KVConnectorConfig
-from mokv.connectors.disk import SUFFIX
+from mokv.tiers import KVConnectorConfig
+from mokv.tiers.disk import SUFFIX
 from tests.support.tiers import PAGE_SIZE, admit, check_cached_pages, make_manager, run_prompt, small_params
 
 
@@ -25,14 +25,14 @@ def test_a_new_manager_hits_what_an_earlier_one_computed(
     tmp_path: Path, copies: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if copies == "buffer":  # the accelerator path: enqueued driver copies, awaited by runtime_inputs
-        import mokv.connectors.store as store
+        import mokv.tiers.store as store
 
         monkeypatch.setattr(store, "_host_views", lambda unit: None)
     prompt = np.arange(100, 100 + 5 * PAGE_SIZE + 2)
     with make_manager(disk_offload_dir=tmp_path) as first:
         run_prompt(first, "a", prompt)
         first.flush()
-        assert first.get_tier_metrics()["disk"].saved_blocks == 5
+        assert first.get_tier_metrics()["disk"].saved_pages == 5
         assert first.get_num_used_disk_pages() == 5
     assert len(page_files(tmp_path)) == 5
 
@@ -42,12 +42,12 @@ def test_a_new_manager_hits_what_an_earlier_one_computed(
         assert c.processed_length == 5 * PAGE_SIZE and c.cached_prefix_length == 5 * PAGE_SIZE
         check_cached_pages(second, "b", c)
         metrics = second.get_tier_metrics()["disk"]
-        assert metrics.hit_blocks == 5 and metrics.rejected_blocks == 0
+        assert metrics.hit_pages == 5 and metrics.rejected_pages == 0
         assert second.get_metrics_aggregated().h2d_blocks_copied == 5
         # Loaded blocks join the device prefix cache: a twin request hits on the device.
         twin = admit(second, "twin", prompt)
         assert twin.processed_length == 5 * PAGE_SIZE
-        assert second.get_tier_metrics()["disk"].hit_blocks == 5
+        assert second.get_tier_metrics()["disk"].hit_pages == 5
 
 
 def block_keys(m, prompt: np.ndarray, n: int) -> list[str]:
@@ -68,7 +68,7 @@ def test_a_hit_continues_a_device_hit_and_stops_at_the_first_gap(tmp_path: Path)
         path.unlink()
         c = admit(second, "b", prompt)
         assert c.processed_length == 4 * PAGE_SIZE  # 2 from the device, 2 from the disk
-        assert second.get_tier_metrics()["disk"].hit_blocks == 2 + 2
+        assert second.get_tier_metrics()["disk"].hit_pages == 2 + 2
         check_cached_pages(second, "b", c)
         second.release("b")
         second.reset_prefix_cache()
@@ -86,7 +86,7 @@ def test_a_different_model_or_layout_never_reads_anothers_pages(tmp_path: Path) 
         with make_manager(disk_offload_dir=tmp_path, **other) as m:
             c = admit(m, "b", prompt)
             assert c.processed_length == 0
-            assert m.get_tier_metrics()["disk"].rejected_blocks == 0  # it never even opened them
+            assert m.get_tier_metrics()["disk"].rejected_pages == 0  # it never even opened them
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip-payload", "flip-tokens", "foreign", "swap"])
@@ -116,13 +116,13 @@ def test_a_damaged_file_is_a_miss_and_is_removed(tmp_path: Path, damage: str) ->
         c = admit(m, "b", prompt)
         assert c.processed_length == 0  # the chain starts with the damaged block
         metrics = m.get_tier_metrics()["disk"]
-        assert metrics.rejected_blocks == 1 and metrics.hit_blocks == 0
+        assert metrics.rejected_pages == 1 and metrics.hit_pages == 0
     assert not target.exists()
 
 
 def test_the_budget_evicts_least_recently_used_files(tmp_path: Path) -> None:
     with make_manager(disk_offload_dir=tmp_path) as probe:
-        record_bytes = probe._replicas[0].connectors[0].codec.record_bytes
+        record_bytes = probe._replicas[0].tiers[0].codec.record_bytes
     budget_gb = 4.5 * record_bytes / (1 << 30)  # room for 4 records
     prompts = [np.arange(1000 * i, 1000 * i + PAGE_SIZE + 1) for i in range(6)]
     with make_manager(disk_offload_dir=tmp_path, disk_offload_max_gb=budget_gb) as m:
@@ -146,11 +146,11 @@ def test_the_budget_evicts_least_recently_used_files(tmp_path: Path) -> None:
 def test_an_unusable_directory_disables_the_tier_at_start(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
-    with caplog.at_level(logging.WARNING, logger="mokv.connectors"), make_manager(disk_offload_dir=not_a_dir) as m:
+    with caplog.at_level(logging.WARNING, logger="mokv.tiers"), make_manager(disk_offload_dir=not_a_dir) as m:
         run_prompt(m, "a", np.arange(2 * PAGE_SIZE + 1))
         assert admit(m, "b", np.arange(2 * PAGE_SIZE + 1)).processed_length == 2 * PAGE_SIZE
         metrics = m.get_tier_metrics()["disk"]
-        assert metrics.saved_blocks == 0 and metrics.errors == 1
+        assert metrics.saved_pages == 0 and metrics.errors == 1
     assert sum("disabled" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -159,7 +159,7 @@ def test_a_full_disk_disables_the_tier_with_one_warning(
 ) -> None:
     import errno
 
-    import mokv.connectors.disk as disk
+    import mokv.tiers.disk as disk
 
     real_replace = os.replace
 
@@ -167,12 +167,12 @@ def test_a_full_disk_disables_the_tier_with_one_warning(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(disk.os, "replace", full)
-    with caplog.at_level(logging.WARNING, logger="mokv.connectors"), make_manager(disk_offload_dir=tmp_path) as m:
+    with caplog.at_level(logging.WARNING, logger="mokv.tiers"), make_manager(disk_offload_dir=tmp_path) as m:
         for i in range(3):
             run_prompt(m, f"p{i}", np.arange(100 * i, 100 * i + 2 * PAGE_SIZE + 1))
             m.flush()
         metrics = m.get_tier_metrics()["disk"]
-        assert metrics.saved_blocks == 0 and metrics.dropped_saves >= 2 and metrics.errors == 1
+        assert metrics.saved_pages == 0 and metrics.dropped_saves >= 2 and metrics.errors == 1
         # Serving goes on: the device cache still works.
         assert admit(m, "again", np.arange(2 * PAGE_SIZE + 1)).processed_length == 2 * PAGE_SIZE
     monkeypatch.setattr(disk.os, "replace", real_replace)
@@ -224,11 +224,11 @@ def test_a_block_replacing_a_colliding_entry_is_saved_through(tmp_path: Path) ->
     a_prompt, b_prompt = np.arange(2 * PAGE_SIZE + 1), np.arange(500, 500 + 2 * PAGE_SIZE + 1)
     with make_manager(disk_offload_dir=tmp_path) as m:
         m.enable_runtime_checks = False  # the audit rehashes with the real hash
-        m._hasher.hash_blocks = lambda tokens, parent=None: list(range(len(tokens) // PAGE_SIZE))  # type: ignore[method-assign]
+        m._hasher.hash_pages = lambda tokens, parent=None: list(range(len(tokens) // PAGE_SIZE))  # type: ignore[method-assign]
         run_prompt(m, "a", a_prompt)
         run_prompt(m, "b", b_prompt)  # "hashes" 0 and 1 again: a's unheld entries are replaced
         m.flush()
-        assert m.get_tier_metrics()["disk"].saved_blocks == 2 + 2
+        assert m.get_tier_metrics()["disk"].saved_pages == 2 + 2
     assert {p.stem for p in page_files(tmp_path)} == {*block_keys(m, a_prompt, 2), *block_keys(m, b_prompt, 2)}
     with make_manager(disk_offload_dir=tmp_path) as second:  # b's pages come back from the disk
         c = admit(second, "c", b_prompt)

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import mokv.connectors.config as connector_config
-from mokv.connectors import KVConnectorConfig, RemoteStoreError
+import mokv.tiers.config as tier_config
+from mokv.tiers import KVConnectorConfig, RemoteStoreError
 from mokv_examples.pipeline import GenerationConfig
 from tests.support.tiers import PAGE_SIZE, RedisServer, admit, check_cached_pages, make_manager, run_prompt
 
@@ -37,7 +37,7 @@ def test_records_planted_without_the_key_are_rejected(shared) -> None:
     with make_manager(integrity_key=KEY, **config) as m:
         assert admit(m, "victim", PROMPT).processed_length == 0
         metrics = m.get_tier_metrics()[tier]
-        assert metrics.unauthenticated_blocks == metrics.rejected_blocks == 1 and metrics.hit_blocks == 0
+        assert metrics.unauthenticated_pages == metrics.rejected_pages == 1 and metrics.hit_pages == 0
         m.release("victim")
         # Its own records (written over the planted ones) verify.
         m.reset_prefix_cache()
@@ -55,7 +55,7 @@ def test_records_under_another_key_are_rejected(shared) -> None:
         run_prompt(other, "theirs", PROMPT)
     with make_manager(integrity_key=KEY, **config) as m:
         assert admit(m, "mine", PROMPT).processed_length == 0
-        assert m.get_tier_metrics()[tier].unauthenticated_blocks == 1
+        assert m.get_tier_metrics()[tier].unauthenticated_pages == 1
 
 
 def test_a_keyed_record_modified_in_place_is_rejected(tmp_path: Path) -> None:
@@ -67,7 +67,7 @@ def test_a_keyed_record_modified_in_place_is_rejected(tmp_path: Path) -> None:
         path.write_bytes(bytes(data))
     with make_manager(integrity_key=KEY, disk_offload_dir=tmp_path) as m:
         assert admit(m, "b", PROMPT).processed_length == 0
-        assert m.get_tier_metrics()["disk"].unauthenticated_blocks == 1
+        assert m.get_tier_metrics()["disk"].unauthenticated_pages == 1
 
 
 def test_the_key_comes_from_a_file_or_the_environment_and_is_never_shown(
@@ -77,7 +77,7 @@ def test_the_key_comes_from_a_file_or_the_environment_and_is_never_shown(
     key_file.write_bytes(KEY + b"\n")
     with caplog.at_level(logging.DEBUG), make_manager(integrity_key_file=key_file, disk_offload_dir=tmp_path) as m:
         run_prompt(m, "a", PROMPT)
-    monkeypatch.setenv(connector_config.INTEGRITY_KEY_ENV, KEY.decode())
+    monkeypatch.setenv(tier_config.INTEGRITY_KEY_ENV, KEY.decode())
     config = KVConnectorConfig(disk_offload_dir=tmp_path)
     assert config.resolve_integrity_key() == KEY
     with caplog.at_level(logging.DEBUG), make_manager(disk_offload_dir=tmp_path) as m:
@@ -91,9 +91,9 @@ def test_the_key_comes_from_a_file_or_the_environment_and_is_never_shown(
 def test_without_a_key_the_tiers_warn_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.delenv(connector_config.INTEGRITY_KEY_ENV, raising=False)
-    monkeypatch.setattr(connector_config, "_warned_unkeyed", False)
-    with caplog.at_level(logging.WARNING, logger="mokv.connectors"):
+    monkeypatch.delenv(tier_config.INTEGRITY_KEY_ENV, raising=False)
+    monkeypatch.setattr(tier_config, "_warned_unkeyed", False)
+    with caplog.at_level(logging.WARNING, logger="mokv.tiers"):
         for _ in range(2):
             with make_manager(disk_offload_dir=tmp_path) as m:
                 run_prompt(m, "a", PROMPT)

@@ -12,7 +12,7 @@ from max.dtype import DType
 from max.engine import InferenceSession
 
 from mokv import KVCacheParams, PagedKVCacheManager, TextContext
-from mokv.connectors import KVConnectorConfig
+from mokv.tiers import KVConnectorConfig
 from tests.support.compile_once import compiled_per_key
 from tests.support.store_gather import HEAD_DIM, N_KV_HEADS, NUM_LAYERS, build_store_gather_graph
 from tests.support.tiers import shared_tier
@@ -94,12 +94,12 @@ def test_restored_bytes_equal_what_was_stored(tier: str, store_gather, tmp_path:
             m.get_device_buffer().values[0].to_numpy()[:] = -1.0  # the device copies are gone
             m.release("filler")
             restored = gather_cached(store_gather, m)
-            assert m.get_tier_metrics()["host"].hit_blocks == 3
+            assert m.get_tier_metrics()["host"].hit_pages == 3
     else:
         with shared_tier(tier, tmp_path, "round-trip") as config:
             with manager(config) as first:
                 written = store_prompt(store_gather, first, rng)
             with manager(config) as second:
                 restored = gather_cached(store_gather, second)
-                assert second.get_tier_metrics()[tier].hit_blocks == 3
+                assert second.get_tier_metrics()[tier].hit_pages == 3
     np.testing.assert_array_equal(restored, written[:, :, :CACHED])

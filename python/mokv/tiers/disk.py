@@ -4,7 +4,7 @@ Layout: `DIR/<layout fingerprint>/<first key byte>/<key>.kvpage`, so caches of
 different models or shapes never even open each other's files. A record is
 written to a temporary file beside its final name and renamed over it
 (`os.replace` is atomic on POSIX), so a reader sees a whole record or none:
-two processes writing the same block at once each rename a complete file, a
+two processes writing the same page at once each rename a complete file, a
 reader keeps the file it opened even if it is replaced or deleted meanwhile,
 and a writer killed mid-write leaves only a temporary file, swept up later.
 Records are not fsynced: a power loss may lose recent ones, and a record torn
@@ -33,7 +33,7 @@ from pathlib import Path
 from .base import TierUsage
 from .store import PageStore, Record
 
-logger = logging.getLogger("mokv.connectors")
+logger = logging.getLogger("mokv.tiers")
 
 SUFFIX = ".kvpage"
 STALE_TEMP_SECONDS = 600.0

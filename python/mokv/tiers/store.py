@@ -1,15 +1,14 @@
 """A write-through tier over a shared page store (a directory, a Redis server).
 
-`StoreConnector` is the `KVConnector` of every tier whose pages outlive the
-process. It does what all of them share: it names blocks by their
-cross-process keys, copies committed device blocks out (synchronously, since
-the block may be handed out again at once) and hands them to background
-writer threads, which encode a record per block (`record.RecordCodec`: tokens,
-chain, checksum or MAC) and store it. On a lookup it fetches a prefix's
-records in one go after probing the first (parallel file reads, one
-pipelined multi-get), verifies
-each before anything touches a device block, and stops at the first miss or
-rejection. A load only enqueues the copies into the fresh device blocks; the
+`StoreTier` is the `Tier` of every tier whose pages outlive the process. It
+does what all of them share: it names pages by their cross-process keys,
+copies committed device pages out (synchronously, since the page may be
+handed out again at once) and hands them to background writer threads, which
+encode a record per page (`record.RecordCodec`: tokens, chain, checksum or
+MAC) and store it. On a lookup it fetches a prefix's records in one go after
+probing the first (parallel file reads, one pipelined multi-get), verifies
+each before anything touches a device page, and stops at the first miss or
+rejection. A load only enqueues the copies into the fresh device pages; the
 manager awaits them before `runtime_inputs` returns.
 
 A `PageStore` is only bytes by key: where they live, how they are written
@@ -31,18 +30,18 @@ import numpy as np
 from max.driver import Buffer
 
 from ..buffer import KVCacheMemory
-from ..paged.block_pool import NO_UID
-from .base import BlockToSave, PrefixQuery, SavePoint, TierMetrics, TierUsage
-from .record import BlockIdentity, RecordCodec, RecordError, Rejection
+from ..prefix import NO_UID
+from .base import PageToSave, PrefixQuery, SavePoint, TierMetrics, TierUsage
+from .record import PageIdentity, RecordCodec, RecordError, Rejection
 
-logger = logging.getLogger("mokv.connectors")
+logger = logging.getLogger("mokv.tiers")
 
 Record = bytes | memoryview
 """A stored page record as a store returns it."""
 
 
 class PageStore:
-    """Records by key: the interface `StoreConnector` needs from a store.
+    """Records by key: the interface `StoreTier` needs from a store.
 
     Implementations must be thread-safe: writers call `put_many` from
     background threads while lookups call `get_many`.
@@ -81,8 +80,8 @@ class PageStore:
         raise NotImplementedError
 
 
-class StoreConnector:
-    """One replica's write-through tier over a `PageStore` (a `KVConnector`).
+class StoreTier:
+    """One replica's write-through tier over a `PageStore` (a `Tier`).
 
     Args:
         store: Where records live (shared by every replica of the manager).
@@ -125,7 +124,7 @@ class StoreConnector:
         self._in_flight: set[Future[None]] = set()
         self._closed = False
         self._loads_in_flight: dict[Hashable, list[Buffer]] = {}
-        """Per request, the host sources of copies enqueued into its device blocks (kept alive until they land)."""
+        """Per request, the host sources of copies enqueued into its device pages (kept alive until they land)."""
 
     @property
     def metrics(self) -> TierMetrics:
@@ -136,12 +135,12 @@ class StoreConnector:
     # ------------------------------------------------------------------- loads
 
     def lookup(self, query: PrefixQuery) -> list[memoryview]:
-        """Verified payloads for the longest stored run of `query`'s blocks."""
+        """Verified payloads for the longest stored run of `query`'s pages."""
         if not len(query) or self._closed or not self.store.enabled:
             return []
         self._metrics.lookups += 1
         started = time.perf_counter()
-        # The first block alone first: most lookups of a new prompt miss there,
+        # The first page alone first: most lookups of a new prompt miss there,
         # and then one small read (or round trip) is all they cost.
         records = self.store.get_many(query.keys[:1])
         if records[0] is not None and len(query) > 1:
@@ -149,7 +148,7 @@ class StoreConnector:
         found = next((i for i, record in enumerate(records) if record is None), len(records))
         parents = [query.parent_key, *query.keys[: found - 1]]
         checks = [
-            (records[i], BlockIdentity(query.keys[i], parents[i], query.tokens[i])) for i in range(found)
+            (records[i], PageIdentity(query.keys[i], parents[i], query.tokens[i])) for i in range(found)
         ]  # verified in parallel: hashing a page releases the GIL
         verdicts = list(self._verifiers.map(self._verify, checks)) if found > 1 else [self._verify(c) for c in checks]
         payloads: list[memoryview] = []
@@ -161,44 +160,44 @@ class StoreConnector:
         self._metrics.load_seconds += time.perf_counter() - started
         return payloads
 
-    def _verify(self, check: tuple[Record, BlockIdentity]) -> memoryview | RecordError:
+    def _verify(self, check: tuple[Record, PageIdentity]) -> memoryview | RecordError:
         try:
             return self.codec.verify(*check)
         except RecordError as error:
             return error
 
     def _reject(self, key: bytes, error: RecordError) -> None:
-        self._metrics.rejected_blocks += 1
+        self._metrics.rejected_pages += 1
         if error.reason is Rejection.UNAUTHENTICATED:
             # Possibly a record of a writer holding another key: not ours to remove.
-            self._metrics.unauthenticated_blocks += 1
+            self._metrics.unauthenticated_pages += 1
         else:
             self.store.discard(key)
-        logger.debug("%s tier: a stored block was rejected (%s)", self.name, error)
+        logger.debug("%s tier: a stored page was rejected (%s)", self.name, error)
 
     def reserve(self, hits: Sequence[memoryview]) -> None:
         """Nothing to pin: the hits are host copies already."""
 
-    def load(self, request_id: Hashable, hits: Sequence[memoryview], blocks: Sequence[int]) -> list[int]:
-        """Enqueues copies of verified payloads into device `blocks` (awaited by
-        `sync`); the blocks get fresh uids."""
+    def load(self, request_id: Hashable, hits: Sequence[memoryview], pages: Sequence[int]) -> list[int]:
+        """Enqueues copies of verified payloads into device `pages` (awaited by
+        `sync`); the pages get fresh uids."""
         sources: list[Buffer] = []
-        for payload, block in zip(hits, blocks, strict=True):
+        for payload, page in zip(hits, pages, strict=True):
             row = np.frombuffer(payload, dtype=np.uint8)
             for unit, views, start, end in zip(
                 self._memory, self._host_views, self._offsets, self._offsets[1:], strict=False
             ):
                 if views is not None:  # host memory: a plain copy, done when it returns
                     for view in views:
-                        view[block] = row[start:end]
+                        view[page] = row[start:end]
                     continue
                 source = Buffer.from_numpy(row[start:end])
                 sources.append(source)
                 for device_pages in unit.copies:
-                    device_pages[block, :].inplace_copy_from(source)
+                    device_pages[page, :].inplace_copy_from(source)
         if sources:
             self._loads_in_flight.setdefault(request_id, []).extend(sources)
-        self._metrics.hit_blocks += len(hits)
+        self._metrics.hit_pages += len(hits)
         self._metrics.hit_bytes += len(hits) * self.codec.payload_bytes
         return [NO_UID] * len(hits)
 
@@ -209,7 +208,7 @@ class StoreConnector:
             self._loads_in_flight.clear()
 
     def request_complete(self, request_id: Hashable) -> None:
-        """Waits for the request's load copies, so its blocks may be freed."""
+        """Waits for the request's load copies, so its pages may be freed."""
         if request_id in self._loads_in_flight:
             self.sync()
 
@@ -220,47 +219,47 @@ class StoreConnector:
 
     # ------------------------------------------------------------------- saves
 
-    def save(self, blocks: Sequence[BlockToSave]) -> int:
-        """Copies committed device blocks out now and queues their records for
+    def save(self, pages: Sequence[PageToSave]) -> int:
+        """Copies committed device pages out now and queues their records for
         the writers; returns how many were queued."""
-        if not blocks or self._closed or not self.store.enabled:
+        if not pages or self._closed or not self.store.enabled:
             return 0
-        size = len(blocks) * self.codec.payload_bytes
+        size = len(pages) * self.codec.payload_bytes
         with self._lock:
             if self._backlog + size > self._max_backlog:
-                self._metrics.dropped_saves += len(blocks)
+                self._metrics.dropped_saves += len(pages)
                 return 0
             self._backlog += size
-        pages = self._snapshot([item.block for item in blocks])
-        identities = [BlockIdentity(item.key, item.parent_key, item.tokens) for item in blocks]
+        copies = self._snapshot([item.page for item in pages])
+        identities = [PageIdentity(item.key, item.parent_key, item.tokens) for item in pages]
         # One task per writer, each a contiguous share: hashing and writing run in parallel.
-        share = -(-len(blocks) // self._num_writers)
-        for lo in range(0, len(blocks), share):
+        share = -(-len(pages) // self._num_writers)
+        for lo in range(0, len(pages), share):
             part = slice(lo, lo + share)
             chunk = len(identities[part]) * self.codec.payload_bytes
-            future = self._writers.submit(self._write, identities[part], [p[part] for p in pages], chunk)
+            future = self._writers.submit(self._write, identities[part], [c[part] for c in copies], chunk)
             with self._lock:
                 self._in_flight.add(future)
             future.add_done_callback(self._written)
-        return len(blocks)
+        return len(pages)
 
-    def _snapshot(self, blocks: list[int]) -> list[np.ndarray]:
-        """Host copies `[len(blocks), bytes_per_page]` of the blocks in each memory unit."""
-        pages = []
+    def _snapshot(self, pages: list[int]) -> list[np.ndarray]:
+        """Host copies `[len(pages), bytes_per_page]` of the pages in each memory unit."""
+        copies = []
         for unit, views in zip(self._memory, self._host_views, strict=True):
             if views is not None:  # host memory: one gathering copy
-                pages.append(views[0][blocks])
+                copies.append(views[0][pages])
                 continue
-            host = np.empty((len(blocks), unit.bytes_per_page), np.uint8)
-            pages.append(host)
+            host = np.empty((len(pages), unit.bytes_per_page), np.uint8)
+            copies.append(host)
             target = Buffer.from_numpy(host)
-            for i, block in enumerate(blocks):
-                target[i, :].inplace_copy_from(unit.buffer[block, :])
+            for i, page in enumerate(pages):
+                target[i, :].inplace_copy_from(unit.buffer[page, :])
             target.device.synchronize()
             self._wait_for_devices()
-        return pages
+        return copies
 
-    def _write(self, identities: list[BlockIdentity], pages: list[np.ndarray], size: int) -> None:
+    def _write(self, identities: list[PageIdentity], pages: list[np.ndarray], size: int) -> None:
         started = time.perf_counter()
         crashed = False
         try:
@@ -275,7 +274,7 @@ class StoreConnector:
         with self._lock:
             self._metrics.errors += crashed
             self._backlog -= size
-            self._metrics.saved_blocks += stored
+            self._metrics.saved_pages += stored
             self._metrics.saved_bytes += stored * self.codec.payload_bytes
             self._metrics.dropped_saves += len(identities) - stored
             self._metrics.save_seconds += time.perf_counter() - started

@@ -1,16 +1,16 @@
-"""What a block is called outside one process: a layout fingerprint and a chained key.
+"""What a page is called outside one process: a layout fingerprint and a chained key.
 
-The device and host tiers name a cached block by its 64-bit chained hash and
-check its parent by a per-process `uid` (`mokv.paged.block_pool`). Neither
+The device and host tiers name a cached page by its 64-bit chained hash and
+check its parent by a per-process `uid` (`mokv.prefix`). Neither
 survives the process, and the 64-bit hash is fast, not collision resistant.
 The disk and remote tiers are shared between processes and machines, so they
-name a block by a cryptographic chained key instead:
+name a page by a cryptographic chained key instead:
 
     key_{-1} = BLAKE2b(fingerprint, salt)                    (the chain's root)
-    key_j    = BLAKE2b(key_{j-1}, tokens of block j)
+    key_j    = BLAKE2b(key_{j-1}, tokens of page j)
 
 `key_j` commits to the layout, the salt and every token up to the end of
-block j, so a stored block whose key, parent key and tokens equal a request's
+page j, so a stored page whose key, parent key and tokens equal a request's
 holds KV of exactly that request's prefix, computed by a model with exactly
 this cache layout. A different model, dtype, head count or page size has a
 different fingerprint, so it never even asks for another's keys.
@@ -28,7 +28,7 @@ from ..buffer import KVCacheMemory
 from ..params import AnyKVCacheParams
 
 KEY_BYTES = 32
-"""Bytes of a block key (BLAKE2b-256)."""
+"""Bytes of a page key (BLAKE2b-256)."""
 
 FINGERPRINT_BYTES = 16
 """Bytes of a layout fingerprint (BLAKE2b-128)."""
@@ -65,8 +65,8 @@ def layout_fingerprint(params: AnyKVCacheParams, memory: Sequence[KVCacheMemory]
     return hashlib.blake2b(text, digest_size=FINGERPRINT_BYTES, person=b"mokv-layout").digest()
 
 
-class BlockKeyer:
-    """Chained block keys for one layout (see the module docstring).
+class PageKeyer:
+    """Chained page keys for one layout (see the module docstring).
 
     Args:
         fingerprint: `layout_fingerprint` of the cache the keys name.
@@ -78,18 +78,19 @@ class BlockKeyer:
         self.fingerprint = fingerprint
 
     def root(self, salt: str | None = None) -> bytes:
-        """The key before a request's first block: the layout and the cache salt."""
+        """The key before a request's first page: the layout and the cache salt."""
         h = hashlib.blake2b(self.fingerprint, digest_size=KEY_BYTES, person=b"mokv-root")
         if salt is not None:
             h.update(b"\x01" + salt.encode())
         return h.digest()
 
     @staticmethod
-    def chain(blocks: npt.NDArray[np.integer], parent: bytes) -> list[bytes]:
-        """Keys of consecutive full blocks (`[k, page_size]` token ids) after `parent`."""
-        rows = np.ascontiguousarray(blocks, dtype="<i8")
+    def chain(pages: npt.NDArray[np.integer], parent: bytes) -> list[bytes]:
+        """Keys of consecutive full pages (`[k, page_size]` token ids) after `parent`."""
+        rows = np.ascontiguousarray(pages, dtype="<i8")
         keys = []
         for row in rows:
+            # The personalization is part of the stored format ("block" was the page's old name): never change it.
             parent = hashlib.blake2b(parent + row.tobytes(), digest_size=KEY_BYTES, person=b"mokv-block").digest()
             keys.append(parent)
         return keys

@@ -54,11 +54,11 @@ def test_a_second_process_hits_what_the_first_computed(tier: str, tmp_path: Path
         first = run_worker(config, prompts)
         # Alone, the first process shares only the 3-block head between its prompts.
         assert first["cached"] == [0] + [3 * PAGE_SIZE] * 3
-        assert first["metrics"][tier]["saved_blocks"] == 3 + 4 * 2
+        assert first["metrics"][tier]["saved_pages"] == 3 + 4 * 2
         second = run_worker(config, prompts)
         assert second["cached"] == [5 * PAGE_SIZE] * 4
-        assert second["metrics"][tier]["hit_blocks"] == 5 + 3 * 2
-        assert second["metrics"][tier]["rejected_blocks"] == 0
+        assert second["metrics"][tier]["hit_pages"] == 5 + 3 * 2
+        assert second["metrics"][tier]["rejected_pages"] == 0
     finally:
         if server is not None:
             server.stop()
@@ -80,7 +80,7 @@ def test_processes_writing_one_directory_at_once_never_serve_wrong_kv(tmp_path: 
                 w.wait(timeout=10)
     for w, (out, err) in zip(workers, results, strict=True):
         assert w.returncode == 0, err[-3000:]  # every page served was checked in the worker
-        assert json.loads(out.strip().splitlines()[-1])["metrics"]["disk"]["rejected_blocks"] == 0
+        assert json.loads(out.strip().splitlines()[-1])["metrics"]["disk"]["rejected_pages"] == 0
     assert not list((tmp_path / "kv").rglob("*.tmp"))
 
 
@@ -100,4 +100,4 @@ def test_cache_salts_keep_tenants_apart_on_shared_tiers(tier: str, tmp_path: Pat
             alice = admit(second, "alice", prompt, salt="alice")
             assert alice.processed_length == 3 * PAGE_SIZE
             check_cached_pages(second, "alice", alice)
-            assert second.get_tier_metrics()[tier].rejected_blocks == 0  # they never even asked for her keys
+            assert second.get_tier_metrics()[tier].rejected_pages == 0  # they never even asked for her keys

@@ -2,36 +2,37 @@
 
 The host tier is sized as MAX sizes it (`total_num_host_pages`, or
 `host_kvcache_swap_space_gb` in the params); the disk and remote tiers by a
-`KVConnectorConfig` (MAX's `disk_offload_dir` / `disk_offload_max_gb`, and a
-remote store URL). Every replica gets its own connectors over its own device
-memory, in lookup order: host, disk, remote.
+`KVConnectorConfig` (MAX's name for it, with MAX's `disk_offload_dir` /
+`disk_offload_max_gb`, and a remote store URL). Every replica gets its own
+tiers over its own device memory, in lookup order: host, disk, remote.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..buffer import KVCacheMemory
-from ..paged.block_pool import PageIndex
+from ..metrics import KVCacheMetrics
 from ..params import AnyKVCacheParams
-from .base import KVConnector
+from ..prefix import PageIndex
+from .base import PageToSave, SavePoint, Tier
 from .disk import DiskStore
-from .host import HostConnector
-from .keys import BlockKeyer, layout_fingerprint
+from .host import HostTier
+from .keys import PageKeyer, layout_fingerprint
 from .record import RecordCodec
 from .remote import RedisStore, redact_url
-from .store import PageStore, StoreConnector
+from .store import PageStore, StoreTier
 
 _GIB = 1 << 30
 
 INTEGRITY_KEY_ENV = "MOKV_KV_INTEGRITY_KEY"
 """Environment variable holding the shared tiers' integrity key (when no key or key file is configured)."""
 
-logger = logging.getLogger("mokv.connectors")
+logger = logging.getLogger("mokv.tiers")
 _warned_unkeyed = False
 
 
@@ -123,14 +124,51 @@ class KVConnectorConfig:
         return None if self.remote_url is None else redact_url(self.remote_url)
 
 
-@dataclass
 class ReplicaTiers:
-    """A replica's connectors in lookup order, and the keyer of their
-    cross-process chain (None when no connector needs one)."""
+    """One replica's tiers in lookup order (iterating yields them), with what
+    the replica asks of them as a group: save-through on commit, victim copies
+    on eviction, and waiting for loads.
 
-    connectors: list[KVConnector]
-    keyer: BlockKeyer | None
-    host: HostConnector | None
+    Args:
+        tiers: The tiers, in lookup order.
+        keyer: Keys of their cross-process chain (None when no tier needs them).
+        host: The host tier among them, if any.
+    """
+
+    def __init__(self, tiers: list[Tier], keyer: PageKeyer | None, host: HostTier | None) -> None:
+        self.tiers = tiers
+        self.keyer = keyer
+        self.host = host
+        self.on_evict = [tier for tier in tiers if tier.saves_on is SavePoint.EVICT]
+        """Victim tiers: they copy a cached page just before the pool hands it out again."""
+        self.on_commit = [tier for tier in tiers if tier.saves_on is SavePoint.COMMIT]
+        """Write-through tiers: they copy every page the device prefix cache takes."""
+
+    def __iter__(self) -> Iterator[Tier]:
+        return iter(self.tiers)
+
+    def __len__(self) -> int:
+        return len(self.tiers)
+
+    def __getitem__(self, i: int) -> Tier:
+        return self.tiers[i]
+
+    def offload(self, page: int, metrics: KVCacheMetrics) -> None:
+        """The pool is about to hand out cached device `page`: victim tiers copy it first."""
+        item = [PageToSave(page)]
+        for tier in self.on_evict:
+            metrics.d2h_blocks_copied += tier.save(item)
+
+    def save_through(self, items: list[PageToSave], metrics: KVCacheMetrics, source: Tier | None = None) -> None:
+        """Newly cached pages go to every write-through tier but the one they came from."""
+        for tier in self.on_commit:
+            if tier is not source:
+                metrics.d2h_blocks_copied += tier.save(items)
+
+    def wait_for_loads(self) -> None:
+        """Returns once every tier's loads into device pages have landed."""
+        for tier in self.tiers:
+            tier.sync()
 
 
 TierFactory = Callable[[list[KVCacheMemory], PageIndex], ReplicaTiers]
@@ -146,13 +184,13 @@ def tier_factory(
     """The factory a manager hands each replica."""
 
     def build(memory: list[KVCacheMemory], device_index: PageIndex) -> ReplicaTiers:
-        connectors: list[KVConnector] = []
+        tiers: list[Tier] = []
         host = None
         if total_num_host_pages:
-            host = HostConnector(total_num_host_pages, params.page_size, memory, device_index)
-            connectors.append(host)
+            host = HostTier(total_num_host_pages, params.page_size, memory, device_index)
+            tiers.append(host)
         if config is None or not config.enabled:
-            return ReplicaTiers(connectors, None, host)
+            return ReplicaTiers(tiers, None, host)
         fingerprint = layout_fingerprint(params, memory, config.model_id)
         payload_bytes = sum(unit.bytes_per_page for unit in memory)
         integrity_key = config.resolve_integrity_key()
@@ -179,8 +217,8 @@ def tier_factory(
             )
         if remote is not None:
             stores.append(remote)
-        connectors += [StoreConnector(store, codec, memory, writers=config.io_threads) for store in stores]
-        return ReplicaTiers(connectors, BlockKeyer(fingerprint), host)
+        tiers += [StoreTier(store, codec, memory, writers=config.io_threads) for store in stores]
+        return ReplicaTiers(tiers, PageKeyer(fingerprint), host)
 
     return build
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mokv.connectors.disk import SUFFIX
+from mokv.tiers.disk import SUFFIX
 from tests.support.tiers import (
     PAGE_SIZE,
     RedisServer,
@@ -41,7 +41,7 @@ def test_random_workloads_serve_right_pages_and_leak_nothing(seed: int, tmp_path
     disk = tmp_path / "kv"
     try:
         with make_manager(disk_offload_dir=disk) as probe:
-            record_bytes = probe._replicas[0].connectors[0].codec.record_bytes
+            record_bytes = probe._replicas[0].tiers[0].codec.record_bytes
         budget_pages = 12
         config = {
             "disk_offload_dir": disk,
@@ -64,12 +64,12 @@ def test_random_workloads_serve_right_pages_and_leak_nothing(seed: int, tmp_path
                         m.release(c.request_id)
                 m.flush()
                 tiers = m.get_tier_metrics()
-                assert all(t.rejected_blocks == 0 and t.errors == 0 for t in tiers.values())
-                assert tiers["host"].hit_blocks + tiers["disk"].hit_blocks + tiers["remote"].hit_blocks > 0
+                assert all(t.rejected_pages == 0 and t.errors == 0 for t in tiers.values())
+                assert tiers["host"].hit_pages + tiers["disk"].hit_pages + tiers["remote"].hit_pages > 0
                 usage = m.get_tier_usage()
                 assert usage["host"].used_pages <= 6
                 files = {p.stem for p in disk.rglob(f"*{SUFFIX}")}
-                disk_store = m._replicas[0].connectors[1].store
+                disk_store = m._replicas[0].tiers[1].store
                 assert files == {k.hex() for k in disk_store._files}  # the LRU view is exactly the files
                 assert len(files) <= budget_pages and usage["disk"].used_bytes <= budget_pages * record_bytes
                 assert not list(disk.rglob("*.tmp"))
@@ -123,5 +123,5 @@ def test_a_writer_killed_mid_write_leaves_no_corrupt_hit(tmp_path: Path) -> None
             check_cached_pages(m, c.request_id, c)
             served += c.processed_length // PAGE_SIZE
             m.release(c.request_id)
-        assert m.get_tier_metrics()["disk"].rejected_blocks == 0
+        assert m.get_tier_metrics()["disk"].rejected_pages == 0
     assert served >= 3

@@ -22,7 +22,7 @@ def test_a_new_manager_hits_through_the_server(redis_server: RedisServer) -> Non
     with make_manager(remote_url=redis_server.url) as first:
         run_prompt(first, "a", prompt)
         first.flush()
-        assert first.get_tier_metrics()["remote"].saved_blocks == 4
+        assert first.get_tier_metrics()["remote"].saved_pages == 4
         assert first.get_tier_usage()["remote"].used_pages == 4  # keys on the server
     with make_manager(remote_url=redis_server.url) as second:
         c = admit(second, "b", prompt)
@@ -45,13 +45,13 @@ def test_a_record_planted_under_a_blocks_key_is_rejected(redis_server: RedisServ
         client.set(key, values[(keys.index(key) + 1) % len(keys)] if value else value)
     with make_manager(remote_url=redis_server.url) as m:
         assert admit(m, "b", prompt).processed_length == 0
-        assert m.get_tier_metrics()["remote"].rejected_blocks == 1
+        assert m.get_tier_metrics()["remote"].rejected_pages == 1
     client.close()
 
 
 def test_a_server_down_at_start_is_a_warning_and_misses(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     server = RedisServer(tmp_path)  # never started: nothing listens on its port
-    with caplog.at_level(logging.WARNING, logger="mokv.connectors"):
+    with caplog.at_level(logging.WARNING, logger="mokv.tiers"):
         started = time.monotonic()
         with make_manager(remote_url=server.url, remote_timeout_s=TIMEOUT_S, remote_retry_s=60) as m:
             for i in range(3):
@@ -59,7 +59,7 @@ def test_a_server_down_at_start_is_a_warning_and_misses(tmp_path: Path, caplog: 
             m.flush()
             metrics = m.get_tier_metrics()["remote"]
         elapsed = time.monotonic() - started
-    assert metrics.hit_blocks == 0 and metrics.saved_blocks == 0 and metrics.errors == 1
+    assert metrics.hit_pages == 0 and metrics.saved_pages == 0 and metrics.errors == 1
     assert elapsed < 5
     assert sum("unavailable" in r.getMessage() for r in caplog.records) == 1
 
@@ -71,7 +71,7 @@ def test_a_frozen_then_restarted_server_costs_only_misses(
     with make_manager(remote_url=redis_server.url) as seeded:
         run_prompt(seeded, "seed", prompt)
     with (
-        caplog.at_level(logging.WARNING, logger="mokv.connectors"),
+        caplog.at_level(logging.WARNING, logger="mokv.tiers"),
         make_manager(remote_url=redis_server.url, remote_timeout_s=TIMEOUT_S, remote_retry_s=0.5) as m,
     ):
         redis_server.pause()
@@ -99,7 +99,7 @@ def test_a_frozen_then_restarted_server_costs_only_misses(
         m.reset_prefix_cache()  # the device forgets its copies too
         assert run_prompt(m, "restarted", prompt).cached_prefix_length == 0
         m.flush()
-        assert m.get_tier_metrics()["remote"].saved_blocks == 3  # the loaded blocks were not sent back
+        assert m.get_tier_metrics()["remote"].saved_pages == 3  # the loaded blocks were not sent back
     messages = [r.getMessage() for r in caplog.records]
     assert sum("unavailable" in msg for msg in messages) >= 1
     assert all("redis://127.0.0.1" in msg for msg in messages)

@@ -1,6 +1,6 @@
 """The remote tier's store: page records on a Redis-protocol server (Redis, Valkey).
 
-One key per record, `mokv:<layout fingerprint>:<block key>`, whose value is the
+One key per record, `mokv:<layout fingerprint>:<page key>`, whose value is the
 whole record (tokens, chain and checksum or MAC with the page bytes); expiry
 and eviction are the server's own policy (`maxmemory-policy`, an optional TTL).
 A prefix's records come back in one pipelined round trip, and background
@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from .base import TierUsage
 from .store import PageStore, Record
 
-logger = logging.getLogger("mokv.connectors")
+logger = logging.getLogger("mokv.tiers")
 
 SCAN_BATCH = 500
 

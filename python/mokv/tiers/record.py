@@ -12,7 +12,7 @@ integrity key HMAC-SHA256, so a record written without the key never verifies.
 (SHA-256 rather than BLAKE2b: with the CPU's SHA extensions it hashes pages
 about twice as fast here.) A reader accepts a record only when every field agrees with what it
 asked for (layout, key, parent key, tokens, size) and the tag recomputes;
-anything else is a miss with a reason, never bytes in a device block.
+anything else is a miss with a reason, never bytes in a device page.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ class RecordError(Exception):
 
 
 @dataclass(frozen=True)
-class BlockIdentity:
-    """What a record claims to be: the block's key, its parent's key and its tokens."""
+class PageIdentity:
+    """What a record claims to be: the page's key, its parent's key and its tokens."""
 
     key: bytes
     parent_key: bytes
@@ -90,7 +90,7 @@ class RecordCodec:
             h.update(part)
         return h.digest()
 
-    def encode(self, identity: BlockIdentity, payload: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    def encode(self, identity: PageIdentity, payload: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
         """The record as a list of parts to write back to back (the payload's
         parts, one per memory unit, are not copied)."""
         size = sum(len(part) for part in payload)
@@ -106,7 +106,7 @@ class RecordCodec:
         parts.append(self._tag(parts))
         return parts
 
-    def verify(self, record: bytes | memoryview, expected: BlockIdentity) -> memoryview:
+    def verify(self, record: bytes | memoryview, expected: PageIdentity) -> memoryview:
         """The payload of `record` if it is exactly `expected`'s page, else `RecordError`."""
         view = memoryview(record)
         if len(view) != self.record_bytes:

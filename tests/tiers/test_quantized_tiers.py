@@ -12,7 +12,7 @@ import pytest
 from max.dtype import DType
 
 from mokv import KVCacheQuantConfig, PagedKVCacheManager, TextContext
-from mokv.connectors import KVConnectorConfig
+from mokv.tiers import KVConnectorConfig
 from tests.support.tiers import PAGE_SIZE, shared_tier, small_params
 
 PROMPT = np.arange(300, 300 + 3 * PAGE_SIZE + 1)  # three full pages to cache
@@ -90,7 +90,7 @@ def test_scales_round_trip_with_their_pages(tier: str, dtype: DType, tmp_path: P
     # One page by hand: 4 tokens x K,V x 2 layers x 2 heads x 8 one-byte values,
     # then 4 / 2 scale rows x K,V x 2 layers x 2 heads x 8 / 4 float32 scales.
     assert page_bytes == 4 * 2 * 2 * 2 * 8 + 2 * 2 * 2 * 2 * 2 * 4
-    assert metrics.hit_blocks == 3 and metrics.hit_bytes == 3 * page_bytes
+    assert metrics.hit_pages == 3 and metrics.hit_bytes == 3 * page_bytes
 
 
 @pytest.mark.parametrize(
@@ -115,4 +115,4 @@ def test_another_quantization_never_reads_the_pages(dtype: DType, config: KVCach
         reader.claim("reader")
         reader.alloc(c)
         assert c.processed_length == 0
-        assert reader.get_tier_metrics()["disk"].rejected_blocks == 0  # it never even opened them
+        assert reader.get_tier_metrics()["disk"].rejected_pages == 0  # it never even opened them

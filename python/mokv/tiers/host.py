@@ -1,12 +1,12 @@
 """The host-memory tier: a victim cache under one replica's device prefix cache.
 
-When the device pool evicts a cached block, its pages are copied (d2h) to a
-host page, which keeps the block's identity (hash, uid, parent, tokens). A
-later prefix lookup that misses on the device continues on the host tier; each
-host hit is copied back (h2d) into a fresh device block and keeps its uid, so
-the per-process chain check stays exact. Host pages are evicted
-least-recently-used first. The tier is inclusive: a restored page stays on the
-host, so evicting the block again costs no second copy.
+When the device pool evicts a cached page, its bytes (in every memory unit)
+are copied (d2h) to a host page, which keeps the page's identity (hash, uid,
+parent, tokens). A later prefix lookup that misses on the device continues on
+the host tier; each host hit is copied back (h2d) into a fresh device page and
+keeps its uid, so the per-process chain check stays exact. Host pages are
+evicted least-recently-used first. The tier is inclusive: a restored page
+stays on the host, so evicting the device page again costs no second copy.
 
 Copies go through MAX driver `Buffer` views of the raw pages (`to_memory()`),
 so they work for any dtype and device. Host pages beside an accelerator are
@@ -14,7 +14,7 @@ the driver's staging memory for it (`host_pages`: page-locked where the
 backend offers it, so copies can be DMA transfers), beside a CPU cache plain
 host memory. A `Buffer` copy is only enqueued when the call returns (on the
 CPU too), so every offload and restore waits for its copies: the evicted
-block is about to be overwritten, and the restored one read by the next graph.
+page is about to be overwritten, and the restored one read by the next graph.
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from max.driver import CPU, Buffer, Device, Usage
 from max.dtype import DType
 
 from ..buffer import KVCacheMemory
-from ..paged.block_pool import PageIndex
-from ..paged.hashing import BlockHasher
-from .base import BlockToSave, PrefixQuery, SavePoint, TierMetrics, TierUsage
+from ..prefix import PageHasher, PageIndex
+from .base import PageToSave, PrefixQuery, SavePoint, TierMetrics, TierUsage
 
 
 def host_pages(num_pages: int, bytes_per_page: int, device: Device) -> Buffer:
@@ -44,14 +43,14 @@ def host_pages(num_pages: int, bytes_per_page: int, device: Device) -> Buffer:
     return Buffer(DType.uint8, shape, device=device, usage=Usage.STAGING)
 
 
-class HostConnector:
-    """Host copies of evicted cached blocks of one replica (a `KVConnector`).
+class HostTier:
+    """Host copies of evicted cached pages of one replica (a `Tier`).
 
     Args:
         num_pages: Host pages.
         page_size: Tokens per page.
         device_memory: The replica's device pages, as `KVCacheBuffer.to_memory()`.
-        device_index: The replica's device prefix index (identity of evicted blocks).
+        device_index: The replica's device prefix index (identity of evicted pages).
     """
 
     name = "host"
@@ -78,7 +77,7 @@ class HostConnector:
 
     @property
     def num_used(self) -> int:
-        """Host pages holding a block."""
+        """Host pages holding a cached page."""
         return self.num_pages - len(self._empty)
 
     def usage(self) -> TierUsage:
@@ -96,26 +95,26 @@ class HostConnector:
 
     # ------------------------------------------------------------------- saves
 
-    def save(self, blocks: Sequence[BlockToSave]) -> int:
-        """Copies evicted cached device blocks to the host; returns how many it copied."""
+    def save(self, pages: Sequence[PageToSave]) -> int:
+        """Copies evicted cached device pages to the host; returns how many it copied."""
         started = time.perf_counter()
-        copied = sum(self._offload(item.block) for item in blocks)
+        copied = sum(self._offload(item.page) for item in pages)
         self.metrics.save_seconds += time.perf_counter() - started
         return copied
 
-    def _offload(self, block: int) -> bool:
-        """Nothing is copied when the host already holds this very block (same
+    def _offload(self, device_page: int) -> bool:
+        """Nothing is copied when the host already holds this very page (same
         uid) or when every host page is pinned by a restore in progress."""
-        block_hash = self._device_index.hash[block]
-        assert block_hash is not None
-        page = self.index.get(block_hash)
+        page_hash = self._device_index.hash[device_page]
+        assert page_hash is not None
+        page = self.index.get(page_hash)
         if page is not None:
             if page not in self._lru:
                 return False
-            if self.index.uid[page] == self._device_index.uid[block]:
+            if self.index.uid[page] == self._device_index.uid[device_page]:
                 self._lru.move_to_end(page)
                 return False
-            # A different block under the same hash: the newer one replaces it.
+            # A different page under the same hash: the newer one replaces it.
             del self._lru[page]
             self.index.remove(page)
         else:
@@ -123,11 +122,11 @@ class HostConnector:
             if page is None:
                 return False
         for unit, host in zip(self._device_memory, self._pages, strict=True):
-            host[page, :].inplace_copy_from(unit.buffer[block, :])
+            host[page, :].inplace_copy_from(unit.buffer[device_page, :])
         self._wait_for_copies()
-        self.index.copy_entry(page, self._device_index, block)
+        self.index.copy_entry(page, self._device_index, device_page)
         self._lru[page] = None
-        self.metrics.saved_blocks += 1
+        self.metrics.saved_pages += 1
         self.metrics.saved_bytes += self._page_bytes
         return True
 
@@ -145,18 +144,18 @@ class HostConnector:
         for page in hits:
             del self._lru[page]
 
-    def load(self, request_id: Hashable, hits: Sequence[int], blocks: Sequence[int]) -> list[int]:
-        """Copies pinned host pages into device `blocks` and unpins them; each
-        block keeps its page's uid."""
+    def load(self, request_id: Hashable, hits: Sequence[int], pages: Sequence[int]) -> list[int]:
+        """Copies pinned host pages into device `pages` and unpins them; each
+        device page keeps its host page's uid."""
         started = time.perf_counter()
-        for page, block in zip(hits, blocks, strict=True):
+        for page, device_page in zip(hits, pages, strict=True):
             for unit, host in zip(self._device_memory, self._pages, strict=True):
                 for device_pages in unit.copies:
-                    device_pages[block, :].inplace_copy_from(host[page, :])
+                    device_pages[device_page, :].inplace_copy_from(host[page, :])
         self._wait_for_copies()
         for page in hits:
             self._lru[page] = None
-        self.metrics.hit_blocks += len(hits)
+        self.metrics.hit_pages += len(hits)
         self.metrics.hit_bytes += len(hits) * self._page_bytes
         self.metrics.load_seconds += time.perf_counter() - started
         return [self.index.uid[page] for page in hits]
@@ -189,11 +188,11 @@ class HostConnector:
     def shutdown(self) -> None:
         self.reset()
 
-    def check_invariants(self, hasher: BlockHasher) -> None:
+    def check_invariants(self, hasher: PageHasher) -> None:
         """Asserts each page is empty or cached (never both), and the index is sound."""
         occupied = set(self._lru)
         if occupied & set(self._empty) or len(occupied) + len(self._empty) != self.num_pages:
             raise AssertionError(f"host pages: {len(occupied)} cached + {len(self._empty)} empty != {self.num_pages}")
-        if occupied != set(self.index.committed_slots()):
+        if occupied != set(self.index.committed_pages()):
             raise AssertionError("host LRU and host index disagree on which pages are cached")
         self.index.check(hasher)
