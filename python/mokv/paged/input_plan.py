@@ -34,9 +34,11 @@ class BatchCharacteristics:
             check_int(name, getattr(self, name), minimum=0, maximum=_UINT32_MAX)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(eq=False, slots=True)
 class TablePlan:
-    """One replica's tables for a batch, as `InputStaging.build` writes them."""
+    """One replica's tables for a batch, as `InputStaging.build` writes them
+    (made once per replica and call: not frozen, which would cost more than
+    building it)."""
 
     rows: TableRows
     """The batch entries' rows of the replica's page table, in batch order."""

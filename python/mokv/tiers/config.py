@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,10 +124,10 @@ class KVConnectorConfig:
         return None if self.remote_url is None else redact_url(self.remote_url)
 
 
-class ReplicaTiers:
-    """One replica's tiers in lookup order (iterating yields them), with what
-    the replica asks of them as a group: save-through on commit, victim copies
-    on eviction, and waiting for loads.
+class ReplicaTiers(list[Tier]):
+    """One replica's tiers in lookup order (a list of them), with what the
+    replica asks of them as a group: save-through on commit, victim copies on
+    eviction, and waiting for loads.
 
     Args:
         tiers: The tiers, in lookup order.
@@ -136,22 +136,13 @@ class ReplicaTiers:
     """
 
     def __init__(self, tiers: list[Tier], keyer: PageKeyer | None, host: HostTier | None) -> None:
-        self.tiers = tiers
+        super().__init__(tiers)
         self.keyer = keyer
         self.host = host
         self.on_evict = [tier for tier in tiers if tier.saves_on is SavePoint.EVICT]
         """Victim tiers: they copy a cached page just before the pool hands it out again."""
         self.on_commit = [tier for tier in tiers if tier.saves_on is SavePoint.COMMIT]
         """Write-through tiers: they copy every page the device prefix cache takes."""
-
-    def __iter__(self) -> Iterator[Tier]:
-        return iter(self.tiers)
-
-    def __len__(self) -> int:
-        return len(self.tiers)
-
-    def __getitem__(self, i: int) -> Tier:
-        return self.tiers[i]
 
     def offload(self, page: int, metrics: KVCacheMetrics) -> None:
         """The pool is about to hand out cached device `page`: victim tiers copy it first."""
@@ -167,7 +158,7 @@ class ReplicaTiers:
 
     def wait_for_loads(self) -> None:
         """Returns once every tier's loads into device pages have landed."""
-        for tier in self.tiers:
+        for tier in self:
             tier.sync()
 
 
