@@ -75,17 +75,17 @@ def test_params_refuse(case: Case) -> None:
 # ------------------------------------------------------------------ buffers
 
 
-def block_tensor() -> Buffer:
+def page_tensor() -> Buffer:
     return Buffer.zeros(P.block_shape(3), DType.float32, device=CPU())
 
 
 BUFFER_CASES = cases(
     ("values-numpy", lambda: KVCacheBuffer(False, [np.zeros((3, 4))]), TypeError, "values[0]"),
     ("values-none", lambda: KVCacheBuffer(False, None), TypeError, "None"),
-    ("replicates-str", lambda: KVCacheBuffer("no", [block_tensor()]), TypeError, "'no'"),
-    ("null-pages-fraction", lambda: KVCacheBuffer(False, [block_tensor()], num_null_pages=0.5), TypeError, "0.5"),
-    ("null-pages-negative", lambda: KVCacheBuffer(False, [block_tensor()], num_null_pages=-1), ValueError, "-1"),
-    ("null-pages-all", lambda: KVCacheBuffer(False, [block_tensor()], num_null_pages=3), ValueError, "3"),
+    ("replicates-str", lambda: KVCacheBuffer("no", [page_tensor()]), TypeError, "'no'"),
+    ("null-pages-fraction", lambda: KVCacheBuffer(False, [page_tensor()], num_null_pages=0.5), TypeError, "0.5"),
+    ("null-pages-negative", lambda: KVCacheBuffer(False, [page_tensor()], num_null_pages=-1), ValueError, "-1"),
+    ("null-pages-all", lambda: KVCacheBuffer(False, [page_tensor()], num_null_pages=3), ValueError, "3"),
     ("allocate-huge", lambda: KVCacheBuffer.allocate(P, HUGE, P.devices), ValueError, f"total_num_pages={HUGE}"),
     ("allocate-zero", lambda: KVCacheBuffer.allocate(P, 0, P.devices), ValueError, "0"),
     ("allocate-fraction", lambda: KVCacheBuffer.allocate(P, 2.5, P.devices), TypeError, "2.5"),

@@ -45,7 +45,7 @@ def paged_manager(**kw: Any) -> PagedKVCacheManager:
 
 
 def paged_world() -> tuple[PagedKVCacheManager, dict[str, TextContext]]:
-    """Two replicas. Replica 0: `a` (ran a step; `step` would commit its blocks),
+    """Two replicas. Replica 0: `a` (ran a step; `step` would commit its pages),
     `b` (allocated), `e` (claimed, no pages), `pad` (dummy), and `old`'s
     prefix cached in the free queue. Replica 1: `c`. `d` was released."""
     m = paged_manager()

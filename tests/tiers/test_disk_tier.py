@@ -44,14 +44,14 @@ def test_a_new_manager_hits_what_an_earlier_one_computed(
         metrics = second.get_tier_metrics()["disk"]
         assert metrics.hit_pages == 5 and metrics.rejected_pages == 0
         assert second.get_metrics_aggregated().h2d_blocks_copied == 5
-        # Loaded blocks join the device prefix cache: a twin request hits on the device.
+        # Loaded pages join the device prefix cache: a twin request hits on the device.
         twin = admit(second, "twin", prompt)
         assert twin.processed_length == 5 * PAGE_SIZE
         assert second.get_tier_metrics()["disk"].hit_pages == 5
 
 
-def block_keys(m, prompt: np.ndarray, n: int) -> list[str]:
-    """The disk file names (chained keys) of the prompt's first `n` blocks."""
+def page_keys(m, prompt: np.ndarray, n: int) -> list[str]:
+    """The disk file names (chained keys) of the prompt's first `n` pages."""
     keyer = m._replicas[0].keyer
     return [k.hex() for k in keyer.chain(prompt[: n * PAGE_SIZE].reshape(n, PAGE_SIZE), keyer.root())]
 
@@ -63,7 +63,7 @@ def test_a_hit_continues_a_device_hit_and_stops_at_the_first_gap(tmp_path: Path)
     with make_manager(disk_offload_dir=tmp_path) as second:
         head = run_prompt(second, "head", prompt[: 2 * PAGE_SIZE + 1])  # now on the device
         assert head.processed_length == 2 * PAGE_SIZE + 1
-        gap = block_keys(second, prompt, 6)[4]
+        gap = page_keys(second, prompt, 6)[4]
         (path,) = [p for p in page_files(tmp_path) if p.stem == gap]
         path.unlink()
         c = admit(second, "b", prompt)
@@ -95,9 +95,9 @@ def test_a_damaged_file_is_a_miss_and_is_removed(tmp_path: Path, damage: str) ->
     with make_manager(disk_offload_dir=tmp_path) as first:
         run_prompt(first, "a", prompt)
     files = page_files(tmp_path)
-    # Damage the file of the first block (the one whose parent is the root).
+    # Damage the file of the first page (the one whose parent is the root).
     with make_manager(disk_offload_dir=tmp_path) as probe:
-        (first_key,) = block_keys(probe, prompt, 1)
+        (first_key,) = page_keys(probe, prompt, 1)
     target = next(p for p in files if p.stem == first_key)
     data = bytearray(target.read_bytes())
     if damage == "truncate":
@@ -108,13 +108,13 @@ def test_a_damaged_file_is_a_miss_and_is_removed(tmp_path: Path, damage: str) ->
         data[110] ^= 0x01
     elif damage == "foreign":
         data[8] ^= 0xFF  # the fingerprint field
-    else:  # another block's (valid) record under this name
+    else:  # another page's (valid) record under this name
         data = bytearray(next(p for p in files if p != target).read_bytes())
     target.write_bytes(bytes(data))
 
     with make_manager(disk_offload_dir=tmp_path) as m:
         c = admit(m, "b", prompt)
-        assert c.processed_length == 0  # the chain starts with the damaged block
+        assert c.processed_length == 0  # the chain starts with the damaged page
         metrics = m.get_tier_metrics()["disk"]
         assert metrics.rejected_pages == 1 and metrics.hit_pages == 0
     assert not target.exists()
@@ -200,8 +200,8 @@ def test_several_caches_behind_one_page_table_restore_together(tmp_path: Path) -
         m.alloc(c)
         for offset, buffer in enumerate(m.get_device_buffer().values()):
             pages = buffer.values[0].to_numpy()
-            for i, block in enumerate(m.get_req_blocks("a")):
-                pages[block] = 100 * offset + i
+            for i, page in enumerate(m.get_req_blocks("a")):
+                pages[page] = 100 * offset + i
         c.update(0)
         m.step([[c]])
         m.release("a")
@@ -213,13 +213,13 @@ def test_several_caches_behind_one_page_table_restore_together(tmp_path: Path) -
         assert c.processed_length == 2 * PAGE_SIZE
         for offset, buffer in enumerate(m.get_device_buffer().values()):
             pages = buffer.values[0].to_numpy()
-            for i, block in enumerate(m.get_req_blocks("b")[:2]):
-                assert (pages[block] == 100 * offset + i).all()
+            for i, page in enumerate(m.get_req_blocks("b")[:2]):
+                assert (pages[page] == 100 * offset + i).all()
 
 
-def test_a_block_replacing_a_colliding_entry_is_saved_through(tmp_path: Path) -> None:
-    """A new block whose device hash collides with an unheld cached entry (a
-    fake hash here: the block's index) replaces that entry on the device, and
+def test_a_page_replacing_a_colliding_entry_is_saved_through(tmp_path: Path) -> None:
+    """A new page whose device hash collides with an unheld cached entry (a
+    fake hash here: the page's index) replaces that entry on the device, and
     is saved to the disk tier under its own chained key like any other."""
     a_prompt, b_prompt = np.arange(2 * PAGE_SIZE + 1), np.arange(500, 500 + 2 * PAGE_SIZE + 1)
     with make_manager(disk_offload_dir=tmp_path) as m:
@@ -229,7 +229,7 @@ def test_a_block_replacing_a_colliding_entry_is_saved_through(tmp_path: Path) ->
         run_prompt(m, "b", b_prompt)  # "hashes" 0 and 1 again: a's unheld entries are replaced
         m.flush()
         assert m.get_tier_metrics()["disk"].saved_pages == 2 + 2
-    assert {p.stem for p in page_files(tmp_path)} == {*block_keys(m, a_prompt, 2), *block_keys(m, b_prompt, 2)}
+    assert {p.stem for p in page_files(tmp_path)} == {*page_keys(m, a_prompt, 2), *page_keys(m, b_prompt, 2)}
     with make_manager(disk_offload_dir=tmp_path) as second:  # b's pages come back from the disk
         c = admit(second, "c", b_prompt)
         assert c.processed_length == 2 * PAGE_SIZE

@@ -32,7 +32,7 @@ def test_a_new_manager_hits_through_the_server(redis_server: RedisServer) -> Non
         assert admit(other, "c", prompt).processed_length == 0
 
 
-def test_a_record_planted_under_a_blocks_key_is_rejected(redis_server: RedisServer) -> None:
+def test_a_record_planted_under_a_pages_key_is_rejected(redis_server: RedisServer) -> None:
     import redis
 
     prompt = np.arange(3 * PAGE_SIZE + 1)
@@ -41,7 +41,7 @@ def test_a_record_planted_under_a_blocks_key_is_rejected(redis_server: RedisServ
     client = redis.Redis.from_url(redis_server.url)
     keys = sorted(client.keys("mokv:*"))
     values = [client.get(k) for k in keys]
-    for key, value in zip(keys, values, strict=True):  # every block now holds another block's record
+    for key, value in zip(keys, values, strict=True):  # every page now holds another page's record
         client.set(key, values[(keys.index(key) + 1) % len(keys)] if value else value)
     with make_manager(remote_url=redis_server.url) as m:
         assert admit(m, "b", prompt).processed_length == 0
@@ -99,7 +99,7 @@ def test_a_frozen_then_restarted_server_costs_only_misses(
         m.reset_prefix_cache()  # the device forgets its copies too
         assert run_prompt(m, "restarted", prompt).cached_prefix_length == 0
         m.flush()
-        assert m.get_tier_metrics()["remote"].saved_pages == 3  # the loaded blocks were not sent back
+        assert m.get_tier_metrics()["remote"].saved_pages == 3  # the loaded pages were not sent back
     messages = [r.getMessage() for r in caplog.records]
     assert sum("unavailable" in msg for msg in messages) >= 1
     assert all("redis://127.0.0.1" in msg for msg in messages)

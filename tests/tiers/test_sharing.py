@@ -34,7 +34,7 @@ def run_worker(config: dict, prompts: list[list[int]], timeout: float = 120) -> 
 
 
 def shared_prefix_prompts(seed: int) -> list[list[int]]:
-    """Four prompts: a 3-block shared head, then 2 blocks of their own, then a stray token."""
+    """Four prompts: a 3-page shared head, then 2 pages of their own, then a stray token."""
     rng = np.random.default_rng(seed)
     head = rng.integers(0, 5000, 3 * PAGE_SIZE)
     return [np.concatenate([head, rng.integers(0, 5000, 2 * PAGE_SIZE + 1)]).tolist() for _ in range(4)]
@@ -52,7 +52,7 @@ def test_a_second_process_hits_what_the_first_computed(tier: str, tmp_path: Path
     try:
         prompts = shared_prefix_prompts(7)
         first = run_worker(config, prompts)
-        # Alone, the first process shares only the 3-block head between its prompts.
+        # Alone, the first process shares only the 3-page head between its prompts.
         assert first["cached"] == [0] + [3 * PAGE_SIZE] * 3
         assert first["metrics"][tier]["saved_pages"] == 3 + 4 * 2
         second = run_worker(config, prompts)
@@ -65,7 +65,7 @@ def test_a_second_process_hits_what_the_first_computed(tier: str, tmp_path: Path
 
 
 def test_processes_writing_one_directory_at_once_never_serve_wrong_kv(tmp_path: Path) -> None:
-    """Four processes run the same prompts at the same time: the same blocks
+    """Four processes run the same prompts at the same time: the same pages
     are written concurrently and read while being replaced."""
     config = {"disk_offload_dir": str(tmp_path / "kv")}
     prompts = shared_prefix_prompts(11) * 3

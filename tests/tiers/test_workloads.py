@@ -26,7 +26,7 @@ from tests.support.tiers import (
 
 
 def random_prompt(rng: np.random.Generator, heads: list[np.ndarray]) -> np.ndarray:
-    """One of a few shared heads (cut at a random block), then a random tail."""
+    """One of a few shared heads (cut at a random page), then a random tail."""
     head = heads[rng.integers(len(heads))][: PAGE_SIZE * int(rng.integers(0, 5))]
     tail = rng.integers(0, 3000, int(rng.integers(1, 3 * PAGE_SIZE)))
     return np.concatenate([head, tail])

@@ -170,7 +170,7 @@ class PagedKVCacheManager(PagedCacheQueries):
     # --------------------------------------------------------------- lifecycle
 
     def claim(self, request_id: Hashable, replica_idx: int = 0) -> None:
-        """Reserves a slot for `request_id` (a `str` or `int`) on replica `replica_idx`."""
+        """Reserves a page-table row for `request_id` (a `str` or `int`) on replica `replica_idx`."""
         self._claim(request_id, replica_idx, dummy=False)
 
     def _claim(self, request_id: Hashable, replica_idx: int, *, dummy: bool) -> None:
@@ -284,7 +284,7 @@ class PagedKVCacheManager(PagedCacheQueries):
     def release(self, request_id: Hashable, replica_idx: int = 0) -> None:
         """Returns a request's pages; cached ones stay reusable until evicted.
 
-        Blocks go back tail first when prefix caching is on, so the shared
+        Pages go back tail first when prefix caching is on, so the shared
         head of a prefix is evicted last.
         """
         replica = self._requests.claimed_on(request_id, replica_idx)

@@ -104,7 +104,7 @@ class KVCacheParams:
         self._check_quantization()
 
     def _check_quantization(self) -> None:
-        """8-bit dtypes iff a quant config, whose blocks tile a head and a page."""
+        """8-bit dtypes iff a quant config, whose scale blocks tile a head and a page."""
         config = self.kvcache_quant_config
         if config is not None and not isinstance(config, KVCacheQuantConfig):
             raise TypeError(

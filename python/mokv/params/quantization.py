@@ -24,7 +24,7 @@ SCALE_DTYPES = (DType.float32,)
 
 
 def graph_dtype(dtype: DType) -> DType:
-    """How a cache's blocks of `dtype` travel through a MAX graph: float8
+    """How a cache's pages of `dtype` travel through a MAX graph: float8
     codes as their uint8 bits (MAX 26.7's CPU graphs take no float8
     tensors; the kernels read the bits back as float8), anything else as
     itself."""

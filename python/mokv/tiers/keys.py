@@ -43,7 +43,7 @@ def layout_fingerprint(params: AnyKVCacheParams, memory: Sequence[KVCacheMemory]
     The model id (its weights decide the KV), every leaf cache's dtype, head
     count, head size, layer count and page size, the tensor-parallel split,
     a quantized cache's scale dtype, scale block (tokens x head_dim
-    elements per scale) and whether its keys are rotated, and the byte width
+    elements per scale, MAX's "per-block scales") and whether its keys are rotated, and the byte width
     of every memory unit a page spans (values, then scales when the cache is
     quantized) in `KVCacheBuffer.to_memory()` order.
     """
