@@ -1,11 +1,8 @@
-"""Every public entry point of ContinuousBatchingKVCacheManager, tried as a
-hostile or careless caller would.
+"""ContinuousBatchingKVCacheManager refuses bad calls and changes nothing.
 
-Each case is a call that must be refused: it raises the documented exception
-type, the message names the bad value, and the manager's whole observable
-state (`tests.support.manager_state`) is exactly as before. For the managers a twin,
-built the same way but never given the bad call, then runs the same follow-up
-workload: both must behave identically afterwards.
+As for the paged manager (`tests/paged/test_bad_inputs.py`): each refused call
+names the bad value, leaves the manager's observable state as it was
+(`continuous_snapshot`), and a twin that never saw it behaves the same after.
 """
 
 from __future__ import annotations
@@ -20,11 +17,7 @@ from max.driver import CPU, Buffer
 from max.engine import InferenceSession
 from max.graph import DeviceRef
 
-from mokv import (
-    ContinuousBatchingKVCacheManager,
-    KVCacheParams,
-    TextContext,
-)
+from mokv import ContinuousBatchingKVCacheManager, KVCacheParams, TextContext
 from tests.support.manager_state import continuous_snapshot
 from tests.support.refusals import BASE, HUGE, Case, P, cases, ctx, raises_naming, second
 

@@ -10,15 +10,13 @@ from __future__ import annotations
 import numpy as np
 
 from mokv import PagedKVCacheManager, TextContext
-from tests.support.small_cache import MakeManager, ctx, run_request
+from tests.support.small_cache import MakeManager, admit, ctx, run_request
 
 
 def test_step_dedups_identical_pages(make_manager: MakeManager) -> None:
     m = make_manager()
     a, b = ctx("a", range(10)), ctx("b", range(10))
-    for c in (a, b):
-        m.claim(c.request_id)
-        m.alloc(c)
+    admit(m, a, b)
     assert m.get_req_blocks("b") == [3, 4, 5]  # nothing was committed yet
     for c in (a, b):
         c.update(99)
@@ -34,9 +32,7 @@ def test_step_dedups_identical_pages(make_manager: MakeManager) -> None:
 def admitted(m: PagedKVCacheManager, prompts: dict) -> list[TextContext]:
     """A request per prompt on `m`, claimed and allocated in order."""
     contexts = [ctx(request_id, tokens) for request_id, tokens in prompts.items()]
-    for c in contexts:
-        m.claim(c.request_id)
-        m.alloc(c)
+    admit(m, *contexts)
     return contexts
 
 
@@ -167,9 +163,7 @@ def test_a_collision_with_a_held_page_ends_the_chain(make_manager: MakeManager) 
     m = make_manager(checks=False)
     m._hasher.hash_pages = lambda tokens, parent=None: list(range(len(tokens) // 4))  # type: ignore[method-assign]
     a, b = ctx("a", range(9)), ctx("b", range(100, 109))
-    for c in (a, b):
-        m.claim(c.request_id)
-        m.alloc(c)
+    admit(m, a, b)
     a.update(1)
     m.step([[a]])  # a commits fake hashes 0 and 1 and keeps its pages
     b.update(1)

@@ -11,15 +11,13 @@ import numpy as np
 import pytest
 
 from mokv import BatchCharacteristics
-from tests.support.small_cache import MakeManager, ctx, lookup
+from tests.support.small_cache import MakeManager, admit, ctx, lookup
 
 
 def test_runtime_inputs_contents(make_manager: MakeManager) -> None:
     m = make_manager()
     a, b = ctx("a", range(10)), ctx("b", range(100, 103))
-    for c in (a, b):
-        m.claim(c.request_id)
-        m.alloc(c)
+    admit(m, a, b)
     (inputs,) = m.runtime_inputs([[a, b]]).inputs
     assert list(inputs.blocks.shape) == [17, 2, 1, 4, 1, 2] and inputs.blocks is m.get_device_buffer(0).values[0]
     cache_lengths, table, max_lengths = lookup(m, [a, b])
@@ -65,9 +63,7 @@ def test_runtime_inputs_rejects_bad_batches(make_manager: MakeManager) -> None:
 def test_multi_step_max_lengths_rows(make_manager: MakeManager) -> None:
     m = make_manager()
     a, b = ctx("a", range(6)), ctx("b", range(100, 103))
-    for c in (a, b):
-        m.claim(c.request_id)
-        m.alloc(c)
+    admit(m, a, b)
     with pytest.raises(ValueError, match="'b' holds 1 pages but needs 2 for 5 tokens"):
         m.runtime_inputs([[a, b]], num_steps=3)
     for c in (a, b):
@@ -98,9 +94,7 @@ def test_runtime_inputs_stay_intact_through_the_next_call(make_manager: MakeMana
     reused, double-buffered)."""
     m = make_manager()
     a, b = ctx("a", range(10)), ctx("b", range(100, 103))
-    for c in (a, b):
-        m.claim(c.request_id)
-        m.alloc(c)
+    admit(m, a, b)
     (first,) = m.runtime_inputs([[a, b]]).inputs
     saved = [x.to_numpy().copy() for x in first.flatten()[1:]]
     a.update(7)

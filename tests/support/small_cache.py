@@ -1,6 +1,6 @@
 """Small paged caches (float32, one layer, one KV head, head_dim 2) that build in
 milliseconds: what the manager's unit and property tests run on, and the
-helpers those tests share (`run_request`, `lookup`)."""
+helpers those tests share (`admit`, `run_request`, `lookup`)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,13 @@ def small_paged_manager(
 def ctx(request_id: str, tokens: list[int] | np.ndarray) -> TextContext:
     """A context with `tokens` as its prompt."""
     return TextContext(request_id, np.asarray(tokens, dtype=np.int64))
+
+
+def admit(m: PagedKVCacheManager, *contexts: TextContext) -> None:
+    """Claims and allocates each context on replica 0, in order."""
+    for c in contexts:
+        m.claim(c.request_id)
+        m.alloc(c)
 
 
 def run_request(m: PagedKVCacheManager, c: TextContext, decode: int = 1, replica: int = 0) -> None:
