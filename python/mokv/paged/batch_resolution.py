@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from operator import is_
 
 from ..context import TextContext, cache_context, check_same_tokens
-from ..validation import check_int, check_request_id, check_unique
+from ..validation import check_int, check_request_id, check_sequence, check_unique
 from .page_table import TableRows, table_rows
 from .replica import Replica
 from .request_state import BatchEntry
@@ -69,6 +69,30 @@ class BatchResolver:
         if self.replica_of.get(request_id) is not replica:
             raise ValueError(f"request {request_id!r} is {self.where(request_id)}, not on replica {replica_idx}")
         return replica
+
+    def check_batches(self, batches: Sequence[Sequence[object]], max_batch_size: int) -> None:
+        """One batch per replica, each a list of at most `max_batch_size` entries."""
+        if type(batches) is not list and type(batches) is not tuple:
+            check_sequence("batches", batches)
+        if len(batches) != len(self.replicas):
+            raise ValueError(f"expected one batch per replica ({len(self.replicas)}), got {len(batches)}")
+        for replica, batch in zip(self.replicas, batches, strict=True):
+            if type(batch) is not list and type(batch) is not tuple:
+                check_sequence(f"batches[{replica.index}]", batch)
+            if len(batch) > max_batch_size:
+                raise ValueError(
+                    f"replica {replica.index} batch has {len(batch)} requests, max_batch_size is {max_batch_size}"
+                )
+
+    def add(self, request_id: Hashable, replica: Replica) -> None:
+        """Records that `replica` now holds `request_id`."""
+        self.replica_of[request_id] = replica
+        self.version += 1
+
+    def remove(self, request_id: Hashable) -> None:
+        """Forgets a released request."""
+        del self.replica_of[request_id]
+        self.version += 1
 
     def where(self, request_id: Hashable) -> str:
         """Where `request_id` is, for error messages."""

@@ -153,20 +153,6 @@ class PagedKVCacheManager(PagedCacheQueries):
         """Data-parallel replicas, each with its own pool."""
         return len(self._replicas)
 
-    def _checked_batches(self, batches: Sequence[Sequence[object]]) -> None:
-        """One batch per replica, each a list of at most `max_batch_size` entries."""
-        if type(batches) is not list and type(batches) is not tuple:
-            check_sequence("batches", batches)
-        if len(batches) != len(self._replicas):
-            raise ValueError(f"expected one batch per replica ({len(self._replicas)}), got {len(batches)}")
-        for replica, batch in zip(self._replicas, batches, strict=True):
-            if type(batch) is not list and type(batch) is not tuple:
-                check_sequence(f"batches[{replica.index}]", batch)
-            if len(batch) > self.max_batch_size:
-                raise ValueError(
-                    f"replica {replica.index} batch has {len(batch)} requests, max_batch_size is {self.max_batch_size}"
-                )
-
     # --------------------------------------------------------------- lifecycle
 
     def claim(self, request_id: Hashable, replica_idx: int = 0) -> None:
@@ -180,8 +166,7 @@ class PagedKVCacheManager(PagedCacheQueries):
         if owner is not None:
             raise ValueError(f"request {request_id!r} is already claimed on replica {owner.index}")
         replica.claim(request_id, dummy=dummy)
-        self._requests.replica_of[request_id] = replica
-        self._requests.version += 1
+        self._requests.add(request_id, replica)
 
     def contains(self, request_id: Hashable, replica_idx: int = 0) -> bool:
         """Whether `request_id` is claimed on replica `replica_idx`."""
@@ -267,7 +252,7 @@ class PagedKVCacheManager(PagedCacheQueries):
                 or a request whose context processed tokens it holds no pages
                 for. Checked for the whole batch before anything is committed.
         """
-        self._checked_batches(batches)
+        self._requests.check_batches(batches, self.max_batch_size)
         work = []
         for replica, batch in zip(self._replicas, batches, strict=True):
             resolved = self._requests.live_batch(batch, replica)
@@ -289,8 +274,7 @@ class PagedKVCacheManager(PagedCacheQueries):
         """
         replica = self._requests.claimed_on(request_id, replica_idx)
         replica.release(request_id)
-        del self._requests.replica_of[request_id]
-        self._requests.version += 1
+        self._requests.remove(request_id)
         self._check(replica)
 
     @contextlib.contextmanager
@@ -366,7 +350,7 @@ class PagedKVCacheManager(PagedCacheQueries):
                 first), or a bad `num_steps` / `max_cache_length` /
                 `batch_characteristics`, each named.
         """
-        self._checked_batches(batches)
+        self._requests.check_batches(batches, self.max_batch_size)
         capacity = self.total_num_pages * self.page_size
         if type(num_steps) is not int or not 1 <= num_steps <= capacity:
             num_steps = check_int("num_steps", num_steps, minimum=1, maximum=capacity)
@@ -420,15 +404,7 @@ class PagedKVCacheManager(PagedCacheQueries):
         assert isinstance(inputs, KVCacheInputs)
         return inputs
 
-    def get_device_buffer(self, replica_idx: int = 0) -> KVCacheBuffer | dict[str, KVCacheBuffer]:
-        """The replica's page tensors (one per TP shard, with their scales
-        tensors when quantized); for a `MultiKVCacheParams`, one
-        `KVCacheBuffer` per leaf cache by name."""
-        buffers = self._requests.replica(replica_idx).buffers
-        if isinstance(self.params, MultiKVCacheParams):
-            return dict(buffers)
-        (buffer,) = buffers.values()
-        return buffer
+    # ---------------------------------------------------------------- lifetime
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached page no request holds, and every lower tier's
@@ -436,8 +412,6 @@ class PagedKVCacheManager(PagedCacheQueries):
         for replica in self._replicas:
             replica.reset_prefix_cache()
             self._check(replica)
-
-    # ---------------------------------------------------------------- lifetime
 
     def flush(self) -> None:
         """Returns once every page saved to a lower tier is stored there

@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable
 
+from ..buffer import KVCacheBuffer
 from ..context import cache_context
 from ..metrics import KVCacheMetrics
+from ..params import AnyKVCacheParams, MultiKVCacheParams
 from ..tiers import TierMetrics, TierUsage
 from ..validation import check_request_id
 from .batch_resolution import BatchResolver
@@ -20,13 +22,24 @@ from .replica import Replica
 
 
 class PagedCacheQueries:
-    """Page counts, occupancy, admission control and metrics per replica."""
+    """Device buffers, page counts, occupancy, admission control and metrics per replica."""
 
     _replicas: list[Replica]
     _requests: BatchResolver
+    params: AnyKVCacheParams
     page_size: int
     total_num_pages: int
     total_num_host_pages: int
+
+    def get_device_buffer(self, replica_idx: int = 0) -> KVCacheBuffer | dict[str, KVCacheBuffer]:
+        """The replica's page tensors (one per TP shard, with their scales
+        tensors when quantized); for a `MultiKVCacheParams`, one
+        `KVCacheBuffer` per leaf cache by name."""
+        buffers = self._requests.replica(replica_idx).buffers
+        if isinstance(self.params, MultiKVCacheParams):
+            return dict(buffers)
+        (buffer,) = buffers.values()
+        return buffer
 
     def get_req_blocks(self, request_id: Hashable, replica_idx: int = 0) -> list[int]:
         """The request's page ids, in token order."""
