@@ -263,7 +263,8 @@ class PagedKVCacheManager(PagedCacheQueries):
                     if state.source is not data and not state.is_dummy:
                         state.source, state.context = data, ctx
                         self._requests.version += 1
-            replica.commit(due)
+            if due:  # a decode step has none for most requests, often for all
+                replica.commit(due)
             self._check(replica)
 
     def release(self, request_id: Hashable, replica_idx: int = 0) -> None:
