@@ -109,7 +109,7 @@ def tier_lines(manager: PagedKVCacheManager) -> list[str]:
         m = metrics[name]
         lines.append(
             f"  {name}: {usage.used_pages}{total} pages, {usage.used_bytes / 1e6:.1f}{budget} MB; "
-            f"{m.hit_blocks} pages served, {m.saved_blocks} stored, {m.rejected_blocks} rejected"
+            f"{m.hit_pages} pages served, {m.saved_pages} stored, {m.rejected_pages} rejected"
         )
     return lines
 

@@ -21,7 +21,7 @@ from max.engine import InferenceSession, Model
 from max.graph import DeviceRef
 
 from mokv import KVCacheParams, KVCacheQuantConfig, PagedKVCacheManager
-from mokv.connectors import KVConnectorConfig
+from mokv.tiers import KVConnectorConfig
 from mokv_examples.progress import ticking
 from mokv_examples.scheduler import (
     CacheInputs,

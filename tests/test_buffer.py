@@ -11,12 +11,12 @@ from max.graph import DeviceRef
 from mokv import KVCacheBuffer, KVCacheMemory, KVCacheParams, KVCacheQuantConfig, ReplicatedKVCacheMemory
 
 
-def block_tensor(pages: int = 3, dtype: DType = DType.float32) -> Buffer:
+def page_tensor(pages: int = 3, dtype: DType = DType.float32) -> Buffer:
     return Buffer.zeros([pages, 2, 1, 4, 2, 8], dtype, device=CPU())
 
 
 def test_pages_are_raw_bytes_of_each_page() -> None:
-    values = [block_tensor(), block_tensor()]
+    values = [page_tensor(), page_tensor()]
     scales = [Buffer.zeros([3, 4], DType.float32, device=CPU()) for _ in range(2)]
     buf = KVCacheBuffer(False, values, scales)
     assert buf.all_buffers == [*values, *scales] and buf.total_num_pages == 3
@@ -32,7 +32,7 @@ def test_pages_are_raw_bytes_of_each_page() -> None:
 
 
 def test_replicated_shards_are_one_unit() -> None:
-    values = [block_tensor(dtype=DType.bfloat16) for _ in range(3)]
+    values = [page_tensor(dtype=DType.bfloat16) for _ in range(3)]
     (unit,) = KVCacheBuffer(True, values).to_memory()
     assert isinstance(unit, ReplicatedKVCacheMemory)
     assert len(unit.peers) == 2 and len(unit.copies) == 3
@@ -88,21 +88,21 @@ def test_allocate_adds_zeroed_scales_for_a_quantized_cache(dtype: DType) -> None
     ("make", "message"),
     [
         (lambda: KVCacheBuffer(False, []), "values must hold at least one buffer"),
-        (lambda: KVCacheBuffer(True, [block_tensor()]), "needs at least 2 TP shards, got 1"),
+        (lambda: KVCacheBuffer(True, [page_tensor()]), "needs at least 2 TP shards, got 1"),
         (
-            lambda: KVCacheBuffer(False, [block_tensor(), block_tensor(dtype=DType.bfloat16)]),
+            lambda: KVCacheBuffer(False, [page_tensor(), page_tensor(dtype=DType.bfloat16)]),
             "all values must share a dtype",
         ),
         (
-            lambda: KVCacheBuffer(False, [block_tensor(3), block_tensor(4)]),
+            lambda: KVCacheBuffer(False, [page_tensor(3), page_tensor(4)]),
             "all values must share a shape",
         ),
-        (lambda: KVCacheBuffer(False, [block_tensor()], []), "scales has 0 buffers, values has 1"),
+        (lambda: KVCacheBuffer(False, [page_tensor()], []), "scales has 0 buffers, values has 1"),
         (
-            lambda: KVCacheBuffer(False, [block_tensor()], [Buffer.zeros([4, 2], DType.float32)]),
+            lambda: KVCacheBuffer(False, [page_tensor()], [Buffer.zeros([4, 2], DType.float32)]),
             "scales have 4 pages, values have 3",
         ),
-        (lambda: KVCacheMemory(block_tensor()), "must be a 2-D uint8"),
+        (lambda: KVCacheMemory(page_tensor()), "must be a 2-D uint8"),
         (lambda: ReplicatedKVCacheMemory(Buffer.zeros([2, 8], DType.uint8)), "at least one peer"),
         (
             lambda: ReplicatedKVCacheMemory(

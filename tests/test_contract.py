@@ -103,7 +103,7 @@ def test_quantized_input_types_follow_the_quant_config() -> None:
     assert [str(d) for d in symbolic.shape] == ["num_physical_pages", "2", "3", "scale_rows", "2", "4"]
     continuous = continuous_input_types(params, 32).scales
     assert [str(d) for d in continuous.shape] == ["num_slots", "2", "3", "16", "2", "4"]
-    with pytest.raises(ValueError, match="tokens_per_scale=2 must divide the 7 tokens of a block"):
+    with pytest.raises(ValueError, match="tokens_per_scale=2 must divide the 7 tokens of a page"):
         continuous_input_types(params, 7)
     unquantized = paged_input_types(KVCacheParams(DType.float32, 2, 16, 3))
     assert unquantized.scales is None and len(unquantized.flatten()) == 4

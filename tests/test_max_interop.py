@@ -165,7 +165,7 @@ def test_every_max_field_is_handled() -> None:
     this lists the fields of today's MHAKVCacheParams so a MAX upgrade that adds
     one shows up here."""
     names = {f.name for f in dataclasses.fields(max_kv.MHAKVCacheParams)}
-    from mokv.params import _CONVERTED, _FROM_MAX, _HARMLESS, _UNSUPPORTED_BECAUSE
+    from mokv.params.max_conversion import _CONVERTED, _FROM_MAX, _HARMLESS, _UNSUPPORTED_BECAUSE
 
     assert names - set(_FROM_MAX) - _HARMLESS - set(_UNSUPPORTED_BECAUSE) == _CONVERTED
 

@@ -145,13 +145,13 @@ def test_blocks_of_tokens_and_head_dim_share_a_scale() -> None:
     p = quantized(quantization_granularity=16, tokens_per_scale=4)
     assert p.scale_block_shape == (4, 16)
     assert p.scales_shape(7) == [7, 2, 3, 16 // 4, 2, 64 // 16]
-    assert p.scales_shape(2, tokens_per_block=32) == [2, 2, 3, 8, 2, 4]  # a continuous slot of 32 tokens
+    assert p.scales_shape(2, tokens_per_page=32) == [2, 2, 3, 8, 2, 4]  # a continuous slot of 32 tokens
     scale_row = 2 * 3 * 2 * 4 * 4  # the scales of 4 tokens
     assert p.bytes_per_page == 16 * 768 + 4 * scale_row
     assert p.bytes_per_token == 768 + scale_row / 4
-    assert p.bytes_per_block(32) == 32 * 768 + 8 * scale_row
-    with pytest.raises(ValueError, match="tokens_per_scale=4 must divide the 30 tokens of a block"):
-        p.scales_shape(1, tokens_per_block=30)
+    assert p.bytes_for_tokens(32) == 32 * 768 + 8 * scale_row
+    with pytest.raises(ValueError, match="tokens_per_scale=4 must divide the 30 tokens of a page"):
+        p.scales_shape(1, tokens_per_page=30)
 
 
 def test_an_unquantized_cache_has_no_scales() -> None:

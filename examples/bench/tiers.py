@@ -33,7 +33,7 @@ import click
 import numpy as np
 
 from mokv import KVCacheParams, PagedKVCacheManager, TextContext
-from mokv.connectors import KVConnectorConfig
+from mokv.tiers import KVConnectorConfig
 from mokv_examples.bench.results import out_dir_option, write_results
 from mokv_examples.local_redis import LocalRedis
 from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
@@ -107,7 +107,7 @@ def tier_row(name: str, manager: PagedKVCacheManager, ttft: list[float], wall: f
     tiers = manager.get_tier_metrics()
     ps = manager.page_size
     prompt = metrics.prompt_tokens
-    from_tiers = {t: m.hit_blocks * ps for t, m in tiers.items()}
+    from_tiers = {t: m.hit_pages * ps for t, m in tiers.items()}
     row = {
         "kind": "workload",
         "config": name,
@@ -123,7 +123,7 @@ def tier_row(name: str, manager: PagedKVCacheManager, ttft: list[float], wall: f
     }
     for t, m in tiers.items():
         row[f"hit_rate_{t}"] = from_tiers[t] / prompt if prompt else 0.0
-        row[f"{t}_rejected"] = m.rejected_blocks
+        row[f"{t}_rejected"] = m.rejected_pages
     return row
 
 
@@ -194,7 +194,7 @@ def read_pages(m: PagedKVCacheManager, prompt: np.ndarray, tier: str) -> tuple[f
     m.runtime_inputs([[c]])
     elapsed = time.perf_counter() - started
     m.release("read")
-    return elapsed, m.get_tier_metrics()[tier].hit_blocks
+    return elapsed, m.get_tier_metrics()[tier].hit_pages
 
 
 def run_second_process(spec: dict) -> list[dict]:

@@ -1,7 +1,7 @@
 """The memory behind one data-parallel replica's KV cache.
 
-`KVCacheBuffer` holds one block tensor per tensor-parallel shard (plus, for a
-quantized cache, one float32 scales tensor per shard, paged like the blocks:
+`KVCacheBuffer` holds one page tensor per tensor-parallel shard (plus, for a
+quantized cache, one float32 scales tensor per shard, paged like the pages:
 `KVCacheParams.scales_shape`). `to_memory()` re-views every tensor as raw pages,
 `[num_physical_pages, bytes_per_page]` uint8, so code that moves pages between
 tiers (the host tier, a transfer engine) never needs to know dtypes or layouts.
@@ -57,7 +57,7 @@ def _as_pages(buffer: Buffer) -> Buffer:
 
 
 def graph_view(blocks: Buffer) -> Buffer:
-    """A block tensor as graphs take it (`graph_dtype`): float8 codes viewed
+    """A page tensor as graphs take it (`graph_dtype`): float8 codes viewed
     as their uint8 bits, anything else as it is."""
     dtype = graph_dtype(blocks.dtype)
     return blocks if dtype == blocks.dtype else blocks.view(dtype)
@@ -128,7 +128,7 @@ class KVCacheBuffer:
     Args:
         replicates_kv_across_tp: True when every shard holds the same bytes
             (MLA-style), False when shards split the KV heads.
-        values: One block tensor per TP shard; dim 0 indexes pages.
+        values: One page tensor per TP shard; dim 0 indexes pages.
         scales: Optional per-shard quantization scales, paged like `values`.
         num_null_pages: Trailing pages no request holds (the paged cache's
             null page): `total_num_pages` leaves them out.
@@ -180,7 +180,7 @@ class KVCacheBuffer:
         null_page: bool = True,
         tokens_per_page: int | None = None,
     ) -> KVCacheBuffer:
-        """Zero-filled block tensors, one per device in `devices`, with
+        """Zero-filled page tensors, one per device in `devices`, with
         `total_num_pages` pages for requests plus the null page (if asked);
         for a quantized cache (`params.quantized`), zero-filled scales tensors
         beside them (`params.scales_shape`, same pages). `tokens_per_page`

@@ -71,7 +71,7 @@ class TextContext:
         request_id: Unique id the cache manager files the request under.
         tokens: The prompt, a 1-D integer array (copied).
         max_length: Most tokens the request may ever hold, or None for no limit.
-        cache_salt: Isolates the request's cached KV: it shares cached blocks
+        cache_salt: Isolates the request's cached KV: it shares cached pages
             only with requests of the same salt (None shares with unsalted ones).
     """
 
@@ -221,7 +221,7 @@ class MaxTextContextAdapter:
 
     @cached_prefix_length.setter
     def cached_prefix_length(self, value: int | None) -> None:
-        # MAX sets both on first admission; mokv has no external connector hits yet.
+        # MAX sets both on first admission; mokv counts its tiers' hits in the first, none as external.
         self.context.cached_prefix_length = value
         self.context.cached_prefix_external_length = 0
 

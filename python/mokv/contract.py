@@ -15,7 +15,7 @@ field is None for an unquantized cache and `flatten()` leaves it out, so
 unquantized graphs keep four inputs per device.
 
 Page counts: `total_num_pages` is always the pages requests can hold. A paged
-block tensor has one more, the null page, at index `total_num_pages`
+page tensor (`blocks`) has one more, the null page, at index `total_num_pages`
 (`NULL_PAGE_DOC`); the tensor's page dimension is therefore called
 `num_physical_pages` (= `total_num_pages + 1`).
 """
@@ -36,7 +36,7 @@ T = TypeVar("T")
 """What a field holds: a runtime `Buffer`, a graph `TensorType`, or a graph value."""
 
 NULL_PAGE_DOC = (
-    "Unused lookup-table entries hold the null page id, total_num_pages: a real page of the block "
+    "Unused lookup-table entries hold the null page id, total_num_pages: a real page of the page "
     "tensor that no request owns, so a kernel reading past a request's pages stays in bounds."
 )
 
@@ -67,21 +67,22 @@ class InputSpec:
 _PARAM_DIMS = ("num_layers", "n_kv_heads_per_device", "head_dim")
 
 
-def _blocks(slots: str, slot_len: str, slot_meaning: str) -> InputSpec:
+def _blocks(rows: str, row_len: str, row_meaning: str) -> InputSpec:
+    """The `blocks` input (MAX's name): the tensor of pages (or continuous slots)."""
     return InputSpec(
         "blocks",
         None,
-        (slots, 2, "num_layers", slot_len, "n_kv_heads_per_device", "head_dim"),
-        f"K (index 0 of dim 1) and V (1) of every {slot_meaning}",
+        (rows, 2, "num_layers", row_len, "n_kv_heads_per_device", "head_dim"),
+        f"K (index 0 of dim 1) and V (1) of every {row_meaning}",
         mutable=True,
     )
 
 
-def _scales(slots: str) -> InputSpec:
+def _scales(rows: str) -> InputSpec:
     return InputSpec(
         "scales",
         DType.float32,
-        (slots, 2, "num_layers", "scale_rows", "n_kv_heads_per_device", "scale_cols"),
+        (rows, 2, "num_layers", "scale_rows", "n_kv_heads_per_device", "scale_cols"),
         "quantized caches only: the float32 scale of each block of tokens_per_scale tokens x "
         "granularity head_dim elements, paged like blocks (row r: tokens r * tokens_per_scale ..); "
         "a stored value times its scale is the cached key or value",
@@ -146,24 +147,36 @@ class _PerDevice(Generic[T]):
 @dataclass(frozen=True)
 class PagedCacheInputs(_PerDevice[T]):
     """One device's paged-cache inputs (`PAGED_INPUTS`): runtime `Buffer`s from
-    the manager, or `TensorType`s from `paged_input_types`."""
+    the manager, or `TensorType`s from `paged_input_types`. The field names
+    are MAX's (API)."""
 
     blocks: T
+    """The page tensor: K and V of every page, the null page last."""
     cache_lengths: T
+    """Per request, its tokens already in the cache (excluding this step's)."""
     lookup_table: T
+    """Per request, its page ids in token order, padded with the null page."""
     max_lengths: T
+    """Per step, (most new tokens of a request, longest context), on the host."""
     scales: T | None = None
+    """A quantized cache's scales, paged like `blocks`; None otherwise."""
 
 
 @dataclass(frozen=True)
 class ContinuousCacheInputs(_PerDevice[T]):
-    """One device's continuous-batching inputs (`CONTINUOUS_INPUTS`)."""
+    """One device's continuous-batching inputs (`CONTINUOUS_INPUTS`); the
+    field names are MAX's (API)."""
 
     blocks: T
+    """K and V of every sequence slot."""
     cache_lengths: T
+    """Per request, its tokens already in the cache (excluding this step's)."""
     lookup_table: T
+    """Per request, its slot."""
     is_cache_empty: T
+    """Whether every cache length is 0, on the host."""
     scales: T | None = None
+    """A quantized cache's scales, one row of them per slot; None otherwise."""
 
 
 @dataclass(frozen=True)
@@ -209,22 +222,22 @@ def quant_config_of(shape: CacheShape) -> KVCacheQuantConfig | None:
     return getattr(shape, "kvcache_quant_config", None)
 
 
-def _scale_dims(config: KVCacheQuantConfig, shape: CacheShape, tokens_per_block: int | str) -> dict[str, int | str]:
-    """`scale_rows` (tokens per block / tokens_per_scale) and `scale_cols`
+def _scale_dims(config: KVCacheQuantConfig, shape: CacheShape, tokens_per_page: int | str) -> dict[str, int | str]:
+    """`scale_rows` (tokens per page or slot / tokens_per_scale) and `scale_cols`
     (head_dim / granularity), ints where the sizes are known, else symbolic."""
     granularity = config.quantization_granularity
     if granularity is None:  # one scale per head, whatever head_dim is
         cols: int | str = 1
     else:
         cols = shape.head_dim // granularity if isinstance(shape.head_dim, int) else "scale_cols"
-    if not isinstance(tokens_per_block, int):
+    if not isinstance(tokens_per_page, int):
         return {"scale_rows": "scale_rows", "scale_cols": cols}
-    if tokens_per_block % config.tokens_per_scale:
+    if tokens_per_page % config.tokens_per_scale:
         raise ValueError(
             f"kvcache_quant_config.tokens_per_scale={config.tokens_per_scale} must divide the "
-            f"{tokens_per_block} tokens of a block"
+            f"{tokens_per_page} tokens of a page"
         )
-    return {"scale_rows": tokens_per_block // config.tokens_per_scale, "scale_cols": cols}
+    return {"scale_rows": tokens_per_page // config.tokens_per_scale, "scale_cols": cols}
 
 
 def _dim(dim: int | str, shape: CacheShape, named: Mapping[str, int | str]) -> int | str:
@@ -240,12 +253,12 @@ def _types(
     specs: Sequence[InputSpec],
     shape: CacheShape,
     device: DeviceRef,
-    block_len: tuple[str, int | str],
+    page_len: tuple[str, int | str],
 ) -> list[BufferType | TensorType]:
     """The specs' types on `device` (the `quantized_only` ones only for a
-    quantized `shape`). `block_len` names the tokens-per-block dimension and
-    gives its size (an int, or the symbol to use)."""
-    name, size = block_len
+    quantized `shape`). `page_len` names the tokens-per-page (or per-slot)
+    dimension and gives its size (an int, or the symbol to use)."""
+    name, size = page_len
     if not isinstance(size, str):  # a fixed size (page_size, max_seq_len) or a symbol's name
         check_int(name, size, minimum=1)
     if not isinstance(device, DeviceRef):
@@ -269,7 +282,7 @@ def paged_input_types(
     shape: CacheShape, page_size: int | str = "page_size", device: DeviceRef | None = None
 ) -> PagedCacheInputs[BufferType | TensorType]:
     """One device's paged-cache input types (with `scales` for a quantized
-    cache). `page_size` may stay symbolic: the kernels read it from the block
+    cache). `page_size` may stay symbolic: the kernels read it from the page
     tensor, so one compiled graph then serves every page size (the scales'
     rows are then the symbol `scale_rows`)."""
     return PagedCacheInputs(*_types(PAGED_INPUTS, shape, device or DeviceRef.CPU(), ("page_size", page_size)))

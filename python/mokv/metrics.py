@@ -26,10 +26,11 @@ class KVCacheMetrics(Counters):
     """Prompt tokens served from the prefix cache (device or host tier)."""
 
     h2d_blocks_copied: int = 0
-    """Blocks copied back from the host tier to serve a prefix hit."""
+    """Pages copied back from the host tier to serve a prefix hit (MAX's field name)."""
 
     d2h_blocks_copied: int = 0
-    """Evicted device blocks copied to the host tier."""
+    """Device pages copied to the lower tiers: evicted ones to the host tier,
+    committed ones to the disk and remote tiers (MAX's field name)."""
 
     @property
     def prompt_tokens(self) -> int:

@@ -169,7 +169,7 @@ def allocate(what: str, nbytes: int, device: Device, make: Callable[[], T]) -> T
 
     MAX 26.7 fills `Buffer.zeros` asynchronously, even on the CPU: a kernel
     run right after the call races the fill, and measured here a 2048-token
-    store into a fresh block tensor lost up to half its rows to zeros landing
+    store into a fresh page tensor lost up to half its rows to zeros landing
     after it. So the device is synchronized before the buffer is handed out."""
     check_fits(what, nbytes, device)
     try:

@@ -58,7 +58,7 @@ def _all_cached(lengths: dict[int, int], order: list[int]) -> tuple[np.ndarray, 
 
 def _paged_copy(blocks: np.ndarray, slots: list[int], lengths: list[int], rng) -> tuple[np.ndarray, np.ndarray]:
     """The same sequences laid out in shuffled pages of PAGE_SIZE tokens: a
-    paged block tensor (with a trailing null page) and its lookup table."""
+    page tensor (with a trailing null page) and its lookup table."""
     pages_per_row = [-(-n // PAGE_SIZE) for n in lengths]
     num_pages = sum(pages_per_row)
     paged = np.zeros((num_pages + 1, *blocks.shape[1:3], PAGE_SIZE, *blocks.shape[4:]), blocks.dtype)

@@ -51,7 +51,7 @@ def test_estimated_memory_size_equals_allocation(dtype, config, session):
     assert estimate == 5 * 2 * 2 * 16 * 3 * 8 * dtype.size_in_bytes + 5 * 2 * 4 + scales
 
 
-def test_a_quantized_cache_gets_zeroed_scales_beside_its_blocks(session):
+def test_a_quantized_cache_gets_zeroed_scales_beside_its_slot_tensor(session):
     manager = ContinuousBatchingKVCacheManager(QUANTIZED, 4, 32, 2, [CPU()], session)
     assert manager.block_shape(4) == [4, 2, 2, 32, 3, 8] == list(manager.blocks[0].shape)
     assert manager.blocks[0].dtype == DType.int8

@@ -1,4 +1,4 @@
-"""The host tier: evicted cached blocks go to host pages and come back on a hit,
+"""The host tier: evicted cached pages go to host pages and come back on a hit,
 bytes intact, with the copies counted in the metrics."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from tests.support.small_cache import MakeManager, ctx
 
 def fill(m: PagedKVCacheManager, request_id: str, base: float) -> None:
     """Stands in for the model: writes `base + i` into the i-th page of the request."""
-    blocks = m.get_device_buffer(0).values[0].to_numpy()
-    for i, block in enumerate(m.get_req_blocks(request_id)):
-        blocks[block] = base + i
+    pages = m.get_device_buffer(0).values[0].to_numpy()
+    for i, page in enumerate(m.get_req_blocks(request_id)):
+        pages[page] = base + i
 
 
 def prefill_and_release(m: PagedKVCacheManager, c: TextContext, base: float) -> None:
@@ -25,11 +25,11 @@ def prefill_and_release(m: PagedKVCacheManager, c: TextContext, base: float) -> 
     m.release(c.request_id)
 
 
-def test_evicted_blocks_come_back_from_the_host(make_manager: MakeManager) -> None:
+def test_evicted_pages_come_back_from_the_host(make_manager: MakeManager) -> None:
     m = make_manager(total_num_pages=4, total_num_host_pages=8)
-    prefill_and_release(m, ctx("a", range(8)), base=10.0)  # commits blocks 0 and 1
+    prefill_and_release(m, ctx("a", range(8)), base=10.0)  # commits pages 0 and 1
     assert m.get_metrics_aggregated().d2h_blocks_copied == 0
-    # A request that needs every block evicts a's cached blocks to the host.
+    # A request that needs every page evicts a's cached pages to the host.
     big = ctx("big", np.arange(100, 116))
     m.claim("big")
     m.alloc(big)
@@ -44,10 +44,10 @@ def test_evicted_blocks_come_back_from_the_host(make_manager: MakeManager) -> No
     metrics = m.get_metrics_aggregated()
     assert metrics.h2d_blocks_copied == 2 and again.processed_length == 8
     assert metrics.cache_tokens == 8
-    blocks = m.get_device_buffer(0).values[0].to_numpy()
+    pages = m.get_device_buffer(0).values[0].to_numpy()
     first, second, _ = m.get_req_blocks("again")
-    assert (blocks[first] == 10.0).all() and (blocks[second] == 11.0).all()
-    # The restored blocks are device-cached again: a second request hits on the device.
+    assert (pages[first] == 10.0).all() and (pages[second] == 11.0).all()
+    # The restored pages are device-cached again: a second request hits on the device.
     other = ctx("other", range(9))
     m.claim("other")
     m.alloc(other)
@@ -57,10 +57,10 @@ def test_evicted_blocks_come_back_from_the_host(make_manager: MakeManager) -> No
 
 def test_host_pages_are_evicted_least_recently_used(make_manager: MakeManager) -> None:
     m = make_manager(total_num_pages=2, total_num_host_pages=2)
-    prompts = {i: range(100 * i, 100 * i + 5) for i in range(4)}  # one cacheable block each
+    prompts = {i: range(100 * i, 100 * i + 5) for i in range(4)}  # one cacheable page each
     for i in range(4):
         prefill_and_release(m, ctx(f"p{i}", prompts[i]), base=float(i))
-    # Each prefill evicted the previous prompt's block to the host; the third
+    # Each prefill evicted the previous prompt's page to the host; the third
     # offload pushed p0 out of the two host pages.
     assert m.get_metrics_aggregated().d2h_blocks_copied == 3
     assert m.get_num_used_host_pages(0) == 2
@@ -76,14 +76,14 @@ def test_host_pages_are_evicted_least_recently_used(make_manager: MakeManager) -
     # whose offload evicts p2 (p1 is pinned while it is being restored).
     assert [hit(1), hit(0), hit(2), hit(3)] == [4, 0, 0, 4]
     metrics = m.get_metrics_aggregated()
-    # q2's allocation evicted p1's block again, which the host already held.
+    # q2's allocation evicted p1's page again, which the host already held.
     assert (metrics.d2h_blocks_copied, metrics.h2d_blocks_copied) == (4, 2)
 
 
-def test_an_already_offloaded_block_is_not_copied_twice(make_manager: MakeManager) -> None:
+def test_an_already_offloaded_page_is_not_copied_twice(make_manager: MakeManager) -> None:
     m = make_manager(total_num_pages=2, total_num_host_pages=4)
-    prefill_and_release(m, ctx("a", range(5)), base=1.0)  # block 0 cached
-    for i in range(3):  # churn: evict a's block, then bring it back from the host
+    prefill_and_release(m, ctx("a", range(5)), base=1.0)  # page 0 cached
+    for i in range(3):  # churn: evict a's page, then bring it back from the host
         prefill_and_release(m, ctx(f"x{i}", range(50 + 10 * i, 58 + 10 * i)), base=0.0)
         b = ctx(f"b{i}", range(5))
         m.claim(b.request_id)
@@ -92,8 +92,8 @@ def test_an_already_offloaded_block_is_not_copied_twice(make_manager: MakeManage
         m.release(b.request_id)
     metrics = m.get_metrics_aggregated()
     assert metrics.h2d_blocks_copied == 3
-    # a's block went to the host once (later evictions found it there); each
-    # x's two blocks were copied when b's allocation evicted them.
+    # a's page went to the host once (later evictions found it there); each
+    # x's two pages were copied when b's allocation evicted them.
     assert metrics.d2h_blocks_copied == 1 + 2 * 3
 
 

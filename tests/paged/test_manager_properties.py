@@ -7,9 +7,9 @@ sizes 1, 2, 16 and 128, one or two replicas, prefix caching and the host tier
 on and off. After every rule the invariants are checked against what the
 machine itself tracked:
 
-* free + used == total on every replica, and each block's reference count is
+* free + used == total on every replica, and each page's reference count is
   exactly the number of live requests whose pages include it;
-* every prefix-cached block holds, in its KV, the markers of exactly the
+* every prefix-cached page holds, in its KV, the markers of exactly the
   tokens its hash was computed from (and the hash is that prefix's hash);
 * every processed token of every live request has its marker in the page its
   request's table names: what a request wrote, or reused from the prefix cache
@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from mokv import InsufficientBlocksError, TextContext
-from mokv.paged.runtime_inputs import BatchCharacteristics
+from mokv.paged import BatchCharacteristics
 from tests.support import kv_markers
 from tests.support.machine_base import ManagerMachine
 from tests.support.manager_state import paged_snapshot
@@ -54,7 +54,7 @@ class PagedManagerMachine(ManagerMachine):
     def __init__(self) -> None:
         super().__init__()
         self.prefixes: dict[int, np.ndarray] = {}
-        """Chained hash of every full block the model wrote -> the prefix it ends."""
+        """Chained hash of every full page the model wrote -> the prefix it ends."""
         self.input_tokens = 0
         self.cache_tokens = 0
 
@@ -79,7 +79,7 @@ class PagedManagerMachine(ManagerMachine):
         )
         self.ps = page_size
 
-    def blocks(self, replica: int) -> np.ndarray:
+    def page_tensor(self, replica: int) -> np.ndarray:
         return self.m.get_device_buffer(replica).values[0].to_numpy()
 
     def ready(self, r: Request) -> bool:
@@ -182,17 +182,17 @@ class PagedManagerMachine(ManagerMachine):
             ]
 
     def _run_model(self, replica: int, batch: list[Request], table: np.ndarray) -> None:
-        blocks = self.blocks(replica)
+        tensor = self.page_tensor(replica)
         for row, r in zip(table, batch, strict=True):
             if r.dummy:
                 continue
             ctx = r.ctx
             positions = np.arange(ctx.processed_length, ctx.current_length)
-            pages, slots = row[positions // self.ps], positions % self.ps
-            kv_markers.write(blocks, pages, slots, kv_markers.markers(ctx.tokens)[positions])
+            pages, offsets = row[positions // self.ps], positions % self.ps
+            kv_markers.write(tensor, pages, offsets, kv_markers.markers(ctx.tokens)[positions])
             full = ctx.current_length // self.ps
-            for j, block_hash in enumerate(self.m._hasher.hash_blocks(ctx.tokens[: full * self.ps])):
-                self.prefixes[block_hash] = ctx.tokens[: (j + 1) * self.ps].copy()
+            for j, page_hash in enumerate(self.m._hasher.hash_pages(ctx.tokens[: full * self.ps])):
+                self.prefixes[page_hash] = ctx.tokens[: (j + 1) * self.ps].copy()
             r.ran = True
 
     @rule(picks=st.lists(st.integers(0, 1 << 16), max_size=6))
@@ -295,21 +295,21 @@ class PagedManagerMachine(ManagerMachine):
             assert ref_count == [holders.get(page, 0) for page in range(self.m.total_num_pages)]
 
     @invariant()
-    def cached_blocks_hold_their_tokens(self) -> None:
+    def cached_pages_hold_their_tokens(self) -> None:
         if not hasattr(self, "m"):
             return
         for replica, r in enumerate(self.m._replicas):
-            r.check_invariants()  # every hash is its slot's tokens' hash, on both tiers
+            r.check_invariants()  # every hash is its page's tokens' hash, on both tiers
             index = r.pool.index
-            slots = index.committed_slots()
-            if not slots:
+            committed = index.committed_pages()
+            if not committed:
                 continue
-            blocks = self.blocks(replica)
-            for slot in slots:
-                prefix = self.prefixes[index.hash[slot]]  # only blocks the model wrote whole get committed
-                assert (prefix[-self.ps :] == index.tokens[slot]).all()
+            tensor = self.page_tensor(replica)
+            for page in committed:
+                prefix = self.prefixes[index.hash[page]]  # only pages the model wrote whole get committed
+                assert (prefix[-self.ps :] == index.tokens[page]).all()
                 positions = np.arange(len(prefix) - self.ps, len(prefix))
-                stored = kv_markers.read(blocks, np.full(self.ps, slot), positions % self.ps)
+                stored = kv_markers.read(tensor, np.full(self.ps, page), positions % self.ps)
                 np.testing.assert_array_equal(stored, kv_markers.markers(prefix)[positions])
 
     @invariant()
@@ -322,7 +322,7 @@ class PagedManagerMachine(ManagerMachine):
                 continue
             pages = np.asarray(self.m.get_req_blocks(r.ctx.request_id, r.replica))
             positions = np.arange(n)
-            stored = kv_markers.read(self.blocks(r.replica), pages[positions // self.ps], positions % self.ps)
+            stored = kv_markers.read(self.page_tensor(r.replica), pages[positions // self.ps], positions % self.ps)
             np.testing.assert_array_equal(stored, kv_markers.markers(r.ctx.tokens)[:n])
 
     def teardown(self) -> None:

@@ -2,7 +2,7 @@
 
 Both implement the same policy (vLLM v1 style: LRU free queue, tail-first
 release, commit on step, dedup), so on the same workload they must hand out the
-very same block ids, keep the same number of blocks free, fail the same
+very same page ids, keep the same number of pages free, fail the same
 allocations, count the same tokens and build the same lookup tables.
 
 One deliberate difference is kept out of the comparison: MAX counts a failed
@@ -138,13 +138,13 @@ def test_random_workload_matches_max(page_size: int, total_num_pages: int, promp
     theirs = run.theirs.manager.get_metrics_aggregated()
     assert ours.cache_tokens == theirs.cache_tokens > 0
     assert ours.input_tokens == theirs.input_tokens - run.max_failed_input_tokens
-    assert failures > 0  # the workload ran out of blocks
+    assert failures > 0  # the workload ran out of pages
 
 
 def test_a_failed_admission_refreshes_its_prefix_as_max_does() -> None:
     """The issue's reproduction: after C's failed admission, MAX has moved C's
     prefix hits to the recent end of the free queue, so D's allocation evicts
-    other blocks and C's retry reuses all 4 prefix tokens (not 2)."""
+    other pages and C's retry reuses all 4 prefix tokens (not 2)."""
     run = Lockstep(page_size=1, total_num_pages=10, max_batch_size=8)
     assert run.admit("G", np.array([30, 31]))
     assert run.admit("A", np.array([1, 2, 3, 4]))
@@ -170,8 +170,8 @@ def test_a_failed_admission_refreshes_its_prefix_as_max_does() -> None:
 @pytest.mark.parametrize("granularity", [16, 8])
 def test_a_quantized_cache_allocates_the_memory_max_allocates(granularity: int) -> None:
     """The same MAX params given to both managers (mokv converts them): equal
-    block and scales tensors (shape, dtype; the null page included) and equal
-    bytes per block, and the runtime inputs hand the graph those scales."""
+    page and scales tensors (shape, dtype; the null page included) and equal
+    bytes per page (MAX's bytes_per_block), and the runtime inputs hand the graph those scales."""
     params = MHAKVCacheParams(
         dtype=DType.float8_e4m3fn,
         n_kv_heads=2,

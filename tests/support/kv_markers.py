@@ -1,5 +1,5 @@
 """A stand-in for the model in property tests: a marker per token, written into
-the block tensor where the model would store that token's keys and values.
+the page (or slot) tensor where the model would store that token's keys and values.
 
 A token's marker is a function of the whole prefix up to it (a running sum of
 position-weighted tokens, mod 2**64), split into four 16-bit chunks stored as
@@ -26,11 +26,12 @@ def markers(tokens: npt.NDArray[np.integer]) -> npt.NDArray[np.float32]:
     return chunks.astype(np.float32).reshape(n, 2, 2)
 
 
-def write(blocks: np.ndarray, pages: np.ndarray, slots: np.ndarray, values: np.ndarray) -> None:
-    """Stores `values[i]` at token slot `slots[i]` of page `pages[i]` (layer 0, head 0)."""
-    blocks[pages, :, 0, slots, 0, :] = values
+def write(tensor: np.ndarray, pages: np.ndarray, offsets: np.ndarray, values: np.ndarray) -> None:
+    """Stores `values[i]` at token `offsets[i]` of page (or slot) `pages[i]` of
+    the cache's `tensor` (layer 0, head 0)."""
+    tensor[pages, :, 0, offsets, 0, :] = values
 
 
-def read(blocks: np.ndarray, pages: np.ndarray, slots: np.ndarray) -> np.ndarray:
-    """The markers stored at those token slots."""
-    return blocks[pages, :, 0, slots, 0, :]
+def read(tensor: np.ndarray, pages: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """The markers stored at those tokens."""
+    return tensor[pages, :, 0, offsets, 0, :]

@@ -4,7 +4,7 @@ The bad-input test snapshots a manager before and after each refused call; the
 property tests use the same reading to compare a manager with its twin. The
 snapshot reaches into internals on purpose: the free queue's order, reference
 counts, the prefix index, the host tier's LRU and pages, metrics, the request
-set and block-table rows are exactly what a refused call must not touch.
+set and page-table rows are exactly what a refused call must not touch.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import asdict
 from typing import Any
 
 from mokv import ContinuousBatchingKVCacheManager, PagedKVCacheManager
-from mokv.paged.block_pool import PageIndex
+from mokv.prefix import PageIndex
 
 
 def _digest(arrays: Any) -> str:
@@ -26,8 +26,8 @@ def _digest(arrays: Any) -> str:
 
 def _index(index: PageIndex) -> dict[int, tuple]:
     return {
-        h: (slot, index.uid[slot], index.parent_uid[slot], index.parent_hash[slot], index.tokens[slot].tobytes())
-        for h, slot in index._by_hash.items()
+        h: (page, index.uid[page], index.parent_uid[page], index.parent_hash[page], index.tokens[page].tobytes())
+        for h, page in index._by_hash.items()
     }
 
 
@@ -41,8 +41,8 @@ def paged_snapshot(m: PagedKVCacheManager, *, identities: bool = True) -> dict[s
         requests = {
             rid: (
                 st.row,
-                st.num_blocks,
-                tuple(r.table.read(st.row, 0, st.num_blocks)),
+                st.num_pages,
+                tuple(r.table.read(st.row, 0, st.num_pages)),
                 st.num_committed,
                 st.last_uid,
                 st.chain_broken,
@@ -69,10 +69,10 @@ def paged_snapshot(m: PagedKVCacheManager, *, identities: bool = True) -> dict[s
                 "metrics": asdict(r.metrics),
                 "requests": requests,
                 "table": (r.table._table.shape, r.table._table.tobytes(), list(r.table._free_rows)),
-                "blocks": _digest(v.to_numpy() for b in r.buffers.values() for v in b.values),
+                "pages": _digest(v.to_numpy() for b in r.buffers.values() for v in b.values),
             }
         )
-    return {"replica_of": {rid: r.index for rid, r in m._replica_of.items()}, "replicas": replicas}
+    return {"replica_of": {rid: r.index for rid, r in m._requests.replica_of.items()}, "replicas": replicas}
 
 
 def continuous_snapshot(m: ContinuousBatchingKVCacheManager, *, identities: bool = True) -> dict[str, Any]:

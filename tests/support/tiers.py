@@ -18,7 +18,7 @@ import pytest
 from max.dtype import DType
 
 from mokv import KVCacheParams, PagedKVCacheManager, TextContext
-from mokv.connectors import KVConnectorConfig
+from mokv.tiers import KVConnectorConfig
 from mokv_examples.local_redis import LocalRedis
 
 PAGE_SIZE = 4
@@ -77,12 +77,12 @@ def run_prompt(m: PagedKVCacheManager, request_id: str, tokens: np.ndarray, salt
     m.claim(request_id)
     m.alloc(c)
     m.runtime_inputs([[c]])
-    blocks = m.get_device_buffer().values[0].to_numpy()
+    pages = m.get_device_buffer().values[0].to_numpy()
     ps = m.page_size
-    for i, block in enumerate(m.get_req_blocks(request_id)):
+    for i, page in enumerate(m.get_req_blocks(request_id)):
         lo, hi = i * ps, min((i + 1) * ps, c.current_length)
         if hi > c.processed_length:
-            blocks[block, :, :, : hi - lo] = kv_of(c.tokens[lo:hi], lo, blocks.shape[1:])
+            pages[page, :, :, : hi - lo] = kv_of(c.tokens[lo:hi], lo, pages.shape[1:])
     c.update(0)
     m.step([[c]])
     m.release(request_id)
@@ -91,10 +91,10 @@ def run_prompt(m: PagedKVCacheManager, request_id: str, tokens: np.ndarray, salt
 
 def check_cached_pages(m: PagedKVCacheManager, request_id: str, c: TextContext) -> None:
     """Asserts every page the request got from cache holds exactly its tokens' KV."""
-    blocks = m.get_device_buffer().values[0].to_numpy()
+    pages = m.get_device_buffer().values[0].to_numpy()
     ps = m.page_size
-    for i, block in enumerate(m.get_req_blocks(request_id)[: c.processed_length // ps]):
-        np.testing.assert_array_equal(blocks[block], kv_of(c.tokens[i * ps : (i + 1) * ps], i * ps, blocks.shape[1:]))
+    for i, page in enumerate(m.get_req_blocks(request_id)[: c.processed_length // ps]):
+        np.testing.assert_array_equal(pages[page], kv_of(c.tokens[i * ps : (i + 1) * ps], i * ps, pages.shape[1:]))
 
 
 def admit(m: PagedKVCacheManager, request_id: str, tokens: np.ndarray, salt: str | None = None) -> TextContext:

@@ -8,11 +8,12 @@ memory for every sequence.
 The request lifecycle is the paged manager's (`claim`, `alloc`,
 `runtime_inputs`, `ctx.update`, `step`, `release`) and takes mokv's or MAX's
 `TextContext` alike; a request's cache length is its context's
-`processed_length`. `fetch(seq_ids)` is the seed's slot-level view of the same
-state, for graphs built on the opaque collection.
+`processed_length`. `fetch(seq_ids)` is the slot-level view of the same state
+in MAX's documented API, for graphs built on the opaque collection.
+`increment_cache_lengths` runs a small compiled graph (`increment`).
 
 A quantized cache (`KVCacheParams.kvcache_quant_config`) gets a scales tensor
-per device beside its blocks (`KVCacheParams.scales_shape` with `max_seq_len`
+per device beside its slots (`KVCacheParams.scales_shape` with `max_seq_len`
 tokens per slot), handed to the graph as each device's `scales` input. The
 opaque collection (`mokv.graph.FetchContinuousBatchingKVCacheCollection`)
 does not support quantized caches yet: build graphs on the component inputs
@@ -25,28 +26,25 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
-from max.driver import CPU, Buffer, Device
+from max.driver import Buffer, Device
 from max.dtype import DType
-from max.engine import InferenceSession, Model
-from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
+from max.engine import InferenceSession
+from max.graph import BufferType, DeviceRef, TensorType
 
 from ..buffer import KVCacheBuffer
 from ..context import CacheContext, cache_context, check_same_tokens
 from ..contract import ContinuousCacheInputs, KVCacheInputs, continuous_input_types
 from ..params import KVCacheParams, resolve_params
 from ..validation import check_fits, check_int, check_request_id, check_sequence, check_unique
-
-CacheInputs = tuple[Buffer, ...]
-"""Per device: (blocks, cache_lengths, lookup_table, is_cache_empty), then
-scales for a quantized cache."""
+from .increment import CacheInputs, CacheLengthIncrement
 
 _UINT32_BYTES = 4
 
 
 class ContinuousBatchingKVCacheManager:
     """Hands out slots of a `[max_cache_batch_size, 2, num_layers, max_seq_len,
-    n_kv_heads_per_device, head_dim]` block tensor per device (and of a scales
-    tensor beside it, for a quantized cache).
+    n_kv_heads_per_device, head_dim]` slot tensor per device (MAX's `blocks`),
+    and of a scales tensor beside it for a quantized cache.
 
     Every public call either does what its docstring says or raises
     `TypeError` / `ValueError` naming the bad argument, having changed nothing
@@ -58,13 +56,13 @@ class ContinuousBatchingKVCacheManager:
             its `tokens_per_scale` must divide `max_seq_len`.
         max_cache_batch_size: Slots, i.e. the most requests claimed at once.
         max_seq_len: Tokens one slot holds.
-        num_layers: Must equal `params.num_layers` (the seed's signature).
-        devices: One block tensor per device (TP shards of the KV heads), the
+        num_layers: Must equal `params.num_layers` (MAX's documented signature).
+        devices: One slot tensor per device (TP shards of the KV heads), the
             devices `params.devices` names, in order.
         session: Compiles the small `increment_cache_lengths` graph.
 
     Raises:
-        TypeError, ValueError: A bad argument, by name; block tensors that
+        TypeError, ValueError: A bad argument, by name; slot tensors that
             would not fit in a device's free memory are refused before
             anything is allocated.
     """
@@ -94,7 +92,7 @@ class ContinuousBatchingKVCacheManager:
         self.buffer = KVCacheBuffer.allocate(
             params, max_cache_batch_size, params.devices, null_page=False, tokens_per_page=max_seq_len
         )
-        """Every device's block tensor (`values`) and, when quantized, scales tensor."""
+        """Every device's slot tensor (`values`) and, when quantized, scales tensor."""
         # Per-slot metadata, preallocated: fetch() hands out slices of these.
         self._lengths = np.zeros(max_cache_batch_size, np.uint32)
         self._lookup = [np.zeros(max_cache_batch_size, np.uint32) for _ in self.devices]
@@ -103,11 +101,12 @@ class ContinuousBatchingKVCacheManager:
         self._slot_of: dict[Hashable, int] = {}
         self._context_of: dict[Hashable, tuple[object, CacheContext]] = {}
         """Per request, the context object last passed and its adapted view (identity checks)."""
-        self._increment_models: dict[DeviceRef, Model] = {}
+        self._increment: CacheLengthIncrement | None = None
+        """`increment_cache_lengths`' checks and graph, made on first use."""
 
     @property
     def blocks(self) -> list[Buffer]:
-        """Each device's block tensor."""
+        """Each device's slot tensor (MAX's name: `blocks`)."""
         return self.buffer.values
 
     @property
@@ -143,7 +142,7 @@ class ContinuousBatchingKVCacheManager:
         num_layers: int,
         devices: Sequence[Device],
     ) -> int:
-        """Bytes allocated on all devices: each device's block tensor (and
+        """Bytes allocated on all devices: each device's slot tensor (and
         scales tensor, when quantized) plus its per-sequence cache lengths and
         lookup table (uint32 each).
 
@@ -151,7 +150,7 @@ class ContinuousBatchingKVCacheManager:
             TypeError, ValueError: The arguments the constructor would refuse.
         """
         params = _checked_args(params, max_cache_batch_size, max_seq_len, num_layers, devices)
-        per_device = max_cache_batch_size * (params.bytes_per_block(max_seq_len) + 2 * _UINT32_BYTES)
+        per_device = max_cache_batch_size * (params.bytes_for_tokens(max_seq_len) + 2 * _UINT32_BYTES)
         return per_device * len(devices)
 
     def allocated_bytes(self) -> int:
@@ -339,7 +338,7 @@ class ContinuousBatchingKVCacheManager:
             self.devices,
             strict=True,
         ):
-            if views:  # the seed's fetch hands out views of preallocated rows
+            if views:  # MAX's documented fetch hands out views of preallocated rows
                 lookup[:batch] = slots
                 cache_lengths[:batch] = lengths
                 lookup_rows, length_rows = lookup[:batch], cache_lengths[:batch]
@@ -354,7 +353,7 @@ class ContinuousBatchingKVCacheManager:
     def input_symbols(self) -> list[ContinuousCacheInputs[BufferType | TensorType]]:
         """Per device, the graph input types of `fetch`'s and `runtime_inputs`'
         outputs (`mokv.contract.continuous_input_types`), with symbolic batch
-        size; the block tensor is a `BufferType` because ops write to it."""
+        size; the slot tensor is a `BufferType` because ops write to it."""
         return [
             continuous_input_types(self.params, self.max_seq_len, DeviceRef.from_device(device))
             for device in self.devices
@@ -368,7 +367,7 @@ class ContinuousBatchingKVCacheManager:
         host round trip. `prev_model_inputs` is the previous step's model inputs:
         an object with `input_row_offsets`, or a tuple `(tokens, input_row_offsets, ...)`.
         `is_cache_empty` becomes False: only the first step encodes context; the
-        block and scales tensors stay the same.
+        slot and scales tensors stay the same.
 
         Raises:
             TypeError, ValueError: Checked before anything runs: not one
@@ -378,94 +377,9 @@ class ContinuousBatchingKVCacheManager:
                 size; row offsets that are no uint32 `[batch + 1]`
                 non-decreasing vector; or lengths that would pass `max_seq_len`.
         """
-        row_offsets = self._checked_increment(kv_cache_inputs, prev_model_inputs)
-        not_empty = Buffer.scalar(False, DType.bool)
-        updated = []
-        for blocks, cache_lengths, lookup_table, _, *scales in kv_cache_inputs:
-            device = cache_lengths.device
-            offsets = row_offsets if row_offsets.device == device else row_offsets.to(device)
-            (new_lengths,) = self._increment_graph(DeviceRef.from_device(device)).execute(cache_lengths, offsets)
-            updated.append((blocks, new_lengths, lookup_table, not_empty, *scales))
-        return updated
-
-    def _checked_increment(self, kv_cache_inputs: Sequence[CacheInputs], prev_model_inputs: Any) -> Buffer:
-        """`increment_cache_lengths`' arguments checked whole; returns the row offsets."""
-        check_sequence("kv_cache_inputs", kv_cache_inputs)
-        if len(kv_cache_inputs) != len(self.devices):
-            raise ValueError(
-                f"kv_cache_inputs has {len(kv_cache_inputs)} entries, one per device expected ({len(self.devices)})"
-            )
-        batch_sizes = set()
-        lengths = []
-        names = ["blocks", "cache_lengths", "lookup_table", "is_cache_empty"] + (["scales"] if self.scales else [])
-        for i, entry in enumerate(kv_cache_inputs):
-            if not isinstance(entry, (tuple, list)) or len(entry) != len(names):
-                raise TypeError(f"kv_cache_inputs[{i}] must be ({', '.join(names)}), got {entry!r}")
-            blocks, cache_lengths, _, _, *scales = entry
-            if blocks is not self.buffer.graph_values[i]:
-                raise ValueError(f"kv_cache_inputs[{i}] holds a block tensor that is not this manager's device {i}")
-            if scales and scales[0] is not self.buffer.shard_scales[i]:
-                raise ValueError(f"kv_cache_inputs[{i}] holds a scales tensor that is not this manager's device {i}")
-            _check_vector(f"kv_cache_inputs[{i}] cache_lengths", cache_lengths)
-            batch_sizes.add(cache_lengths.shape[0])
-            lengths.append(cache_lengths)
-        if len(batch_sizes) > 1:
-            raise ValueError(f"kv_cache_inputs have different batch sizes: {sorted(batch_sizes)}")
-        if hasattr(prev_model_inputs, "input_row_offsets"):
-            row_offsets = prev_model_inputs.input_row_offsets
-        elif isinstance(prev_model_inputs, (tuple, list)) and len(prev_model_inputs) >= 2:
-            row_offsets = prev_model_inputs[1]
-        else:
-            raise TypeError(
-                "prev_model_inputs must have input_row_offsets or be a tuple (tokens, input_row_offsets, ...), "
-                f"got {type(prev_model_inputs).__name__}"
-            )
-        _check_vector("input_row_offsets", row_offsets)
-        (batch,) = batch_sizes or {0}
-        if row_offsets.shape[0] != batch + 1:
-            raise ValueError(f"input_row_offsets has {row_offsets.shape[0]} entries, the batch needs {batch + 1}")
-        offsets = _host_numpy(row_offsets).astype(np.int64)
-        new_tokens = np.diff(offsets)
-        if (new_tokens < 0).any():
-            raise ValueError(f"input_row_offsets must not decrease, got {offsets.tolist()}")
-        for i, cache_lengths in enumerate(lengths):
-            after = _host_numpy(cache_lengths).astype(np.int64) + new_tokens
-            if after.max(initial=0) > self.max_seq_len:
-                raise ValueError(
-                    f"kv_cache_inputs[{i}]: cache lengths would reach {int(after.max())}, "
-                    f"past max_seq_len={self.max_seq_len}"
-                )
-        return row_offsets
-
-    def _increment_graph(self, device: DeviceRef) -> Model:
-        """`cache_lengths + diff(input_row_offsets)` on `device`, where that
-        device's cache lengths live; compiled once per device."""
-        if device not in self._increment_models:
-            with Graph(
-                "mokv_increment_cache_lengths",
-                input_types=[
-                    TensorType(DType.uint32, ["batch_size"], device),
-                    TensorType(DType.uint32, ["batch_size_plus_one"], device),
-                ],
-            ) as graph:
-                lengths, offsets = (v.tensor for v in graph.inputs)
-                new_tokens = offsets[1:] - offsets[:-1]
-                graph.output(lengths + ops.rebind(new_tokens, lengths.shape))
-            self._increment_models[device] = self.session.load(graph)
-        return self._increment_models[device]
-
-
-def _check_vector(name: str, value: object) -> None:
-    """Refuses anything but a 1-D uint32 `Buffer`."""
-    if not isinstance(value, Buffer) or value.dtype != DType.uint32 or value.rank != 1:
-        described = (
-            f"{value.dtype} with shape {tuple(value.shape)}" if isinstance(value, Buffer) else type(value).__name__
-        )
-        raise TypeError(f"{name} must be a 1-D uint32 max.driver.Buffer, got {described}")
-
-
-def _host_numpy(buffer: Buffer) -> np.ndarray:
-    return buffer.to_numpy() if buffer.device.is_host else buffer.to(CPU()).to_numpy()
+        if self._increment is None:
+            self._increment = CacheLengthIncrement(self.session, self.buffer, self.max_seq_len)
+        return self._increment(kv_cache_inputs, prev_model_inputs)
 
 
 def _checked_args(

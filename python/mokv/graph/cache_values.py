@@ -6,7 +6,7 @@ Dimensions that change from batch to batch (batch size, pages, lookup-table
 width, multi-step rows) are symbolic, so one compiled graph serves every batch.
 
 A quantized cache's values carry its `scales` buffer too (`quantized`), and the
-ops take it right after the blocks.
+ops take it right after `blocks` (the page or slot tensor).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class _ComponentCache:
     @classmethod
     def from_inputs(cls, values: Sequence[Value]) -> Self:
         """Wraps one device's graph inputs, declared by the contract's
-        `paged_input_types` / `continuous_input_types`: the block buffer, then
+        `paged_input_types` / `continuous_input_types`: the `blocks` buffer, then
         tensors, then (a quantized cache only) the scales buffer."""
         unquantized = len(fields(cls)) - 1  # every field but scales
         if len(values) not in (unquantized, unquantized + 1):

@@ -4,7 +4,7 @@ Each operation is one Mojo op for the component tensors of either layout
 (`mokv.store_kv`, `mokv.gather`, `mokv.attention`): the op tells a paged cache
 from a continuous-batching one at compile time by the rank of its lookup table.
 A quantized cache (8-bit codes with float32 scales) has its own variant of
-each, taking the scales after the blocks (`mokv.<operation>.quantized`), and
+each, taking the scales after `blocks` (`mokv.<operation>.quantized`), and
 keys, values, queries and gathered rows in the model's dtype (float32 or
 bfloat16). The opaque continuous-batching collection, a single operand, has its
 own variant of each (`mokv.<operation>.continuous_collection`).
@@ -93,7 +93,7 @@ def gather_kv_codes(
     positions: TensorValue,
 ) -> tuple[TensorValue, TensorValue]:
     """A quantized cache's rows as stored, as `gather_kv` finds them: the codes
-    `[n, kv_heads, head_dim]` (in the blocks' graph dtype: float8 as uint8
+    `[n, kv_heads, head_dim]` (in `blocks`' graph dtype: float8 as uint8
     bits, int8) and their float32 scales `[n, kv_heads, granules]`. CPU only."""
     if not is_quantized(cache):
         raise TypeError("gather_kv_codes reads a quantized cache; this one stores plain values (use gather_kv)")

@@ -1,8 +1,9 @@
-"""Paged KV cache: block pool, prefix hashing, replicas, manager and runtime inputs."""
+"""Paged KV cache: page pool, page table, request state, prefix lookup and
+commit, replicas, the manager, and its runtime inputs."""
 
+from .input_plan import BatchCharacteristics
 from .manager import PagedKVCacheManager
-from .replica import InsufficientBlocksError
-from .runtime_inputs import BatchCharacteristics
+from .page_pool import InsufficientBlocksError
 
 __all__ = [
     "BatchCharacteristics",
