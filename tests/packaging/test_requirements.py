@@ -77,6 +77,8 @@ def test_constraints_agree_with_every_pin():
 def test_pixi_installs_exactly_the_pinned_packages():
     pixi = tomllib.loads((REPO / "pixi.toml").read_text())["pypi-dependencies"]
     assert pixi.pop("mokv") == {"path": ".", "editable": True}
+    # The references, as make setup installs them: tests and benchmarks only.
+    assert pixi.pop("mokv-reference") == {"path": "reference", "editable": True}
     expected: dict[str, tuple[str, set[str]]] = {}
     for file in PINNED_FILES:
         for name, req in pinned(file)[0].items():
