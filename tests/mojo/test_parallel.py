@@ -38,4 +38,4 @@ def test_every_item_runs_exactly_once_on_the_caller_and_its_helpers():
 def test_both_kernel_packages_carry_the_same_fork_join():
     """A link in the checkout, a copy in a wheel: the same text either way."""
     root = kernel_sources_root()
-    assert (root / "mokv_kernels" / "parallel.mojo").read_text() == (root / "mokv_quant" / "parallel.mojo").read_text()
+    assert (root / "mokv_kernels" / "parallel.mojo").read_text() == (root / "mokv_weights" / "parallel.mojo").read_text()

@@ -42,7 +42,7 @@ def block_bytes[encoding: StaticString]() -> Int:
     comptime if encoding == "q4_1":
         return 20
     else:
-        comptime assert encoding == "q8_0", "mokv_quant knows q4_1 and q8_0"
+        comptime assert encoding == "q8_0", "mokv_weights knows q4_1 and q8_0"
         return 34
 
 

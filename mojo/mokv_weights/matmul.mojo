@@ -320,7 +320,7 @@ struct BlockMatmul:
         w: InputTensor[dtype=DType.uint8, rank=2, ...],
         ctx: DeviceContext,
     ) raises:
-        comptime assert is_cpu[target](), "mokv_quant runs on CPU only"
+        comptime assert is_cpu[target](), "mokv_weights runs on CPU only"
         var m_rows = x.dim_size(0)
         var k = x.dim_size(1)
         var n_rows = w.dim_size(0)
