@@ -1,6 +1,6 @@
 """Widening float8_e4m3fn codes to float32 on a CPU without float8
 instructions: the standard library's cast, a 256-entry lookup table, and the
-float16 bit move of `mokv_kernels.quant.widen`, against widening int8 codes.
+float16 bit move of `mokv_kernels.kv_quantization.widen`, against widening int8 codes.
 It first checks `widen` against the cast on every non-NaN code.
 
 Run: .venv/bin/mojo run -I mojo tools/fp8_conversion_bench.mojo
@@ -9,7 +9,7 @@ Run: .venv/bin/mojo run -I mojo tools/fp8_conversion_bench.mojo
 from std.memory import bitcast
 from std.time import perf_counter_ns
 
-from mokv_kernels.quant import widen, widened_unit
+from mokv_kernels.kv_quantization import widen, widened_unit
 
 comptime W = 8
 comptime V = SIMD[DType.float32, W]

@@ -13,7 +13,7 @@ from .cache import (
     PagedLayout,
     ScaleTable,
 )
-from .quant import is_quantized
+from .kv_quantization import is_quantized
 
 
 comptime LayoutFor[table_rank: Int] = PagedLayout if table_rank == 2 else ContinuousLayout
@@ -35,7 +35,7 @@ def bind_collection[
     `bind_scales`) for the batch that `cache_lengths` `[batch]` and
     `lookup_table` describe, in the layout the table's rank names
     (`LayoutFor`). Its elements are `dtype`: the blocks' own, or the codes
-    their bits hold (`quant.codes_in`)."""
+    their bits hold (`kv_quantization.codes_in`)."""
     comptime assert (
         table_rank == 1 or table_rank == 2
     ), "lookup_table is [batch, max_pages_per_seq] (paged) or [batch] (continuous batching)"

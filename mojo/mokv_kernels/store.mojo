@@ -17,7 +17,7 @@ from .bind import (
     layer_cache,
 )
 from .cache import CachePtr, KVCacheT, KVCollectionT
-from .quant import codes_in, is_quantized, load_dequantized, store_quantized
+from .kv_quantization import codes_in, is_quantized, load_dequantized, store_quantized
 from .gpu.block import GpuLauncher
 from .gpu.rows import gather_rows_gpu, store_kv_gpu
 

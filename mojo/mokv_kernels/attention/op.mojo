@@ -18,7 +18,7 @@ from ..bind import (
 from ..cache import BatchSummary, KVCacheT, KVCollectionT
 from ..gpu.attention import attention_gpu
 from ..gpu.block import GpuLauncher
-from ..quant import codes_in, is_quantized
+from ..kv_quantization import codes_in, is_quantized
 from ..store import no_quantized_gpu_path
 from ..parallel import Job, run_items
 from .config import F32Ptr, HEAD_DIM_MULTIPLE, LOG2E, PARALLEL_MIN_PRODUCTS, W
