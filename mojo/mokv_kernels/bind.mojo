@@ -3,16 +3,10 @@ a bad page id or slot from ever becoming an out-of-bounds write."""
 
 from extensibility import InputTensor, _MutableInputTensor
 
-from .cache import (
-    BatchSummary,
-    CacheGeometry,
-    ContinuousLayout,
-    KVCacheCollection,
-    KVCacheT,
-    KVCollectionT,
-    PagedLayout,
-    ScaleTable,
-)
+from .cache.batch_summary import BatchSummary
+from .cache.collection import KVCacheCollection
+from .cache.layout import CacheGeometry, ContinuousLayout, PagedLayout, ScaleTable
+from .cache.traits import KVCacheT, KVCollectionT
 from .kv_quantization import is_quantized
 
 

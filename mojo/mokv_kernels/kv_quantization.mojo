@@ -19,7 +19,7 @@ scale is applied times 2^8 (`widened_unit`).
 
 from std.memory import bitcast
 
-from .cache import KVCacheT
+from .cache.traits import KVCacheT
 
 
 def is_quantized[dtype: DType]() -> Bool:

@@ -16,7 +16,8 @@ from .bind import (
     check_token_range,
     layer_cache,
 )
-from .cache import CachePtr, KVCacheT, KVCollectionT
+from .cache.traits import KVCacheT, KVCollectionT
+from .pointers import CachePtr
 from .kv_quantization import codes_in, is_quantized, load_dequantized, store_quantized
 from .gpu.block import GpuLauncher
 from .gpu.rows import gather_rows_gpu, store_kv_gpu

@@ -8,7 +8,8 @@ memory traffic, and this is the access pattern that streams.
 
 from std.sys import prefetch
 
-from ..cache import KVCacheT, ScalePtr
+from ..cache.traits import KVCacheT
+from ..pointers import ScalePtr
 from ..kv_quantization import is_quantized, widen, widened_unit
 from .config import F32Ptr, Vec, W
 from .plan import WorkItem

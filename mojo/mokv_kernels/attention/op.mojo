@@ -15,7 +15,8 @@ from ..bind import (
     check_row_offsets,
     check_token_range,
 )
-from ..cache import BatchSummary, KVCacheT, KVCollectionT
+from ..cache.batch_summary import BatchSummary
+from ..cache.traits import KVCacheT, KVCollectionT
 from ..gpu.attention import attention_gpu
 from ..gpu.block import GpuLauncher
 from ..kv_quantization import codes_in, is_quantized

@@ -10,7 +10,7 @@ all share a few L1 sets.
 
 from std.math import ceildiv
 
-from ..cache import KVCacheT
+from ..cache.traits import KVCacheT
 from ..kv_quantization import is_quantized, widen, widened_unit
 from .config import (
     F32Ptr,

@@ -1,7 +1,7 @@
 """The queries of a ragged batch, where their outputs go, and the attention
 parameters (GQA group, scale, sliding window)."""
 
-from ..cache import CachePtr, U32Ptr
+from ..pointers import CachePtr, U32Ptr
 from .config import F32Ptr, W
 
 

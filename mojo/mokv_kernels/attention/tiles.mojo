@@ -9,7 +9,8 @@ quantized cache, also each row's scales.
 
 from std.sys import prefetch, size_of
 
-from ..cache import CachePtr, KVCacheT, ScalePtr
+from ..cache.traits import KVCacheT
+from ..pointers import CachePtr, ScalePtr
 from ..kv_quantization import is_quantized
 from .config import TILE
 

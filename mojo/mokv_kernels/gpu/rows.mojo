@@ -14,7 +14,8 @@ from extensibility import InputTensor, OutputTensor
 from std.sys import size_of
 
 from ..bind import check_layer, check_rows
-from ..cache import CachePtr, KVCacheT, KVCollectionT, U32Ptr
+from ..cache.traits import KVCacheT, KVCollectionT
+from ..pointers import CachePtr, U32Ptr
 from .block import BlockExecutor, BlockId, F32Ptr, KernelT, Launcher, ThreadProgram
 
 comptime ROW_THREADS = 128
