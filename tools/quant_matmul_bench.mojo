@@ -12,8 +12,9 @@ from std.math import ceildiv
 from std.memory.alloc import unsafe_alloc
 from std.time import perf_counter_ns
 
-from mokv_weights.blocks import BLOCK_VALUES, BytePtr, F32Ptr, block_bytes, code_bytes
+from mokv_weights.blocks import BLOCK_VALUES, block_bytes, code_bytes
 from mokv_weights.matmul import block_matmul
+from mokv_weights.pointers import BytePtr, F32Ptr
 
 comptime REPEATS = 24
 comptime STREAMED_BYTES = 64 << 20

@@ -20,6 +20,7 @@ scale is applied times 2^8 (`widened_unit`).
 from std.memory import bitcast
 
 from .cache.traits import KVCacheT
+from .pointers import CachePtr, F32Ptr
 
 
 def is_quantized[dtype: DType]() -> Bool:
@@ -100,7 +101,7 @@ comptime QUANT_WIDTH = 8
 """Lanes of float32 the store's quantize loops work in."""
 
 
-def granule_scale(src: Pointer[Float32, MutUntrackedOrigin], count: Int, limit: Float32) -> Float32:
+def granule_scale(src: F32Ptr, count: Int, limit: Float32) -> Float32:
     """The largest finite magnitude of `src[0 ..< count]` over `limit`: the
     scale that maps it to the largest code."""
     comptime V = SIMD[DType.float32, QUANT_WIDTH]
@@ -131,12 +132,7 @@ def _codes[
 
 def quantize[
     dtype: DType
-](
-    src: Pointer[Float32, MutUntrackedOrigin],
-    count: Int,
-    scale: Float32,
-    dst: Pointer[Scalar[dtype], MutUntrackedOrigin],
-):
+](src: F32Ptr, count: Int, scale: Float32, dst: CachePtr[dtype],):
     """Writes the codes of `src[0 ..< count]` under `scale`: saturating at
     `code_max`, NaN as 0, everything as 0 under a zero scale."""
     var inv = 1 / scale if scale > 0 else Float32(0)
@@ -151,12 +147,7 @@ def quantize[
 
 def dequantize[
     dtype: DType
-](
-    codes: Pointer[Scalar[dtype], MutUntrackedOrigin],
-    count: Int,
-    scale: Float32,
-    dst: Pointer[Float32, MutUntrackedOrigin],
-):
+](codes: CachePtr[dtype], count: Int, scale: Float32, dst: F32Ptr,):
     """Writes the values of `codes[0 ..< count]` under `scale` to `dst`."""
     var unit = scale * widened_unit[dtype]()
     for i in range(count):
@@ -165,13 +156,7 @@ def dequantize[
 
 def store_quantized[
     cache_t: KVCacheT, src_dtype: DType
-](
-    cache: cache_t,
-    bs: Int,
-    first: Int,
-    count: Int,
-    src: Pointer[Scalar[src_dtype], MutUntrackedOrigin],
-):
+](cache: cache_t, bs: Int, first: Int, count: Int, src: CachePtr[src_dtype],):
     """Quantizes `count` token rows at `src` into positions `first ..<
     first + count` of batch row `bs`, one scale block at a time.
 
@@ -229,7 +214,7 @@ def store_quantized[
 
 def load_dequantized[
     cache_t: KVCacheT, dest_dtype: DType
-](cache: cache_t, bs: Int, tok: Int, dest: Pointer[Scalar[dest_dtype], MutUntrackedOrigin],):
+](cache: cache_t, bs: Int, tok: Int, dest: CachePtr[dest_dtype],):
     """Writes token row `tok` of batch row `bs` as values to `dest`."""
     var table = cache.scales()
     var d = cache.head_dim()

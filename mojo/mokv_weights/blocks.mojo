@@ -25,9 +25,8 @@ products that apply the scales once per block.
 
 from std.sys import simd_width_of
 
-comptime BytePtr = Pointer[UInt8, MutUntrackedOrigin]
-comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
-comptime F16Ptr = Pointer[Float16, MutUntrackedOrigin]
+from .pointers import BytePtr, F16Ptr
+
 comptime GROUP = max(8, simd_width_of[DType.float32]())
 """Weights per `dequantize`: one float32 vector (AVX2: 8, AVX-512: 16; at least 8)."""
 comptime Group = SIMD[DType.float32, GROUP]

@@ -42,13 +42,12 @@ from .blocks import (
     GROUPS,
     BlockRow,
     BlockScales,
-    BytePtr,
-    F32Ptr,
     Group,
     block_bytes,
     code_bytes,
 )
 from .parallel import Job, run_items
+from .pointers import BytePtr, F32Ptr
 
 comptime DIRECT_MR = 8 if CompilationTarget.has_avx512f() else 6
 """Rows of `x` up to which a product dequantizes each weight in registers, in register

@@ -6,7 +6,6 @@ from std.sys import simd_width_of
 from std.utils.numerics import neg_inf
 
 
-comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
 comptime W = simd_width_of[DType.float32]()
 """Float32 lanes per vector: 4 (NEON), 8 (AVX2) or 16 (AVX-512)."""
 comptime HEAD_DIM_MULTIPLE = 16

@@ -22,7 +22,8 @@ from ..gpu.block import GpuLauncher
 from ..kv_quantization import codes_in, is_quantized
 from ..store import no_quantized_gpu_path
 from ..parallel import Job, run_items
-from .config import F32Ptr, HEAD_DIM_MULTIPLE, LOG2E, PARALLEL_MIN_PRODUCTS, W
+from ..pointers import F32Ptr
+from .config import HEAD_DIM_MULTIPLE, LOG2E, PARALLEL_MIN_PRODUCTS, W
 from .decode import _decode_any_group
 from .plan import WorkItem, _plan, _scores
 from .prefill import _prefill_item

@@ -3,7 +3,7 @@ batch's metadata (`CacheGeometry`, with the quantized cache's `ScaleTable`),
 and the two ways a batch row's tokens map onto blocks (`BlockLayout`:
 `PagedLayout`, `ContinuousLayout`)."""
 
-from ..pointers import ScalePtr, U32Ptr
+from ..pointers import BytePtr, ScalePtr, U32Ptr
 
 
 @fieldwise_init
@@ -30,7 +30,7 @@ struct CacheGeometry(TrivialRegisterPassable):
     """Shape of the block tensor and the batch's per-row metadata, shared by
     both layouts."""
 
-    var blocks: Pointer[UInt8, MutUntrackedOrigin]
+    var blocks: BytePtr
     var num_blocks: Int
     var num_layers: Int
     var block_len: Int
