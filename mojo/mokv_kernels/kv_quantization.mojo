@@ -24,18 +24,18 @@ from .pointers import CachePtr, F32Ptr
 
 
 def is_quantized[dtype: DType]() -> Bool:
-    """Whether a block tensor of `dtype` holds codes (with scales) rather
+    """Whether a page tensor of `dtype` holds codes (with scales) rather
     than values."""
     return dtype == DType.float8_e4m3fn or dtype == DType.int8
 
 
 def codes_in[graph_dtype: DType]() -> DType:
-    """The codes that a quantized cache's blocks of `graph_dtype` hold:
+    """The codes that a quantized cache's pages of `graph_dtype` hold:
     float8 codes travel as their uint8 bits (MAX's CPU graphs take no float8
     tensors), int8 codes as themselves."""
     comptime assert (
         graph_dtype == DType.uint8 or graph_dtype == DType.int8
-    ), "a quantized cache's blocks are uint8 (float8_e4m3fn bits) or int8"
+    ), "a quantized cache's pages are uint8 (float8_e4m3fn bits) or int8"
     return DType.float8_e4m3fn if graph_dtype == DType.uint8 else DType.int8
 
 

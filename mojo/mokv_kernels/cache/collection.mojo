@@ -2,13 +2,13 @@
 MAX's names (`PagedKVCacheCollection`, `ContinuousBatchingKVCacheCollection`)."""
 
 from .kv_cache import KVCache
-from .layout import BlockLayout, CacheGeometry, ContinuousLayout, PagedLayout
+from .layout import CacheGeometry, ContinuousLayout, PageLayout, PagedLayout
 from .traits import KVCollectionT
 
 
 @fieldwise_init
-struct KVCacheCollection[dtype: DType, layout_t: BlockLayout](KVCollectionT):
-    """A cache's layers for one batch, in the blocks of `layout_t`."""
+struct KVCacheCollection[dtype: DType, layout_t: PageLayout](KVCollectionT):
+    """A cache's layers for one batch, in the pages of `layout_t`."""
 
     comptime CacheType = KVCache[Self.dtype, Self.layout_t]
 

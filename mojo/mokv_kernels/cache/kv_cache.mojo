@@ -2,13 +2,13 @@
 (`PagedKVCache`, `ContinuousBatchingKVCache`)."""
 
 from ..pointers import CachePtr, ScalePtr
-from .layout import BlockLayout, CacheGeometry, ContinuousLayout, PagedLayout, ScaleTable
+from .layout import CacheGeometry, ContinuousLayout, PageLayout, PagedLayout, ScaleTable
 from .traits import KVCacheT
 
 
 @fieldwise_init
-struct KVCache[dtype_: DType, layout_t: BlockLayout](KVCacheT):
-    """A layer's K or V cache in the blocks of `layout_t`."""
+struct KVCache[dtype_: DType, layout_t: PageLayout](KVCacheT):
+    """A layer's K or V cache in the pages of `layout_t`."""
 
     comptime dtype = Self.dtype_
 
@@ -29,27 +29,27 @@ struct KVCache[dtype_: DType, layout_t: BlockLayout](KVCacheT):
     def head_dim(self) -> Int:
         return self.geometry.head_dim
 
-    def block_index(self, bs: Int, tok_idx: Int) -> Int:
-        return self.layout.block_index(self.geometry, bs, tok_idx)
+    def page_index(self, bs: Int, tok_idx: Int) -> Int:
+        return self.layout.page_index(self.geometry, bs, tok_idx)
 
-    def num_blocks(self) -> Int:
-        return self.geometry.num_blocks
+    def num_pages(self) -> Int:
+        return self.geometry.num_pages
 
     def row_ptr(self, bs: Int, tok_idx: Int) -> CachePtr[Self.dtype_]:
         var offset = self.geometry.offset(
-            self.block_index(bs, tok_idx),
+            self.page_index(bs, tok_idx),
             self.kv_idx,
             self.layer,
-            self.layout.token_in_block(self.geometry, tok_idx),
+            self.layout.token_in_page(self.geometry, tok_idx),
         )
-        return self.geometry.blocks.unsafe_bitcast[Scalar[Self.dtype_]]().unsafe_offset(offset)
+        return self.geometry.pages.unsafe_bitcast[Scalar[Self.dtype_]]().unsafe_offset(offset)
 
     def scale_row(self, bs: Int, tok_idx: Int) -> ScalePtr:
         var offset = self.geometry.scale_offset(
-            self.block_index(bs, tok_idx),
+            self.page_index(bs, tok_idx),
             self.kv_idx,
             self.layer,
-            self.layout.token_in_block(self.geometry, tok_idx),
+            self.layout.token_in_page(self.geometry, tok_idx),
         )
         return self.geometry.scales.scales.unsafe_offset(offset)
 

@@ -1,6 +1,6 @@
-"""Where a cache's tokens and scales live: the block tensor's shape and the
+"""Where a cache's tokens and scales live: the page tensor's shape and the
 batch's metadata (`CacheGeometry`, with the quantized cache's `ScaleTable`),
-and the two ways a batch row's tokens map onto blocks (`BlockLayout`:
+and the two ways a batch row's tokens map onto pages (`PageLayout`:
 `PagedLayout`, `ContinuousLayout`)."""
 
 from ..pointers import BytePtr, ScalePtr, U32Ptr
@@ -21,19 +21,19 @@ struct ScaleTable(TrivialRegisterPassable):
         pointer is never null) is never read."""
         return Self(anywhere, 1, 0)
 
-    def rows_per_block(self, block_len: Int) -> Int:
-        return block_len // self.tokens_per_scale
+    def rows_per_page(self, page_len: Int) -> Int:
+        return page_len // self.tokens_per_scale
 
 
 @fieldwise_init
 struct CacheGeometry(TrivialRegisterPassable):
-    """Shape of the block tensor and the batch's per-row metadata, shared by
+    """Shape of the page tensor and the batch's per-row metadata, shared by
     both layouts."""
 
-    var blocks: BytePtr
-    var num_blocks: Int
+    var pages: BytePtr
+    var num_pages: Int
     var num_layers: Int
-    var block_len: Int
+    var page_len: Int
     var n_kv_heads: Int
     var head_dim: Int
     var batch_size: Int
@@ -44,17 +44,17 @@ struct CacheGeometry(TrivialRegisterPassable):
     def row_elems(self) -> Int:
         return self.n_kv_heads * self.head_dim
 
-    def offset(self, block: Int, kv_idx: Int, layer: Int, tok_in_block: Int) -> Int:
-        """Element offset of one token row inside the block tensor."""
+    def offset(self, page: Int, kv_idx: Int, layer: Int, tok_in_page: Int) -> Int:
+        """Element offset of one token row inside the page tensor."""
         return (
-            ((block * 2 + kv_idx) * self.num_layers + layer) * self.block_len + tok_in_block
+            ((page * 2 + kv_idx) * self.num_layers + layer) * self.page_len + tok_in_page
         ) * self.row_elems()
 
-    def scale_offset(self, block: Int, kv_idx: Int, layer: Int, tok_in_block: Int) -> Int:
+    def scale_offset(self, page: Int, kv_idx: Int, layer: Int, tok_in_page: Int) -> Int:
         """Element offset of one token's scales inside the scale table."""
-        var rows = self.scales.rows_per_block(self.block_len)
-        var row = ((block * 2 + kv_idx) * self.num_layers + layer) * rows + (
-            tok_in_block // self.scales.tokens_per_scale
+        var rows = self.scales.rows_per_page(self.page_len)
+        var row = ((page * 2 + kv_idx) * self.num_layers + layer) * rows + (
+            tok_in_page // self.scales.tokens_per_scale
         )
         return row * self.n_kv_heads * self.scales.granules
 
@@ -62,15 +62,16 @@ struct CacheGeometry(TrivialRegisterPassable):
         return Int(self.cache_lengths[unsafe_offset=bs])
 
 
-trait BlockLayout(TrivialRegisterPassable):
-    """Where a batch row's tokens live in the block tensor."""
+trait PageLayout(TrivialRegisterPassable):
+    """Where a batch row's tokens live in the page tensor."""
 
-    def block_index(self, geometry: CacheGeometry, bs: Int, tok_idx: Int) -> Int:
-        """The block (page or slot) holding token `tok_idx` of row `bs`."""
+    def page_index(self, geometry: CacheGeometry, bs: Int, tok_idx: Int) -> Int:
+        """The page (a continuous-batching slot) holding token `tok_idx` of
+        row `bs`."""
         ...
 
-    def token_in_block(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
-        """The token row of that block that holds token `tok_idx`."""
+    def token_in_page(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
+        """The token row of that page that holds token `tok_idx`."""
         ...
 
     def contiguous_tokens(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
@@ -84,38 +85,38 @@ trait BlockLayout(TrivialRegisterPassable):
 
 
 @fieldwise_init
-struct PagedLayout(BlockLayout):
-    """Pages of `block_len` tokens, `max_pages_per_seq` lookup-table columns
+struct PagedLayout(PageLayout):
+    """Pages of `page_len` tokens, `max_pages_per_seq` lookup-table columns
     per row."""
 
     var max_pages_per_seq: Int
 
-    def block_index(self, geometry: CacheGeometry, bs: Int, tok_idx: Int) -> Int:
-        var column = tok_idx // geometry.block_len
+    def page_index(self, geometry: CacheGeometry, bs: Int, tok_idx: Int) -> Int:
+        var column = tok_idx // geometry.page_len
         return Int(geometry.lookup_table[unsafe_offset=bs * self.max_pages_per_seq + column])
 
-    def token_in_block(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
-        return tok_idx % geometry.block_len
+    def token_in_page(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
+        return tok_idx % geometry.page_len
 
     def contiguous_tokens(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
-        return geometry.block_len - tok_idx % geometry.block_len
+        return geometry.page_len - tok_idx % geometry.page_len
 
     def max_tokens(self, geometry: CacheGeometry) -> Int:
-        return self.max_pages_per_seq * geometry.block_len
+        return self.max_pages_per_seq * geometry.page_len
 
 
 @fieldwise_init
-struct ContinuousLayout(BlockLayout):
-    """One slot of `block_len` (`max_seq_len`) tokens per sequence."""
+struct ContinuousLayout(PageLayout):
+    """One slot per sequence: a page of `page_len` (`max_seq_len`) tokens."""
 
-    def block_index(self, geometry: CacheGeometry, bs: Int, tok_idx: Int) -> Int:
+    def page_index(self, geometry: CacheGeometry, bs: Int, tok_idx: Int) -> Int:
         return Int(geometry.lookup_table[unsafe_offset=bs])
 
-    def token_in_block(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
+    def token_in_page(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
         return tok_idx
 
     def contiguous_tokens(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
-        return geometry.block_len - tok_idx
+        return geometry.page_len - tok_idx
 
     def max_tokens(self, geometry: CacheGeometry) -> Int:
-        return geometry.block_len
+        return geometry.page_len

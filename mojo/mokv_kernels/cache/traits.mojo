@@ -26,12 +26,13 @@ trait KVCacheT(TrivialRegisterPassable):
         """Elements per head."""
         ...
 
-    def block_index(self, bs: Int, tok_idx: Int) -> Int:
-        """The block (page or slot) holding token `tok_idx` of row `bs`."""
+    def page_index(self, bs: Int, tok_idx: Int) -> Int:
+        """The page (a continuous-batching slot) holding token `tok_idx` of
+        row `bs`."""
         ...
 
-    def num_blocks(self) -> Int:
-        """Blocks in the block tensor: every `block_index` must be below it."""
+    def num_pages(self) -> Int:
+        """Pages in the page tensor: every `page_index` must be below it."""
         ...
 
     def row_ptr(self, bs: Int, tok_idx: Int) -> CachePtr[Self.dtype]:
