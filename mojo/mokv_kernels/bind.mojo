@@ -18,14 +18,14 @@ operation serves both layouts."""
 
 
 def bind_collection[
-    pages_dtype: DType, table_rank: Int, //, dtype: DType = pages_dtype
+    blocks_dtype: DType, table_rank: Int, //, dtype: DType = blocks_dtype
 ](
-    pages: _MutableInputTensor[dtype=pages_dtype, rank=6, ...],
+    blocks: _MutableInputTensor[dtype=blocks_dtype, rank=6, ...],
     cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
     lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
     scales: Optional[ScaleTable] = None,
 ) raises -> KVCacheCollection[dtype, LayoutFor[table_rank]]:
-    """The collection over `pages` (and, quantized, `scales`: see
+    """The collection over the page tensor `blocks` (and, quantized, `scales`: see
     `bind_scales`) for the batch that `cache_lengths` `[batch]` and
     `lookup_table` describe, in the layout the table's rank names
     (`LayoutFor`). Its elements are `dtype`: the pages' own, or the codes
@@ -38,14 +38,14 @@ def bind_collection[
             t"lookup_table has {lookup_table.dim_size(0)} rows but"
             t" cache_lengths has {cache_lengths.dim_size(0)}"
         )
-    var base = pages.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var base = blocks.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var geometry = CacheGeometry(
         base.unsafe_bitcast[UInt8](),
-        pages.dim_size(0),
-        pages.dim_size(2),
-        pages.dim_size(3),
-        pages.dim_size(4),
-        pages.dim_size(5),
+        blocks.dim_size(0),
+        blocks.dim_size(2),
+        blocks.dim_size(3),
+        blocks.dim_size(4),
+        blocks.dim_size(5),
         cache_lengths.dim_size(0),
         cache_lengths.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
         lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
@@ -61,20 +61,20 @@ def bind_collection[
 def bind_scales[
     dtype: DType
 ](
-    pages: _MutableInputTensor[rank=6, ...],
+    blocks: _MutableInputTensor[rank=6, ...],
     scales: _MutableInputTensor[dtype=DType.float32, rank=6, ...],
 ) raises -> ScaleTable:
     """The scale table of a quantized cache: float32 `[num_pages, 2,
     num_layers, page_len // tokens_per_scale, n_kv_heads, granules]`,
-    checked against the pages, its scale-block shape read off its dims."""
+    checked against `blocks`, its scale-block shape read off its dims."""
     comptime assert is_quantized[dtype](), "only float8_e4m3fn and int8 pages have scales"
-    var page_len = pages.dim_size(3)
-    var head_dim = pages.dim_size(5)
+    var page_len = blocks.dim_size(3)
+    var head_dim = blocks.dim_size(5)
     var shape_ok = (
-        scales.dim_size(0) == pages.dim_size(0)
+        scales.dim_size(0) == blocks.dim_size(0)
         and scales.dim_size(1) == 2
-        and scales.dim_size(2) == pages.dim_size(2)
-        and scales.dim_size(4) == pages.dim_size(4)
+        and scales.dim_size(2) == blocks.dim_size(2)
+        and scales.dim_size(4) == blocks.dim_size(4)
     )
     var rows = scales.dim_size(3)
     var granules = scales.dim_size(5)
@@ -88,9 +88,9 @@ def bind_scales[
         raise Error(
             t"scales have shape [{scales.dim_size(0)}, {scales.dim_size(1)},"
             t" {scales.dim_size(2)}, {rows}, {scales.dim_size(4)}, {granules}], which does"
-            t" not fit pages [{pages.dim_size(0)}, 2, {pages.dim_size(2)}, {page_len},"
-            t" {pages.dim_size(4)}, {head_dim}]: expected [{pages.dim_size(0)}, 2,"
-            t" {pages.dim_size(2)}, a divisor of {page_len}, {pages.dim_size(4)}, a"
+            t" not fit blocks [{blocks.dim_size(0)}, 2, {blocks.dim_size(2)}, {page_len},"
+            t" {blocks.dim_size(4)}, {head_dim}]: expected [{blocks.dim_size(0)}, 2,"
+            t" {blocks.dim_size(2)}, a divisor of {page_len}, {blocks.dim_size(4)}, a"
             t" divisor of {head_dim}]"
         )
     return ScaleTable(

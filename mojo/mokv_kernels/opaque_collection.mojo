@@ -50,20 +50,20 @@ struct OpaqueContinuousCache(TrivialRegisterPassable):
 
 @extensibility.register("mokv.collection.continuous")
 struct FetchContinuousCollection:
-    """Turns (pages, cache_lengths, lookup_table, is_cache_empty) into the
+    """Turns (blocks, cache_lengths, lookup_table, is_cache_empty) into the
     opaque collection value."""
 
     @staticmethod
     def execute[
         dtype: DType, target: StaticString
     ](
-        pages: _MutableInputTensor[dtype=dtype, rank=6, ...],
+        blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],
         is_cache_empty: Scalar[DType.bool],
         ctx: DeviceContext,
     ) raises -> OpaqueContinuousCollection:
-        var typed = bind_collection(pages, cache_lengths, lookup_table)
+        var typed = bind_collection(blocks, cache_lengths, lookup_table)
         return OpaqueContinuousCollection(typed.geometry, dtype, Bool(is_cache_empty))
 
 

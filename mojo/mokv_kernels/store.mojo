@@ -126,7 +126,7 @@ def gather_codes[
     positions: InputTensor[dtype=DType.uint32, rank=1, ...],
 ) raises:
     """A quantized cache's token rows as stored: codes `[n, n_kv_heads,
-    head_dim]` (as the pages' graph dtype holds them) and their scales
+    head_dim]` (as the `blocks` tensor's graph dtype holds them) and their scales
     `[n, n_kv_heads, granules]`."""
     var table = cache.scales()
     var row = cache.num_heads() * cache.head_dim()
@@ -219,7 +219,7 @@ struct StoreKV:
     def execute[
         dtype: DType, table_rank: Int, target: StaticString
     ](
-        pages: _MutableInputTensor[dtype=dtype, rank=6, ...],
+        blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
         keys: InputTensor[dtype=dtype, rank=3, ...],
@@ -228,7 +228,7 @@ struct StoreKV:
         layer_idx: UInt32,
         ctx: DeviceContext,
     ) raises:
-        var collection = bind_collection(pages, cache_lengths, lookup_table)
+        var collection = bind_collection(blocks, cache_lengths, lookup_table)
         store_kv_on[target](ctx, collection, layer_idx, keys, values, input_row_offsets)
 
 
@@ -242,7 +242,7 @@ struct StoreKVQuantized:
     def execute[
         dtype: DType, cache_dtype: DType, table_rank: Int, target: StaticString
     ](
-        pages: _MutableInputTensor[dtype=cache_dtype, rank=6, ...],
+        blocks: _MutableInputTensor[dtype=cache_dtype, rank=6, ...],
         scales: _MutableInputTensor[dtype=DType.float32, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
@@ -254,7 +254,7 @@ struct StoreKVQuantized:
     ) raises:
         comptime code_dtype = codes_in[cache_dtype]()
         var collection = bind_collection[code_dtype](
-            pages, cache_lengths, lookup_table, bind_scales[code_dtype](pages, scales)
+            blocks, cache_lengths, lookup_table, bind_scales[code_dtype](blocks, scales)
         )
         store_kv_on[target](ctx, collection, layer_idx, keys, values, input_row_offsets)
 
@@ -289,7 +289,7 @@ struct Gather:
         dtype: DType, table_rank: Int, target: StaticString
     ](
         dest: OutputTensor[dtype=dtype, rank=3, ...],
-        pages: _MutableInputTensor[dtype=dtype, rank=6, ...],
+        blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
         batch_rows: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -298,7 +298,7 @@ struct Gather:
         kv_idx: UInt32,
         ctx: DeviceContext,
     ) raises:
-        var collection = bind_collection(pages, cache_lengths, lookup_table)
+        var collection = bind_collection(blocks, cache_lengths, lookup_table)
         var cache = layer_cache(collection, layer_idx, kv_idx)
         gather_rows_on[target](ctx, cache, dest, batch_rows, positions)
 
@@ -313,7 +313,7 @@ struct GatherQuantized:
         dtype: DType, cache_dtype: DType, table_rank: Int, target: StaticString
     ](
         dest: OutputTensor[dtype=dtype, rank=3, ...],
-        pages: _MutableInputTensor[dtype=cache_dtype, rank=6, ...],
+        blocks: _MutableInputTensor[dtype=cache_dtype, rank=6, ...],
         scales: _MutableInputTensor[dtype=DType.float32, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
@@ -325,7 +325,7 @@ struct GatherQuantized:
     ) raises:
         comptime code_dtype = codes_in[cache_dtype]()
         var collection = bind_collection[code_dtype](
-            pages, cache_lengths, lookup_table, bind_scales[code_dtype](pages, scales)
+            blocks, cache_lengths, lookup_table, bind_scales[code_dtype](blocks, scales)
         )
         var cache = layer_cache(collection, layer_idx, kv_idx)
         gather_rows_on[target](ctx, cache, dest, batch_rows, positions)
@@ -343,7 +343,7 @@ struct GatherCodes:
     ](
         codes: OutputTensor[dtype=cache_dtype, rank=3, ...],
         row_scales: OutputTensor[dtype=DType.float32, rank=3, ...],
-        pages: _MutableInputTensor[dtype=cache_dtype, rank=6, ...],
+        blocks: _MutableInputTensor[dtype=cache_dtype, rank=6, ...],
         scales: _MutableInputTensor[dtype=DType.float32, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
@@ -356,7 +356,7 @@ struct GatherCodes:
         comptime assert is_cpu[target](), "mokv.gather.codes runs on the CPU"
         comptime code_dtype = codes_in[cache_dtype]()
         var collection = bind_collection[code_dtype](
-            pages, cache_lengths, lookup_table, bind_scales[code_dtype](pages, scales)
+            blocks, cache_lengths, lookup_table, bind_scales[code_dtype](blocks, scales)
         )
         var cache = layer_cache(collection, layer_idx, kv_idx)
         gather_codes(cache, codes, row_scales, batch_rows, positions)

@@ -216,7 +216,7 @@ struct Attention:
         target: StaticString,
     ](
         output: OutputTensor[dtype=dtype, rank=3, ...],
-        pages: _MutableInputTensor[dtype=dtype, rank=6, ...],
+        blocks: _MutableInputTensor[dtype=dtype, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
         batch_summary: InputTensor[dtype=summary_dtype, rank=summary_rank, ...],
@@ -227,7 +227,7 @@ struct Attention:
         sliding_window: UInt32,
         ctx: DeviceContext,
     ) raises:
-        var collection = bind_collection(pages, cache_lengths, lookup_table)
+        var collection = bind_collection(blocks, cache_lengths, lookup_table)
         var summary = bind_summary[table_rank](batch_summary)
         attention_on[target](
             ctx,
@@ -259,7 +259,7 @@ struct AttentionQuantized:
         target: StaticString,
     ](
         output: OutputTensor[dtype=dtype, rank=3, ...],
-        pages: _MutableInputTensor[dtype=cache_dtype, rank=6, ...],
+        blocks: _MutableInputTensor[dtype=cache_dtype, rank=6, ...],
         scales: _MutableInputTensor[dtype=DType.float32, rank=6, ...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
@@ -273,7 +273,7 @@ struct AttentionQuantized:
     ) raises:
         comptime code_dtype = codes_in[cache_dtype]()
         var collection = bind_collection[code_dtype](
-            pages, cache_lengths, lookup_table, bind_scales[code_dtype](pages, scales)
+            blocks, cache_lengths, lookup_table, bind_scales[code_dtype](blocks, scales)
         )
         var summary = bind_summary[table_rank](batch_summary)
         attention_on[target](

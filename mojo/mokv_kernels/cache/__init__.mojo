@@ -1,8 +1,8 @@
 """The KV cache of one layer (key or value side), behind one trait.
 
 Both layouts store tokens as rows of `[n_kv_heads, head_dim]` inside one page
-tensor (MAX's `kv_blocks`) `[num_pages, 2, num_layers, page_len, n_kv_heads,
-head_dim]` (index 0 of dim 1 holds keys, 1 holds values):
+tensor (the graph contract's `blocks`, MAX's `kv_blocks`) `[num_pages, 2, num_layers,
+page_len, n_kv_heads, head_dim]` (index 0 of dim 1 holds keys, 1 holds values):
 
 - paged (`PagedLayout`): a page holds `page_size` tokens; the lookup table
   `[batch, max_pages_per_seq]` maps (row, token // page_size) to a page;
