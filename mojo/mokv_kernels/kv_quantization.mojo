@@ -7,14 +7,14 @@ consecutive tokens). The scale of a granule is its largest finite magnitude
 over the code's range (`code_max`), so the largest element maps to the
 largest code; larger magnitudes (infinities) saturate and NaN stores as 0.
 
-Reading widens codes to float32 in registers (`widen`). This CPU has AVX2
-and no float8 instructions; the conversions were measured on 64k codes
-(tools/fp8_conversion_bench.mojo): the standard library's float8 cast 0.9
-elements/ns, a 256-entry lookup table 2.1, and moving the code's bits into a
-float16 (its exponent and mantissa fields line up, subnormals included) and
-widening that with the hardware's half-precision conversion 8.5, as fast as
-widening int8. That float16 is the code's value times 2^-8, so a float8
-scale is applied times 2^8 (`widened_unit`).
+Reading widens codes to float32 in registers (`widen`). On a CPU without
+float8 instructions (AVX2) the fastest conversion moves the code's bits into
+a float16 (its exponent and mantissa fields line up, subnormals included) and
+widens that with the hardware's half-precision conversion: as fast as
+widening int8, and faster than the standard library's float8 cast or a
+256-entry lookup table (`tools/fp8_conversion_bench.mojo` times them).
+That float16 is the code's value times 2^-8, so a float8 scale is applied
+times 2^8 (`widened_unit`).
 """
 
 from std.memory import bitcast

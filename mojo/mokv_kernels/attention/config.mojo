@@ -35,6 +35,6 @@ comptime MIN_SPLIT = 512
 comptime SPLITS_PER_WORKER = 4
 comptime PARALLEL_MIN_PRODUCTS = 262144
 """Multiply-adds (scores and values) below which a call runs on the calling
-thread alone: ~20-30 us of work, what waking a worker can cost inside a graph."""
+thread alone: about as much work as waking a worker can cost inside a graph."""
 comptime LOG2E: Float32 = 1.4426950408889634
 comptime NEG_INF = neg_inf[DType.float32]()
