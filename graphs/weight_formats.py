@@ -7,7 +7,7 @@ A *weight format* decides what every matrix of a checkpoint looks like inside th
     bytes: a float16 scale ``d`` and minimum ``m``, 16 bytes of 4-bit ``q``, value ``d*q + m``)
     and its embedding, which is also the LM head, is Q8_0 (32 values in 34 bytes: a float16
     scale ``d`` and 32 int8 ``q``, value ``d*q``). Each row's bytes are laid out planar
-    (:meth:`BlockEncoding.planar`). mokv's own kernels (``mojo/mokv_quant``) dequantize the
+    (:meth:`BlockEncoding.planar`). mokv's own kernels (``mojo/mokv_weights``) dequantize the
     blocks in registers, so a step reads ~96 MB of weights instead of 540 MB. The arithmetic
     is float32 throughout, on exactly the values the ``f32`` format holds, so the two formats
     differ only in the order and grouping of the sums.
@@ -56,7 +56,7 @@ class BlockEncoding:
 
         The same bytes and row size; the kernels convert sixteen scales of a row with one
         instruction where interleaved blocks cost a conversion and shuffles per block
-        (``mojo/mokv_quant/blocks.mojo``)."""
+        (``mojo/mokv_weights/blocks.mojo``)."""
         rows = blocks.shape[0]
         per_block = np.asarray(blocks, np.uint8).reshape(rows, -1, self.nbytes)
         fields = [per_block[:, :, 2 * self.scales :]]
@@ -74,17 +74,17 @@ BLOCK_ENCODINGS = {e.name: e for e in (BlockEncoding("q4_1", 32, 20, 2), BlockEn
 """The block encodings mokv's kernels read, by the name the kernels know them by."""
 
 
-QUANT_KERNELS = "mokv_quant"
+QUANT_KERNELS = "mokv_weights"
 """The Mojo package of the block-format weight kernels (shipped beside `mokv_kernels`)."""
 
 
 def quant_kernel_package() -> Path:
-    """The precompiled ``mokv_quant`` package, built once per source revision."""
+    """The precompiled ``mokv_weights`` package, built once per source revision."""
     return kernel_package(QUANT_KERNELS)
 
 
 def uses_quant_kernels(encodings: dict[str, str]) -> bool:
-    """Whether a graph over weights of these encodings needs ``mokv_quant``."""
+    """Whether a graph over weights of these encodings needs ``mokv_weights``."""
     return any(e in BLOCK_ENCODINGS for e in encodings.values())
 
 

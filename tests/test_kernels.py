@@ -33,3 +33,12 @@ def test_a_path_passed_as_a_string_is_refused_not_looked_up():
 def test_a_name_and_its_folder_build_the_same_package(kernels: Path):
     assert kernel_package(MOKV_KERNELS) == kernel_package(kernel_source_dir()) == kernels
     assert kernels.name == f"{MOKV_KERNELS}.mojoc" and kernels.is_file()
+
+
+@pytest.mark.parametrize("shared", ["parallel.mojo", "pointers.mojo"])
+def test_both_packages_carry_the_same_shared_module(shared: str):
+    """The fork-join and the pointer aliases, which each package needs because it is
+    precompiled on its own: a link in the checkout, a copy in a wheel, the same text
+    either way."""
+    root = kernel_sources_root()
+    assert (root / "mokv_kernels" / shared).read_text() == (root / "mokv_weights" / shared).read_text()

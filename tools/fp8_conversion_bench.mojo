@@ -1,6 +1,6 @@
 """Widening float8_e4m3fn codes to float32 on a CPU without float8
 instructions: the standard library's cast, a 256-entry lookup table, and the
-float16 bit move of `mokv_kernels.quant.widen`, against widening int8 codes.
+float16 bit move of `mokv_kernels.kv_quantization.widen`, against widening int8 codes.
 It first checks `widen` against the cast on every non-NaN code.
 
 Run: .venv/bin/mojo run -I mojo tools/fp8_conversion_bench.mojo
@@ -9,22 +9,22 @@ Run: .venv/bin/mojo run -I mojo tools/fp8_conversion_bench.mojo
 from std.memory import bitcast
 from std.time import perf_counter_ns
 
-from mokv_kernels.quant import widen, widened_unit
+from mokv_kernels.kv_quantization import widen, widened_unit
+from mokv_kernels.pointers import BytePtr, F32Ptr
 
 comptime W = 8
 comptime V = SIMD[DType.float32, W]
 comptime CODES = 1 << 16
 comptime REPEATS = 2000
-comptime BytePtr = Pointer[UInt8, MutUntrackedOrigin]
 
 
 @always_inline
-def stdlib_cast(codes: BytePtr, i: Int, table: Pointer[Float32, MutUntrackedOrigin]) -> V:
+def stdlib_cast(codes: BytePtr, i: Int, table: F32Ptr) -> V:
     return bitcast[DType.float8_e4m3fn, W](codes.unsafe_load[width=W](i)).cast[DType.float32]()
 
 
 @always_inline
-def lookup_table(codes: BytePtr, i: Int, table: Pointer[Float32, MutUntrackedOrigin]) -> V:
+def lookup_table(codes: BytePtr, i: Int, table: F32Ptr) -> V:
     var out = V(0)
     comptime for k in range(W):
         out[k] = table[unsafe_offset=Int(codes[unsafe_offset=i + k])]
@@ -32,20 +32,20 @@ def lookup_table(codes: BytePtr, i: Int, table: Pointer[Float32, MutUntrackedOri
 
 
 @always_inline
-def float16_bits(codes: BytePtr, i: Int, table: Pointer[Float32, MutUntrackedOrigin]) -> V:
+def float16_bits(codes: BytePtr, i: Int, table: F32Ptr) -> V:
     return widen[DType.float8_e4m3fn, W](
         bitcast[DType.float8_e4m3fn, W](codes.unsafe_load[width=W](i))
     )
 
 
 @always_inline
-def int8_codes(codes: BytePtr, i: Int, table: Pointer[Float32, MutUntrackedOrigin]) -> V:
+def int8_codes(codes: BytePtr, i: Int, table: F32Ptr) -> V:
     return widen[DType.int8, W](bitcast[DType.int8, W](codes.unsafe_load[width=W](i)))
 
 
 def elements_per_ns[
-    convert: def(BytePtr, Int, Pointer[Float32, MutUntrackedOrigin]) thin -> V
-](codes: BytePtr, table: Pointer[Float32, MutUntrackedOrigin]) -> Float64:
+    convert: def(BytePtr, Int, F32Ptr) thin -> V
+](codes: BytePtr, table: F32Ptr) -> Float64:
     var best = Int.MAX
     var total = V(0)
     for _ in range(5):

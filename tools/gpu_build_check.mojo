@@ -16,7 +16,7 @@ from std.sys import argv
 from std.utils import IndexList
 
 from mokv_kernels.attention.op import Attention, AttentionQuantized
-from mokv_kernels.collection import (
+from mokv_kernels.opaque_collection import (
     AttentionContinuousCollection,
     FetchContinuousCollection,
     GatherContinuousCache,

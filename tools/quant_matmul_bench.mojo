@@ -1,4 +1,4 @@
-"""`mokv_quant`'s `block_matmul` called directly, outside any MAX graph: the rate
+"""`mokv_weights`'s `block_matmul` called directly, outside any MAX graph: the rate
 each of a SmolLM2 step's product shapes reaches on this machine's workers at 1, 16
 and 64 rows of activations, to hold against what the same products reach inside a
 graph (`mokv bench weights`), plus one wide Llama-8B-like shape. Each shape cycles
@@ -12,8 +12,9 @@ from std.math import ceildiv
 from std.memory.alloc import unsafe_alloc
 from std.time import perf_counter_ns
 
-from mokv_quant.blocks import BLOCK_VALUES, BytePtr, F32Ptr, block_bytes, code_bytes
-from mokv_quant.matmul import block_matmul
+from mokv_weights.blocks import BLOCK_VALUES, block_bytes, code_bytes
+from mokv_weights.matmul import block_matmul
+from mokv_weights.pointers import BytePtr, F32Ptr
 
 comptime REPEATS = 24
 comptime STREAMED_BYTES = 64 << 20

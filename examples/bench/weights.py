@@ -13,7 +13,7 @@ alternately call by call at several token counts.
 Each case also reports how far the candidate's output is from float64 `x @ w.T` of the
 float32 weights, relative to the output's largest magnitude.
 
-`--against REV` adds `gguf@REV`: the `gguf` products with `mokv_quant` as of git revision
+`--against REV` adds `gguf@REV`: the `gguf` products with `mokv_weights` as of git revision
 `REV`, rebuilt from git's copy, in its own session (both builds register the same op names)
 and timed alternately with this checkout's: the way to measure a kernel change, since separate
 runs on a shared machine differ by more than most changes are worth. Revisions before 69fdb03
@@ -88,7 +88,7 @@ def products_graph(
 ) -> tuple[Graph, dict]:
     """One step's matrix products, chained so that none is dead code: `x [tokens, hidden]
     -> (layer outputs..., logits)`; `gguf` products run `quant_kernels` (default: this
-    checkout's `mokv_quant`)."""
+    checkout's `mokv_weights`)."""
     registry: dict = {}
     product = candidate_linear(candidate, f32, blocks, registry)
     c = f32.config
@@ -130,7 +130,7 @@ def reference_logits(f32: LlamaCheckpoint, x: np.ndarray) -> np.ndarray:
 @click.option("--candidates", default=",".join(CANDIDATES), show_default=True)
 @click.option("--rounds", default=10, show_default=True)
 @click.option(
-    "--against", "revision", default=None, help="Also time the gguf products with mokv_quant as of this git revision."
+    "--against", "revision", default=None, help="Also time the gguf products with mokv_weights as of this git revision."
 )
 @out_dir_option("weights")
 def weights(tokens: str, candidates: str, rounds: int, revision: str | None, out_dir: Path) -> None:
@@ -139,7 +139,7 @@ def weights(tokens: str, candidates: str, rounds: int, revision: str | None, out
     unknown = set(chosen) - set(CANDIDATES)
     if unknown:
         raise click.BadParameter(f"unknown candidates {sorted(unknown)}; choose from {', '.join(CANDIDATES)}")
-    builds = [(c, c, None) for c in chosen]  # (name, candidate, mokv_quant package)
+    builds = [(c, c, None) for c in chosen]  # (name, candidate, mokv_weights package)
     if revision is not None:
         with tempfile.TemporaryDirectory() as tmp:
             package = kernel_package(kernel_sources_at(revision, Path(tmp), QUANT_KERNELS))

@@ -3,17 +3,11 @@ a bad page id or slot from ever becoming an out-of-bounds write."""
 
 from extensibility import InputTensor, _MutableInputTensor
 
-from .cache import (
-    BatchSummary,
-    CacheGeometry,
-    ContinuousLayout,
-    KVCacheCollection,
-    KVCacheT,
-    KVCollectionT,
-    PagedLayout,
-    ScaleTable,
-)
-from .quant import is_quantized
+from .cache.batch_summary import BatchSummary
+from .cache.collection import KVCacheCollection
+from .cache.layout import CacheGeometry, ContinuousLayout, PagedLayout, ScaleTable
+from .cache.traits import KVCacheT, KVCollectionT
+from .kv_quantization import is_quantized
 
 
 comptime LayoutFor[table_rank: Int] = PagedLayout if table_rank == 2 else ContinuousLayout
@@ -31,11 +25,11 @@ def bind_collection[
     lookup_table: InputTensor[dtype=DType.uint32, rank=table_rank, ...],
     scales: Optional[ScaleTable] = None,
 ) raises -> KVCacheCollection[dtype, LayoutFor[table_rank]]:
-    """The collection over `blocks` (and, quantized, `scales`: see
+    """The collection over the page tensor `blocks` (and, quantized, `scales`: see
     `bind_scales`) for the batch that `cache_lengths` `[batch]` and
     `lookup_table` describe, in the layout the table's rank names
-    (`LayoutFor`). Its elements are `dtype`: the blocks' own, or the codes
-    their bits hold (`quant.codes_in`)."""
+    (`LayoutFor`). Its elements are `dtype`: the pages' own, or the codes
+    their bits hold (`kv_quantization.codes_in`)."""
     comptime assert (
         table_rank == 1 or table_rank == 2
     ), "lookup_table is [batch, max_pages_per_seq] (paged) or [batch] (continuous batching)"
@@ -70,11 +64,11 @@ def bind_scales[
     blocks: _MutableInputTensor[rank=6, ...],
     scales: _MutableInputTensor[dtype=DType.float32, rank=6, ...],
 ) raises -> ScaleTable:
-    """The scale table of a quantized cache: float32 `[num_blocks, 2,
-    num_layers, block_len // tokens_per_scale, n_kv_heads, granules]`,
-    checked against the blocks, its scale-block shape read off its dims."""
-    comptime assert is_quantized[dtype](), "only float8_e4m3fn and int8 blocks have scales"
-    var block_len = blocks.dim_size(3)
+    """The scale table of a quantized cache: float32 `[num_pages, 2,
+    num_layers, page_len // tokens_per_scale, n_kv_heads, granules]`,
+    checked against `blocks`, its scale-block shape read off its dims."""
+    comptime assert is_quantized[dtype](), "only float8_e4m3fn and int8 pages have scales"
+    var page_len = blocks.dim_size(3)
     var head_dim = blocks.dim_size(5)
     var shape_ok = (
         scales.dim_size(0) == blocks.dim_size(0)
@@ -87,20 +81,20 @@ def bind_scales[
     if (
         not shape_ok
         or rows == 0
-        or block_len % rows != 0
+        or page_len % rows != 0
         or granules == 0
         or head_dim % granules != 0
     ):
         raise Error(
             t"scales have shape [{scales.dim_size(0)}, {scales.dim_size(1)},"
             t" {scales.dim_size(2)}, {rows}, {scales.dim_size(4)}, {granules}], which does"
-            t" not fit blocks [{blocks.dim_size(0)}, 2, {blocks.dim_size(2)}, {block_len},"
+            t" not fit blocks [{blocks.dim_size(0)}, 2, {blocks.dim_size(2)}, {page_len},"
             t" {blocks.dim_size(4)}, {head_dim}]: expected [{blocks.dim_size(0)}, 2,"
-            t" {blocks.dim_size(2)}, a divisor of {block_len}, {blocks.dim_size(4)}, a"
+            t" {blocks.dim_size(2)}, a divisor of {page_len}, {blocks.dim_size(4)}, a"
             t" divisor of {head_dim}]"
         )
     return ScaleTable(
-        scales.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), block_len // rows, granules
+        scales.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), page_len // rows, granules
     )
 
 
@@ -149,7 +143,7 @@ def check_layer(layer: Int, num_layers: Int) raises:
 
 def check_token_range[cache_t: KVCacheT](cache: cache_t, bs: Int, start: Int, end: Int) raises:
     """Raises unless `bs` is a row of the batch and tokens `start..end` of it
-    map to valid blocks."""
+    map to valid pages."""
     if bs < 0 or bs >= cache.batch_size():
         raise Error(t"batch row {bs} out of range for {cache.batch_size()} rows")
     if end > cache.max_tokens():
@@ -159,11 +153,11 @@ def check_token_range[cache_t: KVCacheT](cache: cache_t, bs: Int, start: Int, en
         )
     var tok = start
     while tok < end:
-        var block = cache.block_index(bs, tok)
-        if block < 0 or block >= cache.num_blocks():
+        var page = cache.page_index(bs, tok)
+        if page < 0 or page >= cache.num_pages():
             raise Error(
-                t"row {bs}: block id {block} for token {tok} is outside the"
-                t" block tensor ({cache.num_blocks()} blocks)"
+                t"row {bs}: page id {page} for token {tok} is outside the"
+                t" page tensor ({cache.num_pages()} pages)"
             )
         tok += cache.contiguous_tokens(tok)
 

@@ -1,1 +1,1 @@
-../mokv_quant/parallel.mojo
+../mokv_weights/parallel.mojo

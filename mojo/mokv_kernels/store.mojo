@@ -16,8 +16,9 @@ from .bind import (
     check_token_range,
     layer_cache,
 )
-from .cache import CachePtr, KVCacheT, KVCollectionT
-from .quant import codes_in, is_quantized, load_dequantized, store_quantized
+from .cache.traits import KVCacheT, KVCollectionT
+from .pointers import CachePtr
+from .kv_quantization import codes_in, is_quantized, load_dequantized, store_quantized
 from .gpu.block import GpuLauncher
 from .gpu.rows import gather_rows_gpu, store_kv_gpu
 
@@ -125,7 +126,7 @@ def gather_codes[
     positions: InputTensor[dtype=DType.uint32, rank=1, ...],
 ) raises:
     """A quantized cache's token rows as stored: codes `[n, n_kv_heads,
-    head_dim]` (as the blocks' graph dtype holds them) and their scales
+    head_dim]` (as the `blocks` tensor's graph dtype holds them) and their scales
     `[n, n_kv_heads, granules]`."""
     var table = cache.scales()
     var row = cache.num_heads() * cache.head_dim()
@@ -234,7 +235,7 @@ struct StoreKV:
 @extensibility.register("mokv.store_kv.quantized")
 struct StoreKVQuantized:
     """`mokv.store_kv` into a quantized cache: `float8_e4m3fn` or `int8`
-    blocks with their float32 scales (`bind_scales`), the new keys and
+    pages with their float32 scales (`bind_scales`), the new keys and
     values in the model's dtype, quantized as they are stored."""
 
     @staticmethod

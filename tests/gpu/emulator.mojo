@@ -15,7 +15,8 @@ from std.sys import argv, size_of
 from std.utils import IndexList
 
 from mokv_kernels.bind import bind_collection, layer_cache
-from mokv_kernels.cache import BatchSummary, KVCollectionT
+from mokv_kernels.cache.batch_summary import BatchSummary
+from mokv_kernels.cache.traits import KVCollectionT
 from mokv_kernels.gpu.attention import attention_gpu
 from mokv_kernels.gpu.block import Emulator
 from mokv_kernels.gpu.rows import gather_rows_gpu, store_kv_gpu

@@ -121,7 +121,7 @@ def test_rejects_page_outside_block_tensor(attention_graph):
     b = make_batch(rng, "paged", DType.float32, [(40, 1), (10, 5)], 4, 2, 64, 16)
     bad_page = b.blocks.shape[0] + 7
     b.lookup_table[1, 0] = bad_page
-    with pytest.raises(ValueError, match=f"row 1: block id {bad_page} for token 0"):
+    with pytest.raises(ValueError, match=f"row 1: page id {bad_page} for token 0"):
         run_mokv(attention_graph("paged", DType.float32), b, 0, 0.125)
 
 

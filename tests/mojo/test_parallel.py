@@ -1,7 +1,7 @@
 """`parallel.run_items`, the fork-join every CPU kernel runs its items through:
 each item runs exactly once, helpers join in when there are workers for them,
 and a job whose items call `run_items` again finishes (no worker waits forever
-for a helper that cannot start). Both kernel packages read the same source."""
+for a helper that cannot start)."""
 
 from __future__ import annotations
 
@@ -33,9 +33,3 @@ def test_every_item_runs_exactly_once_on_the_caller_and_its_helpers():
         "many long items",
         "nested",
     ], result.stdout
-
-
-def test_both_kernel_packages_carry_the_same_fork_join():
-    """A link in the checkout, a copy in a wheel: the same text either way."""
-    root = kernel_sources_root()
-    assert (root / "mokv_kernels" / "parallel.mojo").read_text() == (root / "mokv_quant" / "parallel.mojo").read_text()

@@ -69,7 +69,7 @@ def test_store_rejects_page_outside_block_tensor(store_gather):
     bad_page = b.blocks.shape[0] + 10
     b.lookup_table[row, int(b.cache_lengths[row]) // 16] = bad_page
     before = b.blocks.copy()
-    with pytest.raises(ValueError, match=f"block id {bad_page} for token"):
+    with pytest.raises(ValueError, match=f"page id {bad_page} for token"):
         run(store_gather("paged", DType.float32), b, "paged", DType.float32, 0, *written_positions(b))
     np.testing.assert_array_equal(b.blocks, before)
 
@@ -87,7 +87,7 @@ def test_continuous_rejects_slot_outside_block_tensor(store_gather):
     row = int(np.argmax(np.diff(b.row_offsets) > 0))
     b.lookup_table[row] = 99
     before = b.blocks.copy()
-    with pytest.raises(ValueError, match="block id 99"):
+    with pytest.raises(ValueError, match="page id 99"):
         run(store_gather("continuous", DType.float32), b, "continuous", DType.float32, 0, *written_positions(b))
     np.testing.assert_array_equal(b.blocks, before)
 

@@ -6,7 +6,6 @@ from std.sys import simd_width_of
 from std.utils.numerics import neg_inf
 
 
-comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
 comptime W = simd_width_of[DType.float32]()
 """Float32 lanes per vector: 4 (NEON), 8 (AVX2) or 16 (AVX-512)."""
 comptime HEAD_DIM_MULTIPLE = 16
@@ -36,6 +35,6 @@ comptime MIN_SPLIT = 512
 comptime SPLITS_PER_WORKER = 4
 comptime PARALLEL_MIN_PRODUCTS = 262144
 """Multiply-adds (scores and values) below which a call runs on the calling
-thread alone: ~20-30 us of work, what waking a worker can cost inside a graph."""
+thread alone: about as much work as waking a worker can cost inside a graph."""
 comptime LOG2E: Float32 = 1.4426950408889634
 comptime NEG_INF = neg_inf[DType.float32]()

@@ -8,9 +8,10 @@ memory traffic, and this is the access pattern that streams.
 
 from std.sys import prefetch
 
-from ..cache import KVCacheT, ScalePtr
-from ..quant import is_quantized, widen, widened_unit
-from .config import F32Ptr, Vec, W
+from ..cache.traits import KVCacheT
+from ..pointers import F32Ptr, ScalePtr
+from ..kv_quantization import is_quantized, widen, widened_unit
+from .config import Vec, W
 from .plan import WorkItem
 from .queries import RaggedQueries
 from .scratch import Arena, _round_up

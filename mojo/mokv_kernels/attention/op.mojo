@@ -15,13 +15,15 @@ from ..bind import (
     check_row_offsets,
     check_token_range,
 )
-from ..cache import BatchSummary, KVCacheT, KVCollectionT
+from ..cache.batch_summary import BatchSummary
+from ..cache.traits import KVCacheT, KVCollectionT
 from ..gpu.attention import attention_gpu
 from ..gpu.block import GpuLauncher
-from ..quant import codes_in, is_quantized
+from ..kv_quantization import codes_in, is_quantized
 from ..store import no_quantized_gpu_path
 from ..parallel import Job, run_items
-from .config import F32Ptr, HEAD_DIM_MULTIPLE, LOG2E, PARALLEL_MIN_PRODUCTS, W
+from ..pointers import F32Ptr
+from .config import HEAD_DIM_MULTIPLE, LOG2E, PARALLEL_MIN_PRODUCTS, W
 from .decode import _decode_any_group
 from .plan import WorkItem, _plan, _scores
 from .prefill import _prefill_item
@@ -243,7 +245,7 @@ struct Attention:
 @extensibility.register("mokv.attention.quantized")
 struct AttentionQuantized:
     """`mokv.attention` over a quantized cache: `float8_e4m3fn` or `int8`
-    blocks with their float32 scales (`bind_scales`), queries and output in
+    pages with their float32 scales (`bind_scales`), queries and output in
     the model's dtype. Codes are widened and scaled in registers as they are
     read (`decode`), or per tile into a prefill item's scratch (`prefill`)."""
 

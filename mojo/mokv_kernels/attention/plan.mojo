@@ -8,7 +8,8 @@ long prefix, still keep every core busy.
 
 from std.math import ceildiv
 
-from ..cache import BatchSummary, KVCacheT
+from ..cache.batch_summary import BatchSummary
+from ..cache.traits import KVCacheT
 from .config import MIN_SPLIT, PREFILL_ROWS, SPLITS_PER_WORKER
 from .queries import RaggedQueries
 from .softmax import PartialState, SplitGroup

@@ -10,10 +10,10 @@ all share a few L1 sets.
 
 from std.math import ceildiv
 
-from ..cache import KVCacheT
-from ..quant import is_quantized, widen, widened_unit
+from ..cache.traits import KVCacheT
+from ..kv_quantization import is_quantized, widen, widened_unit
+from ..pointers import F32Ptr
 from .config import (
-    F32Ptr,
     NEG_INF,
     PV_ROWS,
     PV_VECS,

@@ -1,8 +1,8 @@
 """The queries of a ragged batch, where their outputs go, and the attention
 parameters (GQA group, scale, sliding window)."""
 
-from ..cache import CachePtr, U32Ptr
-from .config import F32Ptr, W
+from ..pointers import CachePtr, F32Ptr, U32Ptr
+from .config import W
 
 
 @fieldwise_init

@@ -2,7 +2,7 @@
 
 from std.math import ceildiv
 
-from .config import F32Ptr
+from ..pointers import F32Ptr
 
 
 struct Arena(Movable):

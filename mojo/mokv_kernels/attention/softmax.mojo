@@ -12,7 +12,8 @@ bookkeeping runs across query rows in full vectors.
 
 from std.math import exp2
 
-from .config import F32Ptr, NEG_INF, SKEW, TILE, Vec, W
+from ..pointers import F32Ptr
+from .config import NEG_INF, SKEW, TILE, Vec, W
 from .queries import RaggedQueries
 from .scratch import Arena
 

@@ -9,8 +9,9 @@ quantized cache, also each row's scales.
 
 from std.sys import prefetch, size_of
 
-from ..cache import CachePtr, KVCacheT, ScalePtr
-from ..quant import is_quantized
+from ..cache.traits import KVCacheT
+from ..pointers import CachePtr, ScalePtr
+from ..kv_quantization import is_quantized
 from .config import TILE
 
 

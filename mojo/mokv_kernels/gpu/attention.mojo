@@ -37,7 +37,9 @@ from std.math import ceildiv, exp2
 from std.sys import size_of
 
 from ..bind import check_layer
-from ..cache import BatchSummary, CachePtr, KVCacheT, KVCollectionT
+from ..cache.batch_summary import BatchSummary
+from ..cache.traits import KVCacheT, KVCollectionT
+from ..pointers import CachePtr
 from .attention_work import (
     BLOCK_THREADS,
     DECODE_ROWS,

@@ -11,7 +11,8 @@ kernel combines."""
 from std.math import ceildiv
 from std.utils.numerics import neg_inf
 
-from ..cache import CachePtr, KVCacheT, U32Ptr
+from ..cache.traits import KVCacheT
+from ..pointers import CachePtr, U32Ptr
 from .block import BlockId, F32Ptr
 from .rows import row_in_cache
 

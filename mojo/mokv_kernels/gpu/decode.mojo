@@ -38,7 +38,8 @@ from std.memory import AddressSpace
 from std.sys import size_of
 from std.sys.info import is_nvidia_gpu
 
-from ..cache import CachePtr, KVCacheT
+from ..cache.traits import KVCacheT
+from ..pointers import CachePtr
 from .attention_work import (
     BLOCK_THREADS,
     DECODE_ROWS,

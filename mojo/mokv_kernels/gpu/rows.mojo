@@ -14,7 +14,8 @@ from extensibility import InputTensor, OutputTensor
 from std.sys import size_of
 
 from ..bind import check_layer, check_rows
-from ..cache import CachePtr, KVCacheT, KVCollectionT, U32Ptr
+from ..cache.traits import KVCacheT, KVCollectionT
+from ..pointers import CachePtr, U32Ptr
 from .block import BlockExecutor, BlockId, F32Ptr, KernelT, Launcher, ThreadProgram
 
 comptime ROW_THREADS = 128
@@ -38,8 +39,8 @@ def row_in_cache[cache_t: KVCacheT](cache: cache_t, bs: Int, tok: Int) -> Bool:
     """Whether token `tok` of batch row `bs` maps to a block of the tensor."""
     if bs < 0 or bs >= cache.batch_size() or tok < 0 or tok >= cache.max_tokens():
         return False
-    var block = cache.block_index(bs, tok)
-    return block >= 0 and block < cache.num_blocks()
+    var page = cache.page_index(bs, tok)
+    return page >= 0 and page < cache.num_pages()
 
 
 def vector_width[dtype: DType](row_elems: Int, *addresses: Int) -> Int:

@@ -6,7 +6,7 @@ from std.memory.alloc import unsafe_alloc
 
 from max.runtime.asyncrt import parallelism_level
 
-from mokv_quant.parallel import Job, run_items
+from mokv_weights.parallel import Job, run_items
 
 
 @fieldwise_init

@@ -7,34 +7,35 @@ consecutive tokens). The scale of a granule is its largest finite magnitude
 over the code's range (`code_max`), so the largest element maps to the
 largest code; larger magnitudes (infinities) saturate and NaN stores as 0.
 
-Reading widens codes to float32 in registers (`widen`). This CPU has AVX2
-and no float8 instructions; the conversions were measured on 64k codes
-(tools/fp8_conversion_bench.mojo): the standard library's float8 cast 0.9
-elements/ns, a 256-entry lookup table 2.1, and moving the code's bits into a
-float16 (its exponent and mantissa fields line up, subnormals included) and
-widening that with the hardware's half-precision conversion 8.5, as fast as
-widening int8. That float16 is the code's value times 2^-8, so a float8
-scale is applied times 2^8 (`widened_unit`).
+Reading widens codes to float32 in registers (`widen`). On a CPU without
+float8 instructions (AVX2) the fastest conversion moves the code's bits into
+a float16 (its exponent and mantissa fields line up, subnormals included) and
+widens that with the hardware's half-precision conversion: as fast as
+widening int8, and faster than the standard library's float8 cast or a
+256-entry lookup table (`tools/fp8_conversion_bench.mojo` times them).
+That float16 is the code's value times 2^-8, so a float8 scale is applied
+times 2^8 (`widened_unit`).
 """
 
 from std.memory import bitcast
 
-from .cache import KVCacheT
+from .cache.traits import KVCacheT
+from .pointers import CachePtr, F32Ptr
 
 
 def is_quantized[dtype: DType]() -> Bool:
-    """Whether a block tensor of `dtype` holds codes (with scales) rather
+    """Whether a page tensor of `dtype` holds codes (with scales) rather
     than values."""
     return dtype == DType.float8_e4m3fn or dtype == DType.int8
 
 
 def codes_in[graph_dtype: DType]() -> DType:
-    """The codes that a quantized cache's blocks of `graph_dtype` hold:
+    """The codes that a quantized cache's pages of `graph_dtype` hold:
     float8 codes travel as their uint8 bits (MAX's CPU graphs take no float8
     tensors), int8 codes as themselves."""
     comptime assert (
         graph_dtype == DType.uint8 or graph_dtype == DType.int8
-    ), "a quantized cache's blocks are uint8 (float8_e4m3fn bits) or int8"
+    ), "a quantized cache's pages are uint8 (float8_e4m3fn bits) or int8"
     return DType.float8_e4m3fn if graph_dtype == DType.uint8 else DType.int8
 
 
@@ -100,7 +101,7 @@ comptime QUANT_WIDTH = 8
 """Lanes of float32 the store's quantize loops work in."""
 
 
-def granule_scale(src: Pointer[Float32, MutUntrackedOrigin], count: Int, limit: Float32) -> Float32:
+def granule_scale(src: F32Ptr, count: Int, limit: Float32) -> Float32:
     """The largest finite magnitude of `src[0 ..< count]` over `limit`: the
     scale that maps it to the largest code."""
     comptime V = SIMD[DType.float32, QUANT_WIDTH]
@@ -131,12 +132,7 @@ def _codes[
 
 def quantize[
     dtype: DType
-](
-    src: Pointer[Float32, MutUntrackedOrigin],
-    count: Int,
-    scale: Float32,
-    dst: Pointer[Scalar[dtype], MutUntrackedOrigin],
-):
+](src: F32Ptr, count: Int, scale: Float32, dst: CachePtr[dtype],):
     """Writes the codes of `src[0 ..< count]` under `scale`: saturating at
     `code_max`, NaN as 0, everything as 0 under a zero scale."""
     var inv = 1 / scale if scale > 0 else Float32(0)
@@ -151,12 +147,7 @@ def quantize[
 
 def dequantize[
     dtype: DType
-](
-    codes: Pointer[Scalar[dtype], MutUntrackedOrigin],
-    count: Int,
-    scale: Float32,
-    dst: Pointer[Float32, MutUntrackedOrigin],
-):
+](codes: CachePtr[dtype], count: Int, scale: Float32, dst: F32Ptr,):
     """Writes the values of `codes[0 ..< count]` under `scale` to `dst`."""
     var unit = scale * widened_unit[dtype]()
     for i in range(count):
@@ -165,13 +156,7 @@ def dequantize[
 
 def store_quantized[
     cache_t: KVCacheT, src_dtype: DType
-](
-    cache: cache_t,
-    bs: Int,
-    first: Int,
-    count: Int,
-    src: Pointer[Scalar[src_dtype], MutUntrackedOrigin],
-):
+](cache: cache_t, bs: Int, first: Int, count: Int, src: CachePtr[src_dtype],):
     """Quantizes `count` token rows at `src` into positions `first ..<
     first + count` of batch row `bs`, one scale block at a time.
 
@@ -229,7 +214,7 @@ def store_quantized[
 
 def load_dequantized[
     cache_t: KVCacheT, dest_dtype: DType
-](cache: cache_t, bs: Int, tok: Int, dest: Pointer[Scalar[dest_dtype], MutUntrackedOrigin],):
+](cache: cache_t, bs: Int, tok: Int, dest: CachePtr[dest_dtype],):
     """Writes token row `tok` of batch row `bs` as values to `dest`."""
     var table = cache.scales()
     var d = cache.head_dim()

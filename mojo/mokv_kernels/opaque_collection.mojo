@@ -1,7 +1,8 @@
 """The opaque continuous-batching collection: built once per graph from the four
 fetched tensors, then handed to every store/gather/attention op as a single
 operand; and the opaque per-layer cache (one layer's keys or values) that
-`get_cache` takes out of it."""
+`get_cache` takes out of it. The two structs are the opaque values' types
+(their names are the graph's opaque type names); the ops make and use them."""
 
 import extensibility
 from extensibility import InputTensor, OutputTensor, _MutableInputTensor
@@ -9,8 +10,42 @@ from max.gpu.host import DeviceContext
 
 from .attention.op import attention_on
 from .bind import bind_collection, check_layer, layer_cache
-from .cache import BatchSummary, OpaqueContinuousCache, OpaqueContinuousCollection
+from .cache.batch_summary import BatchSummary
+from .cache.collection import ContinuousBatchingKVCacheCollection
+from .cache.kv_cache import ContinuousBatchingKVCache
+from .cache.layout import CacheGeometry, ContinuousLayout
 from .store import gather_rows_on, store_kv_on
+
+
+@fieldwise_init
+struct OpaqueContinuousCollection(TrivialRegisterPassable):
+    """A continuous-batching collection carried through a graph as one opaque
+    value. MAX 26.7 cannot put a DType parameter on an opaque graph type, so the
+    dtype travels as a field and `typed` checks it against the consumer's."""
+
+    var geometry: CacheGeometry
+    var dtype: DType
+    var is_cache_empty: Bool
+
+    def typed[dtype: DType](self) raises -> ContinuousBatchingKVCacheCollection[dtype]:
+        if self.dtype != dtype:
+            raise Error(
+                t"the cache collection holds {self.dtype} but the op was given {dtype} tensors"
+            )
+        return ContinuousBatchingKVCacheCollection[dtype](self.geometry, ContinuousLayout())
+
+
+@fieldwise_init
+struct OpaqueContinuousCache(TrivialRegisterPassable):
+    """One layer's keys or values of an opaque continuous-batching collection,
+    itself carried through a graph as one opaque value."""
+
+    var collection: OpaqueContinuousCollection
+    var layer: Int
+    var kv_idx: Int
+
+    def typed[dtype: DType](self) raises -> ContinuousBatchingKVCache[dtype]:
+        return self.collection.typed[dtype]().get_cache(self.layer, self.kv_idx)
 
 
 @extensibility.register("mokv.collection.continuous")

@@ -1,4 +1,4 @@
-"""mokv_quant's block kernels against numpy: the matmul over Q4_1 / Q8_0 blocks
+"""mokv_weights's block kernels against numpy: the matmul over Q4_1 / Q8_0 blocks
 within float32 summation error of `x @ w.T` (w as `gguf` dequantizes it), and the
 embedding lookup equal to `gguf`'s own dequantization. Blocks are made by `gguf`'s
 quantizer from random weights and passed as the model loader passes them (rows planar)."""

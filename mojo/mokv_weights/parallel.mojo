@@ -3,11 +3,10 @@ itself, and the runtime's other workers join in as they wake up.
 
 `max.algorithm.sync_parallelize` (26.7) enqueues every item on the CPU
 device's stream, which starts none of them before `synchronize()`, and then
-waits for all of them. Measured in a graph op on a 2-core VM, the items
-started 10-17 us after the call (hundreds when a worker was slow to wake) and
-the call returned up to 1 ms after the last item ended on long ops; called back
-to back with empty items it costs ~10 us, against ~0.2 us here. A decode step
-at batch 1 made ~180 such calls.
+waits for all of them: inside a graph op the items start late, the call
+returns well after the last item ends, and even empty items cost far more
+than taking them from a counter, on a path that a decode step takes for
+every product.
 
 Here the caller takes items from a shared counter from the first
 nanosecond; each helper queued on the runtime (`KGEN_CompilerRT_AsyncRT_Execute`,
@@ -17,9 +16,8 @@ that wakes after the last item takes none. The state lives on the heap and
 the last of the caller and its helpers to leave frees it, so the caller waits
 only for items a helper has taken, never for a helper to start or to leave:
 when MAX runs independent ops at once on its workers, a helper may find no
-worker free until the ops are done (waiting even 50 us for helpers to leave
-made 40 independent 576x576 products in one graph 2.3x slower, 45 against
-19 us each, where a chain of them was equal).
+worker free until the ops are done, and waiting for helpers to leave, even
+briefly, slowed independent products down where a chain of them was not.
 """
 
 from std.atomic import Atomic

@@ -13,7 +13,7 @@ mokv keeps exactly these bytes but moves each row's fields into planes
 then all their `d`, then (q4_1) all their `m`. A row is the same size, and a
 decode step's product converts sixteen scales with one instruction and reads
 each from memory as it needs it, where the interleaved blocks cost a
-conversion and two shuffles per block (27% of the batch-1 product's time).
+conversion and two shuffles per block.
 
 Kernels read a row through `BlockRow`: `scales(b)` (block `b`'s `d` and `m`,
 splat) with `dequantize[group](b, scales)`, which returns weights
@@ -25,9 +25,8 @@ products that apply the scales once per block.
 
 from std.sys import simd_width_of
 
-comptime BytePtr = Pointer[UInt8, MutUntrackedOrigin]
-comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
-comptime F16Ptr = Pointer[Float16, MutUntrackedOrigin]
+from .pointers import BytePtr, F16Ptr
+
 comptime GROUP = max(8, simd_width_of[DType.float32]())
 """Weights per `dequantize`: one float32 vector (AVX2: 8, AVX-512: 16; at least 8)."""
 comptime Group = SIMD[DType.float32, GROUP]
@@ -42,7 +41,7 @@ def block_bytes[encoding: StaticString]() -> Int:
     comptime if encoding == "q4_1":
         return 20
     else:
-        comptime assert encoding == "q8_0", "mokv_quant knows q4_1 and q8_0"
+        comptime assert encoding == "q8_0", "mokv_weights knows q4_1 and q8_0"
         return 34
 
 
@@ -95,8 +94,7 @@ struct BlockRow[encoding: StaticString](TrivialRegisterPassable):
         comptime if Self.encoding == "q4_1":
             # Bytes 0..15 hold codes 0..15 in their low nibbles, 16..31 in their high ones.
             # Each byte is widened as it loads and split afterwards: splitting the bytes
-            # first costs a shuffle per vector to widen them (AVX2: 40-48% more time per
-            # block in the batch-1 product).
+            # first costs a shuffle per vector to widen them.
             var packed = self.codes_plane.unsafe_load[width=width](b * CB + first % HALF)
             var wide = packed.cast[DType.int32]()
             var q = (wide & 15) if first < HALF else (wide >> 4)

@@ -21,7 +21,7 @@ struct GatherRows:
         ids: InputTensor[dtype=DType.int64, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        comptime assert is_cpu[target](), "mokv_quant runs on CPU only"
+        comptime assert is_cpu[target](), "mokv_weights runs on CPU only"
         comptime BB = block_bytes[encoding]()
         var columns = output.dim_size(1)
         var rows = table.dim_size(0)

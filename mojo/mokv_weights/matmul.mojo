@@ -21,10 +21,9 @@ One row of `x` (decode at batch 1) nothing reuses, so `_row_dot` applies each
 block's scale once, to the block's partial product, instead of to each
 weight: `w . x = sum_b d_b (q_b . x_b) + m_b sum(x_b)`, the second sum over
 the row's minimums and `x`'s block sums (`_block_sums`, once per call). That is
-a multiply-add per 32 weights instead of two, and 27% less time per block. It
-reads one weight row at a time: a single stream the hardware prefetcher
-follows across pages, where four rows read side by side (four streams ~1 KB
-apart) ran at half the speed on `ffn_down`.
+a multiply-add per 32 weights instead of two. It reads one weight row at a
+time: a single stream the hardware prefetcher follows across pages, where
+four rows read side by side (four streams a row apart) ran slower.
 """
 
 import extensibility
@@ -42,13 +41,12 @@ from .blocks import (
     GROUPS,
     BlockRow,
     BlockScales,
-    BytePtr,
-    F32Ptr,
     Group,
     block_bytes,
     code_bytes,
 )
 from .parallel import Job, run_items
+from .pointers import BytePtr, F32Ptr
 
 comptime DIRECT_MR = 8 if CompilationTarget.has_avx512f() else 6
 """Rows of `x` up to which a product dequantizes each weight in registers, in register
@@ -58,20 +56,19 @@ comptime DIRECT_NR = 2
 comptime PANEL_MR = 8 if CompilationTarget.has_avx512f() else 4
 """Rows of `x` per register block over an item's dequantized panel (more than `DIRECT_MR`
 rows of `x`): `PANEL_MR * PANEL_NR` accumulators, `PANEL_NR` weight vectors and one of `x`.
-On AVX2, 4 x 3 beat 6 x 2 by 3-13% (fewer loads per multiply-add; 16 rows in 4 blocks)."""
+On AVX2, 4 x 3 beat 6 x 2 (fewer loads per multiply-add; 16 rows in 4 blocks)."""
 comptime PANEL_NR = 2 if CompilationTarget.has_avx512f() else 3
 comptime PREFETCH_AHEAD = 4096
 """Bytes ahead of the weight rows being read that the products prefetch: a decode step
-streams ~96 MB of weights from memory, and the hardware prefetcher stops at every 4 KB
-page (products 5-7% faster at batch 1, 8-9% at 16 rows of `x`; 2 KB gained less, 16 KB
-lost 3-5%, 8 KB ahead of a register block's two rows the same as 4 KB)."""
+streams all the weights from memory, and the hardware prefetcher stops at every 4 KB
+page. One page ahead was the best of the distances tried."""
 comptime BLOCKS_PER_ITEM = 4096
-"""Block products per parallel item, at least: 4-8 us of work, so a product of
-fewer runs on the calling thread alone, and taking an item costs little beside it."""
+"""Block products per parallel item, at least: enough work that taking an item costs
+little beside it; a product of fewer runs on the calling thread alone."""
 comptime PANEL_ROWS = 12 * PANEL_NR
 """Rows of `w` an item dequantizes into its panel at least: each block of `PANEL_MR` rows of
-`x` then meets 12 register blocks while it is in cache (500 rows of `x`: 1.2x faster than
-items of 4 rows of `w`)."""
+`x` then meets 12 register blocks while it is in cache (faster than items of 4 rows of
+`w`)."""
 comptime SCALE_RUN = 16
 """Blocks whose scales `_row_dot` converts at once (one float16 vector)."""
 
@@ -153,8 +150,8 @@ def _tiles[
 ](rows: Int, x: F32Ptr, k: Int, w: BytePtr, w_stride: Int, n_rows: Int, y: F32Ptr, y_stride: Int):
     """`y[rows, n_rows] = x[rows, k] @ w[n_rows, k].T` for `rows <= MR`, in register blocks
     of `NR` rows of `w` and a last one of fewer. A function of its own: inlined into an
-    item's `run` beside the other kind of block, the direct blocks ran 10-18% slower at
-    2-5 rows of `x`."""
+    item's `run` beside the other kind of block, the direct blocks ran slower at a few
+    rows of `x`."""
     for n in range(0, n_rows, NR):
         var wp = w.unsafe_offset(n * w_stride)
         var yp = y.unsafe_offset(n)
@@ -320,7 +317,7 @@ struct BlockMatmul:
         w: InputTensor[dtype=DType.uint8, rank=2, ...],
         ctx: DeviceContext,
     ) raises:
-        comptime assert is_cpu[target](), "mokv_quant runs on CPU only"
+        comptime assert is_cpu[target](), "mokv_weights runs on CPU only"
         var m_rows = x.dim_size(0)
         var k = x.dim_size(1)
         var n_rows = w.dim_size(0)

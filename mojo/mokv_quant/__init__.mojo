@@ -1,1 +1,0 @@
-"""Weight kernels of mokv: matmuls and embedding lookups over GGUF blocks."""

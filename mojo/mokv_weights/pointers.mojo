@@ -1,0 +1,1 @@
+../mokv_kernels/pointers.mojo
