@@ -423,22 +423,27 @@ class PagedKVCacheManager:
     def reserve(self, replica_batches: Sequence[Sequence[object]]) -> Iterator[None]:
         """Claims and allocates `replica_batches[r]` on replica r for the scope, then releases them.
 
-        For throwaway flows such as warm-up. Everything is checked before the
-        first claim, so a refused reservation changes nothing: one batch per
-        replica, unclaimed requests, none twice, and enough free pages on each
-        replica for every request's tokens without counting prefix hits.
+        For throwaway flows such as warm-up. It grants exactly what `claim` and
+        `alloc` of each request in turn would, prefix hits included, and
+        everything is checked before the first claim, so a refused
+        reservation changes nothing: one batch per replica, unclaimed
+        requests, none twice, and, replayed in order on each replica without
+        changing it (`_reservation_shortfall`), enough free pages for every
+        request once its device prefix hits are counted.
 
         Raises:
             TypeError, ValueError: A bad batch or request, by name.
-            InsufficientBlocksError: A replica has too few free pages.
+            InsufficientBlocksError: A replica has too few free pages (the
+                message names the first request that would not fit).
         """
         check_sequence("replica_batches", replica_batches)
         if len(replica_batches) != len(self._replicas):
             raise ValueError(f"expected one batch per replica ({len(self._replicas)}), got {len(replica_batches)}")
         planned: list[tuple[object, Hashable, int]] = []
+        contexts: list[list[CacheContext]] = []
         for replica, batch in zip(self._replicas, replica_batches, strict=True):
             check_sequence(f"replica_batches[{replica.index}]", batch)
-            needed = 0
+            contexts.append([])
             for data in batch:
                 ctx = cache_context(data)
                 request_id = ctx.request_id
@@ -446,13 +451,18 @@ class PagedKVCacheManager:
                 owner = self._replica_of.get(request_id)
                 if owner is not None:
                     raise ValueError(f"request {request_id!r} is already claimed on replica {owner.index}")
-                needed += -(-ctx.current_length // self.page_size)
+                if ctx.processed_length:
+                    raise ValueError(
+                        f"request {request_id!r} has processed_length {ctx.processed_length}: a reserved "
+                        "request is new, with nothing in the cache yet"
+                    )
                 planned.append((data, request_id, replica.index))
-            if needed > replica.pool.num_free:
-                raise InsufficientBlocksError(
-                    f"reserve needs up to {needed} pages on replica {replica.index}, {replica.pool.num_free} are free"
-                )
+                contexts[-1].append(ctx)
         check_unique("request", (request_id for _, request_id, _ in planned))
+        for replica, replica_contexts in zip(self._replicas, contexts, strict=True):
+            shortfall = _reservation_shortfall(replica, replica_contexts)
+            if shortfall is not None:
+                raise InsufficientBlocksError(f"reserve refused: {shortfall}")
         claimed: list[tuple[Hashable, int]] = []
         try:
             for data, request_id, replica_idx in planned:
@@ -756,6 +766,59 @@ def _as_tree(
             }
         )
     return KVCacheInputs(per_leaf[path or SINGLE_CACHE])
+
+
+def _reservation_shortfall(replica: Replica, contexts: Sequence[CacheContext]) -> str | None:
+    """Replays `claim` + `alloc` of new requests' `contexts`, in order, on
+    `replica` without changing it; returns why the first one that would not
+    fit does not, or None when all fit.
+
+    Each request takes the device prefix hits `Replica.alloc` would find,
+    cut at the first cached page an earlier request of the replay took from
+    the free queue (which evicts it), and fresh pages from the front of the
+    free queue, past the pages taken before it. A tier's hits need fresh
+    pages like misses; that a tier hit loaded for one request would be a
+    device hit for a later one is not replayed, so a batch repeating a
+    prefix only a lower tier holds may be refused where claim + alloc would
+    just fit, never the reverse.
+    """
+    ps = replica.page_size
+    pool = replica.pool
+    queue = pool.free_order()
+    taken: set[int] = set()  # pages off the free queue in the replay: unheld hits and pages handed out
+    evicted: set[int] = set()
+    front = 0  # every page of `queue` before it is in `taken`
+    capacity = replica.total_num_pages * ps
+    for ctx in contexts:
+        if ctx.current_length > capacity:
+            return (
+                f"request {ctx.request_id!r} needs {ctx.current_length} tokens of KV but replica "
+                f"{replica.index} holds only {capacity} ({replica.total_num_pages} pages of {ps} tokens)"
+            )
+        hits: list[int] = []
+        if replica.prefix_caching and ctx.active_length > 1:
+            hits = replica._find_prefix_hits(RequestState(row=-1), ctx).device
+            cut = next((i for i, page in enumerate(hits) if page in evicted), len(hits))
+            del hits[cut:]
+        needed = -(-ctx.current_length // ps)
+        new = max(0, needed - len(hits))
+        unheld = [page for page in hits if not pool.ref_count[page] and page not in taken]
+        free = len(queue) - len(taken) - len(unheld)
+        if new > free:
+            return (
+                f"request {ctx.request_id!r} needs {new} new pages on replica {replica.index} "
+                f"({len(hits)} of its {needed} are prefix hits) but only {free} are free"
+            )
+        taken.update(unheld)
+        while new:
+            page = queue[front]
+            front += 1
+            if page not in taken:
+                taken.add(page)
+                if pool.index.is_committed(page):
+                    evicted.add(page)
+                new -= 1
+    return None
 
 
 _MAX_REMEMBERED_INPUTS = 128
