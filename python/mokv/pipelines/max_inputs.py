@@ -30,11 +30,9 @@ from collections.abc import Sequence
 import numpy as np
 from max.driver import Buffer, Device
 from max.nn.kv_cache import KVCacheInputsPerDevice, KVCacheParamInterface
+from max.nn.kv_cache.cache_params import PACKED_PAGE_STRIDE
 
 from ..contract import PagedCacheInputs
-
-PACKED_PAGE_STRIDE = -1
-"""MAX's `page_stride` for packed pages (`max.nn.kv_cache.cache_params.PACKED_PAGE_STRIDE`)."""
 
 MaxDeviceInputs = KVCacheInputsPerDevice[Buffer, Buffer]
 """One device's cache inputs as MAX's graphs take them."""

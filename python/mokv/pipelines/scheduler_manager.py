@@ -33,13 +33,17 @@ One cache per manager: MAX's `MultiKVCacheParams` trees are refused.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from max.driver import Buffer
 from max.engine import InferenceSession
 from max.nn.kv_cache import BatchCharacteristics as MaxBatchCharacteristics
 from max.nn.kv_cache import KVCacheParamInterface, MHAKVCacheParams
 from max.nn.kv_cache.cache_params import KVCacheBuffer as MaxKVCacheBuffer
+from max.nn.kv_cache.cache_params import NullKVConnectorConfig
 from max.nn.kv_cache.metrics import KVCacheMetrics as MaxKVCacheMetrics
 from max.pipelines.context import TextContext as MaxTextContext
 from max.pipelines.kv_cache import BlockCount, ByteCount, PagedKVCacheManagerInterface
@@ -55,10 +59,23 @@ from .max_inputs import MaxDeviceInputs, max_device_inputs
 from .max_metrics import CacheCounters, MetricsWindow, cache_counters
 from .prefix_probe import device_prefix_pages
 
+if TYPE_CHECKING:
+    from .cache_config import MokvCacheConfig
+
 
 def _check_single_cache(params: object) -> None:
     if not isinstance(params, MHAKVCacheParams):
         raise TypeError(f"params must be MAX's MHAKVCacheParams (one cache per manager), got {type(params).__name__}")
+
+
+def _without_connector(params: MHAKVCacheParams) -> MHAKVCacheParams:
+    """`params` with MAX's KV connector taken off: mokv's tiers (its manager's
+    `connector_config` and host pages) stand in for MAX's connector, which
+    does not shape the cache."""
+    return dataclasses.replace(params, kv_connector_config=NullKVConnectorConfig())
+
+
+logger = logging.getLogger("mokv.pipelines")
 
 
 class SchedulerKVCacheManager(PagedKVCacheManagerInterface):
@@ -68,7 +85,8 @@ class SchedulerKVCacheManager(PagedKVCacheManagerInterface):
         params: MAX's cache parameters the model's graph was built with
             (`MHAKVCacheParams`); the scheduler reads them (`page_size`, ...).
         manager: The mokv manager holding the cache; its params must be
-            `mokv.from_max(params)` (build both with `create`).
+            `mokv.from_max(params)`, MAX's KV connector aside (build both
+            with `create`, or `create_kv_manager` in a pipeline).
 
     Raises:
         TypeError: `params` is no `MHAKVCacheParams` or `manager` no mokv
@@ -80,7 +98,7 @@ class SchedulerKVCacheManager(PagedKVCacheManagerInterface):
         _check_single_cache(params)
         if not isinstance(manager, PagedKVCacheManager):
             raise TypeError(f"manager must be a mokv PagedKVCacheManager, got {type(manager).__name__}")
-        expected = from_max(params)
+        expected = from_max(_without_connector(params))
         if manager.params != expected:
             raise ValueError(f"manager serves {manager.params}, but params convert to {expected}")
         self.params = params
@@ -110,7 +128,7 @@ class SchedulerKVCacheManager(PagedKVCacheManagerInterface):
         """
         _check_single_cache(params)
         manager = PagedKVCacheManager(
-            from_max(params),
+            from_max(_without_connector(params)),
             session,
             total_num_pages,
             total_num_host_pages,
@@ -309,3 +327,54 @@ class SchedulerKVCacheManager(PagedKVCacheManagerInterface):
     def shutdown(self) -> None:
         """Lets the tiers finish their writes and release threads and connections."""
         self.manager.shutdown()
+
+
+def create_kv_manager(
+    params: KVCacheParamInterface,
+    cache: MokvCacheConfig,
+    *,
+    max_batch_size: int,
+    max_seq_len: int,
+    session: InferenceSession,
+    available_cache_memory: int,
+    max_num_input_tokens: int | None,
+) -> SchedulerKVCacheManager:
+    """The manager a MAX pipeline builds in place of `load_kv_manager`'s (the
+    seam `mokv.pipelines.architecture` calls, `/work/plan/pipelines-interface.md`).
+
+    The device pool takes the bytes MAX's memory plan left for the cache,
+    less the null page: `available_cache_memory // bytes_per_page - 1` pages
+    (any page size: mokv needs no multiple of 128); the tiers are `cache`'s.
+    `max_num_input_tokens` sizes nothing here (mokv's pages do not depend on
+    the prefill chunk).
+
+    Raises:
+        ValueError: The budget holds no page beyond the null page, or fewer
+            tokens than one `max_seq_len` request (which could then never
+            run); or what `SchedulerKVCacheManager.create` refuses.
+    """
+    page_bytes = cache.params.bytes_per_page
+    total_num_pages = available_cache_memory // page_bytes - 1
+    if total_num_pages * cache.params.page_size < max_seq_len:
+        raise ValueError(
+            f"available_cache_memory={available_cache_memory} bytes holds {max(total_num_pages, 0)} pages of "
+            f"{cache.params.page_size} tokens ({page_bytes} bytes each, beside the null page), fewer tokens than "
+            f"one request of max_seq_len={max_seq_len}"
+        )
+    manager = SchedulerKVCacheManager.create(
+        params,
+        session,
+        total_num_pages,
+        max_batch_size=max_batch_size,
+        total_num_host_pages=cache.total_num_host_pages(total_num_pages),
+        connector_config=cache.connector,
+    )
+    logger.info(
+        "mokv KV cache: %d pages of %d tokens (%d bytes each), %d host pages, tiers: %s",
+        total_num_pages,
+        cache.params.page_size,
+        page_bytes,
+        manager.manager.total_num_host_pages,
+        ", ".join(manager.manager.get_tier_usage()) or "none",
+    )
+    return manager
