@@ -101,6 +101,12 @@ CASES: dict[str, Callable[[], list[TextContext]]] = {
     "eviction by an earlier request": lambda: [ctx("e", list(range(300, 333))), ctx("f", list(range(13)))],
     # Two requests sharing a cached prefix take its unheld pages once.
     "shared hits": lambda: [ctx("s", list(range(13))), ctx("t", [*range(12), 77, 78, 79])],
+    # Under a salt, `r`'s held pages are no hits: 4 + 9 new pages, one too many
+    # (unsalted, 1 + 9 would fit).
+    "salted twin of held pages": lambda: [
+        TextContext("w", np.arange(200, 213), cache_salt="tenant"),
+        ctx("x", list(range(300, 333))),
+    ],
     "too long": lambda: [ctx("l", list(range(1000, 1065)))],
     "one page too many": lambda: [ctx("u", list(range(300, 340))), ctx("v", list(range(400, 410)))],
 }

@@ -48,7 +48,8 @@ from ..params import (
     resolve_params,
 )
 from ..validation import check_bool, check_fits, check_int, check_request_id, check_sequence, check_unique
-from .hashing import BlockHasher
+from .block_pool import NO_UID
+from .hashing import BlockHasher, salted_root
 from .replica import InsufficientBlocksError, Replica, RequestState
 from .runtime_inputs import BatchCharacteristics, BatchTables, TableRows, device_inputs, table_rows
 
@@ -768,6 +769,30 @@ def _as_tree(
     return KVCacheInputs(per_leaf[path or SINGLE_CACHE])
 
 
+def device_prefix_hits(replica: Replica, ctx: CacheContext) -> list[int]:
+    """The cached device pages `alloc` would reuse for `ctx` as a new request
+    on `replica` now, read without changing anything (no request state, no
+    tier lookup): the verified run of committed pages continuing the chain of
+    its full pages before its last token, rooted in its cache salt. Empty
+    without prefix caching, for a context that processed tokens already, and
+    for a salt the replica has never cached a page under."""
+    ps = replica.page_size
+    hashable = (ctx.current_length - 1) // ps
+    if not replica.prefix_caching or hashable < 1 or ctx.processed_length:
+        return []
+    parent_uid: int | None = NO_UID
+    root_hash = None
+    if ctx.cache_salt is not None:
+        parent_uid = replica._salt_uids.get(ctx.cache_salt)
+        root_hash = salted_root(ctx.cache_salt)
+    if parent_uid is None:
+        return []
+    tokens = ctx.tokens[: hashable * ps]
+    return replica.pool.index.match(
+        replica.hasher.hash_blocks(tokens, root_hash), parent_uid, tokens.reshape(hashable, ps)
+    )
+
+
 def _reservation_shortfall(replica: Replica, contexts: Sequence[CacheContext]) -> str | None:
     """Replays `claim` + `alloc` of new requests' `contexts`, in order, on
     `replica` without changing it; returns why the first one that would not
@@ -776,11 +801,11 @@ def _reservation_shortfall(replica: Replica, contexts: Sequence[CacheContext]) -
     Each request takes the device prefix hits `Replica.alloc` would find,
     cut at the first cached page an earlier request of the replay took from
     the free queue (which evicts it), and fresh pages from the front of the
-    free queue, past the pages taken before it. A tier's hits need fresh
-    pages like misses; that a tier hit loaded for one request would be a
-    device hit for a later one is not replayed, so a batch repeating a
-    prefix only a lower tier holds may be refused where claim + alloc would
-    just fit, never the reverse.
+    free queue, past the pages taken before it. Lower tiers are not asked
+    (their hits need fresh pages like misses); that a tier hit loaded for one
+    request would be a device hit for a later one is not replayed, so a
+    batch repeating a prefix only a lower tier holds may be refused where
+    claim + alloc would just fit, never the reverse.
     """
     ps = replica.page_size
     pool = replica.pool
@@ -795,11 +820,9 @@ def _reservation_shortfall(replica: Replica, contexts: Sequence[CacheContext]) -
                 f"request {ctx.request_id!r} needs {ctx.current_length} tokens of KV but replica "
                 f"{replica.index} holds only {capacity} ({replica.total_num_pages} pages of {ps} tokens)"
             )
-        hits: list[int] = []
-        if replica.prefix_caching and ctx.active_length > 1:
-            hits = replica._find_prefix_hits(RequestState(row=-1), ctx).device
-            cut = next((i for i, page in enumerate(hits) if page in evicted), len(hits))
-            del hits[cut:]
+        hits = device_prefix_hits(replica, ctx) if ctx.active_length > 1 else []
+        cut = next((i for i, page in enumerate(hits) if page in evicted), len(hits))
+        del hits[cut:]
         needed = -(-ctx.current_length // ps)
         new = max(0, needed - len(hits))
         unheld = [page for page in hits if not pool.ref_count[page] and page not in taken]
