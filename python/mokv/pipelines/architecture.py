@@ -137,11 +137,14 @@ def create_kv_manager(
     Raises:
         RuntimeError: the adapter module has no `create_kv_manager`.
     """
+    adapter = f"{__package__}.scheduler_manager"
     try:
         from .scheduler_manager import create_kv_manager as create
     except ImportError as error:
+        if error.name != adapter:  # the adapter is there but failed to import: say why
+            raise
         raise RuntimeError(
-            "mokv.pipelines.scheduler_manager.create_kv_manager is missing: the adapter that lets MAX's "
+            f"{adapter}.create_kv_manager is missing: the adapter that lets MAX's "
             "scheduler drive mokv's manager is not installed"
         ) from error
     return create(

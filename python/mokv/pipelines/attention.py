@@ -146,7 +146,7 @@ class _MokvAttention:
         k = rotate(ops.reshape(k, [-1, self.num_key_value_heads, head_dim]), step.token_freqs, interleaved)
         v = ops.reshape(v, [-1, self.num_key_value_heads, head_dim])
         offsets = input_row_offsets.to(step.cache.device)
-        layer = layer_idx.to(DeviceRef.CPU()) if isinstance(layer_idx, TensorValue) else layer_idx
+        layer = layer_idx.to(DeviceRef.CPU())  # a host scalar, as MAX's layers get it and mokv's ops read it
         store_kv(step.cache, layer, k, v, offsets)
         out = attention(step.cache, layer, q, offsets, float(self.scale), self._sliding_window())
         return self.o_proj(ops.reshape(out, [q.shape[0], self.n_heads * head_dim]))

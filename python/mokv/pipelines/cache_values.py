@@ -85,7 +85,7 @@ def _check_static_layout(values: MaxPagedCacheValues) -> None:
     blocks_dtype = values.kv_blocks.dtype
     if values.kv_scales is None:
         if blocks_dtype in (DType.float8_e4m3fn, *_CODE_DTYPES):
-            raise ValueError(f"kv_blocks are {blocks_dtype.name} but kv_scales is None: an 8-bit cache needs its scales")
+            raise ValueError(f"kv_blocks are {blocks_dtype.name} but kv_scales is None: 8-bit blocks need scales")
         return
     if values.kv_scales.dtype != DType.float32:
         raise ValueError(f"kv_scales are {values.kv_scales.dtype.name}: mokv's kernels read float32 scales only")
