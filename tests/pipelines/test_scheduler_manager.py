@@ -11,6 +11,7 @@ and the errors.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -23,8 +24,10 @@ from max.nn.kv_cache import KVCacheQuantizationConfig, MHAKVCacheParams, MultiKV
 from max.pipelines.context import TextContext
 from max.pipelines.kv_cache import InsufficientBlocksError
 
+from mokv import from_max
 from mokv.connectors.config import KVConnectorConfig
-from mokv.pipelines.scheduler_manager import SchedulerKVCacheManager
+from mokv.pipelines.cache_config import MokvCacheConfig
+from mokv.pipelines.scheduler_manager import SchedulerKVCacheManager, create_kv_manager
 from tests.manager_state import paged_snapshot
 
 from .scheduler_lockstep import Lockstep, max_context
@@ -272,3 +275,43 @@ def test_construction_refuses_what_mokv_cannot_serve() -> None:
     other = SchedulerKVCacheManager.create(params(page_size=8), None, 8, max_batch_size=2).manager
     with pytest.raises(ValueError, match="page_size=8"):
         SchedulerKVCacheManager(params(), other)
+
+
+# ------------------------------------------------------------------ the seam
+
+
+def _cache(tiered: bool = False) -> MokvCacheConfig:
+    return MokvCacheConfig(from_max(params()), host_offload_max_gb=None, tiered=tiered)
+
+
+@pytest.mark.parametrize(
+    ("budget_pages", "expected"),
+    [(1000, 4 * 8), (20, 19)],  # capped at a full batch (4 requests of 8 pages); else the budget less the null page
+)
+def test_create_kv_manager_sizes_the_pool_as_max_does(budget_pages: int, expected: int) -> None:
+    cache = _cache(tiered=True)
+    made = create_kv_manager(
+        params(),
+        cache,
+        max_batch_size=4,
+        max_seq_len=30,  # 8 pages of 4 tokens
+        session=None,
+        available_cache_memory=budget_pages * cache.params.bytes_per_page,
+        max_num_input_tokens=None,
+    )
+    assert made.manager.total_num_pages == expected and made.block_count().total == expected
+    assert made.manager.total_num_host_pages == math.ceil(1.5 * expected)  # MAX's host default, 1.5 pools
+
+
+def test_create_kv_manager_refuses_a_budget_shorter_than_one_request() -> None:
+    cache = _cache()
+    with pytest.raises(ValueError, match="max_seq_len=30"):
+        create_kv_manager(
+            params(),
+            cache,
+            max_batch_size=4,
+            max_seq_len=30,
+            session=None,
+            available_cache_memory=8 * cache.params.bytes_per_page,  # 7 pages beside the null page
+            max_num_input_tokens=None,
+        )

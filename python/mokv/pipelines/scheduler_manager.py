@@ -342,23 +342,27 @@ def create_kv_manager(
     """The manager a MAX pipeline builds in place of `load_kv_manager`'s (the
     seam `mokv.pipelines.architecture` calls, `/work/plan/pipelines-interface.md`).
 
-    The device pool takes the bytes MAX's memory plan left for the cache,
-    less the null page: `available_cache_memory // bytes_per_page - 1` pages
-    (any page size: mokv needs no multiple of 128); the tiers are `cache`'s.
-    `max_num_input_tokens` sizes nothing here (mokv's pages do not depend on
-    the prefill chunk).
+    The device pool is sized as MAX's own (non-Jenga) manager sizes it: the
+    pages MAX's memory plan left room for (`available_cache_memory //
+    bytes_per_page`, less the null page), but no more than a full batch of
+    `max_seq_len` requests can hold (`max_batch_size * ceil(max_seq_len /
+    page_size)`); any page size (mokv needs no multiple of 128). The tiers
+    are `cache`'s. `max_num_input_tokens` sizes nothing here (mokv's pages do
+    not depend on the prefill chunk).
 
     Raises:
-        ValueError: The budget holds no page beyond the null page, or fewer
-            tokens than one `max_seq_len` request (which could then never
-            run); or what `SchedulerKVCacheManager.create` refuses.
+        ValueError: The budget holds fewer tokens than one `max_seq_len`
+            request (which could then never run); or what
+            `SchedulerKVCacheManager.create` refuses.
     """
     page_bytes = cache.params.bytes_per_page
-    total_num_pages = available_cache_memory // page_bytes - 1
-    if total_num_pages * cache.params.page_size < max_seq_len:
+    page_size = cache.params.page_size
+    pages_per_request = -(-max_seq_len // page_size)
+    total_num_pages = min(available_cache_memory // page_bytes - 1, max_batch_size * pages_per_request)
+    if total_num_pages < pages_per_request:
         raise ValueError(
             f"available_cache_memory={available_cache_memory} bytes holds {max(total_num_pages, 0)} pages of "
-            f"{cache.params.page_size} tokens ({page_bytes} bytes each, beside the null page), fewer tokens than "
+            f"{page_size} tokens ({page_bytes} bytes each, beside the null page), fewer tokens than "
             f"one request of max_seq_len={max_seq_len}"
         )
     manager = SchedulerKVCacheManager.create(
