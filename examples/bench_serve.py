@@ -189,7 +189,7 @@ def plot(rows: list[dict], path: Path) -> None:
 @click.option("--quick", is_flag=True, help="4 conversations of 2 turns, 8 new tokens each.")
 @out_dir_option("serve")
 @click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path), help="Default: mokv's cache.")
-@click.option("--encoding", type=click.Choice(["float32", "q4_0"]), default="q4_0", show_default=True)
+@click.option("--encoding", type=click.Choice(["float32", "q4_0"]), default="float32", show_default=True)
 @click.option("--clients", default=8, show_default=True, help="Concurrent conversations.")
 @click.option("--turns", default=4, show_default=True, help="Questions per conversation.")
 @click.option("--new-tokens", default=32, show_default=True, help="Tokens streamed per turn.")

@@ -38,6 +38,10 @@ def max_model_dir() -> Path:
 SERVE_PAGE_SIZE = 128
 """MAX's default page size, so the server's graph is the one the `max generate` test compiles."""
 
+SERVE_MAX_BATCH, SERVE_MAX_LENGTH = 8, 1024
+"""The server's batch and context: its pool holds a full batch of contexts, 64 float32
+pages (~380 MB), and a 1024-token context leaves room to refuse a longer prompt cheaply."""
+
 
 @pytest.fixture(scope="session")
 def serve_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis]:
@@ -64,8 +68,8 @@ def serve_options(
         max_model_dir,
         weights_file(MAX_MODEL_ENCODING),
         page_size=SERVE_PAGE_SIZE,
-        max_batch_size=16,
-        max_length=2048,
+        max_batch_size=SERVE_MAX_BATCH,
+        max_length=SERVE_MAX_LENGTH,
         connector=connector,
     )
 
