@@ -22,6 +22,7 @@ import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("max.pipelines.context")
@@ -44,6 +45,10 @@ from tests.pipelines.conftest import MAX_MODEL_ENCODING
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 24
+FLOAT8_LOGIT_ATOL = 2.5
+"""How far a float8 cache moves the logits after the prompts: e4m3 keeps 3
+mantissa bits (up to 6% per element, each token and head scaled to its own
+absolute maximum); measured up to 1.4 on logits up to ~30."""
 QUESTIONS = [
     "What is the capital of France?",
     "List three prime numbers.",
@@ -57,13 +62,14 @@ QUESTIONS = [
 ]
 
 
-def _config(model_dir: Path) -> PipelineConfig:
+def _config(model_dir: Path, **flags: str) -> PipelineConfig:
     args = PipelineArgs.from_flat_kwargs(
         model_path=str(model_dir),
         weight_path=[str(model_dir / weights_file(MAX_MODEL_ENCODING))],
         quantization_encoding=MAX_MODEL_ENCODING,
         device_specs=[DeviceSpec.cpu()],
         max_batch_size=len(QUESTIONS),
+        **flags,
     )
     return PipelineConfig.from_args(args)
 
@@ -78,22 +84,25 @@ def _batches() -> list[list[list[int]]]:
 
 @dataclass
 class Run:
-    """One pipeline's greedy tokens per batch, and its KV manager after them."""
+    """One pipeline's greedy tokens per batch, the first batch's logits after
+    its prompts (`[rows, vocab]`), and its KV manager after them."""
 
     tokens: list[list[list[int]]]
+    first_logits: np.ndarray
     manager: type
     metrics: KVCacheMetrics
 
 
-def _greedy(arch, config: PipelineConfig) -> Run:
+def _greedy(arch, config: PipelineConfig, batches: list[list[list[int]]]) -> Run:
     """Each batch's new tokens through a pipeline of `arch`, built in a registry of its own."""
     _, pipeline = PipelineRegistry([arch], arch_lookup=ArchLookup()).retrieve(config)
-    tokens = []
-    for batch in _batches():
-        result = generate(pipeline, batch, max_new_tokens=NEW_TOKENS, top_k=1, ignore_eos=True)
+    tokens, logits = [], []
+    for batch in batches:
+        result = generate(pipeline, batch, max_new_tokens=NEW_TOKENS, top_k=1, ignore_eos=True, output_logits=True)
         tokens.append([row[len(prompt) :] for row, prompt in zip(result.sequences, batch, strict=True)])
+        logits.append(np.stack([np.asarray(row_logits)[0] for row_logits in result.logits]))
     manager = pipeline._kv_manager
-    run = Run(tokens, type(manager), manager.get_metrics_aggregated())
+    run = Run(tokens, logits[0], type(manager), manager.get_metrics_aggregated())
     del pipeline, manager
     gc.collect()
     return run
@@ -123,11 +132,11 @@ def runs(max_model_dir) -> tuple[Run, Run, Built]:
         built.prepared += 1
         return prepare(*args)
 
-    theirs = _greedy(llama_arch, config)
+    theirs = _greedy(llama_arch, config, _batches())
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(architecture, "to_mokv", converting)
         patch.setattr(CacheStep, "prepare", classmethod(preparing))
-        ours = _greedy(architecture.mokv_llama_arch, config)
+        ours = _greedy(architecture.mokv_llama_arch, config, _batches())
     return theirs, ours, built
 
 
@@ -140,6 +149,21 @@ def test_mokv_pipeline_generates_maxs_greedy_tokens(runs) -> None:
     assert ours.tokens == theirs.tokens
     # the repeated prompt's first page came from the prefix cache, in both managers
     assert ours.metrics.cache_tokens >= 128 and theirs.metrics.cache_tokens >= 128
+
+
+def test_float8_cache_in_maxs_scale_layout_predicts_as_float32_within_its_rounding(runs, max_model_dir) -> None:
+    """`--kv-cache-format float8_e4m3fn` through mokv's architecture: MAX's
+    scale layout (one float32 scale per token and KV head) and uint8 graph
+    blocks, written and read by mokv's ops. The next-token logits after the
+    prompts stay within `FLOAT8_LOGIT_ATOL` of MAX's float32 run, a bound a
+    cache read at the wrong pages or scales would break by the logits' own
+    magnitude (~20-30)."""
+    theirs, _, _ = runs
+    config = _config(max_model_dir, kv_cache_format="float8_e4m3fn")
+    float8 = _greedy(architecture.mokv_llama_arch, config, _batches()[:1])
+    assert float8.manager is SchedulerKVCacheManager
+    np.testing.assert_allclose(float8.first_logits, theirs.first_logits, atol=FLOAT8_LOGIT_ATOL, rtol=0)
+    assert np.abs(theirs.first_logits).max() > 10 * FLOAT8_LOGIT_ATOL
 
 
 def test_custom_architectures_flag_registers_mokvs_llama() -> None:

@@ -94,6 +94,15 @@ class MokvLlama3Model(Llama3Model):
 
     model_config_cls = MokvLlama3Config
 
+    def _create_model_config(self, state_dict: dict[str, Any]) -> Any:
+        """MAX's Llama3 config for the graph, holding the cache params the
+        pipeline model declared (`MokvLlama3Config`'s), which MAX's config
+        builds again without the float8 scales: the graph unflattens its cache
+        inputs with these."""
+        config = super()._create_model_config(state_dict)
+        config.kv_params = self.kv_params
+        return config
+
     def graph_specs(self, model_config: Any) -> dict[str, GraphSpec]:
         """MAX's decoder spec, its attention layers turned into mokv's twins,
         float8 blocks declared as uint8, and mokv's kernels added.
