@@ -109,7 +109,10 @@ _MASKS = (MHAMaskVariant.CAUSAL_MASK, MHAMaskVariant.SLIDING_WINDOW_CAUSAL_MASK)
 
 
 class _MokvAttention:
-    """The cache work shared by the mokv twins: RoPE, `store_kv`, `attention`."""
+    """What the mokv twins share: MAX's layer call (`__call__`, ahead of the
+    MAX class in each twin's bases), then RoPE, `store_kv` and `attention`;
+    each twin projects the queries, keys and values as its MAX class does
+    (`_project`)."""
 
     rope: object
     n_heads: int
@@ -118,6 +121,22 @@ class _MokvAttention:
     scale: float
     mask_variant: MHAMaskVariant
     o_proj: Module
+
+    def __call__(
+        self,
+        layer_idx: TensorValue,
+        x: TensorValue,
+        kv_collection: KVCacheInputsPerDevice,
+        freqs_cis: TensorValue,
+        input_row_offsets: TensorValue,
+    ) -> TensorValue:
+        step = self._step(kv_collection, freqs_cis, input_row_offsets, x)
+        q, k, v = self._project(x)
+        return self._attend(layer_idx, q, k, v, step, input_row_offsets)
+
+    def _project(self, x: TensorValue) -> tuple[TensorValue, TensorValue, TensorValue]:
+        """The layer's query, key and value projections of `x` `[tokens, hidden]`."""
+        raise NotImplementedError
 
     def _sliding_window(self) -> int:
         window = getattr(self, "sliding_window", None)
@@ -168,22 +187,14 @@ class _MokvAttention:
 class MokvAttentionWithRope(_MokvAttention, AttentionWithRope):
     """MAX's `AttentionWithRope` (same constructor, weights and sharding) on mokv's ops."""
 
-    def __call__(  # type: ignore[override]
-        self,
-        layer_idx: TensorValue,
-        x: TensorValue,
-        kv_collection: KVCacheInputsPerDevice,
-        freqs_cis: TensorValue,
-        input_row_offsets: TensorValue,
-    ) -> TensorValue:
-        step = self._step(kv_collection, freqs_cis, input_row_offsets, x)
+    def _project(self, x: TensorValue) -> tuple[TensorValue, TensorValue, TensorValue]:
         head_dim = self.kv_params.head_dim
         kv_dim = self.num_key_value_heads * head_dim
         q, k, v = ops.split(self.qkv_proj(x), [self.n_heads * head_dim, kv_dim, kv_dim], axis=-1)
         if self.use_qk_norm:  # per head, before RoPE, as MAX normalizes them
             q = ops.reshape(self.q_norm(ops.reshape(q, [-1, head_dim])), q.shape)
             k = ops.reshape(self.k_norm(ops.reshape(k, [-1, head_dim])), k.shape)
-        return self._attend(layer_idx, q, k, v, step, input_row_offsets)
+        return q, k, v
 
     def shard(self, devices: Iterable[DeviceRef]) -> list[AttentionWithRope]:
         """MAX's shards (the same weight slices), each on mokv's ops."""
@@ -194,20 +205,12 @@ class MokvGGUFQAttentionWithRope(_MokvAttention, GGUFQAttentionWithRope):
     """MAX's `GGUFQAttentionWithRope` (GGUF q4_0 / q4_k / q6_k weights, products
     by `ops.qmatmul`) on mokv's ops."""
 
-    def __call__(  # type: ignore[override]
-        self,
-        layer_idx: TensorValue,
-        x: TensorValue,
-        kv_collection: KVCacheInputsPerDevice,
-        freqs_cis: TensorValue,
-        input_row_offsets: TensorValue,
-    ) -> TensorValue:
-        step = self._step(kv_collection, freqs_cis, input_row_offsets, x)
+    def _project(self, x: TensorValue) -> tuple[TensorValue, TensorValue, TensorValue]:
         q, k, v = (
             ops.qmatmul(weight.quantization_encoding, None, x, weight)
             for weight in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
         )
-        return self._attend(layer_idx, q, k, v, step, input_row_offsets)
+        return q, k, v
 
 
 _TWINS: dict[type, type] = {
