@@ -20,6 +20,7 @@ pytest.importorskip("max.pipelines.kv_cache")
 
 from max.dtype import DType
 from max.graph import DeviceRef
+from max.nn.kv_cache import BatchCharacteristics as MaxBatchCharacteristics
 from max.nn.kv_cache import KVCacheQuantizationConfig, MHAKVCacheParams, MultiKVCacheParams
 from max.pipelines.context import TextContext
 from max.pipelines.kv_cache import InsufficientBlocksError
@@ -315,3 +316,27 @@ def test_create_kv_manager_refuses_a_budget_shorter_than_one_request() -> None:
             available_cache_memory=8 * cache.params.bytes_per_page,  # 7 pages beside the null page
             max_num_input_tokens=None,
         )
+
+
+def test_dummies_bounds_and_buffers_alike() -> None:
+    """A padding request (`alloc_dummy`), a fixed lookup-table width
+    (`max_cache_length`) and a captured batch shape (`BatchCharacteristics`)
+    give the same inputs on both sides; the device buffer is the pages the
+    inputs carry."""
+    step = Lockstep(params(), total_num_pages=16, max_batch_size=4)
+    assert step.admit("real", np.arange(1, 11))
+    pad = [max_context("pad", np.zeros(1, np.int64)) for _ in "ab"]
+    for manager, ctx in zip(step.managers, pad, strict=True):
+        manager.alloc_dummy(ctx, replica_idx=0)
+        assert manager.num_req_blocks(ctx) == 1 and manager.get_req_blocks_per_leaf(ctx) == {"full_group": [16]}
+    real = step.live["real"]
+    bounds = MaxBatchCharacteristics(batch_size=4, max_prompt_length=16, max_cache_valid_length=40)
+    for kwargs in ({}, {"max_cache_length": 40}, {"batch_characteristics": bounds}):
+        theirs = step.theirs.runtime_inputs([[real.theirs, pad[0]]], **kwargs)
+        ours = step.ours.runtime_inputs([[real.ours, pad[1]]], **kwargs)
+        step.compare_inputs(theirs, ours, [[real.theirs, pad[0]]])
+        if "max_cache_length" in kwargs:
+            assert ours[0].lookup_table.shape == (2, 10)  # ceil(40 / 4) pages
+    buffer = step.ours.get_device_buffer(0)
+    assert buffer.all_buffers == [ours[0].kv_blocks]
+    assert step.ours.pressure_pct(0) == pytest.approx(100 * 3 / 16)
