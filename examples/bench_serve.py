@@ -34,6 +34,7 @@ import click
 import numpy as np
 
 from mokv_examples.bench_results import out_dir_option, write_results
+from mokv_examples.chat_stream import StreamedTurn, stream_chat
 from mokv_examples.max_model import default_model_dir, weights_file, write_model_dir
 from mokv_examples.max_server import MaxServer, ServeOptions
 
@@ -54,8 +55,8 @@ QUESTIONS = (
 )
 
 
-async def _conversation(api: object, model: str, index: int, turns: int, new_tokens: int) -> list[dict]:
-    """One client's turns; per turn its TTFT, tokens and end time."""
+async def _conversation(api: object, model: str, index: int, turns: int, new_tokens: int) -> list[StreamedTurn]:
+    """One client's turns, each resending the whole history."""
     messages = [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": f"I am engineer number {index}. {QUESTIONS[index % len(QUESTIONS)]}"},
@@ -64,30 +65,12 @@ async def _conversation(api: object, model: str, index: int, turns: int, new_tok
     for turn in range(turns):
         if turn:
             messages.append({"role": "user", "content": QUESTIONS[(index + turn) % len(QUESTIONS)]})
-        sent = time.perf_counter()
-        first = None
-        text, tokens = [], 0
-        stream = await api.chat.completions.create(  # type: ignore[attr-defined]
-            model=model,
-            messages=messages,
-            max_tokens=new_tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                first = first or time.perf_counter()
-                text.append(chunk.choices[0].delta.content)
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-        out.append({"ttft_s": (first or time.perf_counter()) - sent, "tokens": tokens, "end": time.perf_counter()})
-        messages.append({"role": "assistant", "content": "".join(text)})
+        out.append(await stream_chat(api, model, messages, new_tokens))
+        messages.append({"role": "assistant", "content": out[-1].text})
     return out
 
 
-async def _workload(server: MaxServer, clients: int, turns: int, new_tokens: int) -> list[dict]:
+async def _workload(server: MaxServer, clients: int, turns: int, new_tokens: int) -> list[StreamedTurn]:
     import openai
 
     async with openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=3600) as api:
@@ -104,14 +87,14 @@ def run_engine(options: ServeOptions, log: Path, clients: int, turns: int, new_t
         before = server.metrics()
         began = time.perf_counter()
         turns_done = asyncio.run(_workload(server, clients, turns, new_tokens))
-        wall = max(t["end"] for t in turns_done) - began
+        wall = max(t.ended for t in turns_done) - began
         time.sleep(2.0)  # the metrics process receives the last batch's counters asynchronously
         after = server.metrics()
         rss = server.rss_bytes()
     hits = after.value("maxserve_cache_hits_tokens_total") - before.value("maxserve_cache_hits_tokens_total")
     misses = after.value("maxserve_cache_misses_tokens_total") - before.value("maxserve_cache_misses_tokens_total")
-    ttft = np.array([t["ttft_s"] for t in turns_done])
-    tokens = sum(t["tokens"] for t in turns_done)
+    ttft = np.array([t.ttft_s for t in turns_done])
+    tokens = sum(t.completion_tokens for t in turns_done)
     return {
         "engine": "mokv" if options.mokv else "MAX",
         "requests": len(turns_done),
@@ -166,7 +149,9 @@ def plot(rows: list[dict], path: Path) -> None:
     for r in rows:
         ttft = np.sort(r["ttft_ms"])
         share = np.arange(1, len(ttft) + 1) / len(ttft)
-        ax_ttft.step(ttft, share, where="post", color=colors[r["engine"]], label=f"{r['engine']} (round {r['round']})")
+        style = "-" if r["round"] % 2 else "--"
+        label = f"{r['engine']} (round {r['round']})"
+        ax_ttft.step(ttft, share, style, where="post", color=colors[r["engine"]], label=label)
     ax_ttft.set_xscale("log")
     ax_ttft.set_xlabel("time to first token (ms, log scale)")
     ax_ttft.set_ylabel("share of requests")

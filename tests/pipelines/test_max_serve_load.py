@@ -15,6 +15,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from mokv_examples.chat_stream import stream_chat  # noqa: E402
 from mokv_examples.max_server import MaxServer  # noqa: E402
 
 from .serve_client import SYSTEM, settled_reading  # noqa: E402
@@ -35,25 +36,10 @@ async def _conversation(api: openai.AsyncOpenAI, model: str, index: int, turns: 
     for turn in range(turns):
         question = f"Client {index}, question {turn}: what is page {index * 7 + turn}?"
         messages.append({"role": "user", "content": question})
-        stream = await api.chat.completions.create(
-            model=model,
-            messages=messages,
-            max_tokens=NEW_TOKENS,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        text, finish, tokens = [], None, 0
-        async for chunk in stream:
-            if chunk.choices:
-                text.append(chunk.choices[0].delta.content or "")
-                finish = chunk.choices[0].finish_reason or finish
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-        assert finish == "length", (index, turn, finish)
-        received.append(tokens)
-        messages.append({"role": "assistant", "content": "".join(text)})
+        answer = await stream_chat(api, model, messages, NEW_TOKENS)
+        assert answer.finish_reason == "length" and answer.text, (index, turn, answer)
+        received.append(answer.completion_tokens)
+        messages.append({"role": "assistant", "content": answer.text})
     return received
 
 
