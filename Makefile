@@ -10,7 +10,7 @@ export MOKV_CACHE_DIR := $(CURDIR)/.cache
 export MODULAR_CACHE_DIR := $(MOKV_CACHE_DIR)/modular
 WHEELS := $(MOKV_CACHE_DIR)/wheels
 
-.PHONY: setup model wheels demo test lint gpu-build-check bench bench-llama-cpp build constraints clean
+.PHONY: setup model max-model wheels demo test lint gpu-build-check bench bench-llama-cpp build constraints clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,14 @@ setup: $(VENV)/.installed
 
 model: setup
 	$(BIN)/python -m mokv_models.model_files fetch
+
+# SmolLM2 as a model directory MAX's own `max generate` / `max serve` load (float32 GGUF,
+# config.json, tokenizer), for `--custom-architectures mokv.pipelines.architecture`.
+MAX_MODEL := $(MOKV_CACHE_DIR)/max-model/SmolLM2-135M-Instruct
+$(MAX_MODEL)/config.json: | model
+	$(BIN)/mokv max-model $(MAX_MODEL)
+
+max-model: $(MAX_MODEL)/config.json
 
 # What a fresh install of mokv's wheel needs (its pinned dependencies and the build
 # backend), so the packaging test installs into a new virtualenv without the network.

@@ -10,12 +10,14 @@ from mokv_examples.bench.attention import attention as bench_attention
 from mokv_examples.bench.e2e import e2e as bench_e2e
 from mokv_examples.bench.kernels import kernels as bench_kernels
 from mokv_examples.bench.manager import manager as bench_manager
+from mokv_examples.bench.serve import serve as bench_serve
 from mokv_examples.bench.soak import soak as bench_soak
 from mokv_examples.bench.tiers import tiers as bench_tiers
 from mokv_examples.bench.weights import weights as bench_weights
 from mokv_examples.chat import chat
 from mokv_examples.generate import generate
 from mokv_examples.inspect_cache import inspect_cache
+from mokv_examples.max_model import max_model
 from mokv_examples.score import score
 
 
@@ -47,9 +49,18 @@ def bench() -> None:
     kernels, or with mokv's kernels at another git revision."""
 
 
-for command in (generate, chat, score, inspect_cache):
+for command in (generate, chat, score, inspect_cache, max_model):
     main.add_command(command)
-for command in (bench_manager, bench_attention, bench_e2e, bench_kernels, bench_weights, bench_tiers, bench_soak):
+for command in (
+    bench_manager,
+    bench_attention,
+    bench_e2e,
+    bench_kernels,
+    bench_weights,
+    bench_tiers,
+    bench_soak,
+    bench_serve,
+):
     bench.add_command(command)
 
 if __name__ == "__main__":

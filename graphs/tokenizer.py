@@ -115,6 +115,15 @@ class GGUFTokenizer:
         return self._spec.eos_token_id
 
     @property
+    def chat_template(self) -> str:
+        """The GGUF's Jinja chat template."""
+        return self._spec.chat_template
+
+    def to_json(self) -> str:
+        """This tokenizer as Hugging Face `tokenizers` JSON (a `tokenizer.json`)."""
+        return self._tok.to_str()
+
+    @property
     def stop_token_ids(self) -> frozenset[int]:
         """Token ids that end a generation (EOS plus EOT/EOM where the GGUF declares them)."""
         return frozenset(self._spec.stop_token_ids)

@@ -201,7 +201,7 @@ PAGED_CASES = cases(
         "reserve-no-room",
         lambda m, c: _reserve(m, [[ctx("r1", [1]), ctx("r2", range(64))], []]),
         InsufficientBlocksError,
-        "needs up to 17 pages on replica 0",
+        "'r2' needs 16 new pages on replica 0",
     ),
     # queries
     ("blocks-released", lambda m, c: m.get_req_blocks("d"), ValueError, "'d'"),

@@ -32,7 +32,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from max.engine import InferenceSession
 
 from ..buffer import KVCacheBuffer
-from ..context import TextContext, cache_context
+from ..context import CacheContext, TextContext, cache_context
 from ..contract import KVCacheInputs, MultiKVCacheInputs
 from ..params import AnyKVCacheParams, KVCacheStrategy, MultiKVCacheParams, resolve_params
 from ..prefix import PageHasher
@@ -45,6 +45,7 @@ from .memory import check_memory
 from .page_pool import InsufficientBlocksError
 from .queries import PagedCacheQueries
 from .replica import Replica
+from .reservation import reservation_shortfall
 from .runtime_inputs import InputTrees
 
 __all__ = ["InsufficientBlocksError", "PagedKVCacheManager"]
@@ -282,22 +283,27 @@ class PagedKVCacheManager(PagedCacheQueries):
     def reserve(self, replica_batches: Sequence[Sequence[object]]) -> Iterator[None]:
         """Claims and allocates `replica_batches[r]` on replica r for the scope, then releases them.
 
-        For throwaway flows such as warm-up. Everything is checked before the
-        first claim, so a refused reservation changes nothing: one batch per
-        replica, unclaimed requests, none twice, and enough free pages on each
-        replica for every request's tokens without counting prefix hits.
+        For throwaway flows such as warm-up. It grants exactly what `claim` and
+        `alloc` of each request in turn would, prefix hits included, and
+        everything is checked before the first claim, so a refused
+        reservation changes nothing: one batch per replica, unclaimed
+        requests, none twice, and, replayed in order on each replica without
+        changing it (`reservation.reservation_shortfall`), enough free pages for every
+        request once its device prefix hits are counted.
 
         Raises:
             TypeError, ValueError: A bad batch or request, by name.
-            InsufficientBlocksError: A replica has too few free pages.
+            InsufficientBlocksError: A replica has too few free pages (the
+                message names the first request that would not fit).
         """
         check_sequence("replica_batches", replica_batches)
         if len(replica_batches) != len(self._replicas):
             raise ValueError(f"expected one batch per replica ({len(self._replicas)}), got {len(replica_batches)}")
         planned: list[tuple[object, Hashable, int]] = []
+        contexts: list[list[CacheContext]] = []
         for replica, batch in zip(self._replicas, replica_batches, strict=True):
             check_sequence(f"replica_batches[{replica.index}]", batch)
-            needed = 0
+            contexts.append([])
             for data in batch:
                 ctx = cache_context(data)
                 request_id = ctx.request_id
@@ -305,13 +311,18 @@ class PagedKVCacheManager(PagedCacheQueries):
                 owner = self._requests.replica_of.get(request_id)
                 if owner is not None:
                     raise ValueError(f"request {request_id!r} is already claimed on replica {owner.index}")
-                needed += -(-ctx.current_length // self.page_size)
+                if ctx.processed_length:
+                    raise ValueError(
+                        f"request {request_id!r} has processed_length {ctx.processed_length}: a reserved "
+                        "request is new, with nothing in the cache yet"
+                    )
                 planned.append((data, request_id, replica.index))
-            if needed > replica.pool.num_free:
-                raise InsufficientBlocksError(
-                    f"reserve needs up to {needed} pages on replica {replica.index}, {replica.pool.num_free} are free"
-                )
+                contexts[-1].append(ctx)
         check_unique("request", (request_id for _, request_id, _ in planned))
+        for replica, replica_contexts in zip(self._replicas, contexts, strict=True):
+            shortfall = reservation_shortfall(replica, replica_contexts)
+            if shortfall is not None:
+                raise InsufficientBlocksError(f"reserve refused: {shortfall}")
         claimed: list[tuple[Hashable, int]] = []
         try:
             for data, request_id, replica_idx in planned:

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..context import CacheContext
-from ..prefix import PageHasher, PageIndex, salted_root
+from ..prefix import NO_UID, PageHasher, PageIndex, salted_root
 from ..tiers import PrefixQuery, Tier
 from ..tiers.keys import PageKeyer
 from .request_state import RequestState
@@ -92,6 +92,27 @@ class PrefixLookup:
                 state.last_uid = self._salt_uids.setdefault(salt, -1 - len(self._salt_uids))
         if self.keyer is not None:
             state.root_key = self.keyer.root(salt)
+
+    def device_hits(self, ctx: CacheContext) -> list[int]:
+        """The cached device pages `find` would reuse for `ctx` as a new request
+        now, read without changing anything (no request state, no tier lookup):
+        the verified run of committed pages continuing the chain of its full
+        pages before its last token, rooted in its cache salt. Empty for a
+        context that processed tokens already, and for a salt no page was ever
+        cached under here."""
+        ps = self.page_size
+        hashable = (ctx.current_length - 1) // ps
+        if hashable < 1 or ctx.processed_length:
+            return []
+        parent_uid: int | None = NO_UID
+        root_hash = None
+        if ctx.cache_salt is not None:
+            parent_uid = self._salt_uids.get(ctx.cache_salt)
+            root_hash = salted_root(ctx.cache_salt)
+        if parent_uid is None:
+            return []
+        tokens = ctx.tokens[: hashable * ps]
+        return self.index.match(self.hasher.hash_pages(tokens, root_hash), parent_uid, tokens.reshape(hashable, ps))
 
     def find(self, state: RequestState, ctx: CacheContext) -> PrefixHits:
         """Verified cached pages continuing the request: on the device, then on each tier.

@@ -19,6 +19,7 @@ from ..tiers import TierMetrics, TierUsage
 from ..validation import check_request_id
 from .batch_resolution import BatchResolver
 from .replica import Replica
+from .reservation import device_prefix_hits
 
 
 class PagedCacheQueries:
@@ -87,6 +88,15 @@ class PagedCacheQueries:
     def total_num_blocks(self, replica_idx: int = 0) -> int:
         """Pages of the replica's pool: `get_num_pages` under MAX's other name for it."""
         return self.get_num_pages(replica_idx)
+
+    def get_device_prefix_pages(self, ctx: object) -> list[int]:
+        """Per replica, how many leading pages of `ctx`, as a new request, its
+        device prefix cache would serve if the request were claimed there now;
+        changes nothing. For placing a request where its prefix is warmest
+        (lower tiers are not asked: their lookups read whole page records)."""
+        data = cache_context(ctx)
+        check_request_id(data.request_id)
+        return [len(device_prefix_hits(replica, data)) for replica in self._replicas]
 
     def get_pct_used_blocks_after_allocation(self, ctx: object, replica_idx: int = 0) -> float:
         """Fraction (0..1, capped) of the replica's pages in use if `ctx` got all

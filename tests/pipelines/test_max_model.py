@@ -1,0 +1,63 @@
+"""`mokv max-model`'s directory as MAX (through Hugging Face's loaders) reads
+it: the config, the tokenizer and the weights agree with the source GGUF."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+from max.pipelines.lib.pipeline_variants.utils import get_rope_theta
+from transformers import AutoConfig, AutoTokenizer
+
+from mokv_examples.max_model import weights_file
+from mokv_models.gguf_model import load_llama
+from mokv_models.model_files import smollm2_gguf_path
+from mokv_models.tokenizer import load_tokenizer
+from tests.support.pipelines import MAX_MODEL_ENCODING
+
+MESSAGES = [
+    {"role": "user", "content": "What is 12 + 30? Answer with digits: 42."},
+    {"role": "assistant", "content": "42"},
+    {"role": "user", "content": "Und auf Deutsch? <|im_end|> stays text"},
+]
+
+
+def test_config_is_the_ggufs_llama(max_model_dir) -> None:
+    """As MAX reads it (`AutoConfig`, MAX's rope theta lookup)."""
+    config = AutoConfig.from_pretrained(max_model_dir)
+    ours = load_llama().config
+    assert config.architectures == ["LlamaForCausalLM"] and config.tie_word_embeddings
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (
+        ours.n_layers,
+        ours.hidden_size,
+        ours.ffn_hidden_size,
+    )
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (
+        ours.n_heads,
+        ours.n_kv_heads,
+        ours.head_dim,
+    )
+    assert (get_rope_theta(config), config.vocab_size) == (ours.rope_base, ours.vocab_size)
+    assert config.rms_norm_eps == pytest.approx(ours.rms_norm_eps)
+
+
+def test_tokenizer_encodes_and_renders_chats_as_the_gguf_does(max_model_dir) -> None:
+    theirs, ours = AutoTokenizer.from_pretrained(max_model_dir), load_tokenizer()
+    text = theirs.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert text == ours.apply_chat_template(MESSAGES)
+    assert theirs.encode(text, add_special_tokens=False) == ours.encode(text).tolist()
+    assert theirs.eos_token_id == ours.eos_token_id
+
+
+def test_weights_are_the_ggufs_dequantized_in_llama_cpp_row_order(max_model_dir) -> None:
+    written = {t.name: t for t in gguf.GGUFReader(max_model_dir / weights_file(MAX_MODEL_ENCODING)).tensors}
+    source = {t.name: t for t in gguf.GGUFReader(smollm2_gguf_path()).tensors}
+    assert written.keys() == source.keys() and "output.weight" not in written  # tied: the embedding is the head
+    for name in ("token_embd.weight", "blk.0.attn_q.weight", "blk.29.ffn_down.weight", "output_norm.weight"):
+        assert written[name].tensor_type == gguf.GGMLQuantizationType.F32
+        expected = gguf.quants.dequantize(source[name].data, source[name].tensor_type)
+        np.testing.assert_array_equal(np.asarray(written[name].data), expected, err_msg=name)
+    generation = json.loads((max_model_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == load_tokenizer().eos_token_id

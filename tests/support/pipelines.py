@@ -1,0 +1,14 @@
+"""Settings the tests of mokv inside MAX's own pipelines share: the model's weights and the
+one `max serve` per session (its page size, batch and context)."""
+
+from __future__ import annotations
+
+MAX_MODEL_ENCODING = "float32"
+"""The weights the pipeline tests load (exact: the GGUF dequantized)."""
+
+SERVE_PAGE_SIZE = 128
+"""MAX's default page size, so the server's graph is the one the `max generate` test compiles."""
+
+SERVE_MAX_BATCH, SERVE_MAX_LENGTH = 8, 1024
+"""The server's batch and context: its pool holds a full batch of contexts, 64 float32
+pages (~380 MB), and a 1024-token context leaves room to refuse a longer prompt cheaply."""
