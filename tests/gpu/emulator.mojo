@@ -16,7 +16,7 @@ from std.utils import IndexList
 
 from mokv_kernels.bind import bind_collection, layer_cache
 from mokv_kernels.cache import BatchSummary, KVCollectionT
-from mokv_kernels.gpu.attention import attention_gpu
+from mokv_kernels.gpu.attention.op import attention_gpu
 from mokv_kernels.gpu.block import Emulator
 from mokv_kernels.gpu.rows import gather_rows_gpu, store_kv_gpu
 from mokv_kernels.gpu.views import InputView, MutableView, OutputView, row_major

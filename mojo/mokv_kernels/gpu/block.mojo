@@ -100,9 +100,7 @@ struct GpuBlock[P: ThreadProgram](BlockExecutor):
     methods are inlined, and so must be the program's phases (`step` and
     what it calls): a program reached through a call has its address taken
     and lives in local memory, so every access to the thread's state (the
-    prefill's output accumulators) becomes a local-memory access. ptxas
-    gave the prefill kernel 664 bytes of stack that way, and Nsight
-    Compute measured ~36 GB of L2 traffic in one 2k-token prefill call.
+    prefill's output accumulators) becomes a local-memory access.
     `tools/check_gpu_build.sh --registers` shows each kernel's stack."""
 
     var me: Self.P

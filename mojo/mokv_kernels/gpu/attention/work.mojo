@@ -1,27 +1,19 @@
 """What every GPU attention block shares: its arguments, its share of the
 batch (query rows and context range), and how it writes its rows out.
 
-Both kernels (`decode` and the tile kernel of `attention`) run one thread
-block per (query tile, KV head, batch row, split); this module says which
-rows and which context positions such a block owns, and writes a row's
-finished values: normalised outputs, or, when the context is split, the
-split's unnormalised state (output, running max, running sum) that the merge
-kernel combines."""
+Every attention kernel (`decode`, `prefill`) runs one thread block per
+(query tile, KV head, batch row, split); this module says which rows and
+which context positions such a block owns, and writes a row's finished
+values: normalised outputs, or, when the context is split, the split's
+unnormalised state (output, running max, running sum) that the merge kernel
+combines."""
 
 from std.math import ceildiv
-from std.utils.numerics import neg_inf
 
-from ..cache import CachePtr, KVCacheT, U32Ptr
-from .block import BlockId, F32Ptr
-from .rows import row_in_cache
-
-comptime BLOCK_THREADS = 128
-comptime WARP = 32
-comptime WARPS = BLOCK_THREADS // WARP
-comptime DECODE_ROWS = 8
-"""Query rows of a decode block: one token times a GQA group of up to 8."""
-comptime LOG2E: Float32 = 1.4426950408889634
-comptime NEG_INF = neg_inf[DType.float32]()
+from ...cache import CachePtr, KVCacheT, U32Ptr
+from ..block import BlockId, F32Ptr
+from ..rows import row_in_cache
+from .config import BLOCK_THREADS
 
 
 @fieldwise_init

@@ -13,14 +13,14 @@ it computes:
 - copies are coalesced (consecutive threads copy consecutive 16-byte chunks
   of a row) and, on NVIDIA GPUs, asynchronous (`cp.async`: no registers
   held, the block computes while they land); rows are padded by 16 bytes,
-  so the rows a warp later reads at once start in different banks. A thread
-  reading a whole row of its own straight from the cache made every warp
-  load touch 32 cache lines (the H200's L1 75% busy, DRAM at 29%), and
-  copies only between phases left memory idle while the block computed;
+  so the rows a warp later reads at once start in different banks (a thread
+  reading a whole row of its own straight from the cache would touch 32
+  cache lines per warp load, and copies only between phases would leave
+  memory idle while the block computes);
 - scores: thread j dots key j's row, a quarter at a time widened to
   float32, with every query row's matching dims (the queries sit in shared
   memory as float32, each word read by all threads at once: a broadcast);
-- the online softmax over the tile (`tile_softmax`);
+- the online softmax over the tile (`softmax`);
 - values: warp w owns query rows `RPW * w ..< RPW * (w + 1)`, lane c the `DPL`
   contiguous dims from `c * DPL`: per key, one vector read of the value row
   and one broadcast weight per row (four keys' weights per read).
@@ -30,7 +30,7 @@ SCORE (which first starts copying this tile's values, and last locates the
 next tile's rows), ROW_MAX (which first starts copying the next tile's keys),
 EXPONENTIATE (then waits for the values), ACCUMULATE (then waits for the
 keys). No float32 copy of K or V. The split-K plan and the merge of splits
-are `attention`'s; the prefill tile kernel there serves larger query tiles."""
+are `plan`'s and `merge`'s; `prefill` serves larger query tiles."""
 
 from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_group
 from std.math import ceildiv
@@ -38,21 +38,11 @@ from std.memory import AddressSpace
 from std.sys import size_of
 from std.sys.info import is_nvidia_gpu
 
-from ..cache import CachePtr, KVCacheT
-from .attention_work import (
-    BLOCK_THREADS,
-    DECODE_ROWS,
-    NEG_INF,
-    WARP,
-    WARPS,
-    AttentionArgs,
-    BlockWork,
-    block_work,
-    stage_queries,
-    write_row_part,
-)
-from .block import BlockExecutor, BlockId, F32Ptr, KernelT, ThreadProgram
-from .tile_softmax import TileSoftmax
+from ...cache import CachePtr, KVCacheT
+from ..block import BlockExecutor, BlockId, F32Ptr, KernelT, ThreadProgram
+from .config import BLOCK_THREADS, DECODE_ROWS, NEG_INF, WARP, WARPS
+from .softmax import TileSoftmax
+from .work import AttentionArgs, BlockWork, block_work, stage_queries, write_row_part
 
 # Phases of a decode block (`DecodeThread.step`).
 comptime LOAD_Q = 0
@@ -353,9 +343,8 @@ struct DecodeKernel[cache_t: KVCacheT, D: Int](KernelT):
     comptime THREADS = BLOCK_THREADS
     comptime MIN_BLOCKS = 2 if Self.D <= 128 else 1
     """Two blocks per multiprocessor for head sizes to 128, as many as
-    their shared memory (83 KB for bfloat16, head_dim 128) lets run at
-    once: ptxas gives the thread 178 registers, no spills
-    (`tools/check_gpu_build.sh --registers`)."""
+    their shared memory lets run at once (`TILE_PAIR_BYTES`);
+    `tools/check_gpu_build.sh --registers` shows what ptxas gives."""
 
     var args: AttentionArgs[Self.cache_t]
     var query_tiles: Int

@@ -1,0 +1,25 @@
+"""Sizes and constants every GPU attention kernel shares: block shape, the
+decode tile's rows, the base-2 softmax's constants, and when the context is
+split over several blocks (split-K)."""
+
+from std.utils.numerics import neg_inf
+
+comptime BLOCK_THREADS = 128
+"""Threads of an attention block: four warps."""
+comptime WARP = 32
+"""Threads of an NVIDIA warp, the unit the kernels' row layouts are cut in."""
+comptime WARPS = BLOCK_THREADS // WARP
+comptime DECODE_ROWS = 8
+"""Query rows of a decode block: one token times a GQA group of up to 8."""
+comptime LOG2E: Float32 = 1.4426950408889634
+"""Scores are scaled by `scale * log2(e)`, so the softmax runs on `exp2`."""
+comptime NEG_INF = neg_inf[DType.float32]()
+comptime MIN_SPLIT_TOKENS = 256
+"""Fewest context tokens worth a split of their own."""
+comptime MAX_SPLITS = 64
+"""Most splits of one context: the merge reads one split per thread."""
+comptime BLOCKS_PER_MULTIPROCESSOR = 2
+"""Blocks per multiprocessor the grid aims for before splitting the context:
+as many as the decode and prefill blocks' registers and shared memory let run
+at once (their `MIN_BLOCKS`), so that a long context is one wave of longer
+splits rather than two of shorter ones. Change it together with them."""
