@@ -5,6 +5,8 @@ sizes, scalars) and the raw little-endian arrays `DIR/<name>.bin` written by
 `tests/gpu/emulation.py`, calls the op's GPU entry point (the very function
 the op calls on a GPU) with the emulator as launcher, and writes what the op
 wrote: `blocks_out.bin` for a store, `out.bin` for a gather or attention.
+Op `warp` runs one emulated warp-collective step (`mokv_kernels.gpu.warp`)
+on per-lane registers instead, writing every lane's result to `out.bin`.
 
 The views hold untracked pointers into the byte lists read from disk, so
 each list is kept alive (`_ = bytes^`) until the op has run.
@@ -20,6 +22,7 @@ from mokv_kernels.gpu.attention.op import attention_gpu
 from mokv_kernels.gpu.block import Emulator
 from mokv_kernels.gpu.rows import gather_rows_gpu, store_kv_gpu
 from mokv_kernels.gpu.views import InputView, MutableView, OutputView, row_major
+from mokv_kernels.gpu.warp import BF16Ptr, WARP_LANES, ld_matrix, mma, shuffle_xor
 
 
 struct Call:
@@ -161,9 +164,80 @@ def _run[dtype: DType](call: Call) raises:
     _ = table_bytes^
 
 
+def _lanes[
+    dtype: DType, width: Int
+](mut bytes: List[UInt8]) -> Array[SIMD[dtype, width], WARP_LANES]:
+    """Every lane's `width` values, lane-major."""
+    var values = Array[SIMD[dtype, width], WARP_LANES](fill=0)
+    var p = _ptr[dtype](bytes)
+    for l in range(WARP_LANES):
+        values[l] = p.unsafe_load[width=width](l * width)
+    return values^
+
+
+def _write_lanes[
+    dtype: DType, width: Int
+](call: Call, values: Array[SIMD[dtype, width], WARP_LANES]) raises:
+    var out = List[UInt8](length=WARP_LANES * width * size_of[Scalar[dtype]](), fill=0)
+    var p = _ptr[dtype](out)
+    for l in range(WARP_LANES):
+        p.unsafe_store(l * width, values[l])
+    call.write("out", out)
+
+
+def _ld_matrix[count: Int, transpose: Bool](call: Call) raises:
+    var smem = call.read("smem")
+    var rows_bytes = call.read("rows")
+    var rows = _ptr[DType.uint32](rows_bytes)
+    var addresses = Array[BF16Ptr, WARP_LANES](fill=_ptr[DType.bfloat16](smem))
+    for l in range(WARP_LANES):
+        addresses[l] = _ptr[DType.bfloat16](smem).unsafe_offset(Int(rows[unsafe_offset=l]) * 8)
+    _write_lanes[DType.bfloat16, 2 * count](
+        call, ld_matrix[count, transpose, WARP_LANES](addresses)
+    )
+    _ = smem^
+    _ = rows_bytes^
+
+
+def _run_warp(call: Call) raises:
+    """One warp-collective step on the lanes' registers in the call's files."""
+    var step = call.text("step")
+    if step == "mma":
+        var a = call.read("a")
+        var b = call.read("b")
+        var c = call.read("c")
+        _write_lanes[DType.float32, 4](
+            call,
+            mma[WARP_LANES](
+                _lanes[DType.bfloat16, 8](a),
+                _lanes[DType.bfloat16, 4](b),
+                _lanes[DType.float32, 4](c),
+            ),
+        )
+    elif step == "shuffle_xor":
+        var values = call.read("values")
+        _write_lanes[DType.float32, 1](
+            call, shuffle_xor[WARP_LANES](_lanes[DType.float32, 1](values), call.int("mask"))
+        )
+    elif step == "ld_matrix":
+        var count = call.int("count")
+        var transpose = call.int("transpose") == 1
+        comptime for c in range(3):
+            comptime n = 1 << c
+            if count == n:
+                if transpose:
+                    _ld_matrix[n, True](call)
+                else:
+                    _ld_matrix[n, False](call)
+    else:
+        raise Error(t"unknown warp step {step}")
+
+
 def main() raises:
     var call = Call(String(argv()[1]))
-    if call.text("dtype") == "float32":
+    if call.text("op") == "warp":
+        _run_warp(call)
+    elif call.text("dtype") == "float32":
         _run[DType.float32](call)
     elif call.text("dtype") == "bfloat16":
         _run[DType.bfloat16](call)

@@ -22,16 +22,11 @@ from max.dtype import DType
 from mokv_reference import bfloat16
 from mokv_reference import cache as ref
 from tests.gpu.cases import mixed_case, window_case
-from tests.gpu.emulation import Emulator, build_emulator, cache_meta, float32_bits
+from tests.gpu.emulation import Emulator, cache_meta, float32_bits
 from tests.mojo import test_attention as cpu_attention
 from tests.mojo import test_store_gather as cpu_rows
 
 H100_MULTIPROCESSORS = 132
-
-
-@pytest.fixture(scope="session")
-def emulator(tmp_path_factory) -> Emulator:
-    return Emulator(build_emulator(), tmp_path_factory.mktemp("emulator"))
 
 
 # -- store and gather ---------------------------------------------------------

@@ -16,7 +16,10 @@ That split lets one kernel body run two ways:
   queued since the last `sync` run thread by thread, highest thread first,
   each thread running all of them before the next thread starts: the
   interleaving a missing barrier allows, so a phase that reads what another
-  thread wrote without a `sync` in between reads NaN or stale data.
+  thread wrote without a `sync` in between reads NaN or stale data. A
+  kernel with warp-collective steps (`warp`: tensor-core fragments,
+  shuffles) runs there warp by warp instead: one program per warp, holding
+  every lane's registers (`KernelT.LANES`).
 
 The emulator is how the kernels' index arithmetic, masking, splitting and
 merging are tested on machines without a GPU; it cannot show timing, warp
@@ -29,6 +32,8 @@ from max.gpu.memory import external_memory
 from std.memory import AddressSpace
 from std.utils.numerics import nan
 from std.utils.static_tuple import StaticTuple
+
+from .warp import WARP_LANES
 
 comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
 
@@ -76,6 +81,10 @@ trait KernelT(TrivialRegisterPassable):
     """Blocks per multiprocessor the compiler must leave registers for
     (it then keeps each thread under 65536 / (THREADS * MIN_BLOCKS)
     registers, spilling if it must): 1 leaves it free to take up to 255."""
+    comptime LANES: Int = 1
+    """Threads one program stands for: 1, or under the emulator a whole
+    warp (`warp.WARP_LANES`) for a kernel with warp-collective steps, whose
+    registers are then every lane's (`warp`). On a GPU always 1."""
 
     def grid(self) -> BlockId:
         """Blocks along x, y and z."""
@@ -129,6 +138,10 @@ def _shared_memory() -> F32Ptr:
 trait Launcher:
     """Where kernels run: a GPU stream (`GpuLauncher`) or the CPU emulator."""
 
+    comptime LANES: Int
+    """`KernelT.LANES` of the kernels with warp-collective steps launched
+    here: 1 on a GPU, a warp under the emulator."""
+
     def launch[K: KernelT](mut self, kernel: K) raises:
         """Runs (or enqueues) `kernel`'s whole grid."""
         ...
@@ -140,6 +153,11 @@ trait Launcher:
     def multiprocessors(self) -> Int:
         """Blocks that run at once, roughly: what a grid must cover to keep
         the device busy."""
+        ...
+
+    def tensor_cores(self) -> Bool:
+        """Whether kernels with `mma.sync` steps (`warp`) run here: NVIDIA
+        GPUs from sm_80, and the emulator."""
         ...
 
 
@@ -154,6 +172,8 @@ struct GpuLauncher(Launcher):
     freed when the launcher is destroyed; the device frees them in stream
     order, after the kernels enqueued before."""
 
+    comptime LANES = 1
+
     var ctx: DeviceContext
     var buffers: List[DeviceBuffer[DType.float32]]
 
@@ -162,6 +182,7 @@ struct GpuLauncher(Launcher):
         self.buffers = List[DeviceBuffer[DType.float32]]()
 
     def launch[K: KernelT](mut self, kernel: K) raises:
+        comptime assert K.LANES == 1, "on a GPU a program is one thread"
         var grid = kernel.grid()
         if grid.x == 0 or grid.y == 0 or grid.z == 0:
             return
@@ -202,6 +223,15 @@ struct GpuLauncher(Launcher):
         except:
             return 1
 
+    def tensor_cores(self) -> Bool:
+        try:
+            return (
+                self.ctx.api() == "cuda"
+                and self.ctx.get_attribute(DeviceAttribute.COMPUTE_CAPABILITY_MAJOR) >= 8
+            )
+        except:
+            return False
+
 
 struct EmulatedBlock[P: ThreadProgram](BlockExecutor):
     """Every thread of one block on the CPU (see the module docstring)."""
@@ -225,14 +255,20 @@ struct EmulatedBlock[P: ThreadProgram](BlockExecutor):
 
 struct Emulator(Launcher):
     """Runs kernels on the CPU, block after block (see the module docstring).
-    For tests: slow, and only as exact as the host's float32 arithmetic."""
+    For tests: slow, and only as exact as the host's float32 arithmetic.
+    `has_tensor_cores` false makes the ops pick the kernels they launch on
+    GPUs without `mma.sync`."""
+
+    comptime LANES = WARP_LANES
 
     var scratch_buffers: List[List[Float32]]
     var num_multiprocessors: Int
+    var has_tensor_cores: Bool
 
-    def __init__(out self, num_multiprocessors: Int):
+    def __init__(out self, num_multiprocessors: Int, has_tensor_cores: Bool = True):
         self.scratch_buffers = List[List[Float32]]()
         self.num_multiprocessors = num_multiprocessors
+        self.has_tensor_cores = has_tensor_cores
 
     def launch[K: KernelT](mut self, kernel: K) raises:
         var grid = kernel.grid()
@@ -245,7 +281,7 @@ struct Emulator(Launcher):
                         shared[i] = nan[DType.float32]()
                     var block = BlockId(x, y, z)
                     var programs = List[K.Program]()
-                    for tid in range(K.THREADS):
+                    for tid in range(0, K.THREADS, K.LANES):
                         programs.append(kernel.program(block, tid, shared_ptr))
                     var threads = EmulatedBlock(programs^)
                     kernel.schedule(threads, block)
@@ -262,3 +298,6 @@ struct Emulator(Launcher):
 
     def multiprocessors(self) -> Int:
         return self.num_multiprocessors
+
+    def tensor_cores(self) -> Bool:
+        return self.has_tensor_cores
