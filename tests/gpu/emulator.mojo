@@ -75,7 +75,7 @@ def _run_op[
 ](call: Call, collection: collection_t, mut blocks: List[UInt8]) raises:
     comptime dtype = collection_t.CacheType.dtype
     var op = call.text("op")
-    var emulator = Emulator(call.int("multiprocessors"))
+    var emulator = Emulator(call.int("multiprocessors"), call.int("tensor_cores") == 1)
     var heads = call.int("n_kv_heads")
     var head_dim = call.int("head_dim")
     var layer = UInt32(call.int("layer"))

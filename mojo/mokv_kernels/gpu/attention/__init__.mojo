@@ -24,6 +24,7 @@ The package, one concept per module (as the CPU one):
 - `plan`: the batch's bounds and how it is cut into blocks;
 - `decode`: a few query rows against a long context (flash decoding);
 - `prefill`: larger query tiles on CUDA cores;
+- `prefill_mma`: larger query tiles of bfloat16 caches on tensor cores;
 - `merge`: combining the splits of a context;
 - `op`: the entry point `attention_gpu`.
 """

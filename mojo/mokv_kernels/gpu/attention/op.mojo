@@ -1,6 +1,7 @@
 """`mokv.attention` on a GPU: the host checks shapes and heads, plans the
-grid from the batch summary (`plan`), and launches the decode or prefill
-kernel, then the split-K merge when the context was split."""
+grid from the batch summary (`plan`), and launches the decode or a prefill
+kernel (on tensor cores for bfloat16 where the device has them), then the
+split-K merge when the context was split."""
 
 from extensibility import InputTensor, OutputTensor
 
@@ -12,6 +13,7 @@ from .decode import DecodeKernel
 from .merge import MergeArgs, MergeKernel
 from .plan import BatchBounds, plan_attention
 from .prefill import AttentionKernel
+from .prefill_mma import MmaPrefillKernel
 from .work import AttentionArgs
 
 
@@ -19,6 +21,19 @@ def _prefill_rows(head_dim: Int) -> Int:
     """Query rows of a prefill block: 64, or 32 for head_dim 256 (shared
     memory)."""
     return 32 if head_dim > 128 else 64
+
+
+def _launch_mma_prefill[
+    D: Int, cache_t: KVCacheT, L: Launcher
+](mut launcher: L, args: AttentionArgs[cache_t], query_tiles: Int) raises -> Bool:
+    """Launches the tensor-core prefill (`prefill_mma`) where it runs: a
+    bfloat16 cache with head_dim up to 128, on a launcher with tensor cores.
+    Returns whether it did."""
+    comptime if cache_t.dtype == DType.bfloat16 and D <= 128:
+        if launcher.tensor_cores():
+            launcher.launch(MmaPrefillKernel[cache_t, D, L.LANES](args, query_tiles))
+            return True
+    return False
 
 
 def _run[
@@ -39,7 +54,7 @@ def _run[
         args.partials = launcher.scratch(plan.splits * args.total_tokens * args.n_q_heads * (D + 2))
     if plan.decode:
         launcher.launch(DecodeKernel[cache_t, D](args, plan.query_tiles))
-    else:
+    elif not _launch_mma_prefill[D](launcher, args, plan.query_tiles):
         comptime rows = 32 if D > 128 else 64
         launcher.launch(AttentionKernel[cache_t, D, rows, 32, 4](args, plan.query_tiles))
     if plan.splits > 1:
