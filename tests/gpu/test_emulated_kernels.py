@@ -188,6 +188,21 @@ def test_decode_split_over_the_context(rows, n_q, n_kv, head_dim, dtype, emulato
     assert_attention_close(out, b, 1, scale)
 
 
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-cores", "cuda-cores"])
+@pytest.mark.parametrize(("n_q", "n_kv", "head_dim", "new"), [(32, 8, 128, 1), (8, 1, 64, 1), (6, 3, 64, 4)])
+def test_bfloat16_decode_in_one_block_per_row(n_q, n_kv, head_dim, new, tensor_cores, emulator):
+    """bfloat16 decode rows, unsplit: on tensor cores each block's four
+    warps score their own keys of every tile and combine their states at
+    the end (groups of 4, 8 and 2 x 4 tokens); without, the CUDA-core
+    decode."""
+    rng = np.random.default_rng(n_q + new)
+    rows = [(1000, new), (37, new), (300, new)]
+    b = cpu_attention.make_batch(rng, "paged", DType.bfloat16, rows, n_q, n_kv, head_dim, 16)
+    scale = 1 / math.sqrt(head_dim)
+    out = emulate_attention(emulator, b, 0, scale, tensor_cores=tensor_cores)
+    assert_attention_close(out, b, 0, scale, tensor_cores=tensor_cores)
+
+
 def test_head_dim_256(emulator):
     rng = np.random.default_rng(256)
     b = cpu_attention.make_batch(rng, "paged", DType.float32, [(0, 40), (300, 1), (90, 33)], 4, 2, 256, 32)

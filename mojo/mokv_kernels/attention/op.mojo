@@ -19,7 +19,6 @@ from ..cache import BatchSummary, KVCacheT, KVCollectionT
 from ..gpu.attention import attention_gpu
 from ..gpu.block import GpuLauncher
 from ..quant import codes_in, is_quantized
-from ..store import no_quantized_gpu_path
 from ..parallel import Job, run_items
 from .config import F32Ptr, HEAD_DIM_MULTIPLE, LOG2E, PARALLEL_MIN_PRODUCTS, W
 from .decode import _decode_any_group
@@ -173,8 +172,7 @@ def attention_on[
         )
     else:
         comptime cache_dtype = collection_t.CacheType.dtype
-        no_quantized_gpu_path[cache_dtype]()
-        comptime if q_dtype == cache_dtype:
+        comptime if q_dtype == cache_dtype or is_quantized[cache_dtype]():
             var launcher = GpuLauncher(ctx)
             attention_gpu(
                 launcher,

@@ -30,6 +30,8 @@ from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, thread_i
 from max.gpu.host import DeviceAttribute, DeviceBuffer, DeviceContext, Dim, FuncAttribute
 from max.gpu.memory import external_memory
 from std.memory import AddressSpace
+from std.sys._assembly import inlined_assembly
+from std.sys.info import is_amd_gpu, is_nvidia_gpu
 from std.utils.numerics import nan
 from std.utils.static_tuple import StaticTuple
 
@@ -39,6 +41,8 @@ comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
 
 comptime DEFAULT_SHARED_BYTES = 48 * 1024
 """Dynamic shared memory a launch gets without opting in to more."""
+comptime AMD_SHARED_BYTES = 64 * 1024
+"""Shared memory (LDS) an AMD MI300 (gfx942) workgroup gets."""
 
 
 @fieldwise_init
@@ -85,13 +89,20 @@ trait KernelT(TrivialRegisterPassable):
     """Threads one program stands for: 1, or under the emulator a whole
     warp (`warp.WARP_LANES`) for a kernel with warp-collective steps, whose
     registers are then every lane's (`warp`). On a GPU always 1."""
+    comptime NAME: StaticString
+    """What the kernel is, as `tools/check_gpu_build.sh --registers` reports
+    it (with `HEAD_DIM` and `ELEMENT_BITS` when they vary)."""
+    comptime HEAD_DIM: Int = 0
+    comptime ELEMENT_BITS: Int = 0
+    comptime SHARED_BYTES: Int
+    """Shared memory per block; at most `AMD_SHARED_BYTES` for a kernel
+    that may run on AMD GPUs (checked when compiling for them)."""
+    comptime TENSOR_CORES: Bool = False
+    """Whether it uses `mma.sync` (`warp`): then it runs only where
+    `Launcher.tensor_cores` says so, never on an AMD GPU."""
 
     def grid(self) -> BlockId:
         """Blocks along x, y and z."""
-        ...
-
-    def shared_floats(self) -> Int:
-        """Float32 words of shared memory per block."""
         ...
 
     def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:
@@ -188,13 +199,34 @@ struct GpuLauncher(Launcher):
             return
         if grid.y > 65535 or grid.z > 65535:
             raise Error(t"grid {grid.x} x {grid.y} x {grid.z} exceeds 65535 blocks along y or z")
-        var shared_bytes = kernel.shared_floats() * 4
+        comptime shared_bytes = K.SHARED_BYTES
 
         @__llvm_metadata(
             MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(K.THREADS)),
             `nvvm.minctasm`=SIMDLength(K.MIN_BLOCKS),
         )
         def run_block() {var kernel}:
+            comptime if is_nvidia_gpu():
+                # What the kernel is, for tools/ptx_registers.py's report.
+                inlined_assembly[
+                    "// mokv-kernel "
+                    + K.NAME
+                    + " head_dim=$0 bits=$1 threads=$2 shared=$3 min_blocks=$4 tensor_cores=$5",
+                    NoneType,
+                    constraints="n,n,n,n,n,n",
+                    has_side_effect=True,
+                ](
+                    Int32(K.HEAD_DIM),
+                    Int32(K.ELEMENT_BITS),
+                    Int32(K.THREADS),
+                    Int32(K.SHARED_BYTES),
+                    Int32(K.MIN_BLOCKS),
+                    Int32(1 if K.TENSOR_CORES else 0),
+                )
+            elif is_amd_gpu() and not K.TENSOR_CORES:
+                comptime assert K.SHARED_BYTES <= AMD_SHARED_BYTES, String(
+                    "kernel ", K.NAME, " takes more shared memory than an AMD workgroup gets"
+                )
             var block = BlockId(Int(block_idx.x), Int(block_idx.y), Int(block_idx.z))
             var threads = GpuBlock(kernel.program(block, Int(thread_idx.x), _shared_memory()))
             kernel.schedule(threads, block)
@@ -272,7 +304,7 @@ struct Emulator(Launcher):
 
     def launch[K: KernelT](mut self, kernel: K) raises:
         var grid = kernel.grid()
-        var shared = List[Float32](length=max(kernel.shared_floats(), 1), fill=0)
+        var shared = List[Float32](length=max(K.SHARED_BYTES // 4, 1), fill=0)
         var shared_ptr = shared.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
         for z in range(grid.z):
             for y in range(grid.y):

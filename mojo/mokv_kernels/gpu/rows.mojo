@@ -11,7 +11,7 @@ reported as an error either (the CPU ops report it).
 """
 
 from extensibility import InputTensor, OutputTensor
-from std.sys import size_of
+from std.sys import size_of, bit_width_of
 
 from ..bind import check_layer, check_rows
 from ..cache import CachePtr, KVCacheT, KVCollectionT, U32Ptr
@@ -95,6 +95,9 @@ struct StoreKernel[cache_t: KVCacheT, width: Int](KernelT, RowKernelBody):
     comptime Program = EachThread[Self]
     comptime THREADS = ROW_THREADS
     comptime MIN_BLOCKS = 1
+    comptime NAME = "store"
+    comptime ELEMENT_BITS = bit_width_of[Self.cache_t.dtype]()
+    comptime SHARED_BYTES = 0
 
     var k_cache: Self.cache_t
     var v_cache: Self.cache_t
@@ -105,9 +108,6 @@ struct StoreKernel[cache_t: KVCacheT, width: Int](KernelT, RowKernelBody):
 
     def grid(self) -> BlockId:
         return BlockId(self.num_tokens, 1, 1)
-
-    def shared_floats(self) -> Int:
-        return 0
 
     def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:
         return EachThread(self, block, tid)
@@ -139,6 +139,9 @@ struct GatherKernel[cache_t: KVCacheT, width: Int](KernelT, RowKernelBody):
     comptime Program = EachThread[Self]
     comptime THREADS = ROW_THREADS
     comptime MIN_BLOCKS = 1
+    comptime NAME = "gather"
+    comptime ELEMENT_BITS = bit_width_of[Self.cache_t.dtype]()
+    comptime SHARED_BYTES = 0
 
     var cache: Self.cache_t
     var dest: CachePtr[Self.cache_t.dtype]
@@ -148,9 +151,6 @@ struct GatherKernel[cache_t: KVCacheT, width: Int](KernelT, RowKernelBody):
 
     def grid(self) -> BlockId:
         return BlockId(self.num_rows, 1, 1)
-
-    def shared_floats(self) -> Int:
-        return 0
 
     def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:
         return EachThread(self, block, tid)

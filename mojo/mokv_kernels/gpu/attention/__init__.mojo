@@ -22,9 +22,10 @@ The package, one concept per module (as the CPU one):
 - `work`: a block's arguments, its rows and context range, writing its rows;
 - `softmax`: the online softmax over a tile of scores in shared memory;
 - `plan`: the batch's bounds and how it is cut into blocks;
-- `decode`: a few query rows against a long context (flash decoding);
+- `decode`: a few query rows against a long context (flash decoding), on
+  CUDA cores;
 - `prefill`: larger query tiles on CUDA cores;
-- `prefill_mma`: larger query tiles of bfloat16 caches on tensor cores;
+- `mma`: decode and prefill of bfloat16 caches on tensor cores;
 - `merge`: combining the splits of a context;
 - `op`: the entry point `attention_gpu`.
 """

@@ -14,12 +14,10 @@ comptime DECODE_ROWS = 8
 comptime LOG2E: Float32 = 1.4426950408889634
 """Scores are scaled by `scale * log2(e)`, so the softmax runs on `exp2`."""
 comptime NEG_INF = neg_inf[DType.float32]()
+comptime QUANTIZED_CHUNK = 16
+"""Codes a kernel reads at once (16 bytes): what a quantized cache's
+granularity must be a multiple of, so a read shares one scale."""
 comptime MIN_SPLIT_TOKENS = 256
 """Fewest context tokens worth a split of their own."""
 comptime MAX_SPLITS = 64
 """Most splits of one context: the merge reads one split per thread."""
-comptime BLOCKS_PER_MULTIPROCESSOR = 2
-"""Blocks per multiprocessor the grid aims for before splitting the context:
-as many as the decode and prefill blocks' registers and shared memory let run
-at once (their `MIN_BLOCKS`), so that a long context is one wave of longer
-splits rather than two of shorter ones. Change it together with them."""

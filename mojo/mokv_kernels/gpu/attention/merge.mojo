@@ -2,6 +2,7 @@
 blocks, each wrote its unnormalised state (output, max, sum); one block per
 (token, query head) combines them into the normalised output."""
 
+from std.sys import bit_width_of
 from std.math import exp2
 
 from ...cache import CachePtr
@@ -140,14 +141,15 @@ struct MergeKernel[dtype: DType, D: Int](KernelT):
     comptime Program = MergeThread[Self.dtype, Self.D]
     comptime THREADS = MergeThread[Self.dtype, Self.D].THREADS
     comptime MIN_BLOCKS = 1
+    comptime NAME = "merge"
+    comptime HEAD_DIM = Self.D
+    comptime ELEMENT_BITS = bit_width_of[Self.dtype]()
+    comptime SHARED_BYTES = Self.Program.FLOATS * 4
 
     var args: MergeArgs[Self.dtype]
 
     def grid(self) -> BlockId:
         return BlockId(self.args.total_tokens, self.args.n_q_heads, 1)
-
-    def shared_floats(self) -> Int:
-        return Self.Program.FLOATS
 
     @always_inline
     def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:

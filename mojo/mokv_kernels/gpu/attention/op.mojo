@@ -1,66 +1,78 @@
 """`mokv.attention` on a GPU: the host checks shapes and heads, plans the
-grid from the batch summary (`plan`), and launches the decode or a prefill
-kernel (on tensor cores for bfloat16 where the device has them), then the
-split-K merge when the context was split."""
+grid from the batch summary (`plan`), and launches a decode or a prefill
+kernel (on tensor cores for bfloat16 where the device has them, `mma`), then
+the split-K merge when the context was split."""
 
 from extensibility import InputTensor, OutputTensor
 
 from ...bind import check_layer
-from ...cache import BatchSummary, CachePtr, KVCacheT, KVCollectionT
+from ...cache import BatchSummary, KVCacheT, KVCollectionT
+from ...quant import is_quantized
 from ..block import Launcher
-from .config import LOG2E
+from .config import LOG2E, QUANTIZED_CHUNK
 from .decode import DecodeKernel
 from .merge import MergeArgs, MergeKernel
 from .plan import BatchBounds, plan_attention
 from .prefill import AttentionKernel
-from .prefill_mma import MmaPrefillKernel
+from .mma import MmaKernel
 from .work import AttentionArgs
 
 
 def _prefill_rows(head_dim: Int) -> Int:
-    """Query rows of a prefill block: 64, or 32 for head_dim 256 (shared
-    memory)."""
-    return 32 if head_dim > 128 else 64
+    """Query rows of a CUDA-core prefill block: 64, 32 from head_dim 128, 16
+    from 256, so that its float32 tiles stay within an AMD workgroup's 64 KB
+    of shared memory. The most query heads per KV head the op takes."""
+    return 64 if head_dim <= 64 else (32 if head_dim <= 128 else 16)
 
 
-def _launch_mma_prefill[
-    D: Int, cache_t: KVCacheT, L: Launcher
-](mut launcher: L, args: AttentionArgs[cache_t], query_tiles: Int) raises -> Bool:
-    """Launches the tensor-core prefill (`prefill_mma`) where it runs: a
-    bfloat16 cache with head_dim up to 128, on a launcher with tensor cores.
-    Returns whether it did."""
-    comptime if cache_t.dtype == DType.bfloat16 and D <= 128:
-        if launcher.tensor_cores():
-            launcher.launch(MmaPrefillKernel[cache_t, D, L.LANES](args, query_tiles))
-            return True
-    return False
+def _on_tensor_cores[cache_t: KVCacheT, q_dtype: DType, D: Int]() -> Bool:
+    """Whether a cache's tiles can go to tensor cores (`mma`): bfloat16
+    values and queries, head_dim up to 128."""
+    return cache_t.dtype == DType.bfloat16 and q_dtype == DType.bfloat16 and D <= 128
 
 
 def _run[
-    cache_t: KVCacheT, D: Int, L: Launcher
-](mut launcher: L, var args: AttentionArgs[cache_t], bounds: BatchBounds) raises:
-    var batch = args.k_cache.batch_size()
+    cache_t: KVCacheT, q_dtype: DType, //, D: Int, L: Launcher
+](mut launcher: L, var args: AttentionArgs[cache_t, q_dtype], bounds: BatchBounds) raises:
+    """Plans the batch for the kernels this launcher runs, then launches
+    them: decode or prefill, then the merge when the context is split."""
+    comptime MmaPrefill = MmaKernel[cache_t, D, L.LANES, False]
+    comptime MmaDecode = MmaKernel[cache_t, D, L.LANES, True]
+    comptime Decode = DecodeKernel[cache_t, q_dtype, D]
+    comptime Prefill = AttentionKernel[
+        cache_t, q_dtype, D, _prefill_rows(D), 32 if D <= 128 else 16, 4 if D <= 128 else 2
+    ]
+    var mma = False
+    comptime if _on_tensor_cores[cache_t, q_dtype, D]():
+        mma = launcher.tensor_cores()
     var plan = plan_attention(
-        batch,
+        args.k_cache.batch_size(),
         args.k_cache.num_heads(),
         args.group,
-        _prefill_rows(D),
+        MmaPrefill.Program.ROWS if mma else _prefill_rows(D),
         bounds,
         launcher.multiprocessors(),
+        MmaDecode.MIN_BLOCKS if mma else Decode.MIN_BLOCKS,
+        MmaPrefill.MIN_BLOCKS if mma else Prefill.MIN_BLOCKS,
     )
     args.tokens_per_tile = plan.tokens_per_tile
     args.splits = plan.splits
     if plan.splits > 1:
         args.partials = launcher.scratch(plan.splits * args.total_tokens * args.n_q_heads * (D + 2))
-    if plan.decode:
-        launcher.launch(DecodeKernel[cache_t, D](args, plan.query_tiles))
-    elif not _launch_mma_prefill[D](launcher, args, plan.query_tiles):
-        comptime rows = 32 if D > 128 else 64
-        launcher.launch(AttentionKernel[cache_t, D, rows, 32, 4](args, plan.query_tiles))
+    comptime if _on_tensor_cores[cache_t, q_dtype, D]():
+        var bf16_args = rebind[AttentionArgs[cache_t, DType.bfloat16]](args)
+        if mma and plan.decode:
+            launcher.launch(MmaDecode(bf16_args, plan.query_tiles))
+        elif mma:
+            launcher.launch(MmaPrefill(bf16_args, plan.query_tiles))
+    if not mma and plan.decode:
+        launcher.launch(Decode(args, plan.query_tiles))
+    elif not mma:
+        launcher.launch(Prefill(args, plan.query_tiles))
     if plan.splits > 1:
         launcher.launch(
-            MergeKernel[cache_t.dtype, D](
-                MergeArgs[cache_t.dtype](
+            MergeKernel[q_dtype, D](
+                MergeArgs[q_dtype](
                     args.partials,
                     args.out,
                     args.total_tokens,
@@ -84,10 +96,14 @@ def attention_gpu[
     sliding_window: UInt32,
     summary: BatchSummary,
 ) raises:
-    """`mokv.attention` on a GPU. The host checks shapes and heads; the grid
-    comes from the batch summary (see the module docstring)."""
+    """`mokv.attention` on a GPU, over a cache of `q_dtype` values or of
+    8-bit codes with their scales (read with float32 or bfloat16 queries).
+    The host checks shapes, heads and the quantization granularity; the grid
+    comes from the batch summary (see the package docstring)."""
     comptime cache_t = collection_t.CacheType
-    comptime assert q_dtype == cache_t.dtype, "the GPU path reads unquantized caches only"
+    comptime assert (
+        q_dtype == cache_t.dtype or is_quantized[cache_t.dtype]()
+    ), "queries of an unquantized cache have its dtype"
     var layer = Int(layer_idx)
     check_layer(layer, collection.num_layers())
     var k_cache = collection.get_cache(layer, 0)
@@ -115,16 +131,23 @@ def attention_gpu[
         raise Error(
             t"{group} query heads per KV head: the GPU kernel takes at most {_prefill_rows(d)}"
         )
+    var granularity = 0
+    comptime if is_quantized[cache_t.dtype]():
+        var granules = k_cache.scales().granules
+        granularity = d // granules
+        if granules <= 0 or d % granules != 0 or granularity % QUANTIZED_CHUNK != 0:
+            raise Error(
+                t"head_dim {d} in {granules} scales: the GPU kernels take granules of a"
+                t" multiple of {QUANTIZED_CHUNK} elements"
+            )
     if tokens == 0 or batch == 0:
         return
     var bounds = BatchBounds.of(summary, tokens, k_cache.max_tokens())
-    var args = AttentionArgs[cache_t](
+    var args = AttentionArgs[cache_t, q_dtype](
         k_cache,
         collection.get_cache(layer, 1),
-        rebind[CachePtr[cache_t.dtype]](q.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()),
-        rebind[CachePtr[cache_t.dtype]](
-            output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        ),
+        q.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
         row_offsets.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
         output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[Float32](),
         tokens,
@@ -134,12 +157,13 @@ def attention_gpu[
         Int(sliding_window),
         1,
         1,
+        granularity,
     )
     if d == 64:
-        _run[cache_t, 64](launcher, args, bounds)
+        _run[64](launcher, args, bounds)
     elif d == 128:
-        _run[cache_t, 128](launcher, args, bounds)
+        _run[128](launcher, args, bounds)
     elif d == 256:
-        _run[cache_t, 256](launcher, args, bounds)
+        _run[256](launcher, args, bounds)
     else:
         raise Error(t"head_dim {d}: the GPU attention kernel takes 64, 128 or 256")

@@ -4,7 +4,7 @@ comes from the batch summary's bounds, never from device memory."""
 from std.math import ceildiv
 
 from ...cache import BatchSummary
-from .config import BLOCKS_PER_MULTIPROCESSOR, DECODE_ROWS, MAX_SPLITS, MIN_SPLIT_TOKENS
+from .config import DECODE_ROWS, MAX_SPLITS, MIN_SPLIT_TOKENS
 
 
 @fieldwise_init
@@ -46,16 +46,22 @@ def plan_attention(
     prefill_rows: Int,
     bounds: BatchBounds,
     multiprocessors: Int,
+    decode_blocks: Int,
+    prefill_blocks: Int,
 ) -> AttentionPlan:
-    """Picks the tile shape, then splits the context until the grid covers
-    `BLOCKS_PER_MULTIPROCESSOR` blocks per multiprocessor (no split shorter
-    than `MIN_SPLIT_TOKENS`)."""
+    """Picks the tile shape (decode, or prefill tiles of `prefill_rows`
+    query rows), then splits the context until the grid fills the device:
+    as many blocks as are resident at once, `multiprocessors` times the
+    blocks per multiprocessor of the kernel that runs (`decode_blocks` or
+    `prefill_blocks`), so that a long context is one wave of longer splits
+    rather than several of shorter ones; no split shorter than
+    `MIN_SPLIT_TOKENS`."""
     var max_new = max(bounds.max_new_tokens, 1)
     var decode = max_new * group <= DECODE_ROWS
     var tokens_per_tile = (DECODE_ROWS if decode else prefill_rows) // group
     var query_tiles = ceildiv(max_new, tokens_per_tile)
     var blocks = query_tiles * n_kv_heads * batch
-    var wanted = BLOCKS_PER_MULTIPROCESSOR * multiprocessors
+    var wanted = (decode_blocks if decode else prefill_blocks) * multiprocessors
     var splits = 1
     if blocks < wanted:
         var by_context = max(1, bounds.max_context // MIN_SPLIT_TOKENS)

@@ -7,9 +7,11 @@ thread keeps its share of the output rows in registers across tiles.
 It serves float32 caches, and bfloat16 ones where the tensor-core kernel does
 not run."""
 
-from std.sys import size_of
+from std.sys import size_of, bit_width_of
 
 from ...cache import KVCacheT
+from ...quant import is_quantized
+from ..codes import as_values, head_scales
 from ..block import BlockExecutor, BlockId, F32Ptr, KernelT, ThreadProgram
 from .config import BLOCK_THREADS, NEG_INF, WARP, WARPS
 from .softmax import TileSoftmax
@@ -47,7 +49,9 @@ struct SharedTiles[D: Int, BM: Int, BN: Int, LPR: Int](TrivialRegisterPassable):
         return self.base.unsafe_offset(region + index)
 
 
-struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](ThreadProgram):
+struct AttentionThread[cache_t: KVCacheT, q_dtype: DType, D: Int, BM: Int, BN: Int, SK: Int](
+    ThreadProgram
+):
     """One thread of a prefill block.
 
     Thread layouts per phase:
@@ -69,7 +73,7 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
     comptime Tiles = SharedTiles[Self.D, Self.BM, Self.BN, Self.LPR]
     comptime Softmax = TileSoftmax[Self.BM, Self.BN, Self.LPR]
 
-    var args: AttentionArgs[Self.cache_t]
+    var args: AttentionArgs[Self.cache_t, Self.q_dtype]
     var work: BlockWork
     var tid: Int
     var smem: Self.Tiles
@@ -77,7 +81,7 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
 
     def __init__(
         out self,
-        args: AttentionArgs[Self.cache_t],
+        args: AttentionArgs[Self.cache_t, Self.q_dtype],
         work: BlockWork,
         tid: Int,
         shared: F32Ptr,
@@ -122,7 +126,7 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
     def load_queries(self):
         """Scaled queries into shared memory (zero rows past `rows()`), and
         every row's running max and sum reset."""
-        stage_queries[Self.cache_t, Self.D, Self.BM](
+        stage_queries[Self.D, Self.BM](
             self.args, self.work, self.tid, self.smem.at(Self.Tiles.Q, 0), Self.Tiles.STRIDE
         )
         if self.tid < Self.BM:
@@ -131,29 +135,41 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
     @always_inline
     def load_tile(self, kv_start: Int):
         """K and V of positions `kv_start ..< kv_start + BN` into shared
-        memory as float32; positions outside the block's range (or the
-        cache) as zeros. Every load is issued before the first store."""
+        memory as float32 (a quantized cache's codes times their scales);
+        positions outside the block's range (or the cache) as zeros. Every
+        load is issued before the first store."""
         comptime per_row = Self.D // Self.VEC
         var keys = Array[SIMD[Self.dtype, Self.VEC], Self.UNITS](fill=0)
         var values = Array[SIMD[Self.dtype, Self.VEC], Self.UNITS](fill=0)
-        var head_offset = self.work.kv_head * Self.D
+        var scales = Array[SIMD[DType.float32, 2], Self.UNITS](fill=0)
+        var head = self.work.kv_head
         comptime for n in range(Self.UNITS):
             var unit = self.tid + n * BLOCK_THREADS
             var pos = kv_start + unit // per_row
-            var d = (unit % per_row) * Self.VEC + head_offset
+            var d = (unit % per_row) * Self.VEC
             if self.args.has_key(self.work, pos):
                 keys[n] = self.args.k_cache.row_ptr(self.work.row, pos).unsafe_load[
                     width=Self.VEC, alignment=16
-                ](d)
+                ](head * Self.D + d)
                 values[n] = self.args.v_cache.row_ptr(self.work.row, pos).unsafe_load[
                     width=Self.VEC, alignment=16
-                ](d)
+                ](head * Self.D + d)
+                comptime if is_quantized[Self.dtype]():
+                    var granule = d // self.args.granularity
+                    scales[n] = SIMD[DType.float32, 2](
+                        head_scales(self.args.k_cache, self.work.row, pos, head)[
+                            unsafe_offset=granule
+                        ],
+                        head_scales(self.args.v_cache, self.work.row, pos, head)[
+                            unsafe_offset=granule
+                        ],
+                    )
         comptime for n in range(Self.UNITS):
             var unit = self.tid + n * BLOCK_THREADS
             var j = unit // per_row
             var d = (unit % per_row) * Self.VEC
-            var k = keys[n].cast[DType.float32]()
-            var v = values[n].cast[DType.float32]()
+            var k = as_values(keys[n], scales[n][0])
+            var v = as_values(values[n], scales[n][1])
             comptime for e in range(Self.VEC):
                 self.smem.at(Self.Tiles.K, j * Self.Tiles.STRIDE + d + e)[] = k[e]
                 self.smem.at(Self.Tiles.V, j * Self.D + d + e)[] = v[e]
@@ -220,7 +236,7 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
             var r = warp + k * WARPS
             if r < rows:
                 comptime for i in range(Self.CPL):
-                    write_row_part[Self.cache_t, Self.D, 1](
+                    write_row_part[Self.D, 1](
                         self.args,
                         self.work,
                         r,
@@ -233,14 +249,22 @@ struct AttentionThread[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Thr
 
 
 @fieldwise_init
-struct AttentionKernel[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](KernelT):
+struct AttentionKernel[cache_t: KVCacheT, q_dtype: DType, D: Int, BM: Int, BN: Int, SK: Int](
+    KernelT
+):
     """Grid (query tiles * splits, KV heads, batch rows) of prefill blocks."""
 
-    comptime Program = AttentionThread[Self.cache_t, Self.D, Self.BM, Self.BN, Self.SK]
+    comptime Program = AttentionThread[
+        Self.cache_t, Self.q_dtype, Self.D, Self.BM, Self.BN, Self.SK
+    ]
     comptime THREADS = BLOCK_THREADS
     comptime MIN_BLOCKS = 1
+    comptime NAME = "prefill"
+    comptime HEAD_DIM = Self.D
+    comptime ELEMENT_BITS = bit_width_of[Self.cache_t.dtype]()
+    comptime SHARED_BYTES = Self.Program.Tiles.FLOATS * 4
 
-    var args: AttentionArgs[Self.cache_t]
+    var args: AttentionArgs[Self.cache_t, Self.q_dtype]
     var query_tiles: Int
 
     def grid(self) -> BlockId:
@@ -249,9 +273,6 @@ struct AttentionKernel[cache_t: KVCacheT, D: Int, BM: Int, BN: Int, SK: Int](Ker
             self.args.k_cache.num_heads(),
             self.args.k_cache.batch_size(),
         )
-
-    def shared_floats(self) -> Int:
-        return Self.Program.Tiles.FLOATS
 
     @always_inline
     def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:

@@ -17,13 +17,14 @@ from .config import BLOCK_THREADS
 
 
 @fieldwise_init
-struct AttentionArgs[cache_t: KVCacheT](TrivialRegisterPassable):
-    """What every attention block reads."""
+struct AttentionArgs[cache_t: KVCacheT, q_dtype: DType](TrivialRegisterPassable):
+    """What every attention block reads: the caches (values, or 8-bit codes
+    with their scales), queries and outputs of `q_dtype`."""
 
     var k_cache: Self.cache_t
     var v_cache: Self.cache_t
-    var q: CachePtr[Self.cache_t.dtype]
-    var out: CachePtr[Self.cache_t.dtype]
+    var q: CachePtr[Self.q_dtype]
+    var out: CachePtr[Self.q_dtype]
     var row_offsets: U32Ptr
     var partials: F32Ptr
     """Split states `[splits, total_tokens, n_q_heads, head_dim + 2]`
@@ -35,6 +36,8 @@ struct AttentionArgs[cache_t: KVCacheT](TrivialRegisterPassable):
     var window: Int
     var tokens_per_tile: Int
     var splits: Int
+    var granularity: Int
+    """Elements per scale of a quantized cache (`head_dim // granules`)."""
 
     def visible_start(self, position: Int) -> Int:
         """First position the token at `position` attends to."""
@@ -94,8 +97,8 @@ struct BlockWork(TrivialRegisterPassable):
 
 
 def block_work[
-    cache_t: KVCacheT
-](args: AttentionArgs[cache_t], block: BlockId, tile_tokens: Int) -> BlockWork:
+    cache_t: KVCacheT, q_dtype: DType, //
+](args: AttentionArgs[cache_t, q_dtype], block: BlockId, tile_tokens: Int) -> BlockWork:
     """Block (x = query tile * splits + split, y = KV head, z = batch row)'s
     rows and its split's share of their context, aligned to `tile_tokens`."""
     var row = block.z
@@ -133,15 +136,15 @@ def split_state_offset(
 
 
 def row_offset[
-    cache_t: KVCacheT, D: Int
-](args: AttentionArgs[cache_t], work: BlockWork, r: Int) -> Int:
+    cache_t: KVCacheT, q_dtype: DType, //, D: Int
+](args: AttentionArgs[cache_t, q_dtype], work: BlockWork, r: Int) -> Int:
     """Where query row `r`'s `D` values start in q, and in out."""
     return (work.token(r, args.group) * args.n_q_heads + work.head(r, args.group)) * D
 
 
 def stage_queries[
-    cache_t: KVCacheT, D: Int, BM: Int
-](args: AttentionArgs[cache_t], work: BlockWork, tid: Int, dest: F32Ptr, stride: Int):
+    cache_t: KVCacheT, q_dtype: DType, //, D: Int, BM: Int
+](args: AttentionArgs[cache_t, q_dtype], work: BlockWork, tid: Int, dest: F32Ptr, stride: Int):
     """The block's `BM` query rows into `dest` (rows `stride` floats apart) as
     float32, scaled by `scale * log2(e)`; rows past the block's are zeros.
     Every thread of the block takes its share of the elements."""
@@ -152,18 +155,16 @@ def stage_queries[
         var value: Float32 = 0
         if r < rows:
             value = (
-                args.q[unsafe_offset=row_offset[cache_t, D](args, work, r) + d].cast[
-                    DType.float32
-                ]()
+                args.q[unsafe_offset=row_offset[D](args, work, r) + d].cast[DType.float32]()
                 * args.scale_log2
             )
         dest[unsafe_offset=r * stride + d] = value
 
 
 def write_row_part[
-    cache_t: KVCacheT, D: Int, W: Int
+    cache_t: KVCacheT, q_dtype: DType, //, D: Int, W: Int
 ](
-    args: AttentionArgs[cache_t],
+    args: AttentionArgs[cache_t, q_dtype],
     work: BlockWork,
     r: Int,
     d: Int,
@@ -177,9 +178,9 @@ def write_row_part[
     from the one thread whose `writes_stats`, the row's max and sum)."""
     if args.splits == 1:
         var inv: Float32 = 1 / row_sum if row_sum > 0 else 0
-        var out = args.out.unsafe_offset(row_offset[cache_t, D](args, work, r) + d)
+        var out = args.out.unsafe_offset(row_offset[D](args, work, r) + d)
         comptime for i in range(W):
-            out[unsafe_offset=i] = (acc[i] * inv).cast[cache_t.dtype]()
+            out[unsafe_offset=i] = (acc[i] * inv).cast[q_dtype]()
     else:
         var state = args.partials.unsafe_offset(
             args.state_offset(work.split, work.token(r, args.group), work.head(r, args.group), D)
