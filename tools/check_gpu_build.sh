@@ -9,15 +9,26 @@
 #
 # Usage: tools/check_gpu_build.sh [--registers] [arch ...]   (default: sm_90 gfx942)
 # Takes about 15-30 s of CPU per architecture on an idle 2-core machine.
-# --registers: for NVIDIA builds, also each kernel's registers, spills and
-# stack as ptxas (CUDA's, when on PATH) compiles it (tools/ptx_registers.py).
+# --registers: for NVIDIA builds, also each kernel's registers, spills, stack,
+# shared memory, blocks per multiprocessor and occupancy on sm_90, whether it
+# fits an AMD workgroup, and its tensor-core, ldmatrix, cp.async and local
+# memory instructions, as ptxas (CUDA's, when on PATH) compiles it; fails if a
+# kernel spills, has a stack or local accesses, or, written for tensor cores,
+# lacks one of those instructions (tools/ptx_registers.py --check). AMD builds
+# check each kernel's shared memory against the 64 KB of a gfx942 workgroup
+# while compiling (`GpuLauncher.launch`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Store and gather: 2 vector widths x 2 dtypes x 2 layouts; attention: 3 head
-# sizes x 2 tile shapes x 2 dtypes x 2 layouts; split-K merge: 3 head sizes x
-# 2 dtypes. Update when a kernel is added or removed.
-EXPECTED_MODULES=46
+# Store and gather: 2 vector widths x 2 dtypes x 2 layouts (16); attention: 3
+# head sizes x 2 tile shapes x 2 dtypes x 2 layouts (24), and the tensor-core
+# prefill and decode for bfloat16 (head sizes 64 and 128 x 2 layouts: 8; built
+# for every target, launched where the device has mma.sync); split-K merge: 3
+# head sizes x 2 dtypes (6). 8-bit caches (paged; float8 and int8 codes x
+# float32 and bfloat16 rows): store and dequantizing gather (8), codes gather
+# (2), attention 3 head sizes x 2 tile shapes (24). Update when a kernel is
+# added or removed.
+EXPECTED_MODULES=88
 MOJO=${MOJO:-.venv/bin/mojo}
 REGISTERS=false
 if [ "${1:-}" = --registers ]; then
@@ -54,7 +65,7 @@ EOF
     echo "GPU build for $arch: $modules device modules in $((SECONDS - start)) s"
     if $REGISTERS && [[ $arch == sm_* ]]; then
         if command -v ptxas > /dev/null; then
-            python3 tools/ptx_registers.py "$OUT/check-$arch"
+            python3 tools/ptx_registers.py --check "$OUT/check-$arch" || return 1
         else
             echo "register report for $arch skipped: no ptxas on PATH" >&2
         fi

@@ -3,11 +3,12 @@
 `tools/check_gpu_build.sh` builds this file with `mojo build
 --target-accelerator <arch>`: that instantiates every registered op's
 `execute` (`mokv.store_kv`, `mokv.gather`, `mokv.attention` for both cache
-layouts, the opaque continuous-collection ops, and the quantized-cache ops,
-which on a GPU raise: their kernels are CPU-only) with `target="gpu"`, as MAX
-does for a graph on a GPU, for both dtypes, and compiles all the kernels they
-launch (every head size and tile shape the attention dispatches to at runtime,
-and the split-K merge) to device code. A compile error in any GPU path fails
+layouts, the opaque continuous-collection ops, and the quantized-cache ops
+with float32 and bfloat16 rows, `mokv.gather.codes` included) with
+`target="gpu"`, as MAX does for a graph on a GPU, for both dtypes, and
+compiles all the kernels they launch (every head size and tile shape the
+attention dispatches to at runtime, on CUDA cores and tensor cores, and the
+split-K merge) to device code. A compile error in any GPU path fails
 the build. The binary is not meant to be run: the tensors it builds are empty.
 """
 
@@ -24,7 +25,7 @@ from mokv_kernels.opaque_collection import (
     GetContinuousCache,
     StoreKVContinuousCollection,
 )
-from mokv_kernels.store import Gather, GatherQuantized, StoreKV, StoreKVQuantized
+from mokv_kernels.store import Gather, GatherCodes, GatherQuantized, StoreKV, StoreKVQuantized
 from mokv_kernels.gpu.views import InputView, MutableView, OutputView, row_major
 
 
@@ -87,9 +88,9 @@ def _registered_ops[dtype: DType](ctx: DeviceContext, n: Int) raises:
     GatherContinuousCache.execute[dtype, gpu](out, cache, index, index, ctx)
 
 
-def _quantized_ops[cache_dtype: DType](ctx: DeviceContext, n: Int) raises:
+def _quantized_ops[cache_dtype: DType, dtype: DType](ctx: DeviceContext, n: Int) raises:
     """The quantized-cache ops over a paged cache of `cache_dtype` codes
-    (uint8: float8 bits; int8), float32 rows."""
+    (uint8: float8 bits; int8), rows and queries of `dtype`."""
     comptime gpu: StaticString = "gpu"
     var shape = IndexList[6](n, 2, n, n, n, n)
     var blocks = MutableView[cache_dtype, 6](_ptr[cache_dtype](ctx, 1), shape, row_major(shape))
@@ -97,17 +98,17 @@ def _quantized_ops[cache_dtype: DType](ctx: DeviceContext, n: Int) raises:
     var lengths = _view[DType.uint32, 1](ctx, n)
     var page_table = _view[DType.uint32, 2](ctx, n)
     var max_lengths = _view[DType.uint32, 2](ctx, n)
-    var tokens = _view[DType.float32, 3](ctx, n)
+    var tokens = _view[dtype, 3](ctx, n)
     var index = _view[DType.uint32, 1](ctx, n)
-    var out = _output[DType.float32](ctx, n)
+    var out = _output[dtype](ctx, n)
     var layer = UInt32(n - 1)
-    StoreKVQuantized.execute[DType.float32, cache_dtype, 2, gpu](
+    StoreKVQuantized.execute[dtype, cache_dtype, 2, gpu](
         blocks, scales, lengths, page_table, tokens, tokens, index, layer, ctx
     )
-    GatherQuantized.execute[DType.float32, cache_dtype, 2, gpu](
+    GatherQuantized.execute[dtype, cache_dtype, 2, gpu](
         out, blocks, scales, lengths, page_table, index, index, layer, layer, ctx
     )
-    AttentionQuantized.execute[DType.float32, cache_dtype, 2, DType.uint32, 2, gpu](
+    AttentionQuantized.execute[dtype, cache_dtype, 2, DType.uint32, 2, gpu](
         out,
         blocks,
         scales,
@@ -123,6 +124,28 @@ def _quantized_ops[cache_dtype: DType](ctx: DeviceContext, n: Int) raises:
     )
 
 
+def _gather_codes[cache_dtype: DType](ctx: DeviceContext, n: Int) raises:
+    """`mokv.gather.codes` over a paged cache of `cache_dtype` codes."""
+    comptime gpu: StaticString = "gpu"
+    var shape = IndexList[6](n, 2, n, n, n, n)
+    var blocks = MutableView[cache_dtype, 6](_ptr[cache_dtype](ctx, 1), shape, row_major(shape))
+    var scales = MutableView[DType.float32, 6](_ptr[DType.float32](ctx, 1), shape, row_major(shape))
+    var index = _view[DType.uint32, 1](ctx, n)
+    GatherCodes.execute[cache_dtype, 2, gpu](
+        _output[cache_dtype](ctx, n),
+        _output[DType.float32](ctx, n),
+        blocks,
+        scales,
+        index,
+        _view[DType.uint32, 2](ctx, n),
+        index,
+        index,
+        UInt32(n - 1),
+        UInt32(n - 1),
+        ctx,
+    )
+
+
 def main() raises:
     # Every size comes from the command line, so that the compiler can
     # neither prove a check fails nor that it passes: it must keep (and
@@ -131,5 +154,8 @@ def main() raises:
     var ctx = DeviceContext()
     _registered_ops[DType.float32](ctx, n)
     _registered_ops[DType.bfloat16](ctx, n)
-    _quantized_ops[DType.uint8](ctx, n)
-    _quantized_ops[DType.int8](ctx, n)
+    comptime for c in range(2):
+        comptime codes = DType.uint8 if c == 0 else DType.int8
+        _quantized_ops[codes, DType.float32](ctx, n)
+        _quantized_ops[codes, DType.bfloat16](ctx, n)
+        _gather_codes[codes](ctx, n)

@@ -2,7 +2,7 @@
 # The GPU proof, on a GPU machine whose Python has no MAX (this workplace's
 # device machines): installs the wheels that tools/gpu_carry.sh packed and
 # earlier calls copied to /tmp/gpu-carry, then in one run the GPU attention
-# benchmark (short and bounded, so first) and tests/gpu (the three GPU files
+# benchmark (short and bounded, so first) and tests/gpu (the GPU files
 # side by side where pytest-xdist is installed; the emulator tests need no GPU
 # and run in CI), each under its own time limit so that one slow step leaves
 # the other its share. Logs and results go to $OUT (or ./gpu-proof) as they
@@ -24,7 +24,12 @@
 # joined by commas change several files at once), each FILE (say an older
 # kernel, from `git show`, carried as an untracked file) replaces its TARGET
 # for one more run of the same benchmark (results in $OUT/compare-K), then the
-# TARGETs are put back.
+# TARGETs are put back. A FILE that is a directory replaces a TARGET
+# directory whole (tools/gpu_previous.sh prepares the previous kernels so).
+# ROUNDS=N (default 1) times the benchmark and the variants N times,
+# alternating (rounds after the first in $OUT/round-R/ and compare-K-R/), so
+# that drift of the machine shows as a difference between rounds rather than
+# between kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -84,25 +89,48 @@ fi
 bench=(python3 -c "from mokv_examples.cli import main; main()" bench attention --device gpu)
 $full || bench+=(--quick)
 step bench "${BENCH_S:-180}" "${bench[@]}" --out "$OUT" || status=1
-k=0
-for variant in ${COMPARE:-}; do
-    k=$((k + 1))
-    mkdir -p "$OUT/compare-$k/kept"
-    swapped=() ok=true
-    for pair in ${variant//,/ }; do
-        target=${pair%%=*} file=${pair#*=}
-        kept="$OUT/compare-$k/kept/${#swapped[@]}"
-        cp "$target" "$kept" && cp "$file" "$target" || { ok=false; status=1; break; }
-        swapped+=("$target")
-        echo "$file in place of $target" >> "$OUT/compare-$k/what.txt"
-    done
-    if $ok; then
-        step "compare-$k/bench" "${BENCH_S:-180}" "${bench[@]}" --out "$OUT/compare-$k" || status=1
+swap() {  # swap DIR TARGET FILE: puts FILE (a file or a directory) in place of TARGET, keeping it in DIR
+    local kept=$1 target=$2 file=$3
+    rm -rf "$kept" && cp -R "$target" "$kept" || return 1
+    if [ -d "$file" ]; then
+        rm -rf "$target" && cp -R "$file" "$target"
+    else
+        cp "$file" "$target"
     fi
-    for i in "${!swapped[@]}"; do
-        cp "$OUT/compare-$k/kept/$i" "${swapped[$i]}"
+}
+
+restore() {  # restore DIR TARGET: puts back what swap kept
+    rm -rf "$2" && cp -R "$1" "$2" && rm -rf "$1"
+}
+
+compare_variants() {  # compare_variants SUFFIX: one benchmark per COMPARE variant
+    local suffix=$1 k=0
+    for variant in ${COMPARE:-}; do
+        k=$((k + 1))
+        local dir="$OUT/compare-$k$suffix"
+        mkdir -p "$dir/kept"
+        local swapped=() ok=true
+        for pair in ${variant//,/ }; do
+            local target=${pair%%=*} file=${pair#*=}
+            swap "$dir/kept/${#swapped[@]}" "$target" "$file" || { ok=false; status=1; break; }
+            swapped+=("$target")
+            echo "$file in place of $target" >> "$dir/what.txt"
+        done
+        if $ok; then
+            step "compare-$k$suffix/bench" "${BENCH_S:-180}" "${bench[@]}" --out "$dir" || status=1
+        fi
+        for i in "${!swapped[@]}"; do
+            restore "$dir/kept/$i" "${swapped[$i]}"
+        done
+        rm -rf "$dir/kept"
     done
-    rm -rf "$OUT/compare-$k/kept"
+}
+
+compare_variants ""
+for ((round = 2; round <= ${ROUNDS:-1}; round++)); do
+    mkdir -p "$OUT/round-$round"
+    step "round-$round/bench" "${BENCH_S:-180}" "${bench[@]}" --out "$OUT/round-$round" || status=1
+    compare_variants "-$round"
 done
 if $profile; then
     step profile "${PROFILE_S:-240}" ncu --target-processes all --launch-count 12 \
@@ -117,7 +145,9 @@ python3 -c "import xdist" 2>/dev/null && side_by_side=(-p xdist.plugin -n 3 --di
 # Importing the tests once first builds the Mojo extensions MAX compiles on
 # first import (max._kv_cache_ops), which parallel workers would race to write.
 step collect 120 python3 -m pytest tests/gpu --collect-only -q -p no:cacheprovider || status=1
+# The emulator's tests need no GPU (CI runs them) and would spend minutes building it here.
 # shellcheck disable=SC2086
-step tests "${TESTS_S:-330}" python3 -m pytest tests/gpu --ignore tests/gpu/test_emulated_kernels.py \
+step tests "${TESTS_S:-330}" python3 -m pytest tests/gpu --ignore-glob "tests/gpu/test_emulated_*" \
+    --ignore tests/gpu/test_warp_emulation.py \
     "${side_by_side[@]}" -v -rfEs --durations=15 -p no:cacheprovider ${PYTEST_ARGS:-} || status=1
 exit $status

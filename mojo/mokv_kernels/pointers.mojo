@@ -12,6 +12,7 @@ comptime CachePtr[dtype: DType] = Pointer[Scalar[dtype], MutUntrackedOrigin]
 comptime BytePtr = Pointer[UInt8, MutUntrackedOrigin]
 comptime U32Ptr = Pointer[UInt32, MutUntrackedOrigin]
 comptime F16Ptr = Pointer[Float16, MutUntrackedOrigin]
+comptime BF16Ptr = Pointer[BFloat16, MutUntrackedOrigin]
 comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
 comptime ScalePtr = F32Ptr
 """Float32 scales of a quantized cache (`cache.layout.ScaleTable`)."""

@@ -20,6 +20,7 @@ from .cache.traits import KVCacheT, KVCollectionT
 from .pointers import CachePtr
 from .kv_quantization import codes_in, is_quantized, load_dequantized, store_quantized
 from .gpu.block import GpuLauncher
+from .gpu.quantized import gather_codes_gpu, gather_quantized_gpu, store_kv_quantized_gpu
 from .gpu.rows import gather_rows_gpu, store_kv_gpu
 
 
@@ -183,12 +184,6 @@ def store_kv_into[
     )
 
 
-def no_quantized_gpu_path[dtype: DType]() raises:
-    """Raises on a GPU for a quantized cache: its kernels are CPU-only."""
-    comptime if is_quantized[dtype]():
-        raise Error(t"a {dtype} (quantized) KV cache has no GPU path yet; it runs on the CPU")
-
-
 def store_kv_on[
     target: StaticString, collection_t: KVCollectionT, src_dtype: DType
 ](
@@ -200,13 +195,14 @@ def store_kv_on[
     row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
 ) raises:
     """`mokv.store_kv` on the op's target: the CPU path, or the GPU kernel
-    launched on `ctx` (`gpu.rows`)."""
+    launched on `ctx` (`gpu.rows`, or `gpu.quantized` for a quantized cache)."""
     comptime if is_cpu[target]():
         store_kv_into(collection, layer_idx, keys, values, row_offsets)
     else:
-        no_quantized_gpu_path[collection_t.CacheType.dtype]()
-        comptime if src_dtype == collection_t.CacheType.dtype:
-            var launcher = GpuLauncher(ctx)
+        var launcher = GpuLauncher(ctx)
+        comptime if is_quantized[collection_t.CacheType.dtype]():
+            store_kv_quantized_gpu(launcher, collection, layer_idx, keys, values, row_offsets)
+        elif src_dtype == collection_t.CacheType.dtype:
             store_kv_gpu(launcher, collection, layer_idx, keys, values, row_offsets)
 
 
@@ -272,9 +268,10 @@ def gather_rows_on[
     comptime if is_cpu[target]():
         gather_rows(cache, dest, batch_rows, positions)
     else:
-        no_quantized_gpu_path[cache_t.dtype]()
-        comptime if dest_dtype == cache_t.dtype:
-            var launcher = GpuLauncher(ctx)
+        var launcher = GpuLauncher(ctx)
+        comptime if is_quantized[cache_t.dtype]():
+            gather_quantized_gpu(launcher, cache, dest, batch_rows, positions)
+        elif dest_dtype == cache_t.dtype:
             gather_rows_gpu(launcher, cache, dest, batch_rows, positions)
 
 
@@ -333,9 +330,9 @@ struct GatherQuantized:
 
 @extensibility.register("mokv.gather.codes")
 struct GatherCodes:
-    """A quantized cache's token rows as stored (CPU only): the codes
-    `[n, n_kv_heads, head_dim]` in the cache's dtype and their float32 scales
-    `[n, n_kv_heads, granules]`, for tests and inspection."""
+    """A quantized cache's token rows as stored: the codes `[n, n_kv_heads,
+    head_dim]` in the cache's dtype and their float32 scales `[n,
+    n_kv_heads, granules]`, for tests and inspection."""
 
     @staticmethod
     def execute[
@@ -353,10 +350,13 @@ struct GatherCodes:
         kv_idx: UInt32,
         ctx: DeviceContext,
     ) raises:
-        comptime assert is_cpu[target](), "mokv.gather.codes runs on the CPU"
         comptime code_dtype = codes_in[cache_dtype]()
         var collection = bind_collection[code_dtype](
             blocks, cache_lengths, lookup_table, bind_scales[code_dtype](blocks, scales)
         )
         var cache = layer_cache(collection, layer_idx, kv_idx)
-        gather_codes(cache, codes, row_scales, batch_rows, positions)
+        comptime if is_cpu[target]():
+            gather_codes(cache, codes, row_scales, batch_rows, positions)
+        else:
+            var launcher = GpuLauncher(ctx)
+            gather_codes_gpu(launcher, cache, codes, row_scales, batch_rows, positions)

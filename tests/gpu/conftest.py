@@ -1,6 +1,6 @@
 """Fixtures for the tests that run mokv on a GPU; each such module skips, with
-a reason naming what it would run, where MAX sees no accelerator. (The
-emulator tests beside them need no GPU and always run.)"""
+a reason naming what it would run, where MAX sees no accelerator. The
+emulator tests beside them need no GPU and always run (`emulator`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import pytest
 from max.driver import CPU, Accelerator, Device
 from max.engine import InferenceSession
 from max.graph import DeviceRef
+
+from tests.support.emulation import Emulator, build_emulator
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +26,9 @@ def gpu_ref() -> DeviceRef:
 def gpu_session(gpu: Device) -> InferenceSession:
     """One session for every GPU graph; the CPU is in it for the host-side inputs."""
     return InferenceSession(devices=[CPU(), gpu])
+
+
+@pytest.fixture(scope="session")
+def emulator(tmp_path_factory) -> Emulator:
+    """The CPU emulator of the GPU kernels, built once per kernel-source revision."""
+    return Emulator(build_emulator(), tmp_path_factory.mktemp("emulator"))

@@ -5,6 +5,12 @@ sizes, scalars) and the raw little-endian arrays `DIR/<name>.bin` written by
 `tests/gpu/emulation.py`, calls the op's GPU entry point (the very function
 the op calls on a GPU) with the emulator as launcher, and writes what the op
 wrote: `blocks_out.bin` for a store, `out.bin` for a gather or attention.
+A call naming a `format` (`float8_e4m3fn`, `int8`) runs on a paged quantized
+cache: its codes in `blocks.bin` (float8 as uint8 bits), its scales in
+`scales.bin`, queries and new rows in `dtype`; a store also writes
+`scales_out.bin`, `gather_codes` the codes (`out.bin`) and their scales.
+Op `warp` runs one emulated warp-collective step (`mokv_kernels.gpu.warp`)
+on per-lane registers instead, writing every lane's result to `out.bin`.
 
 The views hold untracked pointers into the byte lists read from disk, so
 each list is kept alive (`_ = bytes^`) until the op has run.
@@ -14,13 +20,21 @@ from std.memory import bitcast
 from std.sys import argv, size_of
 from std.utils import IndexList
 
-from mokv_kernels.bind import bind_collection, layer_cache
+from mokv_kernels.pointers import BF16Ptr
+from mokv_kernels.bind import bind_collection, bind_scales, layer_cache
 from mokv_kernels.cache.batch_summary import BatchSummary
 from mokv_kernels.cache.traits import KVCollectionT
-from mokv_kernels.gpu.attention import attention_gpu
+from mokv_kernels.gpu.attention.op import attention_gpu
 from mokv_kernels.gpu.block import Emulator
+from mokv_kernels.gpu.quantized import (
+    gather_codes_gpu,
+    gather_quantized_gpu,
+    store_kv_quantized_gpu,
+)
 from mokv_kernels.gpu.rows import gather_rows_gpu, store_kv_gpu
+from mokv_kernels.kv_quantization import codes_in, is_quantized
 from mokv_kernels.gpu.views import InputView, MutableView, OutputView, row_major
+from mokv_kernels.gpu.warp import WARP_LANES, ld_matrix, mma, shuffle_xor
 
 
 struct Call:
@@ -68,72 +82,107 @@ def _vector(call: Call, mut bytes: List[UInt8], name: String) raises -> InputVie
     )
 
 
+def _rows_view[
+    dtype: DType
+](call: Call, mut bytes: List[UInt8], name: String) raises -> InputView[dtype, 3]:
+    """New token rows `[tokens, n_kv_heads, head_dim]` from `name.bin`."""
+    bytes = call.read(name)
+    var rows = IndexList[3](call.int("tokens"), call.int("n_kv_heads"), call.int("head_dim"))
+    return InputView[dtype, 3](_ptr[dtype](bytes), rows, row_major(rows))
+
+
+def _output[dtype: DType](mut bytes: List[UInt8], shape: IndexList[3]) -> OutputView[dtype, 3]:
+    """An output over `bytes`, first filled with 0xFF bytes (so rows the op
+    never writes show)."""
+    bytes = List[UInt8](length=shape.flattened_length() * size_of[Scalar[dtype]](), fill=0xFF)
+    return OutputView[dtype, 3](_ptr[dtype](bytes), shape, row_major(shape))
+
+
 def _run_op[
-    collection_t: KVCollectionT
-](call: Call, collection: collection_t, mut blocks: List[UInt8]) raises:
-    comptime dtype = collection_t.CacheType.dtype
+    collection_t: KVCollectionT, q_dtype: DType, codes_dtype: DType
+](call: Call, collection: collection_t, blocks: List[UInt8], scales: List[UInt8]) raises:
+    """Runs the call's op. Queries, outputs and new rows are `q_dtype`; a
+    quantized cache's codes travel as `codes_dtype` (its blocks' dtype)."""
+    comptime quantized = is_quantized[collection_t.CacheType.dtype]()
     var op = call.text("op")
-    var emulator = Emulator(call.int("multiprocessors"))
-    var heads = call.int("n_kv_heads")
-    var head_dim = call.int("head_dim")
+    var emulator = Emulator(call.int("multiprocessors"), call.int("tensor_cores") == 1)
     var layer = UInt32(call.int("layer"))
     var offsets_bytes = List[UInt8]()
+    var rows_bytes = List[UInt8]()
+    var positions_bytes = List[UInt8]()
+    var first = List[UInt8]()
+    var second = List[UInt8]()
     if op == "store":
-        var tokens = call.int("tokens")
-        var rows = IndexList[3](tokens, heads, head_dim)
-        var keys_bytes = call.read("keys")
-        var values_bytes = call.read("values")
-        var keys = InputView[dtype, 3](_ptr[dtype](keys_bytes), rows, row_major(rows))
-        var values = InputView[dtype, 3](_ptr[dtype](values_bytes), rows, row_major(rows))
-        store_kv_gpu(
-            emulator, collection, layer, keys, values, _vector(call, offsets_bytes, "row_offsets")
-        )
+        var keys = _rows_view[q_dtype](call, first, "keys")
+        var values = _rows_view[q_dtype](call, second, "values")
+        var offsets = _vector(call, offsets_bytes, "row_offsets")
+        comptime if quantized:
+            store_kv_quantized_gpu(emulator, collection, layer, keys, values, offsets)
+            call.write("scales_out", scales)
+        else:
+            store_kv_gpu(emulator, collection, layer, keys, values, offsets)
         call.write("blocks_out", blocks)
-        _ = keys_bytes^
-        _ = values_bytes^
-    elif op == "gather":
-        var rows_bytes = List[UInt8]()
-        var positions_bytes = List[UInt8]()
+    elif op == "gather" or op == "gather_codes":
         var batch_rows = _vector(call, rows_bytes, "batch_rows")
         var positions = _vector(call, positions_bytes, "positions")
-        var shape = IndexList[3](batch_rows.dim_size(0), heads, head_dim)
-        var out = List[UInt8](length=shape.flattened_length() * size_of[Scalar[dtype]](), fill=0xFF)
-        var dest = OutputView[dtype, 3](_ptr[dtype](out), shape, row_major(shape))
+        var shape = IndexList[3](
+            batch_rows.dim_size(0), call.int("n_kv_heads"), call.int("head_dim")
+        )
         var cache = layer_cache(collection, layer, UInt32(call.int("kv_idx")))
-        gather_rows_gpu(emulator, cache, dest, batch_rows, positions)
-        call.write("out", out)
-        _ = rows_bytes^
-        _ = positions_bytes^
+        if op == "gather":
+            var dest = _output[q_dtype](first, shape)
+            comptime if quantized:
+                gather_quantized_gpu(emulator, cache, dest, batch_rows, positions)
+            else:
+                gather_rows_gpu(emulator, cache, dest, batch_rows, positions)
+        else:
+            comptime if quantized:
+                var codes = _output[codes_dtype](first, shape)
+                var scale_shape = IndexList[3](shape[0], shape[1], call.int("granules"))
+                gather_codes_gpu(
+                    emulator,
+                    cache,
+                    codes,
+                    _output[DType.float32](second, scale_shape),
+                    batch_rows,
+                    positions,
+                )
+                call.write("scales_out", second)
+        call.write("out", first)
     elif op == "attention":
-        var shape = IndexList[3](call.int("tokens"), call.int("n_q_heads"), head_dim)
+        var shape = IndexList[3](call.int("tokens"), call.int("n_q_heads"), call.int("head_dim"))
         var q_bytes = call.read("q")
-        var q = InputView[dtype, 3](_ptr[dtype](q_bytes), shape, row_major(shape))
-        var out = List[UInt8](length=shape.flattened_length() * size_of[Scalar[dtype]](), fill=0xFF)
-        var output = OutputView[dtype, 3](_ptr[dtype](out), shape, row_major(shape))
-        var scale = bitcast[DType.float32](UInt32(call.int("scale_bits")))
+        var q = InputView[q_dtype, 3](_ptr[q_dtype](q_bytes), shape, row_major(shape))
+        var output = _output[q_dtype](first, shape)
         var summary = BatchSummary.of_max_lengths(
             call.int("max_new_tokens"), call.int("max_context")
         )
-        var offsets = _vector(call, offsets_bytes, "row_offsets")
         attention_gpu(
             emulator,
             collection,
             output,
             q,
-            offsets,
+            _vector(call, offsets_bytes, "row_offsets"),
             layer,
-            scale,
+            bitcast[DType.float32](UInt32(call.int("scale_bits"))),
             UInt32(call.int("window")),
             summary,
         )
-        call.write("out", out)
+        call.write("out", first)
         _ = q_bytes^
     else:
         raise Error(t"unknown op {op}")
+    # The views hold untracked pointers into these lists: keep them alive.
     _ = offsets_bytes^
+    _ = rows_bytes^
+    _ = positions_bytes^
+    _ = first^
+    _ = second^
 
 
-def _run[dtype: DType](call: Call) raises:
+def _run[blocks_dtype: DType, q_dtype: DType](call: Call) raises:
+    """Binds the call's cache (`blocks_dtype` values, or quantized codes with
+    their scales when the call names a format) and runs its op."""
     var shape = IndexList[6](
         call.int("num_blocks"),
         2,
@@ -143,30 +192,148 @@ def _run[dtype: DType](call: Call) raises:
         call.int("head_dim"),
     )
     var blocks_bytes = call.read("blocks")
-    var blocks = MutableView[dtype, 6](_ptr[dtype](blocks_bytes), shape, row_major(shape))
+    var blocks = MutableView[blocks_dtype, 6](
+        _ptr[blocks_dtype](blocks_bytes), shape, row_major(shape)
+    )
     var lengths_bytes = List[UInt8]()
     var lengths = _vector(call, lengths_bytes, "cache_lengths")
     var table_bytes = call.read("lookup_table")
     var table = _ptr[DType.uint32](table_bytes)
     var batch = lengths.dim_size(0)
-    if call.text("layout") == "paged":
+    var scales_bytes = List[UInt8]()
+    comptime if blocks_dtype == DType.uint8 or blocks_dtype == DType.int8:
+        # Quantized, paged: float8 codes travel as their uint8 bits.
+        comptime codes = codes_in[blocks_dtype]()
+        scales_bytes = call.read("scales")
+        var scale_shape = IndexList[6](
+            shape[0],
+            2,
+            shape[2],
+            shape[3] // call.int("tokens_per_scale"),
+            shape[4],
+            call.int("granules"),
+        )
+        var scales = MutableView[DType.float32, 6](
+            _ptr[DType.float32](scales_bytes), scale_shape, row_major(scale_shape)
+        )
         var width = len(table_bytes) // 4 // max(batch, 1)
         var lookup = InputView[DType.uint32, 2](
             table, IndexList[2](batch, width), IndexList[2](width, 1)
         )
-        _run_op(call, bind_collection(blocks, lengths, lookup), blocks_bytes)
+        var collection = bind_collection[codes](
+            blocks, lengths, lookup, bind_scales[codes](blocks, scales)
+        )
+        _run_op[q_dtype=q_dtype, codes_dtype=blocks_dtype](
+            call, collection, blocks_bytes, scales_bytes
+        )
     else:
-        var lookup = InputView[DType.uint32, 1](table, IndexList[1](batch), IndexList[1](1))
-        _run_op(call, bind_collection(blocks, lengths, lookup), blocks_bytes)
+        if call.text("layout") == "paged":
+            var width = len(table_bytes) // 4 // max(batch, 1)
+            var lookup = InputView[DType.uint32, 2](
+                table, IndexList[2](batch, width), IndexList[2](width, 1)
+            )
+            _run_op[q_dtype=q_dtype, codes_dtype=blocks_dtype](
+                call, bind_collection(blocks, lengths, lookup), blocks_bytes, scales_bytes
+            )
+        else:
+            var lookup = InputView[DType.uint32, 1](table, IndexList[1](batch), IndexList[1](1))
+            _run_op[q_dtype=q_dtype, codes_dtype=blocks_dtype](
+                call, bind_collection(blocks, lengths, lookup), blocks_bytes, scales_bytes
+            )
     _ = lengths_bytes^
     _ = table_bytes^
 
 
+def _lanes[
+    dtype: DType, width: Int
+](mut bytes: List[UInt8]) -> Array[SIMD[dtype, width], WARP_LANES]:
+    """Every lane's `width` values, lane-major."""
+    var values = Array[SIMD[dtype, width], WARP_LANES](fill=0)
+    var p = _ptr[dtype](bytes)
+    for l in range(WARP_LANES):
+        values[l] = p.unsafe_load[width=width](l * width)
+    return values^
+
+
+def _write_lanes[
+    dtype: DType, width: Int
+](call: Call, values: Array[SIMD[dtype, width], WARP_LANES]) raises:
+    var out = List[UInt8](length=WARP_LANES * width * size_of[Scalar[dtype]](), fill=0)
+    var p = _ptr[dtype](out)
+    for l in range(WARP_LANES):
+        p.unsafe_store(l * width, values[l])
+    call.write("out", out)
+
+
+def _ld_matrix[count: Int, transpose: Bool](call: Call) raises:
+    var smem = call.read("smem")
+    var rows_bytes = call.read("rows")
+    var rows = _ptr[DType.uint32](rows_bytes)
+    var addresses = Array[BF16Ptr, WARP_LANES](fill=_ptr[DType.bfloat16](smem))
+    for l in range(WARP_LANES):
+        addresses[l] = _ptr[DType.bfloat16](smem).unsafe_offset(Int(rows[unsafe_offset=l]) * 8)
+    _write_lanes[DType.bfloat16, 2 * count](
+        call, ld_matrix[count, transpose, WARP_LANES](addresses)
+    )
+    _ = smem^
+    _ = rows_bytes^
+
+
+def _run_warp(call: Call) raises:
+    """One warp-collective step on the lanes' registers in the call's files."""
+    var step = call.text("step")
+    if step == "mma":
+        var a = call.read("a")
+        var b = call.read("b")
+        var c = call.read("c")
+        _write_lanes[DType.float32, 4](
+            call,
+            mma[WARP_LANES](
+                _lanes[DType.bfloat16, 8](a),
+                _lanes[DType.bfloat16, 4](b),
+                _lanes[DType.float32, 4](c),
+            ),
+        )
+    elif step == "shuffle_xor":
+        var values = call.read("values")
+        _write_lanes[DType.float32, 1](
+            call, shuffle_xor[WARP_LANES](_lanes[DType.float32, 1](values), call.int("mask"))
+        )
+    elif step == "ld_matrix":
+        var count = call.int("count")
+        var transpose = call.int("transpose") == 1
+        comptime for c in range(3):
+            comptime n = 1 << c
+            if count == n:
+                if transpose:
+                    _ld_matrix[n, True](call)
+                else:
+                    _ld_matrix[n, False](call)
+    else:
+        raise Error(t"unknown warp step {step}")
+
+
 def main() raises:
     var call = Call(String(argv()[1]))
-    if call.text("dtype") == "float32":
-        _run[DType.float32](call)
-    elif call.text("dtype") == "bfloat16":
-        _run[DType.bfloat16](call)
+    if call.text("op") == "warp":
+        _run_warp(call)
+        return
+    var dtype = call.text("dtype")
+    if "format" in call.meta:
+        # A quantized cache: `dtype` is the queries' and new rows'.
+        var fmt = call.text("format")
+        comptime for q in range(2):
+            comptime q_dtype = DType.float32 if q == 0 else DType.bfloat16
+            if dtype == String(q_dtype):
+                if fmt == "float8_e4m3fn":
+                    _run[DType.uint8, q_dtype](call)
+                elif fmt == "int8":
+                    _run[DType.int8, q_dtype](call)
+                else:
+                    raise Error(t"unsupported format {fmt}")
+    elif dtype == "float32":
+        _run[DType.float32, DType.float32](call)
+    elif dtype == "bfloat16":
+        _run[DType.bfloat16, DType.bfloat16](call)
     else:
-        raise Error(t"unsupported dtype {call.text('dtype')}")
+        raise Error(t"unsupported dtype {dtype}")

@@ -21,17 +21,12 @@ from max.dtype import DType
 
 from mokv_reference import bfloat16
 from mokv_reference import cache as ref
-from tests.gpu.cases import mixed_case, window_case
-from tests.gpu.emulation import Emulator, build_emulator, cache_meta, float32_bits
 from tests.support import attention_cases as cpu_attention
 from tests.support import store_gather as cpu_rows
+from tests.support.emulation import Emulator, cache_meta, float32_bits
+from tests.support.gpu_cases import assert_attention_close, mixed_case, window_case
 
 H100_MULTIPROCESSORS = 132
-
-
-@pytest.fixture(scope="session")
-def emulator(tmp_path_factory) -> Emulator:
-    return Emulator(build_emulator(), tmp_path_factory.mktemp("emulator"))
 
 
 # -- store and gather ---------------------------------------------------------
@@ -130,13 +125,15 @@ def emulate_attention(
     window: int = 0,
     multiprocessors: int = 1,
     bounds: tuple[int, int] | None = None,
+    tensor_cores: bool = True,
 ) -> np.ndarray:
     """The emulated attention op's output (float32 values). `bounds` (most new
-    tokens, longest context) default to the batch's own."""
+    tokens, longest context) default to the batch's own; `tensor_cores` says
+    whether the emulated device has them."""
     new = np.diff(b.row_offsets.astype(np.int64))
     if bounds is None:
         bounds = (int(new.max()), int((b.cache_lengths + new).max()))
-    meta = cache_meta("attention", b.layout, b.dtype.name, b.blocks, layer, multiprocessors) | {
+    meta = cache_meta("attention", b.layout, b.dtype.name, b.blocks, layer, multiprocessors, tensor_cores) | {
         "tokens": b.q.shape[0],
         "n_q_heads": b.q.shape[1],
         "scale_bits": float32_bits(scale),
@@ -163,6 +160,15 @@ def emulate_attention(
 def test_mixed_batch_matches_numpy(case, multiprocessors, emulator):
     b, layer, scale = mixed_case(case)
     out = emulate_attention(emulator, b, layer, scale, multiprocessors=multiprocessors)
+    assert_attention_close(out, b, layer, scale)
+
+
+@pytest.mark.parametrize("case", [c for c in cpu_attention.CASES if c[1] == DType.bfloat16], ids=cpu_attention.case_id)
+def test_bfloat16_without_tensor_cores(case, emulator):
+    """On a GPU without `mma.sync` (AMD's, older NVIDIA) a bfloat16 prefill
+    takes the CUDA-core kernel, held to the CPU suite's tolerance."""
+    b, layer, scale = mixed_case(case)
+    out = emulate_attention(emulator, b, layer, scale, multiprocessors=H100_MULTIPROCESSORS, tensor_cores=False)
     cpu_attention.assert_close(out, cpu_attention.expected(b, layer, scale), b.dtype)
 
 
@@ -179,7 +185,22 @@ def test_decode_split_over_the_context(rows, n_q, n_kv, head_dim, dtype, emulato
     b = cpu_attention.make_batch(rng, "paged", dtype, rows, n_q, n_kv, head_dim, 16)
     scale = 1 / math.sqrt(head_dim)
     out = emulate_attention(emulator, b, 1, scale, multiprocessors=H100_MULTIPROCESSORS)
-    cpu_attention.assert_close(out, cpu_attention.expected(b, 1, scale), dtype)
+    assert_attention_close(out, b, 1, scale)
+
+
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-cores", "cuda-cores"])
+@pytest.mark.parametrize(("n_q", "n_kv", "head_dim", "new"), [(32, 8, 128, 1), (8, 1, 64, 1), (6, 3, 64, 4)])
+def test_bfloat16_decode_in_one_block_per_row(n_q, n_kv, head_dim, new, tensor_cores, emulator):
+    """bfloat16 decode rows, unsplit: on tensor cores each block's four
+    warps score their own keys of every tile and combine their states at
+    the end (groups of 4, 8 and 2 x 4 tokens); without, the CUDA-core
+    decode."""
+    rng = np.random.default_rng(n_q + new)
+    rows = [(1000, new), (37, new), (300, new)]
+    b = cpu_attention.make_batch(rng, "paged", DType.bfloat16, rows, n_q, n_kv, head_dim, 16)
+    scale = 1 / math.sqrt(head_dim)
+    out = emulate_attention(emulator, b, 0, scale, tensor_cores=tensor_cores)
+    assert_attention_close(out, b, 0, scale, tensor_cores=tensor_cores)
 
 
 def test_head_dim_256(emulator):
@@ -187,6 +208,19 @@ def test_head_dim_256(emulator):
     b = cpu_attention.make_batch(rng, "paged", DType.float32, [(0, 40), (300, 1), (90, 33)], 4, 2, 256, 32)
     out = emulate_attention(emulator, b, 0, 1 / 16, multiprocessors=H100_MULTIPROCESSORS)
     cpu_attention.assert_close(out, cpu_attention.expected(b, 0, 1 / 16), DType.float32)
+
+
+@pytest.mark.parametrize("window", [0, 100])
+def test_tensor_core_prefill_of_long_chunks(window, emulator):
+    """Chunks of a few hundred tokens over cached prefixes, Llama's heads: the
+    tensor-core prefill walks tens of tiles per block, most of them seen in
+    full by every row (no masking), the last ones masked causally, or by the
+    window at both ends."""
+    rng = np.random.default_rng(300 + window)
+    b = cpu_attention.make_batch(rng, "paged", DType.bfloat16, [(700, 130), (0, 200), (64, 64)], 32, 8, 128, 16)
+    scale = 1 / math.sqrt(128)
+    out = emulate_attention(emulator, b, 1, scale, window, multiprocessors=H100_MULTIPROCESSORS)
+    assert_attention_close(out, b, 1, scale, window)
 
 
 @pytest.mark.parametrize("layout", ["paged", "continuous"])

@@ -16,12 +16,12 @@ from max.graph import DeviceRef
 
 from mokv_reference import cache as ref
 from mokv_reference.max_attention import MaxAttentionShape, MaxPagedAttention
-from tests.gpu.cases import mixed_case, window_case
 from tests.support import attention_cases as cpu_attention
 from tests.support import store_gather as cpu_rows
 from tests.support.attention_graph import build_attention_graph
 from tests.support.compile_once import compiled_per_key
 from tests.support.gpu import needs_gpu
+from tests.support.gpu_cases import mixed_case, window_case
 
 pytestmark = needs_gpu("the store, gather and attention ops against numpy and MAX's GPU attention")
 

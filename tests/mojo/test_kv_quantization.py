@@ -20,7 +20,6 @@ Bounds, all derived from the formats:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -28,14 +27,23 @@ from max.driver import Buffer
 from max.dtype import DType
 
 from mokv.graph import hadamard
-from mokv_reference import bfloat16
 from mokv_reference import cache as layout
 from mokv_reference import quant as ref
 from mokv_reference.attention import attention as reference_attention
 from tests.support.compile_once import compiled_per_key
+from tests.support.kv_quantization_cases import (
+    ATTENTION_CASES,
+    FORMATS,
+    ROWS,
+    Cache,
+    assert_nearest_codes,
+    empty_cache,
+    quantized_batch,
+    rows_buffer,
+    to_numpy,
+    u32,
+)
 from tests.support.quantized_graphs import GRAPH_DTYPE, NUM_LAYERS, build_attention, build_store_gather
-
-FORMATS = ["float8_e4m3fn", "int8"]
 
 
 @pytest.fixture(scope="session")
@@ -53,63 +61,6 @@ def quantized_attention(session, kernels):
     return lambda graph_dtype, dtype, layout="paged": get(graph_dtype, dtype, layout)
 
 
-def _blocks_buffer(codes: np.ndarray, fmt: str) -> Buffer:
-    return Buffer.from_numpy(np.ascontiguousarray(codes.view(np.uint8 if fmt == "float8_e4m3fn" else np.int8)))
-
-
-def _rows_buffer(values: np.ndarray, dtype: DType) -> Buffer:
-    if dtype == DType.bfloat16:
-        return Buffer.from_numpy(bfloat16.to_bits(values)).view(DType.bfloat16)
-    return Buffer.from_numpy(np.ascontiguousarray(values, np.float32))
-
-
-def _to_numpy(out: Buffer, dtype: DType) -> np.ndarray:
-    if dtype == DType.bfloat16:
-        return bfloat16.from_bits(out.view(DType.uint16).to_numpy())
-    return out.to_numpy()
-
-
-def _u32(value: int) -> Buffer:
-    return Buffer.from_numpy(np.array(value, np.uint32))
-
-
-@dataclass
-class Cache:
-    """A quantized paged cache: codes `[blocks, 2, layers, page, H, D]`
-    (uint8 bits of float8, or int8) and scales `[blocks, 2, layers, page //
-    tokens_per_scale, H, granules]`."""
-
-    fmt: str
-    codes: np.ndarray
-    scales: np.ndarray
-    lookup_table: np.ndarray
-
-    @property
-    def tokens_per_scale(self) -> int:
-        return self.codes.shape[3] // self.scales.shape[3]
-
-    def dequantized(self) -> np.ndarray:
-        """The float64 values the cache holds, as the numpy model reads them."""
-        scales = np.repeat(self.scales, self.tokens_per_scale, axis=3)
-        return ref.dequantize(self.codes, scales, self.fmt)
-
-    def buffers(self) -> list[Buffer]:
-        return [_blocks_buffer(self.codes, self.fmt), Buffer.from_numpy(self.scales)]
-
-
-def empty_cache(rng, fmt, batch, pages_per_row, page, heads, head_dim, granules, tokens_per_scale) -> Cache:
-    """Pages in a random order with stale codes and scales (a reused pool)."""
-    num_pages = batch * pages_per_row + 2
-    order = rng.permutation(num_pages)[: batch * pages_per_row]
-    lookup = order.reshape(batch, pages_per_row).astype(np.uint32)
-    shape = (num_pages + 1, 2, NUM_LAYERS, page, heads, head_dim)
-    codes = rng.integers(0, 0x7F, size=shape, dtype=np.uint8)
-    if fmt == "int8":
-        codes = rng.integers(-127, 128, size=shape, dtype=np.int8)
-    scales = rng.uniform(0.5, 2, (num_pages + 1, 2, NUM_LAYERS, page // tokens_per_scale, heads, granules))
-    return Cache(fmt, codes, scales.astype(np.float32), lookup)
-
-
 def _gathered(cache: Cache, store_gather, keys, values, cache_lengths, offsets, layer, rows, positions):
     """Runs store then gather; returns (dequantized keys, key codes, key scales)."""
     model = store_gather(GRAPH_DTYPE[cache.fmt], DType.float32)
@@ -118,10 +69,10 @@ def _gathered(cache: Cache, store_gather, keys, values, cache_lengths, offsets, 
         *buffers,
         Buffer.from_numpy(cache_lengths),
         Buffer.from_numpy(cache.lookup_table),
-        _rows_buffer(keys, DType.float32),
-        _rows_buffer(values, DType.float32),
+        rows_buffer(keys, DType.float32),
+        rows_buffer(values, DType.float32),
         Buffer.from_numpy(offsets),
-        _u32(layer),
+        u32(layer),
         Buffer.from_numpy(rows),
         Buffer.from_numpy(positions),
     )
@@ -129,20 +80,6 @@ def _gathered(cache: Cache, store_gather, keys, values, cache_lengths, offsets, 
     cache.scales[...] = buffers[1].to_numpy()
     code_bits = codes.to_numpy().view(cache.codes.dtype)
     return deq.to_numpy(), code_bits, scales.to_numpy()
-
-
-def _assert_nearest_codes(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, fmt: str) -> None:
-    """Every code is the nearest to x / scale, up to float32 noise."""
-    granularity = x.shape[-1] // scales.shape[-1]
-    per_element = np.repeat(scales, granularity, axis=-1).astype(np.float64)
-    scaled = np.where(per_element > 0, x / np.where(per_element > 0, per_element, 1), 0)
-    got = ref.decode(codes, fmt)
-    limit = ref.CODE_MAX[fmt]
-    target = np.clip(np.nan_to_num(scaled, nan=0.0, posinf=limit, neginf=-limit), -limit, limit)
-    error = np.abs(got - target)
-    allowed = ref.code_step(target, fmt) / 2 + 1e-5 * np.abs(target) + 1e-6
-    worst = np.unravel_index(np.argmax(error - allowed), error.shape)
-    assert (error <= allowed).all(), f"code {got[worst]} for {target[worst]} (allowed error {allowed[worst]})"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -167,7 +104,7 @@ def test_store_quantizes_each_granule_to_its_nearest_codes(fmt, granules, quanti
 
     expected_scales = ref.granule_scales(keys, d // granules, fmt)
     np.testing.assert_allclose(scales, expected_scales, rtol=1e-6)
-    _assert_nearest_codes(keys, codes, scales, fmt)
+    assert_nearest_codes(keys, codes, scales, fmt)
     np.testing.assert_allclose(deq, ref.dequantize(codes, scales, fmt), rtol=1e-6)
 
 
@@ -272,50 +209,19 @@ def test_growing_scale_block_requantizes_the_tokens_it_holds(fmt, quantized_stor
         assert (error <= allowed * 1.01 + 1e-6).all(), f"token {t}: error {error.max()} over {allowed.max()}"
 
 
-def _quantized_batch(rng, fmt, layout_rows, heads, group, d, page, granules, per_block, q_dtype):
-    batch = len(layout_rows)
-    cached = np.array([c for c, _ in layout_rows], np.uint32)
-    new = np.array([n for _, n in layout_rows])
-    pages = int(max(-(-(cached + new) // page))) + 1
-    cache = empty_cache(rng, fmt, batch, pages, page, heads, d, granules, per_block)
-    # Codes of N(0, 1) data: random codes under random scales.
-    if fmt == "int8":
-        cache.codes[...] = rng.integers(-127, 128, cache.codes.shape, dtype=np.int8)
-    else:
-        cache.codes[...] = ref.nearest_e4m3(rng.standard_normal(cache.codes.shape) * 100)
-    cache.scales[...] = rng.uniform(0.002, 0.03, cache.scales.shape).astype(np.float32)
-    q = rng.standard_normal((new.sum(), heads * group, d)).astype(np.float32)
-    if q_dtype == DType.bfloat16:
-        q = bfloat16.from_bits(bfloat16.to_bits(q))
-    offsets = np.concatenate([[0], np.cumsum(new)]).astype(np.uint32)
-    summary = np.array([[new.max(), (cached + new).max()]], np.uint32)
-    return cache, cached, offsets, q, summary
-
-
 def _run_attention(model, cache, cached, offsets, q, summary, q_dtype, layer, scale):
     (out,) = model.execute(
         *cache.buffers(),
         Buffer.from_numpy(cached),
         Buffer.from_numpy(cache.lookup_table),
         Buffer.from_numpy(summary),
-        _rows_buffer(q, q_dtype),
+        rows_buffer(q, q_dtype),
         Buffer.from_numpy(offsets),
-        _u32(layer),
+        u32(layer),
         Buffer.from_numpy(np.array(scale, np.float32)),
-        _u32(0),
+        u32(0),
     )
-    return _to_numpy(out, q_dtype)
-
-
-# (format, q dtype, GQA group, head_dim, page, granules, tokens per scale)
-ATTENTION_CASES = [
-    ("float8_e4m3fn", DType.float32, 3, 64, 16, 1, 1),
-    ("int8", DType.float32, 3, 64, 16, 1, 1),
-    ("float8_e4m3fn", DType.bfloat16, 4, 128, 128, 2, 1),
-    ("int8", DType.float32, 1, 128, 32, 4, 8),
-    ("float8_e4m3fn", DType.float32, 8, 64, 64, 1, 16),
-]
-ROWS = [(0, 37), (211, 1), (130, 70), (1500, 1), (9, 0), (700, 1)]
+    return to_numpy(out, q_dtype)
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "-".join(str(x) for x in c))
@@ -325,7 +231,7 @@ def test_attention_reads_codes_with_their_scales(case, quantized_attention):
     fmt, q_dtype, group, d, page, granules, per_block = case
     rng = np.random.default_rng(d + page + granules)
     heads = 2
-    cache, cached, offsets, q, summary = _quantized_batch(
+    cache, cached, offsets, q, summary = quantized_batch(
         rng, fmt, ROWS, heads, group, d, page, granules, per_block, q_dtype
     )
     scale = 1 / math.sqrt(d)
@@ -360,11 +266,11 @@ def test_continuous_layout_reads_codes_with_their_scales(fmt, quantized_attentio
         Buffer.from_numpy(cached),
         Buffer.from_numpy(cache.lookup_table),
         Buffer.scalar(False, DType.bool),
-        _rows_buffer(q, DType.float32),
+        rows_buffer(q, DType.float32),
         Buffer.from_numpy(offsets),
-        _u32(0),
+        u32(0),
         Buffer.from_numpy(np.array(0.125, np.float32)),
-        _u32(0),
+        u32(0),
     )
     expected = reference_attention(cache.dequantized(), 0, q, offsets, cached, cache.lookup_table, 0.125)
     np.testing.assert_allclose(out.to_numpy(), expected, atol=2e-5, rtol=2e-5)

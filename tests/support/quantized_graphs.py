@@ -14,84 +14,93 @@ GRAPH_DTYPE = {"float8_e4m3fn": DType.uint8, "int8": DType.int8}
 """The blocks' graph dtype per code format (float8 codes travel as uint8 bits)."""
 
 
-def _cache_types(graph_dtype: DType, layout: str = "paged") -> list:
+def _cache_types(graph_dtype: DType, layout: str, device: DeviceRef) -> list:
     """Blocks, scales, cache lengths and the lookup table: `[batch, pages]`
-    (paged) or `[batch]` slots (continuous batching)."""
+    (paged) or `[batch]` slots (continuous batching), on `device`."""
     table = ["batch", "pages"] if layout == "paged" else ["batch"]
     return [
-        BufferType(graph_dtype, ["blocks", 2, NUM_LAYERS, "page", "heads", "head_dim"], CPU_REF),
-        BufferType(DType.float32, ["blocks", 2, NUM_LAYERS, "scale_rows", "heads", "granules"], CPU_REF),
-        TensorType(DType.uint32, ["batch"], CPU_REF),
-        TensorType(DType.uint32, table, CPU_REF),
+        BufferType(graph_dtype, ["blocks", 2, NUM_LAYERS, "page", "heads", "head_dim"], device),
+        BufferType(DType.float32, ["blocks", 2, NUM_LAYERS, "scale_rows", "heads", "granules"], device),
+        TensorType(DType.uint32, ["batch"], device),
+        TensorType(DType.uint32, table, device),
     ]
+
+
+def _name(base: str, device: DeviceRef) -> str:
+    return base + ("" if device == CPU_REF else f"_{device.device_type}")
 
 
 def _u32(value: int):
     return ops.constant(value, DType.uint32, device=CPU_REF)
 
 
-def build_store_gather(graph_dtype: DType, dtype: DType, kernels: Path) -> Graph:
+def build_store_gather(graph_dtype: DType, dtype: DType, kernels: Path, device: DeviceRef = CPU_REF) -> Graph:
     """Stores new K/V of a runtime layer, then gathers the requested key rows
-    both dequantized and as codes with their scales."""
-    rows = TensorType(dtype, ["tokens", "heads", "head_dim"], CPU_REF)
-    index = TensorType(DType.uint32, ["n"], CPU_REF)
+    both dequantized and as codes with their scales, on `device` (the layer
+    index on the host)."""
+    rows = TensorType(dtype, ["tokens", "heads", "head_dim"], device)
+    index = TensorType(DType.uint32, ["n"], device)
     inputs = [
-        *_cache_types(graph_dtype),
+        *_cache_types(graph_dtype, "paged", device),
         rows,
         rows,
-        TensorType(DType.uint32, ["batch_plus_one"], CPU_REF),
+        TensorType(DType.uint32, ["batch_plus_one"], device),
         TensorType(DType.uint32, [], CPU_REF),
         index,
         index,
     ]
-    with Graph(f"quantized_store_gather_{graph_dtype}_{dtype}", input_types=inputs, custom_extensions=[kernels]) as g:
+    name = _name(f"quantized_store_gather_{graph_dtype}_{dtype}", device)
+    with Graph(name, input_types=inputs, custom_extensions=[kernels]) as g:
         cache = [g.inputs[0].buffer, g.inputs[1].buffer, g.inputs[2].tensor, g.inputs[3].tensor]
         keys, values, offsets, layer, batch_rows, positions = (v.tensor for v in g.inputs[4:])
-        ops.inplace_custom("mokv.store_kv.quantized", device=CPU_REF, values=[*cache, keys, values, offsets, layer])
+        ops.inplace_custom("mokv.store_kv.quantized", device=device, values=[*cache, keys, values, offsets, layer])
         n = batch_rows.shape[0]
         (dequantized,) = ops.inplace_custom(
             "mokv.gather.quantized",
-            device=CPU_REF,
+            device=device,
             values=[*cache, batch_rows, positions, layer, _u32(0)],
-            out_types=[TensorType(dtype, [n, "heads", "head_dim"], CPU_REF)],
+            out_types=[TensorType(dtype, [n, "heads", "head_dim"], device)],
         )
         codes, scales = ops.inplace_custom(
             "mokv.gather.codes",
-            device=CPU_REF,
+            device=device,
             values=[*cache, batch_rows, positions, layer, _u32(0)],
             out_types=[
-                TensorType(graph_dtype, [n, "heads", "head_dim"], CPU_REF),
-                TensorType(DType.float32, [n, "heads", "granules"], CPU_REF),
+                TensorType(graph_dtype, [n, "heads", "head_dim"], device),
+                TensorType(DType.float32, [n, "heads", "granules"], device),
             ],
         )
         g.output(dequantized.tensor, codes.tensor, scales.tensor)
     return g
 
 
-def build_attention(graph_dtype: DType, dtype: DType, kernels: Path, layout: str = "paged") -> Graph:
+def build_attention(
+    graph_dtype: DType, dtype: DType, kernels: Path, layout: str = "paged", device: DeviceRef = CPU_REF
+) -> Graph:
     """`(cache..., summary, q, offsets, layer, scale, window) -> attention` over a
-    quantized cache; the summary is `max_lengths` (paged) or `is_cache_empty`."""
+    quantized cache on `device` (the summary and scalars on the host); the
+    summary is `max_lengths` (paged) or `is_cache_empty`."""
     summary = (
         TensorType(DType.uint32, ["steps", 2], CPU_REF) if layout == "paged" else TensorType(DType.bool, [], CPU_REF)
     )
     inputs = [
-        *_cache_types(graph_dtype, layout),
+        *_cache_types(graph_dtype, layout, device),
         summary,
-        TensorType(dtype, ["tokens", "q_heads", "head_dim"], CPU_REF),
-        TensorType(DType.uint32, ["batch_plus_one"], CPU_REF),
+        TensorType(dtype, ["tokens", "q_heads", "head_dim"], device),
+        TensorType(DType.uint32, ["batch_plus_one"], device),
         TensorType(DType.uint32, [], CPU_REF),
         TensorType(DType.float32, [], CPU_REF),
         TensorType(DType.uint32, [], CPU_REF),
     ]
-    name = f"quantized_attention_{layout}_{graph_dtype}_{dtype}"
+    name = _name(f"quantized_attention_{layout}_{graph_dtype}_{dtype}", device)
     with Graph(name, input_types=inputs, custom_extensions=[kernels]) as g:
         blocks, scales_in = g.inputs[0].buffer, g.inputs[1].buffer
         cache_lengths, lookup, summary, q, offsets, layer, scale, window = (v.tensor for v in g.inputs[2:])
         (out,) = ops.inplace_custom(
             "mokv.attention.quantized",
-            device=CPU_REF,
+            device=device,
             values=[blocks, scales_in, cache_lengths, lookup, summary, q, offsets, layer, scale, window],
-            out_types=[TensorType(dtype, q.shape, CPU_REF)],
+            out_types=[TensorType(dtype, q.shape, device)],
         )
         g.output(out.tensor)
     return g

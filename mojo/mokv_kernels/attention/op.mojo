@@ -20,7 +20,6 @@ from ..cache.traits import KVCacheT, KVCollectionT
 from ..gpu.attention import attention_gpu
 from ..gpu.block import GpuLauncher
 from ..kv_quantization import codes_in, is_quantized
-from ..store import no_quantized_gpu_path
 from ..parallel import Job, run_items
 from ..pointers import F32Ptr
 from .config import HEAD_DIM_MULTIPLE, LOG2E, PARALLEL_MIN_PRODUCTS, W
@@ -175,8 +174,7 @@ def attention_on[
         )
     else:
         comptime cache_dtype = collection_t.CacheType.dtype
-        no_quantized_gpu_path[cache_dtype]()
-        comptime if q_dtype == cache_dtype:
+        comptime if q_dtype == cache_dtype or is_quantized[cache_dtype]():
             var launcher = GpuLauncher(ctx)
             attention_gpu(
                 launcher,

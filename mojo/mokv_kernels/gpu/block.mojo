@@ -16,7 +16,10 @@ That split lets one kernel body run two ways:
   queued since the last `sync` run thread by thread, highest thread first,
   each thread running all of them before the next thread starts: the
   interleaving a missing barrier allows, so a phase that reads what another
-  thread wrote without a `sync` in between reads NaN or stale data.
+  thread wrote without a `sync` in between reads NaN or stale data. A
+  kernel with warp-collective steps (`warp`: tensor-core fragments,
+  shuffles) runs there warp by warp instead: one program per warp, holding
+  every lane's registers (`KernelT.LANES`).
 
 The emulator is how the kernels' index arithmetic, masking, splitting and
 merging are tested on machines without a GPU; it cannot show timing, warp
@@ -27,13 +30,19 @@ from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, thread_i
 from max.gpu.host import DeviceAttribute, DeviceBuffer, DeviceContext, Dim, FuncAttribute
 from max.gpu.memory import external_memory
 from std.memory import AddressSpace
+from std.sys._assembly import inlined_assembly
+from std.sys.info import is_amd_gpu, is_nvidia_gpu
 from std.utils.numerics import nan
 from std.utils.static_tuple import StaticTuple
 
-comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
+from ..pointers import F32Ptr
+from .warp import WARP_LANES
+
 
 comptime DEFAULT_SHARED_BYTES = 48 * 1024
 """Dynamic shared memory a launch gets without opting in to more."""
+comptime AMD_SHARED_BYTES = 64 * 1024
+"""Shared memory (LDS) an AMD MI300 (gfx942) workgroup gets."""
 
 
 @fieldwise_init
@@ -76,13 +85,24 @@ trait KernelT(TrivialRegisterPassable):
     """Blocks per multiprocessor the compiler must leave registers for
     (it then keeps each thread under 65536 / (THREADS * MIN_BLOCKS)
     registers, spilling if it must): 1 leaves it free to take up to 255."""
+    comptime LANES: Int = 1
+    """Threads one program stands for: 1, or under the emulator a whole
+    warp (`warp.WARP_LANES`) for a kernel with warp-collective steps, whose
+    registers are then every lane's (`warp`). On a GPU always 1."""
+    comptime NAME: StaticString
+    """What the kernel is, as `tools/check_gpu_build.sh --registers` reports
+    it (with `HEAD_DIM` and `ELEMENT_BITS` when they vary)."""
+    comptime HEAD_DIM: Int = 0
+    comptime ELEMENT_BITS: Int = 0
+    comptime SHARED_BYTES: Int
+    """Shared memory per block; at most `AMD_SHARED_BYTES` for a kernel
+    that may run on AMD GPUs (checked when compiling for them)."""
+    comptime TENSOR_CORES: Bool = False
+    """Whether it uses `mma.sync` (`warp`): then it runs only where
+    `Launcher.tensor_cores` says so, never on an AMD GPU."""
 
     def grid(self) -> BlockId:
         """Blocks along x, y and z."""
-        ...
-
-    def shared_floats(self) -> Int:
-        """Float32 words of shared memory per block."""
         ...
 
     def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:
@@ -100,9 +120,7 @@ struct GpuBlock[P: ThreadProgram](BlockExecutor):
     methods are inlined, and so must be the program's phases (`step` and
     what it calls): a program reached through a call has its address taken
     and lives in local memory, so every access to the thread's state (the
-    prefill's output accumulators) becomes a local-memory access. ptxas
-    gave the prefill kernel 664 bytes of stack that way, and Nsight
-    Compute measured ~36 GB of L2 traffic in one 2k-token prefill call.
+    prefill's output accumulators) becomes a local-memory access.
     `tools/check_gpu_build.sh --registers` shows each kernel's stack."""
 
     var me: Self.P
@@ -131,6 +149,10 @@ def _shared_memory() -> F32Ptr:
 trait Launcher:
     """Where kernels run: a GPU stream (`GpuLauncher`) or the CPU emulator."""
 
+    comptime LANES: Int
+    """`KernelT.LANES` of the kernels with warp-collective steps launched
+    here: 1 on a GPU, a warp under the emulator."""
+
     def launch[K: KernelT](mut self, kernel: K) raises:
         """Runs (or enqueues) `kernel`'s whole grid."""
         ...
@@ -142,6 +164,11 @@ trait Launcher:
     def multiprocessors(self) -> Int:
         """Blocks that run at once, roughly: what a grid must cover to keep
         the device busy."""
+        ...
+
+    def tensor_cores(self) -> Bool:
+        """Whether kernels with `mma.sync` steps (`warp`) run here: NVIDIA
+        GPUs from sm_80, and the emulator."""
         ...
 
 
@@ -156,6 +183,8 @@ struct GpuLauncher(Launcher):
     freed when the launcher is destroyed; the device frees them in stream
     order, after the kernels enqueued before."""
 
+    comptime LANES = 1
+
     var ctx: DeviceContext
     var buffers: List[DeviceBuffer[DType.float32]]
 
@@ -164,18 +193,40 @@ struct GpuLauncher(Launcher):
         self.buffers = List[DeviceBuffer[DType.float32]]()
 
     def launch[K: KernelT](mut self, kernel: K) raises:
+        comptime assert K.LANES == 1, "on a GPU a program is one thread"
         var grid = kernel.grid()
         if grid.x == 0 or grid.y == 0 or grid.z == 0:
             return
         if grid.y > 65535 or grid.z > 65535:
             raise Error(t"grid {grid.x} x {grid.y} x {grid.z} exceeds 65535 blocks along y or z")
-        var shared_bytes = kernel.shared_floats() * 4
+        comptime shared_bytes = K.SHARED_BYTES
 
         @__llvm_metadata(
             MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(K.THREADS)),
             `nvvm.minctasm`=SIMDLength(K.MIN_BLOCKS),
         )
         def run_block() {var kernel}:
+            comptime if is_nvidia_gpu():
+                # What the kernel is, for tools/ptx_registers.py's report.
+                inlined_assembly[
+                    "// mokv-kernel "
+                    + K.NAME
+                    + " head_dim=$0 bits=$1 threads=$2 shared=$3 min_blocks=$4 tensor_cores=$5",
+                    NoneType,
+                    constraints="n,n,n,n,n,n",
+                    has_side_effect=True,
+                ](
+                    Int32(K.HEAD_DIM),
+                    Int32(K.ELEMENT_BITS),
+                    Int32(K.THREADS),
+                    Int32(K.SHARED_BYTES),
+                    Int32(K.MIN_BLOCKS),
+                    Int32(1 if K.TENSOR_CORES else 0),
+                )
+            elif is_amd_gpu() and not K.TENSOR_CORES:
+                comptime assert K.SHARED_BYTES <= AMD_SHARED_BYTES, String(
+                    "kernel ", K.NAME, " takes more shared memory than an AMD workgroup gets"
+                )
             var block = BlockId(Int(block_idx.x), Int(block_idx.y), Int(block_idx.z))
             var threads = GpuBlock(kernel.program(block, Int(thread_idx.x), _shared_memory()))
             kernel.schedule(threads, block)
@@ -204,6 +255,15 @@ struct GpuLauncher(Launcher):
         except:
             return 1
 
+    def tensor_cores(self) -> Bool:
+        try:
+            return (
+                self.ctx.api() == "cuda"
+                and self.ctx.get_attribute(DeviceAttribute.COMPUTE_CAPABILITY_MAJOR) >= 8
+            )
+        except:
+            return False
+
 
 struct EmulatedBlock[P: ThreadProgram](BlockExecutor):
     """Every thread of one block on the CPU (see the module docstring)."""
@@ -227,18 +287,24 @@ struct EmulatedBlock[P: ThreadProgram](BlockExecutor):
 
 struct Emulator(Launcher):
     """Runs kernels on the CPU, block after block (see the module docstring).
-    For tests: slow, and only as exact as the host's float32 arithmetic."""
+    For tests: slow, and only as exact as the host's float32 arithmetic.
+    `has_tensor_cores` false makes the ops pick the kernels they launch on
+    GPUs without `mma.sync`."""
+
+    comptime LANES = WARP_LANES
 
     var scratch_buffers: List[List[Float32]]
     var num_multiprocessors: Int
+    var has_tensor_cores: Bool
 
-    def __init__(out self, num_multiprocessors: Int):
+    def __init__(out self, num_multiprocessors: Int, has_tensor_cores: Bool = True):
         self.scratch_buffers = List[List[Float32]]()
         self.num_multiprocessors = num_multiprocessors
+        self.has_tensor_cores = has_tensor_cores
 
     def launch[K: KernelT](mut self, kernel: K) raises:
         var grid = kernel.grid()
-        var shared = List[Float32](length=max(kernel.shared_floats(), 1), fill=0)
+        var shared = List[Float32](length=max(K.SHARED_BYTES // 4, 1), fill=0)
         var shared_ptr = shared.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
         for z in range(grid.z):
             for y in range(grid.y):
@@ -247,7 +313,7 @@ struct Emulator(Launcher):
                         shared[i] = nan[DType.float32]()
                     var block = BlockId(x, y, z)
                     var programs = List[K.Program]()
-                    for tid in range(K.THREADS):
+                    for tid in range(0, K.THREADS, K.LANES):
                         programs.append(kernel.program(block, tid, shared_ptr))
                     var threads = EmulatedBlock(programs^)
                     kernel.schedule(threads, block)
@@ -264,3 +330,6 @@ struct Emulator(Launcher):
 
     def multiprocessors(self) -> Int:
         return self.num_multiprocessors
+
+    def tensor_cores(self) -> Bool:
+        return self.has_tensor_cores

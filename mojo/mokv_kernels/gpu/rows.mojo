@@ -11,12 +11,12 @@ reported as an error either (the CPU ops report it).
 """
 
 from extensibility import InputTensor, OutputTensor
-from std.sys import size_of
+from std.sys import size_of, bit_width_of
 
 from ..bind import check_layer, check_rows
 from ..cache.traits import KVCacheT, KVCollectionT
-from ..pointers import CachePtr, U32Ptr
-from .block import BlockExecutor, BlockId, F32Ptr, KernelT, Launcher, ThreadProgram
+from ..pointers import CachePtr, F32Ptr, U32Ptr
+from .block import BlockExecutor, BlockId, KernelT, Launcher, ThreadProgram
 
 comptime ROW_THREADS = 128
 
@@ -96,6 +96,9 @@ struct StoreKernel[cache_t: KVCacheT, width: Int](KernelT, RowKernelBody):
     comptime Program = EachThread[Self]
     comptime THREADS = ROW_THREADS
     comptime MIN_BLOCKS = 1
+    comptime NAME = "store"
+    comptime ELEMENT_BITS = bit_width_of[Self.cache_t.dtype]()
+    comptime SHARED_BYTES = 0
 
     var k_cache: Self.cache_t
     var v_cache: Self.cache_t
@@ -106,9 +109,6 @@ struct StoreKernel[cache_t: KVCacheT, width: Int](KernelT, RowKernelBody):
 
     def grid(self) -> BlockId:
         return BlockId(self.num_tokens, 1, 1)
-
-    def shared_floats(self) -> Int:
-        return 0
 
     def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:
         return EachThread(self, block, tid)
@@ -140,6 +140,9 @@ struct GatherKernel[cache_t: KVCacheT, width: Int](KernelT, RowKernelBody):
     comptime Program = EachThread[Self]
     comptime THREADS = ROW_THREADS
     comptime MIN_BLOCKS = 1
+    comptime NAME = "gather"
+    comptime ELEMENT_BITS = bit_width_of[Self.cache_t.dtype]()
+    comptime SHARED_BYTES = 0
 
     var cache: Self.cache_t
     var dest: CachePtr[Self.cache_t.dtype]
@@ -149,9 +152,6 @@ struct GatherKernel[cache_t: KVCacheT, width: Int](KernelT, RowKernelBody):
 
     def grid(self) -> BlockId:
         return BlockId(self.num_rows, 1, 1)
-
-    def shared_floats(self) -> Int:
-        return 0
 
     def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:
         return EachThread(self, block, tid)

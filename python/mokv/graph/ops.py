@@ -93,8 +93,8 @@ def gather_kv_codes(
     positions: TensorValue,
 ) -> tuple[TensorValue, TensorValue]:
     """A quantized cache's rows as stored, as `gather_kv` finds them: the codes
-    `[n, kv_heads, head_dim]` (in `blocks`' graph dtype: float8 as uint8
-    bits, int8) and their float32 scales `[n, kv_heads, granules]`. CPU only."""
+    `[n, kv_heads, head_dim]` (in the blocks' graph dtype: float8 as uint8
+    bits, int8) and their float32 scales `[n, kv_heads, granules]`."""
     if not is_quantized(cache):
         raise TypeError("gather_kv_codes reads a quantized cache; this one stores plain values (use gather_kv)")
     check_gather_kv(cache, layer_idx, kv_idx, batch_rows, positions)

@@ -1,4 +1,4 @@
-"""Driving the GPU ops' kernels under the CPU emulator (`emulator.mojo`).
+"""Driving the GPU ops' kernels under the CPU emulator (`tests/gpu/emulator.mojo`).
 
 The emulator binary is built once per kernel-source revision into the cache
 directory (~1.5 min on 2 cores). Each call writes its arrays as raw files,
@@ -21,7 +21,7 @@ import numpy as np
 from mokv.kernels import _source_digest, kernel_source_dir, mojo_compiler
 from mokv.paths import precompiled_kernels_dir
 
-EMULATOR_SOURCE = Path(__file__).with_name("emulator.mojo")
+EMULATOR_SOURCE = Path(__file__).parents[1] / "gpu" / "emulator.mojo"
 
 
 def build_emulator() -> Path:
@@ -66,8 +66,18 @@ class Emulator:
         return (call_dir / f"{output}.bin").read_bytes()
 
 
-def cache_meta(op: str, layout: str, dtype: str, blocks: np.ndarray, layer: int, multiprocessors: int = 1) -> dict:
-    """The meta entries every call has: the op, the layout and the block tensor's shape."""
+def cache_meta(
+    op: str,
+    layout: str,
+    dtype: str,
+    blocks: np.ndarray,
+    layer: int,
+    multiprocessors: int = 1,
+    tensor_cores: bool = True,
+) -> dict:
+    """The meta entries every call has: the op, the layout, the block tensor's
+    shape, and the emulated device (multiprocessors, whether it has tensor
+    cores: without, the ops launch the kernels of GPUs that have none)."""
     num_blocks, _, num_layers, block_len, n_kv_heads, head_dim = blocks.shape
     return {
         "op": op,
@@ -80,6 +90,7 @@ def cache_meta(op: str, layout: str, dtype: str, blocks: np.ndarray, layer: int,
         "head_dim": head_dim,
         "layer": layer,
         "multiprocessors": multiprocessors,
+        "tensor_cores": int(tensor_cores),
     }
 
 

@@ -3,24 +3,23 @@
 reading K and V once, at memory speed.
 
 One block of 128 threads per (query tile, KV head, batch row, split) walks its
-context range in tiles of 128 keys (64 where rows are too wide for two such
-tiles in `TILE_PAIR_BYTES`: float32 from head_dim 128, bfloat16 256), with
-the next tile's keys and this tile's values copied into shared memory while
-it computes:
+context range in tiles of up to 128 keys (as many as fit two tiles in
+`TILE_PAIR_BYTES`), with the next tile's keys and this tile's values copied
+into shared memory while it computes:
 
 - thread j looks key j's rows up in the page table once, and leaves their
   addresses in shared memory (two slots: this tile's and the next's);
 - copies are coalesced (consecutive threads copy consecutive 16-byte chunks
   of a row) and, on NVIDIA GPUs, asynchronous (`cp.async`: no registers
   held, the block computes while they land); rows are padded by 16 bytes,
-  so the rows a warp later reads at once start in different banks. A thread
-  reading a whole row of its own straight from the cache made every warp
-  load touch 32 cache lines (the H200's L1 75% busy, DRAM at 29%), and
-  copies only between phases left memory idle while the block computed;
+  so the rows a warp later reads at once start in different banks (a thread
+  reading a whole row of its own straight from the cache would touch 32
+  cache lines per warp load, and copies only between phases would leave
+  memory idle while the block computes);
 - scores: thread j dots key j's row, a quarter at a time widened to
   float32, with every query row's matching dims (the queries sit in shared
   memory as float32, each word read by all threads at once: a broadcast);
-- the online softmax over the tile (`tile_softmax`);
+- the online softmax over the tile (`softmax`);
 - values: warp w owns query rows `RPW * w ..< RPW * (w + 1)`, lane c the `DPL`
   contiguous dims from `c * DPL`: per key, one vector read of the value row
   and one broadcast weight per row (four keys' weights per read).
@@ -30,30 +29,22 @@ SCORE (which first starts copying this tile's values, and last locates the
 next tile's rows), ROW_MAX (which first starts copying the next tile's keys),
 EXPONENTIATE (then waits for the values), ACCUMULATE (then waits for the
 keys). No float32 copy of K or V. The split-K plan and the merge of splits
-are `attention`'s; the prefill tile kernel there serves larger query tiles."""
+are `plan`'s and `merge`'s; `prefill` serves larger query tiles."""
 
 from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_group
 from std.math import ceildiv
 from std.memory import AddressSpace
-from std.sys import size_of
+from std.sys import size_of, bit_width_of
 from std.sys.info import is_nvidia_gpu
 
-from ..cache.traits import KVCacheT
-from ..pointers import CachePtr
-from .attention_work import (
-    BLOCK_THREADS,
-    DECODE_ROWS,
-    NEG_INF,
-    WARP,
-    WARPS,
-    AttentionArgs,
-    BlockWork,
-    block_work,
-    stage_queries,
-    write_row_part,
-)
-from .block import BlockExecutor, BlockId, F32Ptr, KernelT, ThreadProgram
-from .tile_softmax import TileSoftmax
+from ...cache.traits import KVCacheT
+from ...pointers import CachePtr, F32Ptr, ScalePtr
+from ...kv_quantization import is_quantized
+from ..codes import as_values, head_scales
+from ..block import BlockExecutor, BlockId, KernelT, ThreadProgram
+from .config import BLOCK_THREADS, DECODE_ROWS, NEG_INF, WARP, WARPS
+from .softmax import TileSoftmax
+from .work import AttentionArgs, BlockWork, block_work, stage_queries, write_row_part
 
 # Phases of a decode block (`DecodeThread.step`).
 comptime LOAD_Q = 0
@@ -66,18 +57,32 @@ comptime FINISH = 6
 
 comptime KEYS = 0
 comptime VALUES = 1
+comptime KEY_SCALES = 2
+comptime VALUE_SCALES = 3
 
-comptime TILE_PAIR_BYTES = 72 * 1024
-"""Shared memory a block's key and value tiles may take together, so that
-two blocks fit on a multiprocessor (an H100 gives them 227 KB)."""
+comptime TILE_PAIR_BYTES = 48 * 1024
+"""Shared memory a block's key and value tiles may take together: with the
+queries and the softmax's regions, a block stays within the 64 KB of an AMD
+workgroup, and four fit a Hopper multiprocessor's 228 KB."""
 
 
-struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
+def _keys_per_tile(row_bytes: Int) -> Int:
+    """The most keys, a power of two from 128 down to 16, whose key and value
+    rows of `row_bytes` fit `TILE_PAIR_BYTES`."""
+    var keys = BLOCK_THREADS
+    while keys > 16 and 2 * keys * row_bytes > TILE_PAIR_BYTES:
+        keys //= 2
+    return keys
+
+
+struct DecodeThread[cache_t: KVCacheT, q_dtype: DType, D: Int](ThreadProgram):
     """One thread of a decode block (layouts in the module docstring).
     Shared memory, in float32 words: queries `[BM, D]`, the softmax regions,
-    row addresses `[2 slots, KEYS/VALUES, BN]` (0 for a key outside the
-    block's range or the cache), then the key tile and the value tile, each
-    `[BN, ROW_STRIDE]` in the cache's dtype."""
+    row addresses `[2 slots, KINDS, BN]` (0 for a key outside the block's
+    range or the cache), then the key tile and the value tile, each
+    `[BN, ROW_STRIDE]` as stored (values, or a quantized cache's codes,
+    whose scales are read where the addresses of the keys' scale rows
+    say)."""
 
     comptime dtype = Self.cache_t.dtype
     comptime BM = DECODE_ROWS
@@ -86,11 +91,8 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
     comptime CHUNKS = Self.D // Self.VEC
     """16-byte chunks of a row."""
     comptime ROW_STRIDE = Self.D + Self.VEC
-    comptime BN = (
-        BLOCK_THREADS if 2 * BLOCK_THREADS * Self.ROW_STRIDE * Self.ELEM
-        <= TILE_PAIR_BYTES else BLOCK_THREADS // 2
-    )
-    """Keys per tile: one per thread (or per thread of the first half)."""
+    comptime BN = _keys_per_tile(Self.ROW_STRIDE * Self.ELEM)
+    """Keys per tile: one per thread of the first `BN`."""
     comptime COPIES = Self.BN * Self.CHUNKS // BLOCK_THREADS
     """Chunks of a tile each thread copies."""
     comptime KEY_PARTS = 4
@@ -105,11 +107,13 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
     comptime Softmax = TileSoftmax[Self.BM, Self.BN, Self.LPR]
     comptime SOFTMAX_AT = Self.BM * Self.D
     comptime ADDRESSES_AT = Self.SOFTMAX_AT + Self.Softmax.FLOATS
-    comptime TILES_AT = Self.ADDRESSES_AT + 4 * Self.BN * size_of[Int]() // 4
+    comptime KINDS = 4 if is_quantized[Self.dtype]() else 2
+    """Addresses per key: its key and value rows, and their scale rows."""
+    comptime TILES_AT = Self.ADDRESSES_AT + 2 * Self.KINDS * Self.BN * size_of[Int]() // 4
     comptime TILE_FLOATS = ceildiv(Self.BN * Self.ROW_STRIDE * Self.ELEM, 16) * 4
     comptime FLOATS = Self.TILES_AT + 2 * Self.TILE_FLOATS
 
-    var args: AttentionArgs[Self.cache_t]
+    var args: AttentionArgs[Self.cache_t, Self.q_dtype]
     var work: BlockWork
     var tid: Int
     var shared: F32Ptr
@@ -117,7 +121,7 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
 
     def __init__(
         out self,
-        args: AttentionArgs[Self.cache_t],
+        args: AttentionArgs[Self.cache_t, Self.q_dtype],
         work: BlockWork,
         tid: Int,
         shared: F32Ptr,
@@ -145,14 +149,27 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
         return Self.Softmax(self.shared.unsafe_offset(Self.SOFTMAX_AT))
 
     def addresses(self, kv_start: Int, kind: Int) -> Pointer[Int, MutUntrackedOrigin]:
-        """Where the key (`kind` KEYS) or value (VALUES) row addresses of
-        the tile at `kv_start` live: tiles alternate between two slots."""
+        """Where the key (`kind` KEYS) or value (VALUES) row addresses, or
+        their scale rows' (KEY_SCALES, VALUE_SCALES), of the tile at
+        `kv_start` live: tiles alternate between two slots."""
         var slot = (kv_start - self.work.kv_start) // Self.BN % 2
         return (
             self.shared.unsafe_offset(Self.ADDRESSES_AT)
             .unsafe_bitcast[Int]()
-            .unsafe_offset((slot * 2 + kind) * Self.BN)
+            .unsafe_offset((slot * Self.KINDS + kind) * Self.BN)
         )
+
+    def scale(self, kv_start: Int, kind: Int, j: Int, d: Int) -> Float32:
+        """The scale of element `d` of the block's head of key `kv_start + j`
+        (`kind` KEY_SCALES or VALUE_SCALES); 0 for a key without a row, 1
+        for an unquantized cache."""
+        comptime if is_quantized[Self.dtype]():
+            var address = self.addresses(kv_start, kind)[unsafe_offset=j]
+            if address == 0:
+                return 0
+            return ScalePtr(unsafe_from_address=address)[unsafe_offset=d // self.args.granularity]
+        else:
+            return 1
 
     def tile(self, kind: Int) -> CachePtr[Self.dtype]:
         """The key (`kind` KEYS) or value (VALUES) tile."""
@@ -187,7 +204,7 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
             self.softmax().exponentiate(self.tid // Self.LPR, self.tid % Self.LPR)
             async_copy_wait_group(1)
         elif phase == ACCUMULATE:
-            self.accumulate()
+            self.accumulate(arg)
             async_copy_wait_group(0)
         else:
             self.finish()
@@ -196,9 +213,7 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
     def load_queries(self):
         """Scaled queries as float32 (zero rows past `rows()`); every row's
         running max and sum reset."""
-        stage_queries[Self.cache_t, Self.D, Self.BM](
-            self.args, self.work, self.tid, self.queries(), Self.D
-        )
+        stage_queries[Self.D, Self.BM](self.args, self.work, self.tid, self.queries(), Self.D)
         if self.tid < Self.BM:
             self.softmax().reset(self.tid)
 
@@ -211,18 +226,27 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
         if self.tid >= Self.BN:
             return
         var pos = kv_start + self.tid
+        var found = self.args.has_key(self.work, pos)
+        var head = self.work.kv_head
         var k_address = 0
         var v_address = 0
-        if self.args.has_key(self.work, pos):
-            var head_offset = self.work.kv_head * Self.D
+        if found:
             k_address = Int(
-                self.args.k_cache.row_ptr(self.work.row, pos).unsafe_offset(head_offset)
+                self.args.k_cache.row_ptr(self.work.row, pos).unsafe_offset(head * Self.D)
             )
             v_address = Int(
-                self.args.v_cache.row_ptr(self.work.row, pos).unsafe_offset(head_offset)
+                self.args.v_cache.row_ptr(self.work.row, pos).unsafe_offset(head * Self.D)
             )
         self.addresses(kv_start, KEYS)[unsafe_offset=self.tid] = k_address
         self.addresses(kv_start, VALUES)[unsafe_offset=self.tid] = v_address
+        comptime if is_quantized[Self.dtype]():
+            var k_scales = 0
+            var v_scales = 0
+            if found:
+                k_scales = Int(head_scales(self.args.k_cache, self.work.row, pos, head))
+                v_scales = Int(head_scales(self.args.v_cache, self.work.row, pos, head))
+            self.addresses(kv_start, KEY_SCALES)[unsafe_offset=self.tid] = k_scales
+            self.addresses(kv_start, VALUE_SCALES)[unsafe_offset=self.tid] = v_scales
 
     @always_inline
     def start_copy(self, kv_start: Int, kind: Int):
@@ -275,9 +299,11 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
             var keys = Array[SIMD[DType.float32, Self.VEC], Self.KEY_PART_CHUNKS](fill=0)
             if in_range:
                 comptime for c in range(Self.KEY_PART_CHUNKS):
-                    keys[c] = key.unsafe_load[width=Self.VEC, alignment=16](
-                        (first + c) * Self.VEC
-                    ).cast[DType.float32]()
+                    comptime d = (first + c) * Self.VEC
+                    keys[c] = as_values(
+                        key.unsafe_load[width=Self.VEC, alignment=16](d),
+                        self.scale(kv_start, KEY_SCALES, j, d),
+                    )
             comptime for r in range(Self.BM):
                 if r < rows:
                     var dot = SIMD[DType.float32, Self.VEC](0)
@@ -297,7 +323,7 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
             self.softmax().score(r, j)[] = dots[r] if visible else NEG_INF
 
     @always_inline
-    def accumulate(mut self):
+    def accumulate(mut self, kv_start: Int):
         """Rescales the thread's outputs and adds the tile's weighted values
         (for the warp's rows that exist: the branch is the same in the whole
         warp); thread r < BM then folds the tile into row r's max and sum."""
@@ -317,9 +343,12 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
                         .unsafe_load[width=Self.KEYS_PER_READ, alignment=16]()
                     )
                 comptime for i in range(Self.KEYS_PER_READ):
-                    var v = column.unsafe_load[width=Self.DPL, alignment=Self.V_ALIGN](
-                        (j0 + i) * Self.ROW_STRIDE
-                    ).cast[DType.float32]()
+                    var v = as_values(
+                        column.unsafe_load[width=Self.DPL, alignment=Self.V_ALIGN](
+                            (j0 + i) * Self.ROW_STRIDE
+                        ),
+                        self.scale(kv_start, VALUE_SCALES, j0 + i, lane * Self.DPL),
+                    )
                     comptime for k in range(Self.RPW):
                         self.acc[k] += weights[k][i] * v
         if self.tid < Self.BM:
@@ -334,7 +363,7 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
         comptime for k in range(Self.RPW):
             var r = warp * Self.RPW + k
             if r < rows:
-                write_row_part[Self.cache_t, Self.D, Self.DPL](
+                write_row_part[Self.D, Self.DPL](
                     self.args,
                     self.work,
                     r,
@@ -347,18 +376,21 @@ struct DecodeThread[cache_t: KVCacheT, D: Int](ThreadProgram):
 
 
 @fieldwise_init
-struct DecodeKernel[cache_t: KVCacheT, D: Int](KernelT):
+struct DecodeKernel[cache_t: KVCacheT, q_dtype: DType, D: Int](KernelT):
     """Grid (query tiles * splits, KV heads, batch rows) of decode blocks."""
 
-    comptime Program = DecodeThread[Self.cache_t, Self.D]
+    comptime Program = DecodeThread[Self.cache_t, Self.q_dtype, Self.D]
     comptime THREADS = BLOCK_THREADS
-    comptime MIN_BLOCKS = 2 if Self.D <= 128 else 1
-    """Two blocks per multiprocessor for head sizes to 128, as many as
-    their shared memory (83 KB for bfloat16, head_dim 128) lets run at
-    once: ptxas gives the thread 178 registers, no spills
-    (`tools/check_gpu_build.sh --registers`)."""
+    comptime NAME = "decode"
+    comptime HEAD_DIM = Self.D
+    comptime ELEMENT_BITS = bit_width_of[Self.cache_t.dtype]()
+    comptime SHARED_BYTES = Self.Program.FLOATS * 4
+    comptime MIN_BLOCKS = 3 if Self.D <= 128 else 2
+    """Blocks per multiprocessor the registers are sized for (their shared
+    memory lets more run); `tools/check_gpu_build.sh --registers` shows
+    what ptxas gives, and that it does not spill."""
 
-    var args: AttentionArgs[Self.cache_t]
+    var args: AttentionArgs[Self.cache_t, Self.q_dtype]
     var query_tiles: Int
 
     def grid(self) -> BlockId:
@@ -367,9 +399,6 @@ struct DecodeKernel[cache_t: KVCacheT, D: Int](KernelT):
             self.args.k_cache.num_heads(),
             self.args.k_cache.batch_size(),
         )
-
-    def shared_floats(self) -> Int:
-        return Self.Program.FLOATS
 
     @always_inline
     def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:

@@ -9,9 +9,11 @@ them, and one of them sets the row's rescale factor `alpha` for what it
 accumulated before; after the weighted values are added, `update` folds the
 tile into the row's running max and sum."""
 
-from .attention_work import NEG_INF
-from .block import F32Ptr
 from std.math import exp2
+
+
+from ...pointers import F32Ptr
+from .config import NEG_INF
 
 
 @fieldwise_init

@@ -1,38 +1,31 @@
 """What every GPU attention block shares: its arguments, its share of the
 batch (query rows and context range), and how it writes its rows out.
 
-Both kernels (`decode` and the tile kernel of `attention`) run one thread
-block per (query tile, KV head, batch row, split); this module says which
-rows and which context positions such a block owns, and writes a row's
-finished values: normalised outputs, or, when the context is split, the
-split's unnormalised state (output, running max, running sum) that the merge
-kernel combines."""
+Every attention kernel (`decode`, `prefill`) runs one thread block per
+(query tile, KV head, batch row, split); this module says which rows and
+which context positions such a block owns, and writes a row's finished
+values: normalised outputs, or, when the context is split, the split's
+unnormalised state (output, running max, running sum) that the merge kernel
+combines."""
 
 from std.math import ceildiv
-from std.utils.numerics import neg_inf
 
-from ..cache.traits import KVCacheT
-from ..pointers import CachePtr, U32Ptr
-from .block import BlockId, F32Ptr
-from .rows import row_in_cache
-
-comptime BLOCK_THREADS = 128
-comptime WARP = 32
-comptime WARPS = BLOCK_THREADS // WARP
-comptime DECODE_ROWS = 8
-"""Query rows of a decode block: one token times a GQA group of up to 8."""
-comptime LOG2E: Float32 = 1.4426950408889634
-comptime NEG_INF = neg_inf[DType.float32]()
+from ...cache.traits import KVCacheT
+from ...pointers import CachePtr, F32Ptr, U32Ptr
+from ..block import BlockId
+from ..rows import row_in_cache
+from .config import BLOCK_THREADS
 
 
 @fieldwise_init
-struct AttentionArgs[cache_t: KVCacheT](TrivialRegisterPassable):
-    """What every attention block reads."""
+struct AttentionArgs[cache_t: KVCacheT, q_dtype: DType](TrivialRegisterPassable):
+    """What every attention block reads: the caches (values, or 8-bit codes
+    with their scales), queries and outputs of `q_dtype`."""
 
     var k_cache: Self.cache_t
     var v_cache: Self.cache_t
-    var q: CachePtr[Self.cache_t.dtype]
-    var out: CachePtr[Self.cache_t.dtype]
+    var q: CachePtr[Self.q_dtype]
+    var out: CachePtr[Self.q_dtype]
     var row_offsets: U32Ptr
     var partials: F32Ptr
     """Split states `[splits, total_tokens, n_q_heads, head_dim + 2]`
@@ -44,6 +37,8 @@ struct AttentionArgs[cache_t: KVCacheT](TrivialRegisterPassable):
     var window: Int
     var tokens_per_tile: Int
     var splits: Int
+    var granularity: Int
+    """Elements per scale of a quantized cache (`head_dim // granules`)."""
 
     def visible_start(self, position: Int) -> Int:
         """First position the token at `position` attends to."""
@@ -103,8 +98,8 @@ struct BlockWork(TrivialRegisterPassable):
 
 
 def block_work[
-    cache_t: KVCacheT
-](args: AttentionArgs[cache_t], block: BlockId, tile_tokens: Int) -> BlockWork:
+    cache_t: KVCacheT, q_dtype: DType, //
+](args: AttentionArgs[cache_t, q_dtype], block: BlockId, tile_tokens: Int) -> BlockWork:
     """Block (x = query tile * splits + split, y = KV head, z = batch row)'s
     rows and its split's share of their context, aligned to `tile_tokens`."""
     var row = block.z
@@ -142,15 +137,15 @@ def split_state_offset(
 
 
 def row_offset[
-    cache_t: KVCacheT, D: Int
-](args: AttentionArgs[cache_t], work: BlockWork, r: Int) -> Int:
+    cache_t: KVCacheT, q_dtype: DType, //, D: Int
+](args: AttentionArgs[cache_t, q_dtype], work: BlockWork, r: Int) -> Int:
     """Where query row `r`'s `D` values start in q, and in out."""
     return (work.token(r, args.group) * args.n_q_heads + work.head(r, args.group)) * D
 
 
 def stage_queries[
-    cache_t: KVCacheT, D: Int, BM: Int
-](args: AttentionArgs[cache_t], work: BlockWork, tid: Int, dest: F32Ptr, stride: Int):
+    cache_t: KVCacheT, q_dtype: DType, //, D: Int, BM: Int
+](args: AttentionArgs[cache_t, q_dtype], work: BlockWork, tid: Int, dest: F32Ptr, stride: Int):
     """The block's `BM` query rows into `dest` (rows `stride` floats apart) as
     float32, scaled by `scale * log2(e)`; rows past the block's are zeros.
     Every thread of the block takes its share of the elements."""
@@ -161,18 +156,16 @@ def stage_queries[
         var value: Float32 = 0
         if r < rows:
             value = (
-                args.q[unsafe_offset=row_offset[cache_t, D](args, work, r) + d].cast[
-                    DType.float32
-                ]()
+                args.q[unsafe_offset=row_offset[D](args, work, r) + d].cast[DType.float32]()
                 * args.scale_log2
             )
         dest[unsafe_offset=r * stride + d] = value
 
 
 def write_row_part[
-    cache_t: KVCacheT, D: Int, W: Int
+    cache_t: KVCacheT, q_dtype: DType, //, D: Int, W: Int
 ](
-    args: AttentionArgs[cache_t],
+    args: AttentionArgs[cache_t, q_dtype],
     work: BlockWork,
     r: Int,
     d: Int,
@@ -186,9 +179,9 @@ def write_row_part[
     from the one thread whose `writes_stats`, the row's max and sum)."""
     if args.splits == 1:
         var inv: Float32 = 1 / row_sum if row_sum > 0 else 0
-        var out = args.out.unsafe_offset(row_offset[cache_t, D](args, work, r) + d)
+        var out = args.out.unsafe_offset(row_offset[D](args, work, r) + d)
         comptime for i in range(W):
-            out[unsafe_offset=i] = (acc[i] * inv).cast[cache_t.dtype]()
+            out[unsafe_offset=i] = (acc[i] * inv).cast[q_dtype]()
     else:
         var state = args.partials.unsafe_offset(
             args.state_offset(work.split, work.token(r, args.group), work.head(r, args.group), D)

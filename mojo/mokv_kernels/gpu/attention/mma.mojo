@@ -1,0 +1,421 @@
+"""Attention tiles on tensor cores, for bfloat16 caches: Q Kᵀ and P V as
+`mma.sync` m16n8k16 products with float32 accumulation (`..warp`), in two
+kernels (`MmaKernel`) that differ in what their four warps split:
+
+- prefill (`decode` False): 64 query rows (tokens times the GQA group of one
+  KV head, `work`), sixteen per warp, each warp over all keys of a tile, so
+  each K/V tile is read once for the whole group;
+- decode (`decode` True): up to 16 query rows, the same in every warp, each
+  warp over its own 16 keys of a tile with its own online softmax; at the
+  end the warps' states are combined through shared memory (a split-K of
+  the tile across warps), so K and V are still read once per group, with
+  no tensor-core work on rows that do not exist.
+
+The context is walked in tiles of `BN` = 64 keys:
+
+- copies: K and V rows of a tile go through the page table row by row, in
+  16-byte `cp.async` chunks into swizzled shared memory (`mma_tiles`); two
+  stages, the next tile's copies in flight while this one computes;
+- scores: query and K fragments from `ldmatrix` (the queries stay in
+  shared memory, read again per tile: registers go to the outputs); scores
+  are scaled by `scale * log2(e)` in float32, after the product, so the
+  queries stay exact;
+- online softmax in registers: each lane holds two rows' scores (`..warp`'s
+  C layout), the quad of four lanes sharing a row combine maxima with two
+  shuffles; sums stay per lane until the end;
+- values: the probabilities are rounded to bfloat16 in registers and are
+  the next product's A operand as they are (a C fragment pair is an A
+  fragment), V fragments from the transposed `ldmatrix`.
+
+One barrier per tile: after it, this tile's copies have landed in every
+thread and every warp is done with the previous tile, whose stage the next
+tile's copies then overwrite. Masking (causal, sliding window, the block's
+context range, padding rows) happens only on tiles where some row does not
+see every key, with two 32-bit bounds per row. Under the emulator a program
+is a whole warp (`..warp`)."""
+
+from std.math import exp2
+
+from ...pointers import BF16Ptr, F32Ptr
+from ...cache.traits import KVCacheT
+from ..block import BlockExecutor, BlockId, KernelT, ThreadProgram
+from ..copy import wait_copies
+from ..warp import FragA, FragB, Frags, ld_matrix, mma, shuffle_xor
+from .config import BLOCK_THREADS, NEG_INF, WARP, WARPS
+from .mma_tiles import BN, KEYS, VALUES, MmaTiles
+from .work import AttentionArgs, BlockWork, block_work, write_row_part
+
+# Phases of a block (`MmaThread.step`).
+comptime LOAD_Q = 0
+comptime START_FIRST = 1
+comptime WAIT_TILE = 2
+comptime COMPUTE_TILE = 3
+comptime FINISH = 4
+comptime COMBINE = 5
+
+comptime MMA_ROWS = 16
+"""Rows of an m16n8k16 product's A: one warp's query rows."""
+
+
+struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool](ThreadProgram):
+    """One thread of a block on a GPU (`lanes` 1), one warp under the
+    emulator (`lanes` 32). Shared memory: `MmaTiles`; a decode block's
+    warps leave their states over its stages at the end. Registers: the
+    warp's output accumulators `[16, D]` (C fragments), and per row the
+    running max and this lane's share of the running sum."""
+
+    comptime ROWS = MMA_ROWS if Self.decode else WARPS * MMA_ROWS
+    """Query rows of a block: the most query heads per KV head it takes."""
+    comptime WARP_KEYS = BN // WARPS if Self.decode else BN
+    """Keys of a tile one warp scores."""
+    comptime KSTEPS = Self.D // 16
+    """k-steps of a score product (16 dims each)."""
+    comptime DTILES = Self.D // 8
+    """Output n-tiles (8 dims each)."""
+    comptime NTILES = Self.WARP_KEYS // 8
+    """Score n-tiles of a warp (8 keys each)."""
+    comptime Tiles = MmaTiles[Self.cache_t, Self.D, Self.ROWS]
+    comptime STATE_FLOATS = MMA_ROWS * Self.D + 2 * MMA_ROWS
+    """A decode warp's state: outputs `[16, D]`, then each row's max and sum."""
+
+    var args: AttentionArgs[Self.cache_t, DType.bfloat16]
+    var work: BlockWork
+    var tid: Int
+    """The program's first thread."""
+    var tiles: Self.Tiles
+    var o: Frags[DType.float32, 4, Self.DTILES, Self.lanes]
+    var row_max: Frags[DType.float32, 1, 2, Self.lanes]
+    var row_sum: Frags[DType.float32, 1, 2, Self.lanes]
+
+    def __init__(
+        out self,
+        args: AttentionArgs[Self.cache_t, DType.bfloat16],
+        work: BlockWork,
+        tid: Int,
+        shared: F32Ptr,
+    ):
+        comptime assert Self.WARP_KEYS % 16 == 0, "a warp's keys are whole k-steps of P V"
+        comptime assert (
+            WARPS * Self.STATE_FLOATS * 4 <= Self.Tiles.STAGE_BYTES
+        ), "decode states fit the stages"
+        self.args = args
+        self.work = work
+        self.tid = tid
+        self.tiles = Self.Tiles.of(args, work, shared)
+        self.o = Frags[DType.float32, 4, Self.DTILES, Self.lanes](0)
+        self.row_max = Frags[DType.float32, 1, 2, Self.lanes](NEG_INF)
+        self.row_sum = Frags[DType.float32, 1, 2, Self.lanes](0)
+
+    @always_inline
+    def state(self, warp: Int) -> F32Ptr:
+        """Decode: where warp `warp` leaves its state."""
+        return self.tiles.stages().unsafe_offset(warp * Self.STATE_FLOATS)
+
+    def lane(self, l: Int) -> Int:
+        return self.tid % WARP + l
+
+    def warp(self) -> Int:
+        return self.tid // WARP
+
+    def warp_row(self) -> Int:
+        """The warp's first query row."""
+        return 0 if Self.decode else self.warp() * MMA_ROWS
+
+    def warp_key(self) -> Int:
+        """The warp's first key of a tile."""
+        return self.warp() * Self.WARP_KEYS if Self.decode else 0
+
+    @always_inline
+    def step(mut self, phase: Int, arg: Int):
+        if phase == LOAD_Q:
+            self.tiles.load_queries[Self.lanes](self.args, self.work, self.tid)
+            self.tiles.locate_rows[Self.lanes](self.args, self.work, self.tid, arg)
+        elif phase == START_FIRST:
+            self.tiles.start_tile[Self.lanes](self.tid, arg)
+        elif phase == WAIT_TILE:
+            if arg + BN < self.work.kv_end:
+                self.tiles.locate_rows[Self.lanes](self.args, self.work, self.tid, arg + BN)
+            wait_copies[0]()
+        elif phase == COMPUTE_TILE:
+            if arg + BN < self.work.kv_end:
+                self.tiles.start_tile[Self.lanes](self.tid, arg + BN)
+            self.compute_tile(arg)
+        elif phase == FINISH:
+            comptime if Self.decode:
+                self.save_state()
+            else:
+                self.write_rows()
+        else:
+            self.combine()
+
+    @always_inline
+    def tile_fully_visible(self, kv_start: Int) -> Bool:
+        """Whether every query row of the block sees every key of the tile
+        at `kv_start` (then nothing needs masking)."""
+        var last_key = kv_start + BN - 1
+        var rows = self.work.rows(self.args.group)
+        var last_position = self.work.position(rows - 1, self.args.group)
+        return (
+            last_key < self.work.kv_end
+            and last_key <= self.work.first_position
+            and kv_start >= self.args.visible_start(last_position)
+        )
+
+    @always_inline
+    def visible_keys(self, kv_start: Int, l: Int, h: Int) -> SIMD[DType.int32, 2]:
+        """The keys of the tile at `kv_start` that lane `l`'s row `h` sees,
+        as offsets from the lane's first column (`8 n + e` is the lane's
+        value e of score n-tile n): first and last, or an empty range for a
+        padding row."""
+        var lane = self.lane(l)
+        var r = self.warp_row() + lane // 4 + 8 * h
+        if r >= self.work.rows(self.args.group):
+            return SIMD[DType.int32, 2](1, 0)
+        var position = self.work.position(r, self.args.group)
+        var column = kv_start + self.warp_key() + 2 * (lane % 4)
+        return SIMD[DType.int32, 2](
+            Int32(max(self.args.visible_start(position) - column, -1)),
+            Int32(min(position, self.work.kv_end - 1) - column),
+        )
+
+    @always_inline
+    def scores(self, kv_start: Int) -> Frags[DType.float32, 4, Self.NTILES, Self.lanes]:
+        """The warp's 16 rows' base-2 logits against its keys of the tile,
+        -inf where masked."""
+        var keys = self.tiles.tile(kv_start, KEYS)
+        var queries = self.tiles.queries()
+        var s = Frags[DType.float32, 4, Self.NTILES, Self.lanes](0)
+        comptime for k in range(Self.KSTEPS):
+            var rows = Array[BF16Ptr, Self.lanes](fill=queries)
+            for l in range(Self.lanes):
+                var lane = self.lane(l)
+                rows[l] = queries.unsafe_offset(
+                    Self.Tiles.swizzled(self.warp_row() + lane % 16, 2 * k + lane // 16)
+                )
+            var a = ld_matrix[4, False, Self.lanes](rows)
+            comptime for n2 in range(Self.NTILES // 2):
+                for l in range(Self.lanes):
+                    var lane = self.lane(l)
+                    var key = self.warp_key() + n2 * 16 + lane // 16 * 8 + lane % 8
+                    rows[l] = keys.unsafe_offset(Self.Tiles.swizzled(key, 2 * k + lane // 8 % 2))
+                var b = ld_matrix[4, False, Self.lanes](rows)
+                var b0 = Array[FragB, Self.lanes](fill=0)
+                var b1 = Array[FragB, Self.lanes](fill=0)
+                for l in range(Self.lanes):
+                    b0[l] = b[l].slice[4, offset=0]()
+                    b1[l] = b[l].slice[4, offset=4]()
+                s.set(2 * n2, mma[Self.lanes](a, b0, s.get(2 * n2)))
+                s.set(2 * n2 + 1, mma[Self.lanes](a, b1, s.get(2 * n2 + 1)))
+        var masked = not self.tile_fully_visible(kv_start)
+        for l in range(Self.lanes):
+            comptime for h in range(2):
+                var visible = self.visible_keys(kv_start, l, h)
+                comptime for n in range(Self.NTILES):
+                    var c = s[n, l]
+                    comptime for e in range(2):
+                        var x = c[2 * h + e] * self.args.scale_log2
+                        comptime local = Int32(n * 8 + e)
+                        if masked and (local < visible[0] or local > visible[1]):
+                            x = NEG_INF
+                        c[2 * h + e] = x
+                    s[n, l] = c
+        return s^
+
+    @always_inline
+    def quad_combine[
+        is_max: Bool
+    ](self, var values: Array[Float32, Self.lanes]) -> Array[Float32, Self.lanes]:
+        """`values` combined (max, or sum) over each quad of lanes that
+        share a row."""
+        comptime for i in range(2):
+            var other = shuffle_xor[Self.lanes](values, 1 << i)
+            for l in range(Self.lanes):
+                comptime if is_max:
+                    values[l] = max(values[l], other[l])
+                else:
+                    values[l] += other[l]
+        return values^
+
+    @always_inline
+    def compute_tile(mut self, kv_start: Int):
+        """Scores, the online softmax and the values of the warp's keys."""
+        var s = self.scores(kv_start)
+        comptime for h in range(2):
+            var best = Array[Float32, Self.lanes](fill=NEG_INF)
+            for l in range(Self.lanes):
+                comptime for n in range(Self.NTILES):
+                    best[l] = max(best[l], max(s[n, l][2 * h], s[n, l][2 * h + 1]))
+            best = self.quad_combine[True](best^)
+            for l in range(Self.lanes):
+                var new_max = max(self.row_max[h, l][0], best[l])
+                var base = new_max if new_max != NEG_INF else 0
+                var alpha = exp2(self.row_max[h, l][0] - base)
+                var total: Float32 = 0
+                comptime for n in range(Self.NTILES):
+                    var c = s[n, l]
+                    comptime for e in range(2):
+                        var p = exp2(c[2 * h + e] - base)
+                        c[2 * h + e] = p
+                        total += p
+                    s[n, l] = c
+                self.row_max[h, l] = new_max
+                self.row_sum[h, l] = self.row_sum[h, l] * alpha + total
+                comptime for n in range(Self.DTILES):
+                    var acc = self.o[n, l]
+                    acc[2 * h] *= alpha
+                    acc[2 * h + 1] *= alpha
+                    self.o[n, l] = acc
+        var values = self.tiles.tile(kv_start, VALUES)
+        comptime for j in range(Self.WARP_KEYS // 16):
+            var a = Array[FragA, Self.lanes](fill=0)
+            for l in range(Self.lanes):
+                a[l] = (
+                    s[2 * j, l].cast[DType.bfloat16]().join(s[2 * j + 1, l].cast[DType.bfloat16]())
+                )
+            comptime for n2 in range(Self.DTILES // 2):
+                var rows = Array[BF16Ptr, Self.lanes](fill=values)
+                for l in range(Self.lanes):
+                    var lane = self.lane(l)
+                    var key = self.warp_key() + 16 * j + lane // 8 % 2 * 8 + lane % 8
+                    rows[l] = values.unsafe_offset(Self.Tiles.swizzled(key, 2 * n2 + lane // 16))
+                var b = ld_matrix[4, True, Self.lanes](rows)
+                var b0 = Array[FragB, Self.lanes](fill=0)
+                var b1 = Array[FragB, Self.lanes](fill=0)
+                for l in range(Self.lanes):
+                    b0[l] = b[l].slice[4, offset=0]()
+                    b1[l] = b[l].slice[4, offset=4]()
+                self.o.set(2 * n2, mma[Self.lanes](a, b0, self.o.get(2 * n2)))
+                self.o.set(2 * n2 + 1, mma[Self.lanes](a, b1, self.o.get(2 * n2 + 1)))
+
+    @always_inline
+    def row_sums(self, h: Int) -> Array[Float32, Self.lanes]:
+        """Each lane's row `h` running sum, over the quad."""
+        var sums = Array[Float32, Self.lanes](fill=0)
+        for l in range(Self.lanes):
+            sums[l] = self.row_sum[h, l][0]
+        return self.quad_combine[False](sums^)
+
+    @always_inline
+    def write_rows(self):
+        """Prefill: normalised outputs, or this split's state for the merge:
+        each lane writes two dims of each of its two rows per n-tile."""
+        var rows = self.work.rows(self.args.group)
+        comptime for h in range(2):
+            var sums = self.row_sums(h)
+            for l in range(Self.lanes):
+                var lane = self.lane(l)
+                var r = self.warp_row() + lane // 4 + 8 * h
+                if r < rows:
+                    comptime for n in range(Self.DTILES):
+                        var acc = self.o[n, l]
+                        write_row_part[Self.D, 2](
+                            self.args,
+                            self.work,
+                            r,
+                            n * 8 + 2 * (lane % 4),
+                            SIMD[DType.float32, 2](acc[2 * h], acc[2 * h + 1]),
+                            self.row_max[h, l][0],
+                            sums[l],
+                            n == 0 and lane % 4 == 0,
+                        )
+
+    @always_inline
+    def save_state(self):
+        """Decode: the warp's outputs, maxima and sums into shared memory."""
+        var state = self.state(self.warp())
+        comptime for h in range(2):
+            var sums = self.row_sums(h)
+            for l in range(Self.lanes):
+                var lane = self.lane(l)
+                var r = lane // 4 + 8 * h
+                comptime for n in range(Self.DTILES):
+                    var acc = self.o[n, l]
+                    state.unsafe_store(
+                        r * Self.D + n * 8 + 2 * (lane % 4),
+                        SIMD[DType.float32, 2](acc[2 * h], acc[2 * h + 1]),
+                    )
+                if lane % 4 == 0:
+                    state[unsafe_offset=MMA_ROWS * Self.D + r] = self.row_max[h, l][0]
+                    state[unsafe_offset=MMA_ROWS * Self.D + MMA_ROWS + r] = sums[l]
+
+    @always_inline
+    def combine(self):
+        """Decode: every thread combines the warps' states of a few groups
+        of 4 dims of a row, each warp's rescaled from its max to the common
+        one, and writes them (normalised, or the split's state)."""
+        comptime QUADS = Self.D // 4
+        var rows = self.work.rows(self.args.group)
+        for l in range(Self.lanes):
+            for u in range(self.tid + l, MMA_ROWS * QUADS, BLOCK_THREADS):
+                var r = u // QUADS
+                var d = u % QUADS * 4
+                if r >= rows:
+                    continue
+                var best = NEG_INF
+                comptime for w in range(WARPS):
+                    best = max(best, self.state(w)[unsafe_offset=MMA_ROWS * Self.D + r])
+                var acc = SIMD[DType.float32, 4](0)
+                var total: Float32 = 0
+                comptime for w in range(WARPS):
+                    var state = self.state(w)
+                    var own = state[unsafe_offset=MMA_ROWS * Self.D + r]
+                    if own != NEG_INF:
+                        var weight = exp2(own - best)
+                        acc += weight * state.unsafe_load[width=4](r * Self.D + d)
+                        total += weight * state[unsafe_offset=MMA_ROWS * Self.D + MMA_ROWS + r]
+                write_row_part[Self.D, 4](self.args, self.work, r, d, acc, best, total, d == 0)
+
+
+@fieldwise_init
+struct MmaKernel[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool](KernelT):
+    """Grid (query tiles * splits, KV heads, batch rows) of tensor-core
+    prefill or decode blocks."""
+
+    comptime Program = MmaThread[Self.cache_t, Self.D, Self.lanes, Self.decode]
+    comptime THREADS = BLOCK_THREADS
+    comptime MIN_BLOCKS = 3 if Self.decode else 2
+    """Blocks per multiprocessor the registers are sized for (a decode warp
+    holds a quarter of a prefill warp's scores). Raise them only where
+    `tools/check_gpu_build.sh --registers` shows no spills."""
+    comptime LANES = Self.lanes
+    comptime NAME = "decode_mma" if Self.decode else "prefill_mma"
+    comptime HEAD_DIM = Self.D
+    comptime ELEMENT_BITS = 16
+    comptime SHARED_BYTES = Self.Program.Tiles.SHARED_BYTES
+    comptime TENSOR_CORES = True
+
+    var args: AttentionArgs[Self.cache_t, DType.bfloat16]
+    var query_tiles: Int
+
+    def grid(self) -> BlockId:
+        return BlockId(
+            self.query_tiles * self.args.splits,
+            self.args.k_cache.num_heads(),
+            self.args.k_cache.batch_size(),
+        )
+
+    @always_inline
+    def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:
+        return Self.Program(self.args, block_work(self.args, block, BN), tid, shared)
+
+    @always_inline
+    def schedule[E: BlockExecutor](self, mut threads: E, block: BlockId):
+        var work = block_work(self.args, block, BN)
+        if work.empty():
+            return
+        threads.each(LOAD_Q, work.kv_start)
+        threads.sync()
+        threads.each(START_FIRST, work.kv_start)
+        var kv = work.kv_start
+        while kv < work.kv_end:
+            threads.each(WAIT_TILE, kv)
+            threads.sync()
+            threads.each(COMPUTE_TILE, kv)
+            kv += BN
+        comptime if Self.decode:
+            threads.sync()
+            threads.each(FINISH, 0)
+            threads.sync()
+            threads.each(COMBINE, 0)
+        else:
+            threads.each(FINISH, 0)

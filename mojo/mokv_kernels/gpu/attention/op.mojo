@@ -1,0 +1,170 @@
+"""`mokv.attention` on a GPU: the host checks shapes and heads, plans the
+grid from the batch summary (`plan`), and launches a decode or a prefill
+kernel (on tensor cores for bfloat16 where the device has them, `mma`), then
+the split-K merge when the context was split."""
+
+from extensibility import InputTensor, OutputTensor
+
+from ...bind import check_layer
+from ...cache.batch_summary import BatchSummary
+from ...cache.traits import KVCacheT, KVCollectionT
+from ...kv_quantization import is_quantized
+from ..block import Launcher
+from .config import LOG2E, QUANTIZED_CHUNK
+from .decode import DecodeKernel
+from .merge import MergeArgs, MergeKernel
+from .plan import BatchBounds, plan_attention
+from .prefill import AttentionKernel
+from .mma import MmaKernel
+from .work import AttentionArgs
+
+
+def _prefill_rows(head_dim: Int) -> Int:
+    """Query rows of a CUDA-core prefill block: 64, 32 from head_dim 128, 16
+    from 256, so that its float32 tiles stay within an AMD workgroup's 64 KB
+    of shared memory. The most query heads per KV head the op takes."""
+    return 64 if head_dim <= 64 else (32 if head_dim <= 128 else 16)
+
+
+def _on_tensor_cores[cache_t: KVCacheT, q_dtype: DType, D: Int]() -> Bool:
+    """Whether a cache's tiles can go to tensor cores (`mma`): bfloat16
+    values and queries, head_dim up to 128."""
+    return cache_t.dtype == DType.bfloat16 and q_dtype == DType.bfloat16 and D <= 128
+
+
+def _run[
+    cache_t: KVCacheT, q_dtype: DType, //, D: Int, L: Launcher
+](mut launcher: L, var args: AttentionArgs[cache_t, q_dtype], bounds: BatchBounds) raises:
+    """Plans the batch for the kernels this launcher runs, then launches
+    them: decode or prefill, then the merge when the context is split."""
+    comptime MmaPrefill = MmaKernel[cache_t, D, L.LANES, False]
+    comptime MmaDecode = MmaKernel[cache_t, D, L.LANES, True]
+    comptime Decode = DecodeKernel[cache_t, q_dtype, D]
+    comptime Prefill = AttentionKernel[
+        cache_t, q_dtype, D, _prefill_rows(D), 32 if D <= 128 else 16, 4 if D <= 128 else 2
+    ]
+    var mma = False
+    comptime if _on_tensor_cores[cache_t, q_dtype, D]():
+        mma = launcher.tensor_cores()
+    var plan = plan_attention(
+        args.k_cache.batch_size(),
+        args.k_cache.num_heads(),
+        args.group,
+        MmaPrefill.Program.ROWS if mma else _prefill_rows(D),
+        bounds,
+        launcher.multiprocessors(),
+        MmaDecode.MIN_BLOCKS if mma else Decode.MIN_BLOCKS,
+        MmaPrefill.MIN_BLOCKS if mma else Prefill.MIN_BLOCKS,
+    )
+    args.tokens_per_tile = plan.tokens_per_tile
+    args.splits = plan.splits
+    if plan.splits > 1:
+        args.partials = launcher.scratch(plan.splits * args.total_tokens * args.n_q_heads * (D + 2))
+    comptime if _on_tensor_cores[cache_t, q_dtype, D]():
+        var bf16_args = rebind[AttentionArgs[cache_t, DType.bfloat16]](args)
+        if mma and plan.decode:
+            launcher.launch(MmaDecode(bf16_args, plan.query_tiles))
+        elif mma:
+            launcher.launch(MmaPrefill(bf16_args, plan.query_tiles))
+    if not mma and plan.decode:
+        launcher.launch(Decode(args, plan.query_tiles))
+    elif not mma:
+        launcher.launch(Prefill(args, plan.query_tiles))
+    if plan.splits > 1:
+        launcher.launch(
+            MergeKernel[q_dtype, D](
+                MergeArgs[q_dtype](
+                    args.partials,
+                    args.out,
+                    args.total_tokens,
+                    args.n_q_heads,
+                    plan.splits,
+                )
+            )
+        )
+
+
+def attention_gpu[
+    collection_t: KVCollectionT, L: Launcher, q_dtype: DType
+](
+    mut launcher: L,
+    collection: collection_t,
+    output: OutputTensor[dtype=q_dtype, rank=3, ...],
+    q: InputTensor[dtype=q_dtype, rank=3, ...],
+    row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+    layer_idx: UInt32,
+    scale: Float32,
+    sliding_window: UInt32,
+    summary: BatchSummary,
+) raises:
+    """`mokv.attention` on a GPU, over a cache of `q_dtype` values or of
+    8-bit codes with their scales (read with float32 or bfloat16 queries).
+    The host checks shapes, heads and the quantization granularity; the grid
+    comes from the batch summary (see the package docstring)."""
+    comptime cache_t = collection_t.CacheType
+    comptime assert (
+        q_dtype == cache_t.dtype or is_quantized[cache_t.dtype]()
+    ), "queries of an unquantized cache have its dtype"
+    var layer = Int(layer_idx)
+    check_layer(layer, collection.num_layers())
+    var k_cache = collection.get_cache(layer, 0)
+    var batch = k_cache.batch_size()
+    var n_kv = k_cache.num_heads()
+    var d = k_cache.head_dim()
+    var tokens = q.dim_size(0)
+    var n_q = q.dim_size(1)
+    if q.dim_size(2) != d:
+        raise Error(t"q has head_dim {q.dim_size(2)} but the cache rows have {d}")
+    if n_q == 0 or n_q % n_kv != 0:
+        raise Error(t"q has {n_q} heads, not a positive multiple of the cache's {n_kv} KV heads")
+    if output.dim_size(0) != tokens or output.dim_size(1) != n_q or output.dim_size(2) != d:
+        raise Error(
+            t"the output has shape [{output.dim_size(0)}, {output.dim_size(1)},"
+            t" {output.dim_size(2)}], expected q's [{tokens}, {n_q}, {d}]"
+        )
+    if row_offsets.dim_size(0) != batch + 1:
+        raise Error(
+            t"input_row_offsets has {row_offsets.dim_size(0)} entries but the"
+            t" cache describes {batch} rows (expected {batch + 1})"
+        )
+    var group = n_q // n_kv
+    if group > _prefill_rows(d):
+        raise Error(
+            t"{group} query heads per KV head: the GPU kernel takes at most {_prefill_rows(d)}"
+        )
+    var granularity = 0
+    comptime if is_quantized[cache_t.dtype]():
+        var granules = k_cache.scales().granules
+        granularity = d // granules
+        if granules <= 0 or d % granules != 0 or granularity % QUANTIZED_CHUNK != 0:
+            raise Error(
+                t"head_dim {d} in {granules} scales: the GPU kernels take granules of a"
+                t" multiple of {QUANTIZED_CHUNK} elements"
+            )
+    if tokens == 0 or batch == 0:
+        return
+    var bounds = BatchBounds.of(summary, tokens, k_cache.max_tokens())
+    var args = AttentionArgs[cache_t, q_dtype](
+        k_cache,
+        collection.get_cache(layer, 1),
+        q.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        row_offsets.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[Float32](),
+        tokens,
+        n_q,
+        group,
+        scale * LOG2E,
+        Int(sliding_window),
+        1,
+        1,
+        granularity,
+    )
+    if d == 64:
+        _run[64](launcher, args, bounds)
+    elif d == 128:
+        _run[128](launcher, args, bounds)
+    elif d == 256:
+        _run[256](launcher, args, bounds)
+    else:
+        raise Error(t"head_dim {d}: the GPU attention kernel takes 64, 128 or 256")

@@ -1,0 +1,188 @@
+"""The GPU kernels of an 8-bit KV cache (`float8_e4m3fn` and `int8` codes with
+float32 scales), run under the CPU emulator against the numpy model of the
+CPU suite (`tests.support.kv_quantization_cases`, `mokv_reference.quant`), with
+the same bounds: the store writes each granule's exact scale and the nearest
+codes (requantizing a scale block's earlier tokens when its scale grows),
+gathers return the codes as stored or dequantized, and attention over the
+codes equals float64 attention over their numpy dequantization, with float32
+or bfloat16 queries."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from max.dtype import DType
+
+from mokv_reference import bfloat16
+from mokv_reference import quant as ref
+from mokv_reference.attention import attention as reference_attention
+from tests.support import kv_quantization_cases as cpu
+from tests.support.emulation import Emulator, cache_meta, float32_bits
+
+H100_MULTIPROCESSORS = 132
+
+
+def _rows(values: np.ndarray, dtype: DType) -> np.ndarray:
+    return bfloat16.to_bits(values) if dtype == DType.bfloat16 else np.ascontiguousarray(values, np.float32)
+
+
+def _values(raw: bytes, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
+    if dtype == DType.bfloat16:
+        return bfloat16.from_bits(np.frombuffer(raw, np.uint16)).reshape(shape)
+    return np.frombuffer(raw, np.float32).reshape(shape)
+
+
+def emulate(
+    emulator: Emulator,
+    op: str,
+    cache: cpu.Cache,
+    dtype: DType,
+    layer: int,
+    arrays: dict[str, np.ndarray],
+    output: str,
+    multiprocessors: int = 1,
+    **meta: object,
+) -> bytes:
+    """Runs `op` on `cache` (paged); `dtype` is the rows' and queries'."""
+    header = cache_meta(op, "paged", dtype.name, cache.codes, layer, multiprocessors) | {
+        "format": cache.fmt,
+        "granules": cache.scales.shape[-1],
+        "tokens_per_scale": cache.tokens_per_scale,
+    }
+    codes = cache.codes.view(np.uint8 if cache.fmt == "float8_e4m3fn" else np.int8)
+    base = {"blocks": codes, "scales": cache.scales, "lookup_table": cache.lookup_table}
+    return emulator.run(header | meta, base | arrays, output)
+
+
+def store(emulator, cache, dtype, layer, keys, values, cache_lengths, offsets) -> None:
+    """The emulated store, its codes and scales written back into `cache`."""
+    arrays = {
+        "cache_lengths": cache_lengths,
+        "keys": _rows(keys, dtype),
+        "values": _rows(values, dtype),
+        "row_offsets": offsets,
+    }
+    codes = emulate(emulator, "store", cache, dtype, layer, arrays, "blocks_out", tokens=len(keys))
+    cache.codes[...] = np.frombuffer(codes, cache.codes.dtype).reshape(cache.codes.shape)
+    scales = (emulator.workdir / f"call{emulator.calls}" / "scales_out.bin").read_bytes()
+    cache.scales[...] = np.frombuffer(scales, np.float32).reshape(cache.scales.shape)
+
+
+def gather(emulator, cache, dtype, layer, cache_lengths, rows, positions) -> tuple[np.ndarray, ...]:
+    """(dequantized keys, key codes, key scales) of the requested rows."""
+    arrays = {"cache_lengths": cache_lengths, "batch_rows": rows, "positions": positions}
+    shape = (len(rows), *cache.codes.shape[4:])
+    deq = _values(emulate(emulator, "gather", cache, dtype, layer, arrays, "out", kv_idx=0), dtype, shape)
+    codes = emulate(emulator, "gather_codes", cache, dtype, layer, arrays, "out", kv_idx=0)
+    scales = (emulator.workdir / f"call{emulator.calls}" / "scales_out.bin").read_bytes()
+    return (
+        deq,
+        np.frombuffer(codes, cache.codes.dtype).reshape(shape),
+        np.frombuffer(scales, np.float32).reshape(len(rows), shape[1], -1),
+    )
+
+
+@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16], ids=lambda d: d.name)
+@pytest.mark.parametrize("granules", [1, 2])
+@pytest.mark.parametrize("fmt", cpu.FORMATS)
+def test_store_quantizes_each_granule_to_its_nearest_codes(fmt, granules, dtype, emulator):
+    """Per-token scales: a ragged batch of new rows, at arbitrary positions of
+    reused pages, comes back as the nearest codes under the exact scale."""
+    rng = np.random.default_rng(granules)
+    heads, d, page = 3, 64, 16
+    cache = cpu.empty_cache(rng, fmt, 3, 4, page, heads, d, granules, 1)
+    cache_lengths = np.array([0, 17, 40], np.uint32)
+    new = np.array([20, 1, 9])
+    offsets = np.concatenate([[0], np.cumsum(new)]).astype(np.uint32)
+    keys = (rng.standard_normal((new.sum(), heads, d)) * rng.uniform(0.01, 100, (new.sum(), 1, 1))).astype(np.float32)
+    if dtype == DType.bfloat16:
+        keys = bfloat16.from_bits(bfloat16.to_bits(keys))
+    values = rng.standard_normal(keys.shape).astype(np.float32)
+    store(emulator, cache, dtype, 1, keys, values, cache_lengths, offsets)
+
+    rows = np.repeat(np.arange(3), new).astype(np.uint32)
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cache_lengths, new, strict=True)]).astype(np.uint32)
+    deq, codes, scales = gather(emulator, cache, dtype, 1, cache_lengths + new.astype(np.uint32), rows, positions)
+    np.testing.assert_allclose(scales, ref.granule_scales(keys, d // granules, fmt), rtol=1e-6)
+    cpu.assert_nearest_codes(keys, codes, scales, fmt)
+    expected = ref.dequantize(codes, scales, fmt)
+    if dtype == DType.bfloat16:
+        expected = bfloat16.from_bits(bfloat16.to_bits(expected.astype(np.float32)))
+    np.testing.assert_allclose(deq, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", cpu.FORMATS)
+def test_store_saturates_and_maps_nan_to_zero(fmt, emulator):
+    rng = np.random.default_rng(0)
+    cache = cpu.empty_cache(rng, fmt, 1, 1, 16, 1, 16, 1, 1)
+    keys = np.ones((3, 1, 16), np.float32)
+    keys[0, 0, :4] = [np.inf, -np.inf, np.nan, 2.0]
+    keys[1] = np.nan  # nothing finite: scale 0, every code 0
+    keys[2, 0, 0] = 1e30
+    zero = np.zeros(1, np.uint32)
+    store(emulator, cache, DType.float32, 0, keys, keys, zero, np.array([0, 3], np.uint32))
+    positions = np.arange(3, dtype=np.uint32)
+    deq, codes, scales = gather(emulator, cache, DType.float32, 0, np.array([3], np.uint32), zero.repeat(3), positions)
+    limit = ref.CODE_MAX[fmt]
+    np.testing.assert_allclose(scales[:, 0, 0], [2.0 / limit, 0.0, 1e30 / limit], rtol=1e-6)
+    np.testing.assert_array_equal(ref.decode(codes[0, 0, :4], fmt), [limit, -limit, 0, limit])
+    assert (ref.decode(codes[1], fmt) == 0).all() and (deq[1] == 0).all()
+
+
+@pytest.mark.parametrize("fmt", cpu.FORMATS)
+def test_growing_scale_block_requantizes_the_tokens_it_holds(fmt, emulator):
+    """Scales per block of 4 tokens, filled one decode token at a time with
+    magnitudes growing 4x per token: each token's error stays within half a
+    code step under every scale it was rounded with (the CPU suite's bound)."""
+    rng = np.random.default_rng(1)
+    heads, d, page, per_block = 2, 32, 8, 4
+    cache = cpu.empty_cache(rng, fmt, 1, 2, page, heads, d, 1, per_block)
+    growth = 4.0 ** np.arange(10)
+    tokens = (rng.standard_normal((10, heads, d)) * growth[:, None, None]).astype(np.float32)
+    for t in range(10):
+        one = tokens[t : t + 1]
+        store(emulator, cache, DType.float32, 0, one, one, np.array([t], np.uint32), np.array([0, 1], np.uint32))
+    positions = np.arange(10, dtype=np.uint32)
+    deq, _, scales = gather(emulator, cache, DType.float32, 0, np.array([10], np.uint32), 0 * positions, positions)
+    limit = ref.CODE_MAX[fmt]
+    for t in range(10):
+        block_start = t - t % per_block
+        block_end = min(block_start + per_block, 10)
+        np.testing.assert_allclose(
+            scales[t, :, 0], np.abs(tokens[block_start:block_end]).max(axis=(0, 2)) / limit, rtol=1e-6
+        )
+        history = [np.abs(tokens[block_start : u + 1]).max(axis=(0, 2)) / limit for u in range(t, block_end)]
+        allowed = sum(ref.code_step(tokens[t] / s[:, None], fmt) * s[:, None] / 2 for s in history)
+        assert (np.abs(deq[t] - tokens[t]) <= allowed * 1.01 + 1e-6).all(), f"token {t}"
+
+
+@pytest.mark.parametrize("multiprocessors", [1, H100_MULTIPROCESSORS], ids=["unsplit", "split"])
+@pytest.mark.parametrize("case", cpu.ATTENTION_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_attention_reads_codes_with_their_scales(case, multiprocessors, emulator):
+    """Decode and prefill rows over a quantized cache (the CPU suite's cases)
+    equal float64 attention over the numpy dequantization of the same cache;
+    decode-only on the large device, so the decode kernel and its splits run
+    too."""
+    fmt, q_dtype, group, d, page, granules, per_block = case
+    rng = np.random.default_rng(d + page + granules)
+    rows = cpu.ROWS if multiprocessors == 1 else [(c, 1) for c, _ in cpu.ROWS]
+    cache, cached, offsets, q, summary = cpu.quantized_batch(
+        rng, fmt, rows, 2, group, d, page, granules, per_block, q_dtype
+    )
+    scale = 1 / math.sqrt(d)
+    arrays = {"cache_lengths": cached, "q": _rows(q, q_dtype), "row_offsets": offsets}
+    meta = {
+        "tokens": len(q),
+        "n_q_heads": q.shape[1],
+        "scale_bits": float32_bits(scale),
+        "window": 0,
+        "max_new_tokens": int(summary[0, 0]),
+        "max_context": int(summary[0, 1]),
+    }
+    raw = emulate(emulator, "attention", cache, q_dtype, 1, arrays, "out", multiprocessors, **meta)
+    out = _values(raw, q_dtype, q.shape)
+    expected = reference_attention(cache.dequantized(), 1, q, offsets, cached, cache.lookup_table, scale)
+    atol, rtol = (2e-5, 2e-5) if q_dtype == DType.float32 else (1e-3, 8e-3)
+    np.testing.assert_allclose(out, expected, atol=atol, rtol=rtol)

@@ -1,0 +1,105 @@
+"""The quantized cache's ops (`float8_e4m3fn` and `int8` codes with float32
+scales) in graphs on a GPU, against the CPU suite's numpy model
+(`tests.support.kv_quantization_cases`): the store's scales and nearest codes,
+both gathers, and attention over the codes with float32 and bfloat16 queries
+against float64 attention over their numpy dequantization."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from max.driver import Buffer, Device
+from max.dtype import DType
+from max.engine import InferenceSession
+from max.graph import DeviceRef
+
+from mokv_reference import bfloat16
+from mokv_reference import quant as ref
+from mokv_reference.attention import attention as reference_attention
+from tests.support import kv_quantization_cases as cpu
+from tests.support.compile_once import compiled_per_key
+from tests.support.gpu import needs_gpu
+from tests.support.quantized_graphs import GRAPH_DTYPE, build_attention, build_store_gather
+
+pytestmark = needs_gpu("the quantized cache's store, gathers and attention against the numpy model")
+
+
+@pytest.fixture(scope="session")
+def gpu_quantized(gpu_session: InferenceSession, gpu_ref: DeviceRef, kernels):
+    """`get(kind, graph dtype, model dtype)`: the store/gather or attention graph on the GPU."""
+
+    def build(kind: str, graph_dtype: DType, dtype: DType):
+        if kind == "store":
+            return build_store_gather(graph_dtype, dtype, kernels, gpu_ref)
+        return build_attention(graph_dtype, dtype, kernels, device=gpu_ref)
+
+    return compiled_per_key(gpu_session, build)
+
+
+def _on(array: np.ndarray, gpu: Device, dtype: DType = DType.float32) -> Buffer:
+    return cpu.rows_buffer(array, dtype).to(gpu) if array.dtype.kind == "f" else Buffer.from_numpy(array).to(gpu)
+
+
+@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16], ids=lambda d: d.name)
+@pytest.mark.parametrize("fmt", cpu.FORMATS)
+def test_store_and_gathers_match_the_numpy_model(fmt, dtype, gpu_quantized, gpu: Device):
+    rng = np.random.default_rng(4)
+    heads, d, page, granules = 3, 64, 16, 2
+    cache = cpu.empty_cache(rng, fmt, 3, 4, page, heads, d, granules, 1)
+    cache_lengths = np.array([0, 17, 40], np.uint32)
+    new = np.array([20, 1, 9])
+    offsets = np.concatenate([[0], np.cumsum(new)]).astype(np.uint32)
+    keys = (rng.standard_normal((new.sum(), heads, d)) * rng.uniform(0.01, 100, (new.sum(), 1, 1))).astype(np.float32)
+    values = rng.standard_normal(keys.shape).astype(np.float32)
+    if dtype == DType.bfloat16:
+        keys = bfloat16.from_bits(bfloat16.to_bits(keys))
+    rows = np.repeat(np.arange(3), new).astype(np.uint32)
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cache_lengths, new, strict=True)]).astype(np.uint32)
+    blocks, scales = (buffer.to(gpu) for buffer in cache.buffers())
+    deq, codes, row_scales = gpu_quantized("store", GRAPH_DTYPE[fmt], dtype).execute(
+        blocks,
+        scales,
+        _on(cache_lengths, gpu),
+        _on(cache.lookup_table, gpu),
+        _on(keys, gpu, dtype),
+        _on(values, gpu, dtype),
+        _on(offsets, gpu),
+        cpu.u32(1),
+        _on(rows, gpu),
+        _on(positions, gpu),
+    )
+    row_scales = row_scales.to_numpy()
+    codes = codes.to_numpy().view(cache.codes.dtype)
+    np.testing.assert_allclose(row_scales, ref.granule_scales(keys, d // granules, fmt), rtol=1e-6)
+    cpu.assert_nearest_codes(keys, codes, row_scales, fmt)
+    np.testing.assert_allclose(
+        cpu.to_numpy(deq, dtype), ref.dequantize(codes, row_scales, fmt), rtol=1e-6 if dtype == DType.float32 else 8e-3
+    )
+
+
+@pytest.mark.parametrize("case", cpu.ATTENTION_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_attention_reads_codes_with_their_scales(case, gpu_quantized, gpu: Device):
+    fmt, q_dtype, group, d, page, granules, per_block = case
+    rng = np.random.default_rng(d + page + granules)
+    cache, cached, offsets, q, summary = cpu.quantized_batch(
+        rng, fmt, cpu.ROWS, 2, group, d, page, granules, per_block, q_dtype
+    )
+    scale = 1 / math.sqrt(d)
+    blocks, scales = (buffer.to(gpu) for buffer in cache.buffers())
+    (out,) = gpu_quantized("attention", GRAPH_DTYPE[fmt], q_dtype).execute(
+        blocks,
+        scales,
+        _on(cached, gpu),
+        _on(cache.lookup_table, gpu),
+        Buffer.from_numpy(summary),
+        _on(q, gpu, q_dtype),
+        _on(offsets, gpu),
+        cpu.u32(1),
+        Buffer.from_numpy(np.array(scale, np.float32)),
+        cpu.u32(0),
+    )
+    expected = reference_attention(cache.dequantized(), 1, q, offsets, cached, cache.lookup_table, scale)
+    atol, rtol = (2e-5, 2e-5) if q_dtype == DType.float32 else (1e-3, 8e-3)
+    np.testing.assert_allclose(cpu.to_numpy(out, q_dtype), expected, atol=atol, rtol=rtol)

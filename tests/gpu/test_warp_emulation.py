@@ -1,0 +1,103 @@
+"""The emulated warp-collective steps of `mokv_kernels.gpu.warp` against numpy,
+on random registers (no GPU needed).
+
+The tensor-core kernels run under the emulator only as correctly as these
+steps follow the hardware's documented fragment layouts, and a kernel that is
+consistent with a wrong layout would pass its own emulated tests and fail on
+a GPU. So the layouts here are written afresh from the PTX ISA's tables, in
+the direction they are documented (which elements lane l holds), where the
+emulator works the other way (which lane holds an element); random distinct
+values make any lane or register mix-up show.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mokv_reference import bfloat16
+from tests.support.emulation import Emulator
+
+LANES = 32
+
+
+def a_fragments(a: np.ndarray) -> np.ndarray:
+    """m16n8k16 A `[16, 16]` as each lane's 8 values (PTX: a0..a7)."""
+    out = np.empty((LANES, 8), a.dtype)
+    for lane in range(LANES):
+        g, t = divmod(lane, 4)
+        c = 2 * t
+        rows, cols = [g, g, g + 8, g + 8], [c, c + 1, c, c + 1]  # a0..a3; a4..a7: 8 columns on
+        out[lane] = [a[r, k] for r, k in zip(rows, cols, strict=True)] + [
+            a[r, k + 8] for r, k in zip(rows, cols, strict=True)
+        ]
+    return out
+
+
+def b_fragments(b: np.ndarray) -> np.ndarray:
+    """m16n8k16 B `[16, 8]` (k x n) as each lane's 4 values (b0..b3)."""
+    out = np.empty((LANES, 4), b.dtype)
+    for lane in range(LANES):
+        g, t = divmod(lane, 4)
+        out[lane] = [b[2 * t, g], b[2 * t + 1, g], b[2 * t + 8, g], b[2 * t + 9, g]]
+    return out
+
+
+def c_fragments(c: np.ndarray) -> np.ndarray:
+    """m16n8 C or D `[16, 8]` as each lane's 4 values (c0..c3)."""
+    out = np.empty((LANES, 4), c.dtype)
+    for lane in range(LANES):
+        g, t = divmod(lane, 4)
+        out[lane] = [c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]]
+    return out
+
+
+def _bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    return bfloat16.from_bits(bfloat16.to_bits(rng.standard_normal(shape, dtype=np.float32)))
+
+
+def run_step(emulator: Emulator, step: str, arrays: dict[str, np.ndarray], **meta: int) -> bytes:
+    return emulator.run({"op": "warp", "step": step} | meta, arrays, "out")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mma_m16n8k16_matches_numpy(seed, emulator):
+    rng = np.random.default_rng(seed)
+    a, b = _bf16(rng, (16, 16)), _bf16(rng, (16, 8))
+    c = rng.standard_normal((16, 8), dtype=np.float32)
+    arrays = {
+        "a": bfloat16.to_bits(a_fragments(a)),
+        "b": bfloat16.to_bits(b_fragments(b)),
+        "c": c_fragments(c),
+    }
+    d = np.frombuffer(run_step(emulator, "mma", arrays), np.float32).reshape(LANES, 4)
+    expected = a.astype(np.float64) @ b.astype(np.float64) + c
+    np.testing.assert_allclose(d, c_fragments(expected), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["plain", "transposed"])
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_ld_matrix_matches_numpy(count, transpose, emulator):
+    """Lanes give the addresses of rows picked at random from a 64-row
+    shared-memory array; lanes 8i .. 8i + 7 address matrix i."""
+    rng = np.random.default_rng(count + 10 * transpose)
+    smem = _bf16(rng, (64, 8))
+    rows = rng.permutation(64)[:LANES].astype(np.uint32)
+    arrays = {"smem": bfloat16.to_bits(smem), "rows": rows}
+    raw = run_step(emulator, "ld_matrix", arrays, count=count, transpose=int(transpose))
+    got = bfloat16.from_bits(np.frombuffer(raw, np.uint16)).reshape(LANES, 2 * count)
+    expected = np.empty((LANES, 2 * count), np.float32)
+    for lane in range(LANES):
+        for i in range(count):
+            matrix = smem[rows[8 * i : 8 * i + 8]]  # row r: the row lane 8i + r addresses
+            if transpose:
+                matrix = matrix.T
+            expected[lane, 2 * i : 2 * i + 2] = matrix[lane // 4, 2 * (lane % 4) : 2 * (lane % 4) + 2]
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("mask", [1, 2, 4, 8, 16])
+def test_shuffle_xor_matches_numpy(mask, emulator):
+    values = np.random.default_rng(mask).standard_normal(LANES, dtype=np.float32)
+    got = np.frombuffer(run_step(emulator, "shuffle_xor", {"values": values}, mask=mask), np.float32)
+    np.testing.assert_array_equal(got, values[np.arange(LANES) ^ mask])
