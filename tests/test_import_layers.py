@@ -26,7 +26,7 @@ LAYERS: list[list[str]] = [
     ["mokv.paged.prefix_lookup", "mokv.paged.input_plan", "mokv.paged.memory"],
     ["mokv.paged.commit", "mokv.paged.runtime_inputs"],
     ["mokv.paged.replica"],
-    ["mokv.paged.batch_resolution"],
+    ["mokv.paged.batch_resolution", "mokv.paged.reservation"],
     ["mokv.paged.queries"],
     ["mokv.paged.manager", "mokv.continuous"],
     ["mokv.paged"],  # the package's own __init__, which exports the manager

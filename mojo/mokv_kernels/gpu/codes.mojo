@@ -1,5 +1,5 @@
 """A cache's stored elements as float32 on a GPU: plain values, or 8-bit
-codes times their scale. A quantized cache (`..quant`) holds `float8_e4m3fn`
+codes times their scale. A quantized cache (`..kv_quantization`) holds `float8_e4m3fn`
 or `int8` codes beside float32 scales, one per granule of `granularity`
 elements of one head of `tokens_per_scale` tokens; kernels widen the codes
 in registers as they read them, and take each granule's scale once."""

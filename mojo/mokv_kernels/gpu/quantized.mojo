@@ -1,4 +1,4 @@
-"""Store and gather of a quantized cache on a GPU: the storage of `..quant`
+"""Store and gather of a quantized cache on a GPU: the storage of `..kv_quantization`
 (`float8_e4m3fn` or `int8` codes, float32 scales per granule of one head of
 `tokens_per_scale` tokens), the same codes and scales as the CPU ops write.
 
