@@ -53,7 +53,7 @@ demo: model
 		"Explain what a KV cache is in one sentence."
 
 test: model wheels
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # What CI checks before the tests: Python lint and formatting, Mojo formatting.
 lint: setup

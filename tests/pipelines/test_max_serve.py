@@ -1,6 +1,6 @@
 """`max serve` with mokv's architecture (cache, kernels, manager) on a loopback
 port, driven by the official `openai` client; what the cache did is read from
-the server's own Prometheus metrics (`serve_client.cache_reading`).
+the server's own Prometheus metrics (`tests/support/serve_client.py`).
 
 One server for the whole session (`conftest.mokv_server`): SmolLM2 float32,
 128-token pages, a host tier and a Redis tier, clients' cache salts honoured
@@ -10,15 +10,20 @@ its own requests moved.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 openai = pytest.importorskip("openai")
 
 from mokv_examples.max_server import MaxServer  # noqa: E402
 from tests.support.pipelines import SERVE_PAGE_SIZE  # noqa: E402
-from tests.support.serve_client import SYSTEM, ask, cache_reading, client, settled_reading  # noqa: E402
+from tests.support.serve_client import (  # noqa: E402
+    SYSTEM,
+    ask,
+    client,
+    pages_held_when_idle,
+    settled_reading,
+    used_pages_of_next_batch,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -86,6 +91,7 @@ def test_a_multi_turn_conversation_hits_the_prefix_cache(mokv_server: MaxServer)
 
 
 def test_a_client_that_disconnects_mid_stream_leaves_no_page_held(mokv_server: MaxServer) -> None:
+    assert pages_held_when_idle(mokv_server) == 0
     api = client(mokv_server)
     stream = api.chat.completions.create(
         model=mokv_server.model,
@@ -95,20 +101,17 @@ def test_a_client_that_disconnects_mid_stream_leaves_no_page_held(mokv_server: M
         stream=True,
         extra_body={"ignore_eos": True},
     )
-    received = 0
-    for chunk in stream:
-        received += bool(chunk.choices and chunk.choices[0].delta.content)
-        if received == 4:
-            break
-    deadline = time.monotonic() + 30
-    while cache_reading(mokv_server).used_pages == 0 and time.monotonic() < deadline:
-        time.sleep(0.5)  # the gauge moves once per batch, through MAX's metrics process
-    assert cache_reading(mokv_server).used_pages > 0  # the story's pages are held while it streams
-    stream.close()
-    time.sleep(2.0)  # the server notices the closed connection and cancels the request
-    probe = ask(mokv_server, [{"role": "user", "content": "Hi"}], max_tokens=1)
-    assert probe.choices[0].finish_reason == "length"
-    assert settled_reading(mokv_server).used_pages == 0  # after the probe's last batch: nothing held
+    try:
+        received = 0
+        for chunk in stream:
+            received += bool(chunk.choices and chunk.choices[0].delta.content)
+            if received == 4:
+                break
+        held_while_streaming = used_pages_of_next_batch(mokv_server)
+    finally:
+        stream.close()  # the server notices the closed connection and cancels the request
+    assert held_while_streaming >= 3  # the system prompt's pages and the story's
+    assert pages_held_when_idle(mokv_server) == 0
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(mokv_server: MaxServer) -> None:
@@ -138,7 +141,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(mokv_server: MaxServe
         assert 400 <= refused.value.status_code < 500, (name, refused.value.status_code, refused.value.message)
     answer = ask(mokv_server, [{"role": "user", "content": "Still there?"}], max_tokens=4)
     assert answer.choices[0].message.content
-    assert settled_reading(mokv_server).used_pages == 0
+    assert pages_held_when_idle(mokv_server) == 0
 
 
 def test_different_cache_salts_never_share_a_page(mokv_server: MaxServer) -> None:

@@ -41,16 +41,12 @@ class CacheReading:
     device_hits: float
     external_hits: float
     misses: float
-    used_pages: float
-    total_pages: float
 
     def __sub__(self, other: CacheReading) -> CacheReading:
         return CacheReading(
             self.device_hits - other.device_hits,
             self.external_hits - other.external_hits,
             self.misses - other.misses,
-            self.used_pages,
-            self.total_pages,
         )
 
     @property
@@ -65,8 +61,6 @@ def cache_reading(server: MaxServer) -> CacheReading:
         device_hits=m.value("maxserve_cache_hits_tokens_total", tier="g0"),
         external_hits=m.value("maxserve_cache_hits_tokens_total", tier="external"),
         misses=m.value("maxserve_cache_misses_tokens_total"),
-        used_pages=m.value("maxserve_cache_num_used_blocks"),
-        total_pages=m.value("maxserve_cache_num_total_blocks"),
     )
 
 
@@ -82,6 +76,45 @@ def settled_reading(server: MaxServer, timeout_s: float = 30.0) -> CacheReading:
             return now
         last = now
     return last
+
+
+USED_PAGES = "maxserve_cache_num_used_blocks"
+"""MAX's gauge of the device pages requests hold, set once per batch after the
+batch's finished requests are released. Its exporter shows a gauge's value in
+one scrape only (OpenTelemetry's last-value aggregation forgets it once
+collected), so a scrape without it means no batch ran since the last scrape."""
+
+
+def used_pages_of_next_batch(server: MaxServer, timeout_s: float = 60.0) -> float:
+    """The used-pages gauge from the first scrape that carries it: the value
+    the latest batch since the previous scrape recorded."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if USED_PAGES in m.samples:
+            return m.value(USED_PAGES)
+        time.sleep(0.2)
+    raise AssertionError(f"no batch recorded {USED_PAGES} within {timeout_s} s")
+
+
+def wait_until_idle(server: MaxServer, timeout_s: float = 120.0) -> None:
+    """Returns once a whole second passed with no batch (no gauge value between two scrapes)."""
+    deadline = time.monotonic() + timeout_s
+    server.metrics()  # takes any value recorded before now
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        if USED_PAGES not in server.metrics().samples:
+            return
+    raise AssertionError(f"the server still ran batches after {timeout_s} s")
+
+
+def pages_held_when_idle(server: MaxServer) -> float:
+    """The device pages requests hold once the server is idle: a one-token
+    probe runs one batch, which releases the probe before it records the gauge."""
+    wait_until_idle(server)
+    probe = ask(server, [{"role": "user", "content": "Hi"}], max_tokens=1)
+    assert probe.choices[0].finish_reason == "length"
+    return used_pages_of_next_batch(server)
 
 
 def ask(server: MaxServer, messages: list[dict[str, str]], *, max_tokens: int = 12, **kwargs: object):
