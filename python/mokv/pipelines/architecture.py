@@ -19,7 +19,8 @@ The manager is the one place without a hook: `TextGenerationPipeline.__init__`
 builds its manager by calling `load_kv_manager`, a name imported into
 `max.pipelines.lib.pipeline_variants.text_generation`. The architecture's
 pipeline class (`MokvTextGenerationPipeline`, MAX's class with only its
-constructor wrapped) rebinds that one module global to `create_kv_manager`
+constructor wrapped) rebinds that one module global to
+`mokv.pipelines.scheduler_manager.create_kv_manager`
 while its own `super().__init__` runs, and restores it after. Before patching
 it checks that the name is MAX's `max.pipelines.kv_cache.load_kv_manager` with
 the keyword parameters MAX passes; after, that MAX called it exactly once; a
@@ -51,7 +52,8 @@ from max.pipelines.lib.pipeline_variants.text_generation import TextGenerationPi
 from ..kernels import kernel_package
 from ..params import graph_dtype
 from .attention import to_mokv
-from .cache_config import MokvCacheConfig, mokv_cache_config
+from .cache_config import mokv_cache_config
+from .scheduler_manager import create_kv_manager
 
 PATCHED_SYMBOL = "max.pipelines.lib.pipeline_variants.text_generation.load_kv_manager"
 """The module global `MokvTextGenerationPipeline` rebinds while MAX's constructor runs."""
@@ -125,46 +127,6 @@ class MokvLlama3Model(Llama3Model):
             custom_extensions=[*decoder.custom_extensions, kernel_package()],
         )
         return specs
-
-
-def create_kv_manager(
-    params: Any,
-    cache: MokvCacheConfig,
-    *,
-    max_batch_size: int,
-    max_seq_len: int,
-    session: Any,
-    available_cache_memory: int,
-    max_num_input_tokens: int | None,
-) -> Any:
-    """SEAM (filled by the scheduler side): mokv's manager behind MAX's
-    `PagedKVCacheManagerInterface`, for MAX's cache `params` (as the graph
-    declares its inputs) and mokv's `cache` config. Delegates to
-    `mokv.pipelines.scheduler_manager.create_kv_manager`, whose signature is
-    this one (`/work/plan/pipelines-interface.md`).
-
-    Raises:
-        RuntimeError: the adapter module has no `create_kv_manager`.
-    """
-    adapter = f"{__package__}.scheduler_manager"
-    try:
-        from .scheduler_manager import create_kv_manager as create
-    except ImportError as error:
-        if error.name != adapter:  # the adapter is there but failed to import: say why
-            raise
-        raise RuntimeError(
-            f"{adapter}.create_kv_manager is missing: the adapter that lets MAX's "
-            "scheduler drive mokv's manager is not installed"
-        ) from error
-    return create(
-        params,
-        cache,
-        max_batch_size=max_batch_size,
-        max_seq_len=max_seq_len,
-        session=session,
-        available_cache_memory=available_cache_memory,
-        max_num_input_tokens=max_num_input_tokens,
-    )
 
 
 def _check_patch_point() -> None:
