@@ -18,7 +18,10 @@ token counts). Per engine:
 
 Results: `serve.json`, `serve.md` and `serve.png` under `--out`, with the
 machine's load average and the date. `--rounds 2` runs the engines twice,
-alternating, to see the noise.
+alternating, to see the noise. `--mokv-page-size 16` gives mokv's server its
+own page size (MAX's own manager takes multiples of 128 only): finer pages
+serve more of each resent history from the cache, which is the point of the
+comparison it adds; every row records its engine's page size.
 """
 
 from __future__ import annotations
@@ -106,6 +109,7 @@ def run_engine(options: ServeOptions, log: Path, clients: int, turns: int, new_t
         "output_tokens_per_s": tokens / wall,
         "prefix_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
         "prompt_tokens": int(hits + misses),
+        "page_size": options.page_size,
         "cache_pages": int(after.value("maxserve_cache_num_total_blocks")),
         "server_start_s": start_s,
         "server_rss_mib": rss / 2**20,
@@ -117,14 +121,15 @@ def markdown(rows: list[dict], setup: dict) -> str:
     out = (
         f"`mokv bench serve` on {setup['date']}: {setup['clients']} concurrent conversations x "
         f"{setup['turns']} turns, {setup['new_tokens']} new tokens per turn, SmolLM2-135M {setup['encoding']}, "
-        f"{setup['page_size']}-token pages, max batch {setup['max_batch_size']}, `--devices cpu`; "
+        f"max batch {setup['max_batch_size']}, `--devices cpu`; "
         f"load average before / after: {setup['load_before']} / {setup['load_after']}.\n\n"
     )
-    out += "| engine | round | TTFT p50 ms | TTFT p99 ms | output tok/s | prefix hit rate | prompt tok | pages |\n"
-    out += "|---|---|---|---|---|---|---|---|\n"
+    out += "| engine | round | page size | TTFT p50 ms | TTFT p99 ms | output tok/s | prefix hit rate | prompt tok "
+    out += "| pages |\n"
+    out += "|---|---|---|---|---|---|---|---|---|\n"
     for r in rows:
         out += (
-            f"| {r['engine']} | {r['round']} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
+            f"| {r['engine']} | {r['round']} | {r['page_size']} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
             f"{r['output_tokens_per_s']:.1f} | {r['prefix_hit_rate']:.1%} | {r['prompt_tokens']} | "
             f"{r['cache_pages']} |\n"
         )
@@ -179,6 +184,9 @@ def plot(rows: list[dict], path: Path) -> None:
 @click.option("--turns", default=4, show_default=True, help="Questions per conversation.")
 @click.option("--new-tokens", default=32, show_default=True, help="Tokens streamed per turn.")
 @click.option("--page-size", default=128, show_default=True, help="MAX's own manager needs a multiple of 128.")
+@click.option(
+    "--mokv-page-size", type=int, help="mokv's server's page size, any size (default: --page-size, as MAX's)."
+)
 @click.option("--max-batch-size", default=8, show_default=True)
 @click.option("--rounds", default=1, show_default=True, help="Runs of both engines, alternating.")
 def serve(
@@ -190,6 +198,7 @@ def serve(
     turns: int,
     new_tokens: int,
     page_size: int,
+    mokv_page_size: int | None,
     max_batch_size: int,
     rounds: int,
 ) -> None:
@@ -206,7 +215,6 @@ def serve(
         "turns": turns,
         "new_tokens": new_tokens,
         "encoding": encoding,
-        "page_size": page_size,
         "max_batch_size": max_batch_size,
         "load_before": " ".join(f"{v:.1f}" for v in os.getloadavg()),
     }
@@ -218,7 +226,7 @@ def serve(
                     model_dir,
                     weights_file(encoding),
                     mokv=mokv,
-                    page_size=page_size,
+                    page_size=(mokv_page_size or page_size) if mokv else page_size,
                     max_batch_size=max_batch_size,
                     cache_salt=False,
                 )
