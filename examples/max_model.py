@@ -8,7 +8,10 @@ GGUF is Q4_1 / Q8_0, so the weights are re-encoded:
 
 - `model-float32.gguf`: every tensor dequantized to float32 (exact);
 - `model-q4_0.gguf`: the matrices re-quantized to Q4_0 from their float32
-  values (`gguf.quants`), the norms kept in float32.
+  values (`gguf.quants`), the norms kept in float32. The file is sound (every
+  tensor dequantizes to within Q4_0's error of the float32 one), but MAX
+  26.7's own Llama computes NaN logits from it on CPU, with MAX's attention as
+  with mokv's (2026-11-27), so the pipelines run the float32 file.
 
 Tensors keep their GGUF names and llama.cpp's row order (Q/K rows permuted for
 adjacent-pair RoPE), which is what MAX's Llama expects of GGUF weights: it
@@ -168,7 +171,8 @@ def write_model_dir(directory: Path, encodings: tuple[str, ...] = ("float32",), 
     multiple=True,
     default=("float32",),
     show_default=True,
-    help="Weight encoding to write (repeat for several): float32 is exact, q4_0 re-quantizes the matrices.",
+    help="Weight encoding to write (repeat for several): float32 is exact, q4_0 re-quantizes the matrices "
+    "(MAX 26.7's Llama computes NaN logits from q4_0 on CPU, with or without mokv).",
 )
 def max_model(directory: Path | None, encodings: tuple[str, ...]) -> None:
     """Write SmolLM2 as a model directory for MAX's `max generate` / `max serve`

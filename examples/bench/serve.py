@@ -179,7 +179,6 @@ def plot(rows: list[dict], path: Path) -> None:
 @click.option("--quick", is_flag=True, help="4 conversations of 2 turns, 8 new tokens each.")
 @out_dir_option("serve")
 @click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path), help="Default: mokv's cache.")
-@click.option("--encoding", type=click.Choice(["float32", "q4_0"]), default="float32", show_default=True)
 @click.option("--clients", default=8, show_default=True, help="Concurrent conversations.")
 @click.option("--turns", default=4, show_default=True, help="Questions per conversation.")
 @click.option("--new-tokens", default=32, show_default=True, help="Tokens streamed per turn.")
@@ -193,7 +192,6 @@ def serve(
     quick: bool,
     out_dir: Path,
     model_dir: Path | None,
-    encoding: str,
     clients: int,
     turns: int,
     new_tokens: int,
@@ -206,6 +204,7 @@ def serve(
     if quick:
         clients, turns, new_tokens = 4, 2, 8
     model_dir = model_dir or default_model_dir()
+    encoding = "float32"  # MAX 26.7's Llama computes NaN logits from the q4_0 weights on CPU (docs/max-pipelines.md)
     if not (model_dir / weights_file(encoding)).exists():
         click.echo(f"writing the model directory {model_dir} ({encoding})...", err=True)
         write_model_dir(model_dir, (encoding,))
