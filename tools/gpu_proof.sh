@@ -9,8 +9,11 @@
 # are made.
 #
 # Usage (on the GPU machine, in the repository root):
-#   tools/gpu_proof.sh [--full] [--build] [--profile]
+#   tools/gpu_proof.sh [--full] [--kv-formats] [--build] [--profile]
 #   --full: the whole GPU benchmark instead of --quick.
+#   --kv-formats: the benchmark also times mokv's decode and store over
+#            float32, bfloat16, float8_e4m3fn and int8 caches side by side
+#            (attention-gpu-kv-formats.md; 8 more compiles).
 #   --build: first compile every GPU kernel for the machine's architecture
 #            (tools/check_gpu_build.sh; CI already does it for sm_90).
 #   --profile: also, between the benchmark and the tests, Nsight Compute's
@@ -33,10 +36,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-full=false build=false profile=false
+full=false build=false profile=false kv_formats=false
 for arg in "$@"; do
     case $arg in
         --full) full=true ;;
+        --kv-formats) kv_formats=true ;;
         --build) build=true ;;
         --profile) profile=true ;;
         *) echo "unknown argument $arg" >&2; exit 2 ;;
@@ -88,6 +92,7 @@ if $build; then
 fi
 bench=(python3 -c "from mokv_examples.cli import main; main()" bench attention --device gpu)
 $full || bench+=(--quick)
+$kv_formats && bench+=(--kv-formats)
 step bench "${BENCH_S:-180}" "${bench[@]}" --out "$OUT" || status=1
 swap() {  # swap DIR TARGET FILE: puts FILE (a file or a directory) in place of TARGET, keeping it in DIR
     local kept=$1 target=$2 file=$3

@@ -11,8 +11,8 @@ measured next to the case as the machine's memory yardstick, and the largest dif
 between the two kernels' outputs. bfloat16 decode rows also time mokv on the same values
 stored as float32, in the same rounds, for the bfloat16/float32 tokens/s ratio. MAX's kernel
 is compiled per (dtype, heads, head_dim, page size) before its cases are timed, so a full run
-spends much of its time compiling. On the CPU the KV formats are then timed side by side
-(`kv_formats`).
+spends much of its time compiling. The KV formats are then timed side by side
+(`kv_formats`): always on the CPU, with `--kv-formats` on a GPU.
 
 `--device gpu` runs the same comparison on a GPU against MAX's built-in GPU kernel (flash
 decoding for decode batches): longer contexts and larger batches, bfloat16 (and a few float32
@@ -174,13 +174,12 @@ def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
 )
 @click.option(
     "--kv-formats/--no-kv-formats",
-    default=True,
-    show_default=True,
-    help="On the CPU, also time decode and store over float32, bfloat16, float8_e4m3fn and int8 caches "
-    "(attention-kv-formats.json/.md).",
+    default=None,
+    help="Also time mokv's decode and store over float32, bfloat16, float8_e4m3fn and int8 caches "
+    "(attention[-gpu]-kv-formats.json/.md); default: on the CPU yes, on a GPU no (8 more compiles).",
 )
 @out_dir_option("attention")
-def attention(quick: bool, device: str, kv_formats: bool, out_dir: Path) -> None:
+def attention(quick: bool, device: str, kv_formats: bool | None, out_dir: Path) -> None:
     """Paged flash attention: mokv's kernel against MAX's built-in, decode and prefill; KV formats side by side."""
     reference("max_attention", MAX_KERNELS)  # before any compile: stop early where it is missing
     bfloat16_codec()
@@ -220,10 +219,11 @@ def attention(quick: bool, device: str, kv_formats: bool, out_dir: Path) -> None
     )
     markdown = to_markdown(rows, header)
     write_results(out_dir, "attention" if device == "cpu" else "attention-gpu", rows, markdown)
-    if device == "cpu" and kv_formats:
-        formats = format_rows(kernels.session, kernels.package, quick)
+    if kv_formats if kv_formats is not None else device == "cpu":
+        formats = format_rows(kernels, quick)
         header = (
             f"## KV formats, mokv decode and store ({where}{', quick' if quick else ''}):"
             " median seconds per call, all formats timed alternately"
         )
-        write_results(out_dir, "attention-kv-formats", formats, formats_markdown(formats, header))
+        name = "attention-kv-formats" if device == "cpu" else "attention-gpu-kv-formats"
+        write_results(out_dir, name, formats, formats_markdown(formats, header, device))
