@@ -61,6 +61,30 @@ settings.register_profile(
 HYPOTHESIS_PROFILE = os.environ.get("MOKV_HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(HYPOTHESIS_PROFILE)
 
+# `make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup --no-loadscope-reorder`):
+# the suite's long stretches are single-threaded compiles, so CI's two cores run two at once.
+WHOLE_FOLDERS = ("pipelines", "model", "gpu")
+"""Test folders whose session fixtures compile large graphs or start servers (MAX's
+pipelines and `max serve`, SmolLM2's graphs, the GPU emulator): each runs whole in one
+worker, so nothing is compiled or started twice, and first, so the longest start together.
+Every other test file is a group of its own."""
+
+
+def _worker_group(item: pytest.Item) -> str:
+    path = item.path.relative_to(REPO / "tests")
+    return path.parts[0] if len(path.parts) > 1 and path.parts[0] in WHOLE_FOLDERS else str(path)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist: each test's worker group (`WHOLE_FOLDERS`), the whole folders first."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
+    first = {folder: rank for rank, folder in enumerate(WHOLE_FOLDERS)}
+    items.sort(key=lambda item: first.get(_worker_group(item), len(first)))
+
 
 def pytest_terminal_summary(terminalreporter) -> None:
     """How many generated cases and operations the property tests ran."""

@@ -40,7 +40,7 @@ from mokv.pipelines.attention import CacheStep, MokvAttentionWithRope
 from mokv.pipelines.scheduler_manager import SchedulerKVCacheManager
 from mokv_examples.max_model import weights_file
 from mokv_models.tokenizer import load_tokenizer
-from tests.support.pipelines import MAX_MODEL_ENCODING
+from tests.support.pipelines import MAX_MODEL_ENCODING, SERVE_MAX_BATCH, SERVE_MAX_LENGTH
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +68,8 @@ def _config(model_dir: Path, **flags: str) -> PipelineConfig:
         weight_path=[str(model_dir / weights_file(MAX_MODEL_ENCODING))],
         quantization_encoding=MAX_MODEL_ENCODING,
         device_specs=[DeviceSpec.cpu()],
-        max_batch_size=len(QUESTIONS),
+        max_batch_size=SERVE_MAX_BATCH,  # the server's batch and context: one compiled graph serves both
+        max_length=SERVE_MAX_LENGTH,
         **flags,
     )
     return PipelineConfig.from_args(args)
