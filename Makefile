@@ -53,7 +53,7 @@ demo: model
 		"Explain what a KV cache is in one sentence."
 
 test: model wheels
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=25
+	$(BIN)/python -m pytest -q -n 2 --no-loadscope-reorder --durations=25
 
 # What CI checks before the tests: Python lint and formatting, Mojo formatting.
 lint: setup

@@ -61,29 +61,39 @@ settings.register_profile(
 HYPOTHESIS_PROFILE = os.environ.get("MOKV_HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(HYPOTHESIS_PROFILE)
 
-# `make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup --no-loadscope-reorder`):
-# the suite's long stretches are single-threaded compiles, so CI's two cores run two at once.
+# `make test` runs two pytest-xdist workers (`-n 2 --no-loadscope-reorder`): the suite's
+# long stretches are single-threaded compiles, so CI's two cores run two at once.
 WHOLE_FOLDERS = ("pipelines", "model", "gpu")
 """Test folders whose session fixtures compile large graphs or start servers (MAX's
 pipelines and `max serve`, SmolLM2's graphs, the GPU emulator): each runs whole in one
 worker, so nothing is compiled or started twice, and first, so the longest start together.
-Every other test file is a group of its own."""
+Every other test file is a work unit of its own."""
 
 
-def _worker_group(item: pytest.Item) -> str:
-    path = item.path.relative_to(REPO / "tests")
-    return path.parts[0] if len(path.parts) > 1 and path.parts[0] in WHOLE_FOLDERS else str(path)
+def _work_unit(nodeid: str) -> str:
+    """The folder of `WHOLE_FOLDERS` a test is in, else its file."""
+    path = Path(nodeid.split("::", 1)[0])
+    inside = path.parts[1:] if path.parts[0] == "tests" else path.parts
+    return inside[0] if len(inside) > 1 and inside[0] in WHOLE_FOLDERS else str(path)
 
 
-@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """xdist's scope scheduling with `_work_unit` as the scope (its `xdist_group` marks
+    do not reach pytest 9's node ids)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FolderScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    return FolderScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist: each test's worker group (`WHOLE_FOLDERS`), the whole folders first."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
-    first = {folder: rank for rank, folder in enumerate(WHOLE_FOLDERS)}
-    items.sort(key=lambda item: first.get(_worker_group(item), len(first)))
+    """Under xdist, the whole folders first, in `WHOLE_FOLDERS`' order (the rest as collected)."""
+    if config.pluginmanager.hasplugin("xdist"):
+        first = {folder: rank for rank, folder in enumerate(WHOLE_FOLDERS)}
+        items.sort(key=lambda item: first.get(_work_unit(item.nodeid), len(first)))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
