@@ -96,6 +96,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.sort(key=lambda item: first.get(_work_unit(item.nodeid), len(first)))
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An xdist worker hands its property-test counts to the controller (`pytest_testnodedown`)."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["property_stats"] = (dict(property_stats.CASES), dict(property_stats.OPERATIONS))
+
+
+def pytest_testnodedown(node: object, error: object) -> None:
+    """On the xdist controller: a finished worker's property-test counts, added to this process's."""
+    cases, operations = getattr(node, "workeroutput", {}).get("property_stats", ({}, {}))
+    property_stats.CASES.update(cases)
+    property_stats.OPERATIONS.update(operations)
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """How many generated cases and operations the property tests ran."""
     lines = property_stats.summary()
