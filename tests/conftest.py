@@ -90,7 +90,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist, the whole folders first, in `WHOLE_FOLDERS`' order (the rest as collected)."""
+    """Where xdist is installed, the whole folders first, in `WHOLE_FOLDERS`' order (the rest
+    as collected): its workers must all collect in this order, and they run without `-n`."""
     if config.pluginmanager.hasplugin("xdist"):
         first = {folder: rank for rank, folder in enumerate(WHOLE_FOLDERS)}
         items.sort(key=lambda item: first.get(_work_unit(item.nodeid), len(first)))

@@ -153,6 +153,11 @@ def _fill(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     return np.resize(pattern, size).reshape(shape)
 
 
+def to_device(host: Buffer, device: Device | None) -> Buffer:
+    """`host` copied to `device` (as it is when that is the CPU or none is given)."""
+    return host if device is None or device.is_host else host.to(device)
+
+
 def device_buffer(values: np.ndarray, dtype: DType, device: Device | None = None) -> Buffer:
     """float32 `values` as a buffer of `dtype` (float32 or bfloat16) on `device` (the CPU
     unless given)."""
@@ -160,7 +165,7 @@ def device_buffer(values: np.ndarray, dtype: DType, device: Device | None = None
         host = Buffer.from_numpy(bfloat16_codec().to_bits(values)).view(DType.bfloat16)
     else:
         host = Buffer.from_numpy(values)
-    return host if device is None or device.is_host else host.to(device)
+    return to_device(host, device)
 
 
 def to_float(out: Buffer, dtype: DType) -> np.ndarray:
@@ -188,8 +193,7 @@ class Inputs:
         the host, the rest on the device), then q, offsets and scale."""
 
         def on_device(array: np.ndarray) -> Buffer:
-            host = Buffer.from_numpy(array)
-            return host if self.device.is_host else host.to(self.device)
+            return to_device(Buffer.from_numpy(array), self.device)
 
         return [
             self.pages,

@@ -29,7 +29,15 @@ from max.graph import DeviceRef, Graph, TensorType
 
 from mokv import KVCacheQuantConfig
 from mokv import graph as mokv_graph
-from mokv_examples.bench.attention_cases import LLAMA, SMOLLM2, bfloat16_exact, device_buffer, shape_fields, to_float
+from mokv_examples.bench.attention_cases import (
+    LLAMA,
+    SMOLLM2,
+    bfloat16_exact,
+    device_buffer,
+    shape_fields,
+    to_device,
+    to_float,
+)
 from mokv_examples.bench.attention_kernels import Kernels
 from mokv_examples.bench.results import span
 from mokv_examples.bench.timing import time_alternately
@@ -129,25 +137,22 @@ class FormatKernels:
     """Each format's store and decode graphs on the attention kernels' device
     (`Kernels`: its session, kernel package and device), compiled on first use."""
 
-    def __init__(self, kernels: Kernels) -> None:
-        self.session, self.package, self.device = kernels.session, kernels.package, kernels.device
-        self.finished = kernels.finished
+    def __init__(self, attention: Kernels) -> None:
+        self.attention = attention
         self.models: dict[str, tuple[Model, Model]] = {}
 
     def __getitem__(self, kv_format: str) -> tuple[Model, Model]:
         if kv_format not in self.models:
-            store, decode = _graphs(kv_format, self.package, DeviceRef.from_device(self.device))
-            self.models[kv_format] = (self.session.load(store), self.session.load(decode))
+            where = DeviceRef.from_device(self.attention.device)
+            store, decode = _graphs(kv_format, self.attention.package, where)
+            session = self.attention.session
+            self.models[kv_format] = (session.load(store), session.load(decode))
         return self.models[kv_format]
 
-    def put(self, host: Buffer) -> Buffer:
-        """`host` on the kernels' device."""
-        return host if self.device.is_host else host.to(self.device)
 
-
-def _cache_buffers(shape: FormatShape, case: FormatCase, kernels: FormatKernels) -> list[Buffer]:
+def _cache_buffers(shape: FormatShape, case: FormatCase, device: Device) -> list[Buffer]:
     """A zeroed one-layer page tensor (as the graph takes it) and, quantized,
-    its scales, on the kernels' device."""
+    its scales, on `device`."""
     _, hkv, d = case.heads
     pages = case.batch * -(-case.context // case.page_size) + 1
     values = Buffer.zeros([pages, 2, 1, case.page_size, hkv, d], shape.dtype)
@@ -157,11 +162,7 @@ def _cache_buffers(shape: FormatShape, case: FormatCase, kernels: FormatKernels)
     if shape.kvcache_quant_config is not None:
         buffers.append(Buffer.zeros([pages, 2, 1, case.page_size, hkv, 1], DType.float32))
     CPU().synchronize()  # Buffer.zeros fills asynchronously (mokv.validation.allocate)
-    return [kernels.put(b) for b in buffers]
-
-
-def _to_host(out: Buffer, device: Device) -> Buffer:
-    return out if device.is_host else out.to(CPU())
+    return [to_device(b, device) for b in buffers]
 
 
 def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -> list[dict[str, Any]]:
@@ -176,7 +177,11 @@ def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -
     keys = bfloat16_exact(rng.standard_normal(kv_shape, np.float32))
     values = bfloat16_exact(rng.standard_normal(kv_shape, np.float32))
     q = bfloat16_exact(rng.standard_normal((case.batch, hq, d), np.float32))
-    device, put = kernels.device, kernels.put
+    device, finished = kernels.attention.device, kernels.attention.finished
+
+    def put(host: Buffer) -> Buffer:
+        return to_device(host, device)
+
     prefill_offsets = put(Buffer.from_numpy((np.arange(case.batch + 1) * case.context).astype(np.uint32)))
     prefill_tables = [  # cache lengths and the page table on the device, the lengths' summary on the host
         put(Buffer.from_numpy(np.zeros(case.batch, np.uint32))),
@@ -194,7 +199,7 @@ def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -
     for kv_format in FORMATS:
         shape = FormatShape.of(kv_format)
         store, decode = kernels[kv_format]
-        pages, *scales = _cache_buffers(shape, case, kernels)
+        pages, *scales = _cache_buffers(shape, case, device)
         store_args = [
             pages,
             *prefill_tables,
@@ -205,11 +210,11 @@ def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -
         ]
         q_rows = device_buffer(q, shape.rows, device)
         decode_args = [pages, *decode_tables, *scales, q_rows, decode_offsets, softmax_scale]
-        kernels.finished(lambda m=store, a=store_args: m.execute(*a))()
-        # A copy: the output buffer is reused by later calls.
-        outputs[kv_format] = to_float(_to_host(decode.execute(*decode_args)[0], device), shape.rows).copy()
-        calls[f"store-{kv_format}"] = kernels.finished(lambda m=store, a=store_args: m.execute(*a))
-        calls[kv_format] = kernels.finished(lambda m=decode, a=decode_args: m.execute(*a))
+        finished(lambda m=store, a=store_args: m.execute(*a))()
+        # A copy: the output buffer is reused by later calls (to_numpy copies it off a GPU).
+        outputs[kv_format] = to_float(decode.execute(*decode_args)[0], shape.rows).copy()
+        calls[f"store-{kv_format}"] = finished(lambda m=store, a=store_args: m.execute(*a))
+        calls[kv_format] = finished(lambda m=decode, a=decode_args: m.execute(*a))
     times = time_alternately(calls, min_runs=5, budget_s=budget_s)
     rows = []
     for kv_format in FORMATS:
@@ -239,7 +244,7 @@ def format_rows(attention_kernels: Kernels, quick: bool) -> list[dict[str, Any]]
     """Every format case's rows, on the attention kernels' device."""
     kernels = FormatKernels(attention_kernels)
     rows = []
-    for case in format_cases(quick, gpu=not kernels.device.is_host):
+    for case in format_cases(quick, gpu=not attention_kernels.device.is_host):
         click.echo(f"{case.name}, KV formats ...", err=True)
         case_rows = run_format_case(case, kernels, budget_s=0.5 if quick else 1.5)
         click.echo(
