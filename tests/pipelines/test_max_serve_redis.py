@@ -9,7 +9,6 @@ only for this test.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ redis = pytest.importorskip("redis")
 from mokv_examples.local_redis import LocalRedis  # noqa: E402
 from mokv_examples.max_server import MaxServer, ServeOptions  # noqa: E402
 from tests.support.pipelines import SERVE_PAGE_SIZE  # noqa: E402
-from tests.support.serve_client import SYSTEM, ask, settled_reading  # noqa: E402
+from tests.support.serve_client import SYSTEM, ask, settled, settled_reading  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +28,7 @@ def _settled_key_count(url: str, timeout_s: float = 60.0) -> int:
     """Keys in the Redis database once the count held still for two seconds
     (the servers write their pages behind the requests)."""
     store = redis.Redis.from_url(url)
-    deadline = time.monotonic() + timeout_s
-    count, since = store.dbsize(), time.monotonic()
-    while time.monotonic() < deadline and time.monotonic() - since < 2.0:
-        time.sleep(0.25)
-        if (now := store.dbsize()) != count:
-            count, since = now, time.monotonic()
-    return count
+    return settled(store.dbsize, every_s=0.25, hold_s=2.0, timeout_s=timeout_s)
 
 
 def test_a_second_server_serves_the_first_ones_prompt_from_redis(

@@ -4,11 +4,15 @@ they read back from the server's Prometheus metrics."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import openai
 
 from mokv_examples.max_server import MaxServer
+
+T = TypeVar("T")
 
 SYSTEM = (
     "You are a patient assistant for a team that runs a large inference service. Answer in short, "
@@ -64,18 +68,23 @@ def cache_reading(server: MaxServer) -> CacheReading:
     )
 
 
+def settled(read: Callable[[], T], *, every_s: float, hold_s: float, timeout_s: float) -> T:
+    """`read()` once it returned the same value for `hold_s` seconds, read every
+    `every_s` (its last value when `timeout_s` runs out first): what a server
+    records behind its answers (metrics, pages written to a store) has arrived."""
+    deadline = time.monotonic() + timeout_s
+    value, since = read(), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < hold_s:
+        time.sleep(every_s)
+        if (now := read()) != value:
+            value, since = now, time.monotonic()
+    return value
+
+
 def settled_reading(server: MaxServer, timeout_s: float = 30.0) -> CacheReading:
     """`cache_reading` once two readings a second apart agree (the metrics
     process receives them asynchronously)."""
-    deadline = time.monotonic() + timeout_s
-    last = cache_reading(server)
-    while time.monotonic() < deadline:
-        time.sleep(1.0)
-        now = cache_reading(server)
-        if now == last:
-            return now
-        last = now
-    return last
+    return settled(lambda: cache_reading(server), every_s=1.0, hold_s=1.0, timeout_s=timeout_s)
 
 
 USED_PAGES = "maxserve_cache_num_used_blocks"
