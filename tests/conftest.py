@@ -77,9 +77,14 @@ def _work_unit(nodeid: str) -> str:
     return inside[0] if len(inside) > 1 and inside[0] in WHOLE_FOLDERS else str(path)
 
 
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """xdist's scope scheduling with `_work_unit` as the scope (its `xdist_group` marks
-    do not reach pytest 9's node ids)."""
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """Under xdist's default `--dist load`, its scope scheduling with `_work_unit` as the
+    scope (its `xdist_group` marks do not reach pytest 9's node ids); any `--dist` asked
+    for by name (the GPU proof's `loadfile`) is left to xdist. Optional, as is the other
+    xdist hook here: where xdist is not loaded, pytest must not reject them."""
+    if config.getoption("dist") != "load":
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class FolderScheduling(LoadScopeScheduling):
@@ -104,6 +109,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         workeroutput["property_stats"] = (dict(property_stats.CASES), dict(property_stats.OPERATIONS))
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: object, error: object) -> None:
     """On the xdist controller: a finished worker's property-test counts, added to this process's."""
     cases, operations = getattr(node, "workeroutput", {}).get("property_stats", ({}, {}))

@@ -21,7 +21,7 @@ from tests.support import store_gather as cpu_rows
 from tests.support.attention_graph import build_attention_graph
 from tests.support.compile_once import compiled_per_key
 from tests.support.gpu import needs_gpu
-from tests.support.gpu_cases import mixed_case, window_case
+from tests.support.gpu_cases import assert_attention_close, mixed_case, window_case
 
 pytestmark = needs_gpu("the store, gather and attention ops against numpy and MAX's GPU attention")
 
@@ -107,7 +107,7 @@ def run_on_gpu(model, b: cpu_attention.Batch, gpu: Device, layer: int, scale: fl
 def test_mixed_batch_matches_numpy(case, gpu_attention, gpu: Device):
     b, layer, scale = mixed_case(case)
     out = run_on_gpu(gpu_attention(b.layout, b.dtype), b, gpu, layer, scale)
-    cpu_attention.assert_close(out, cpu_attention.expected(b, layer, scale), b.dtype)
+    assert_attention_close(out, b, layer, scale)
 
 
 @pytest.mark.parametrize("layout", ["paged", "continuous"])
@@ -130,7 +130,7 @@ def test_long_contexts(rows, dtype, gpu_attention, gpu: Device):
     b = cpu_attention.make_batch(rng, "paged", dtype, rows, 32, 8, 128, 128)
     scale = 1 / math.sqrt(128)
     out = run_on_gpu(gpu_attention("paged", dtype), b, gpu, 0, scale)
-    cpu_attention.assert_close(out, cpu_attention.expected(b, 0, scale), dtype)
+    assert_attention_close(out, b, 0, scale)
 
 
 # MAX's GPU kernel in bfloat16 with Llama's heads, the shape MAX serves and that the GPU
@@ -163,5 +163,5 @@ def test_matches_max_gpu_kernel(shape, rows, gpu_attention, gpu_session, gpu: De
     ours = run_on_gpu(gpu_attention("paged", dtype), b, gpu, 1, shape.scale)
     reference = cpu_attention.expected(b, 1, shape.scale)
     cpu_attention.assert_close(theirs, reference, dtype, cpu_attention.MAX_TOLERANCE)
-    cpu_attention.assert_close(ours, reference, dtype)
+    assert_attention_close(ours, b, 1, shape.scale)
     cpu_attention.assert_close(ours, theirs, dtype, cpu_attention.MAX_TOLERANCE)
