@@ -16,6 +16,9 @@ into shared memory while it computes:
   reading a whole row of its own straight from the cache would touch 32
   cache lines per warp load, and copies only between phases would leave
   memory idle while the block computes);
+- a quantized cache's scales: thread j copies key j's key scales, then
+  its value scales, into shared memory with one wait each (read where they
+  are used, every key's would be a global load all threads wait on);
 - scores: thread j dots key j's row, a quarter at a time widened to
   float32, with every query row's matching dims (the queries sit in shared
   memory as float32, each word read by all threads at once: a broadcast);
@@ -42,7 +45,7 @@ from ...pointers import CachePtr, F32Ptr, ScalePtr
 from ...kv_quantization import is_quantized
 from ..codes import as_values, head_scales
 from ..block import BlockExecutor, BlockId, KernelT, ThreadProgram
-from .config import BLOCK_THREADS, DECODE_ROWS, NEG_INF, WARP, WARPS
+from .config import BLOCK_THREADS, DECODE_ROWS, NEG_INF, QUANTIZED_CHUNK, WARP, WARPS
 from .softmax import TileSoftmax
 from .work import AttentionArgs, BlockWork, block_work, stage_queries, write_row_part
 
@@ -80,9 +83,11 @@ struct DecodeThread[cache_t: KVCacheT, q_dtype: DType, D: Int](ThreadProgram):
     Shared memory, in float32 words: queries `[BM, D]`, the softmax regions,
     row addresses `[2 slots, KINDS, BN]` (0 for a key outside the block's
     range or the cache), then the key tile and the value tile, each
-    `[BN, ROW_STRIDE]` as stored (values, or a quantized cache's codes,
-    whose scales are read where the addresses of the keys' scale rows
-    say)."""
+    `[BN, ROW_STRIDE]` as stored (values, or a quantized cache's codes),
+    then a quantized cache's scales of the tile's keys, `[2 (key, value),
+    BN, CHUNKS]`: each 16-byte chunk's (its granule's), copied from where
+    the addresses of the keys' scale rows say (0 for a key without a row),
+    so a read needs no division by the granularity."""
 
     comptime dtype = Self.cache_t.dtype
     comptime BM = DECODE_ROWS
@@ -111,7 +116,12 @@ struct DecodeThread[cache_t: KVCacheT, q_dtype: DType, D: Int](ThreadProgram):
     """Addresses per key: its key and value rows, and their scale rows."""
     comptime TILES_AT = Self.ADDRESSES_AT + 2 * Self.KINDS * Self.BN * size_of[Int]() // 4
     comptime TILE_FLOATS = ceildiv(Self.BN * Self.ROW_STRIDE * Self.ELEM, 16) * 4
-    comptime FLOATS = Self.TILES_AT + 2 * Self.TILE_FLOATS
+    comptime CHUNK_SCALES = Self.CHUNKS if is_quantized[Self.dtype]() else 0
+    """Scales per key and kind in shared memory: one per chunk of codes
+    (a granule is a multiple of `QUANTIZED_CHUNK`, a chunk's 16 codes);
+    none for an unquantized cache."""
+    comptime SCALES_AT = Self.TILES_AT + 2 * Self.TILE_FLOATS
+    comptime FLOATS = Self.SCALES_AT + 2 * Self.BN * Self.CHUNK_SCALES
 
     var args: AttentionArgs[Self.cache_t, Self.q_dtype]
     var work: BlockWork
@@ -129,6 +139,9 @@ struct DecodeThread[cache_t: KVCacheT, q_dtype: DType, D: Int](ThreadProgram):
         comptime assert Self.D % WARP == 0 and Self.D % Self.VEC == 0, "head_dim layout"
         comptime assert Self.BM % WARPS == 0 and BLOCK_THREADS % Self.BM == 0, "row layout"
         comptime assert Self.CHUNKS % Self.KEY_PARTS == 0, "key parts"
+        comptime assert (
+            not is_quantized[Self.dtype]() or Self.VEC == QUANTIZED_CHUNK
+        ), "a chunk of codes must lie in one granule"
         comptime assert Self.COPIES * BLOCK_THREADS == Self.BN * Self.CHUNKS, "copies"
         comptime assert Self.BN % Self.KEYS_PER_READ == 0, "weight reads"
         comptime assert Self.ADDRESSES_AT % 2 == 0, "addresses must be 8-byte aligned"
@@ -159,15 +172,19 @@ struct DecodeThread[cache_t: KVCacheT, q_dtype: DType, D: Int](ThreadProgram):
             .unsafe_offset((slot * Self.KINDS + kind) * Self.BN)
         )
 
-    def scale(self, kv_start: Int, kind: Int, j: Int, d: Int) -> Float32:
-        """The scale of element `d` of the block's head of key `kv_start + j`
-        (`kind` KEY_SCALES or VALUE_SCALES); 0 for a key without a row, 1
+    def scales(self, kind: Int, j: Int) -> F32Ptr:
+        """Where the tile's key `j`'s key (`kind` KEY_SCALES) or value
+        (VALUE_SCALES) scales are copied to (`copy_scales`)."""
+        return self.shared.unsafe_offset(
+            Self.SCALES_AT + ((kind - KEY_SCALES) * Self.BN + j) * Self.CHUNK_SCALES
+        )
+
+    def scale(self, kind: Int, j: Int, d: Int) -> Float32:
+        """The scale of element `d` of the block's head of the tile's key `j`
+        (`kind` KEY_SCALES or VALUE_SCALES): 0 for a key without a row, 1
         for an unquantized cache."""
         comptime if is_quantized[Self.dtype]():
-            var address = self.addresses(kv_start, kind)[unsafe_offset=j]
-            if address == 0:
-                return 0
-            return ScalePtr(unsafe_from_address=address)[unsafe_offset=d // self.args.granularity]
+            return self.scales(kind, j)[unsafe_offset=d // Self.VEC]
         else:
             return 1
 
@@ -199,6 +216,8 @@ struct DecodeThread[cache_t: KVCacheT, q_dtype: DType, D: Int](ThreadProgram):
             # A group even when empty, so that EXPONENTIATE's wait for all
             # but the newest group always waits for this tile's values.
             async_copy_commit_group()
+            comptime if is_quantized[Self.dtype]():
+                self.copy_scales(arg, VALUE_SCALES)
             self.softmax().partial_max(self.tid // Self.LPR, self.tid % Self.LPR)
         elif phase == EXPONENTIATE:
             self.softmax().exponentiate(self.tid // Self.LPR, self.tid % Self.LPR)
@@ -280,6 +299,30 @@ struct DecodeThread[cache_t: KVCacheT, q_dtype: DType, D: Int](ThreadProgram):
                 )
 
     @always_inline
+    def copy_scales(self, kv_start: Int, kind: Int):
+        """Thread j < BN copies key j's key (`kind` KEY_SCALES) or value
+        (VALUE_SCALES) scales of the tile at `kv_start` into shared memory,
+        each chunk's (its granule's: chunk c of `CHUNKS` is in granule
+        `c * granules // CHUNKS`),
+        every load issued before the first store: one wait per tile, where
+        reading each scale as it is used waited on a global load key after
+        key. The keys' are copied as SCORE starts, the values' in ROW_MAX
+        (not beside the keys': the registers of both spilled), and read in
+        this tile's ACCUMULATE, so the next tile's may overwrite them."""
+        var j = self.tid
+        if j >= Self.BN:
+            return
+        var address = self.addresses(kv_start, kind)[unsafe_offset=j]
+        var source = ScalePtr(unsafe_from_address=address)
+        var scales = SIMD[DType.float32, Self.CHUNKS](0)
+        if address != 0:
+            var granules = Self.D // self.args.granularity
+            comptime for c in range(Self.CHUNKS):
+                scales[c] = source[unsafe_offset=c * granules // Self.CHUNKS]
+        comptime for c in range(Self.CHUNKS):
+            self.scales(kind, j)[unsafe_offset=c] = scales[c]
+
+    @always_inline
     def score_key(self, kv_start: Int):
         """Key `kv_start + tid`'s scores against every query row (-inf where
         masked or outside the block's range; threads past `BN` have none),
@@ -289,6 +332,8 @@ struct DecodeThread[cache_t: KVCacheT, q_dtype: DType, D: Int](ThreadProgram):
         var j = self.tid
         if j >= Self.BN:
             return
+        comptime if is_quantized[Self.dtype]():
+            self.copy_scales(kv_start, KEY_SCALES)
         var pos = kv_start + j
         var in_range = self.addresses(kv_start, KEYS)[unsafe_offset=j] != 0
         var key = self.tile(KEYS).unsafe_offset(j * Self.ROW_STRIDE)
@@ -302,7 +347,7 @@ struct DecodeThread[cache_t: KVCacheT, q_dtype: DType, D: Int](ThreadProgram):
                     comptime d = (first + c) * Self.VEC
                     keys[c] = as_values(
                         key.unsafe_load[width=Self.VEC, alignment=16](d),
-                        self.scale(kv_start, KEY_SCALES, j, d),
+                        self.scale(KEY_SCALES, j, d),
                     )
             comptime for r in range(Self.BM):
                 if r < rows:
@@ -347,7 +392,7 @@ struct DecodeThread[cache_t: KVCacheT, q_dtype: DType, D: Int](ThreadProgram):
                         column.unsafe_load[width=Self.DPL, alignment=Self.V_ALIGN](
                             (j0 + i) * Self.ROW_STRIDE
                         ),
-                        self.scale(kv_start, VALUE_SCALES, j0 + i, lane * Self.DPL),
+                        self.scale(VALUE_SCALES, j0 + i, lane * Self.DPL),
                     )
                     comptime for k in range(Self.RPW):
                         self.acc[k] += weights[k][i] * v
@@ -385,10 +430,14 @@ struct DecodeKernel[cache_t: KVCacheT, q_dtype: DType, D: Int](KernelT):
     comptime HEAD_DIM = Self.D
     comptime ELEMENT_BITS = bit_width_of[Self.cache_t.dtype]()
     comptime SHARED_BYTES = Self.Program.FLOATS * 4
-    comptime MIN_BLOCKS = 3 if Self.D <= 128 else 2
+    comptime MIN_BLOCKS = 3 if Self.D < 128 or (
+        Self.D == 128 and not is_quantized[Self.cache_t.dtype]()
+    ) else 2
     """Blocks per multiprocessor the registers are sized for (their shared
     memory lets more run); `tools/check_gpu_build.sh --registers` shows
-    what ptxas gives, and that it does not spill."""
+    what ptxas gives, and that it does not spill. An 8-bit cache at head_dim
+    128 spilled within three blocks' registers once its scales were staged
+    in shared memory."""
 
     var args: AttentionArgs[Self.cache_t, Self.q_dtype]
     var query_tiles: Int
