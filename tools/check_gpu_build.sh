@@ -26,9 +26,10 @@ cd "$(dirname "$0")/.."
 # for every target, launched where the device has mma.sync); split-K merge: 3
 # head sizes x 2 dtypes (6). 8-bit caches (paged; float8 and int8 codes x
 # float32 and bfloat16 rows): store and dequantizing gather (8), codes gather
-# (2), attention 3 head sizes x 2 tile shapes (24). Update when a kernel is
-# added or removed.
-EXPECTED_MODULES=88
+# (2), attention 3 head sizes x 2 tile shapes (24), and with bfloat16 queries
+# the tensor-core prefill and decode (2 codes x head sizes 64 and 128: 8).
+# Update when a kernel is added or removed.
+EXPECTED_MODULES=96
 MOJO=${MOJO:-.venv/bin/mojo}
 REGISTERS=false
 if [ "${1:-}" = --registers ]; then

@@ -10,7 +10,10 @@ included) and the KV read rate, tokens/s against bfloat16 and float32, the
 largest difference from the float32 cache's output, and the cost of storing
 the case's whole context (every sequence prefilled at once: quantizing on
 store against a plain copy). The quantized caches are filled by mokv's own
-store, so what is decoded is what a model would have stored.
+store, so what is decoded is what a model would have stored. The 8-bit
+caches take float32 keys, values and queries on the CPU (as SmolLM2's graph
+runs) and bfloat16 on a GPU (as a model served there runs, so their decode
+reaches the tensor cores as bfloat16's does).
 """
 
 from __future__ import annotations
@@ -86,19 +89,20 @@ class FormatShape:
 
     dtype: DType
     kvcache_quant_config: KVCacheQuantConfig | None
+    rows: DType
+    """The dtype of the keys, values and queries the cache takes."""
     num_layers: int = 1
     n_kv_heads_per_device: int | str = "n_kv_heads"
     head_dim: int | str = "head_dim"
 
     @classmethod
-    def of(cls, kv_format: str) -> FormatShape:
+    def of(cls, kv_format: str, gpu: bool) -> FormatShape:
+        """`kv_format`'s cache; its rows bfloat16 for a bfloat16 cache, and for
+        an 8-bit one on a GPU, else float32."""
         quantized = kv_format in ("float8_e4m3fn", "int8")
-        return cls(DType[kv_format], KVCacheQuantConfig() if quantized else None)
-
-    @property
-    def rows(self) -> DType:
-        """The dtype of the keys, values and queries the cache takes."""
-        return DType.bfloat16 if self.dtype == DType.bfloat16 else DType.float32
+        bfloat16_rows = kv_format == "bfloat16" or (quantized and gpu)
+        rows = DType.bfloat16 if bfloat16_rows else DType.float32
+        return cls(DType[kv_format], KVCacheQuantConfig() if quantized else None, rows)
 
     def bytes_per_token(self, heads: tuple[int, int, int]) -> int:
         """Keys and values of one token (one layer), scales included."""
@@ -107,9 +111,8 @@ class FormatShape:
         return 2 * hkv * d * self.dtype.size_in_bytes + scales
 
 
-def _graphs(kv_format: str, package: Path, device: DeviceRef) -> tuple[Graph, Graph]:
+def _graphs(kv_format: str, shape: FormatShape, package: Path, device: DeviceRef) -> tuple[Graph, Graph]:
     """(store, decode) graphs over one format's cache on `device`."""
-    shape = FormatShape.of(kv_format)
     cache_types = mokv_graph.paged_input_types(shape, device=device)
     n = len(cache_types.flatten())
     rows = TensorType(shape.rows, ["tokens", "n_kv_heads", "head_dim"], device)
@@ -141,10 +144,14 @@ class FormatKernels:
         self.attention = attention
         self.models: dict[str, tuple[Model, Model]] = {}
 
+    def shape(self, kv_format: str) -> FormatShape:
+        """`kv_format`'s cache on this device."""
+        return FormatShape.of(kv_format, gpu=not self.attention.device.is_host)
+
     def __getitem__(self, kv_format: str) -> tuple[Model, Model]:
         if kv_format not in self.models:
             where = DeviceRef.from_device(self.attention.device)
-            store, decode = _graphs(kv_format, self.attention.package, where)
+            store, decode = _graphs(kv_format, self.shape(kv_format), self.attention.package, where)
             session = self.attention.session
             self.models[kv_format] = (session.load(store), session.load(decode))
         return self.models[kv_format]
@@ -197,7 +204,7 @@ def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -
     softmax_scale = Buffer.from_numpy(np.array(1 / math.sqrt(d), np.float32))
     calls, outputs = {}, {}
     for kv_format in FORMATS:
-        shape = FormatShape.of(kv_format)
+        shape = kernels.shape(kv_format)
         store, decode = kernels[kv_format]
         pages, *scales = _cache_buffers(shape, case, device)
         store_args = [
@@ -218,13 +225,14 @@ def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -
     times = time_alternately(calls, min_runs=5, budget_s=budget_s)
     rows = []
     for kv_format in FORMATS:
-        shape = FormatShape.of(kv_format)
+        shape = kernels.shape(kv_format)
         per_token = shape.bytes_per_token(case.heads)
         seconds = times[kv_format]
         rows.append(
             {
                 "case": case.name,
                 "kv_format": kv_format,
+                "rows": shape.rows.name,
                 **shape_fields(case.heads, case.page_size, case.batch, case.context),
                 "bytes_per_token": per_token,
                 "decode_s": seconds,
@@ -271,12 +279,12 @@ def formats_markdown(rows: list[dict[str, Any]], header: str, device: str = "cpu
         "- storing a whole context, quantized over a float32 copy: "
         + ", ".join(f"{f} {span([r['store_over_float32'] for r in rows if r['kv_format'] == f])}" for f in FORMATS[1:]),
         "",
-        "| case | KV format | bytes/token | decode ms | tokens/s | KV GB/s | vs bf16 | vs f32 | max diff vs f32"
-        " | store ms | store vs f32 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| case | KV format | queries | bytes/token | decode ms | tokens/s | KV GB/s | vs bf16 | vs f32"
+        " | max diff vs f32 | store ms | store vs f32 |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [
-        f"| {r['case']} | {r['kv_format']} | {r['bytes_per_token']} | {r['decode_s'] * 1e3:.3f}"
+        f"| {r['case']} | {r['kv_format']} | {r['rows']} | {r['bytes_per_token']} | {r['decode_s'] * 1e3:.3f}"
         f" | {r['tokens_per_s']:.0f} | {r['kv_gbps']:.1f} | {r['over_bfloat16']:.2f}x | {r['over_float32']:.2f}x"
         f" | {r['max_abs_diff_vs_float32']:.1e} | {r['store_s'] * 1e3:.2f} | {r['store_over_float32']:.2f}x |"
         for r in rows

@@ -17,9 +17,9 @@ from max.dtype import DType
 
 from mokv_reference import bfloat16
 from mokv_reference import quant as ref
-from mokv_reference.attention import attention as reference_attention
 from tests.support import kv_quantization_cases as cpu
 from tests.support.emulation import Emulator, cache_meta, float32_bits
+from tests.support.gpu_cases import QuantizedAttention
 
 H100_MULTIPROCESSORS = 132
 
@@ -43,10 +43,11 @@ def emulate(
     arrays: dict[str, np.ndarray],
     output: str,
     multiprocessors: int = 1,
+    tensor_cores: bool = True,
     **meta: object,
 ) -> bytes:
     """Runs `op` on `cache` (paged); `dtype` is the rows' and queries'."""
-    header = cache_meta(op, "paged", dtype.name, cache.codes, layer, multiprocessors) | {
+    header = cache_meta(op, "paged", dtype.name, cache.codes, layer, multiprocessors, tensor_cores) | {
         "format": cache.fmt,
         "granules": cache.scales.shape[-1],
         "tokens_per_scale": cache.tokens_per_scale,
@@ -158,13 +159,10 @@ def test_growing_scale_block_requantizes_the_tokens_it_holds(fmt, emulator):
         assert (np.abs(deq[t] - tokens[t]) <= allowed * 1.01 + 1e-6).all(), f"token {t}"
 
 
-@pytest.mark.parametrize("multiprocessors", [1, H100_MULTIPROCESSORS], ids=["unsplit", "split"])
-@pytest.mark.parametrize("case", cpu.ATTENTION_CASES, ids=lambda c: "-".join(str(x) for x in c))
-def test_attention_reads_codes_with_their_scales(case, multiprocessors, emulator):
-    """Decode and prefill rows over a quantized cache (the CPU suite's cases)
-    equal float64 attention over the numpy dequantization of the same cache;
-    decode-only on the large device, so the decode kernel and its splits run
-    too."""
+def emulate_attention(emulator: Emulator, case: tuple, multiprocessors: int, tensor_cores: bool) -> QuantizedAttention:
+    """Decode and prefill rows (`cpu.ROWS`, or their decode steps alone on a
+    large device, so that the decode kernels and their splits run) over a
+    quantized cache made for `case`."""
     fmt, q_dtype, group, d, page, granules, per_block = case
     rng = np.random.default_rng(d + page + granules)
     rows = cpu.ROWS if multiprocessors == 1 else [(c, 1) for c, _ in cpu.ROWS]
@@ -181,8 +179,31 @@ def test_attention_reads_codes_with_their_scales(case, multiprocessors, emulator
         "max_new_tokens": int(summary[0, 0]),
         "max_context": int(summary[0, 1]),
     }
-    raw = emulate(emulator, "attention", cache, q_dtype, 1, arrays, "out", multiprocessors, **meta)
-    out = _values(raw, q_dtype, q.shape)
-    expected = reference_attention(cache.dequantized(), 1, q, offsets, cached, cache.lookup_table, scale)
-    atol, rtol = (2e-5, 2e-5) if q_dtype == DType.float32 else (1e-3, 8e-3)
-    np.testing.assert_allclose(out, expected, atol=atol, rtol=rtol)
+    raw = emulate(emulator, "attention", cache, q_dtype, 1, arrays, "out", multiprocessors, tensor_cores, **meta)
+    return QuantizedAttention(_values(raw, q_dtype, q.shape), cache, q, q_dtype, offsets, cached, scale)
+
+
+@pytest.mark.parametrize("multiprocessors", [1, H100_MULTIPROCESSORS], ids=["unsplit", "split"])
+@pytest.mark.parametrize("case", cpu.ATTENTION_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_attention_reads_codes_with_their_scales(case, multiprocessors, emulator):
+    """The CUDA-core kernels, which widen codes times their scales to float32
+    in registers, over the CPU suite's cases (`QuantizedAttention.assert_close`)."""
+    emulate_attention(emulator, case, multiprocessors, tensor_cores=False).assert_close(tensor_cores=False)
+
+
+# (format, q dtype, GQA group, head_dim, page, granules, tokens per scale): bfloat16
+# queries over both formats, head_dim 64 and 128, granules of 16 to 128 codes.
+TENSOR_CORE_CASES = [
+    ("float8_e4m3fn", DType.bfloat16, 4, 128, 128, 2, 1),
+    ("int8", DType.bfloat16, 3, 64, 16, 4, 1),
+    ("int8", DType.bfloat16, 8, 128, 64, 1, 16),
+    ("float8_e4m3fn", DType.bfloat16, 1, 64, 32, 1, 8),
+]
+
+
+@pytest.mark.parametrize("multiprocessors", [1, H100_MULTIPROCESSORS], ids=["unsplit", "split"])
+@pytest.mark.parametrize("case", TENSOR_CORE_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_tensor_cores_read_codes_widened_to_bfloat16(case, multiprocessors, emulator):
+    """The tensor-core kernels, which widen each tile's codes times their
+    scales to bfloat16 in shared memory (`QuantizedAttention.assert_close`)."""
+    emulate_attention(emulator, case, multiprocessors, tensor_cores=True).assert_close(tensor_cores=True)

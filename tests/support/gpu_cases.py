@@ -1,19 +1,23 @@
 """The attention cases the GPU kernels are checked on, shared by the emulator
-tests and the tests on a GPU: the CPU suite's batches (`tests.support.attention_cases`),
-built the same way with the same seeds, and how close a GPU kernel's output
-must be to the reference."""
+tests and the tests on a GPU: the CPU suite's batches (`tests.support.attention_cases`,
+and `tests.support.kv_quantization_cases` for 8-bit caches), built the same way
+with the same seeds, and how close a GPU kernel's output must be to the
+reference."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from max.dtype import DType
 
 from mokv_reference import bfloat16
 from mokv_reference import cache as ref_cache
+from mokv_reference.attention import attention as reference_attention
 from mokv_reference.attention import visible_range
 from tests.support import attention_cases as cpu_attention
+from tests.support import kv_quantization_cases as cpu_quantized
 
 
 def mixed_case(case: tuple) -> tuple[cpu_attention.Batch, int, float]:
@@ -35,29 +39,43 @@ def window_case(layout: str, window: int) -> cpu_attention.Batch:
     return cpu_attention.make_batch(rng, layout, DType.float32, rows, 6, 3, 64, block)
 
 
-def p_rounded_attention(b: cpu_attention.Batch, layer: int, scale: float, window: int = 0) -> np.ndarray:
-    """What a tensor-core kernel computes, modelled in float64: the reference
-    attention, but with every softmax weight `exp(s - max)` rounded to
-    bfloat16 before it multiplies the values (the P V product takes bfloat16
-    operands), while the sum that normalises is of the unrounded weights (the
-    kernel sums them in float32)."""
-    n_q, n_kv = b.q.shape[1], b.blocks.shape[4]
+def rounded_to_bfloat16(values: np.ndarray) -> np.ndarray:
+    """`values` rounded to the nearest bfloat16, as float64."""
+    return bfloat16.from_bits(bfloat16.to_bits(values.astype(np.float32))).astype(np.float64)
+
+
+def p_rounded_attention(
+    blocks: np.ndarray,
+    layer: int,
+    q: np.ndarray,
+    row_offsets: np.ndarray,
+    cache_lengths: np.ndarray,
+    lookup_table: np.ndarray,
+    scale: float,
+    window: int = 0,
+) -> np.ndarray:
+    """What a tensor-core kernel computes, modelled in float64 (the arguments
+    are the reference attention's): every softmax weight `exp(s - max)`
+    rounded to bfloat16 before it multiplies the values (the P V product
+    takes bfloat16 operands), while the sum that normalises is of the
+    unrounded weights (the kernel sums them in float32)."""
+    n_q, n_kv = q.shape[1], blocks.shape[4]
     kv_head_of = np.arange(n_q) // (n_q // n_kv)
-    out = np.zeros(b.q.shape, np.float64)
-    for row in range(len(b.cache_lengths)):
-        first, last = int(b.row_offsets[row]), int(b.row_offsets[row + 1])
-        cached = int(b.cache_lengths[row])
+    out = np.zeros(q.shape, np.float64)
+    for row in range(len(cache_lengths)):
+        first, last = int(row_offsets[row]), int(row_offsets[row + 1])
+        cached = int(cache_lengths[row])
         positions = np.arange(cached + last - first, dtype=np.uint32)
         rows = np.full(len(positions), row, np.uint32)
         keys, values = (
-            ref_cache.gather(b.blocks, layer, kv, b.lookup_table, rows, positions).astype(np.float64)[:, kv_head_of]
+            ref_cache.gather(blocks, layer, kv, lookup_table, rows, positions).astype(np.float64)[:, kv_head_of]
             for kv in (0, 1)
         )
         for i in range(last - first):
             start, end = visible_range(cached, i, window)
-            scores = np.einsum("hd,nhd->hn", b.q[first + i].astype(np.float64), keys[start:end]) * scale
+            scores = np.einsum("hd,nhd->hn", q[first + i].astype(np.float64), keys[start:end]) * scale
             weights = np.exp(scores - scores.max(axis=1, keepdims=True))
-            rounded = bfloat16.from_bits(bfloat16.to_bits(weights.astype(np.float32))).astype(np.float64)
+            rounded = rounded_to_bfloat16(weights)
             out[first + i] = np.einsum("hn,nhd->hd", rounded, values[start:end]) / weights.sum(axis=1)[:, None]
     return out
 
@@ -73,5 +91,39 @@ def assert_attention_close(
     exact = cpu_attention.expected(b, layer, scale, window)
     atol, rtol = cpu_attention.TOLERANCE[b.dtype]
     if b.dtype == DType.bfloat16 and tensor_cores:
-        atol += 2 * float(np.abs(p_rounded_attention(b, layer, scale, window) - exact).max())
+        model = p_rounded_attention(b.blocks, layer, b.q, b.row_offsets, b.cache_lengths, b.lookup_table, scale, window)
+        atol += 2 * float(np.abs(model - exact).max())
     np.testing.assert_allclose(out, exact, atol=atol, rtol=rtol)
+
+
+@dataclass
+class QuantizedAttention:
+    """One attention call (layer 1) over a quantized cache: its output and inputs."""
+
+    out: np.ndarray
+    cache: cpu_quantized.Cache
+    q: np.ndarray
+    q_dtype: DType
+    row_offsets: np.ndarray
+    cache_lengths: np.ndarray
+    scale: float
+
+    def reference(self, values: np.ndarray, model=reference_attention) -> np.ndarray:
+        """`model`'s attention (float64) over `values` laid out as the cache's codes."""
+        return model(values, 1, self.q, self.row_offsets, self.cache_lengths, self.cache.lookup_table, self.scale)
+
+    def assert_close(self, tensor_cores: bool) -> None:
+        """Float64 attention over the numpy dequantization of the cache, within
+        the CPU suite's tolerance; bfloat16 queries on tensor cores (codes
+        widened to bfloat16 in shared memory) against the dequantization
+        rounded to bfloat16, within the tolerance widened by twice the error
+        of rounding the softmax weights (`p_rounded_attention`)."""
+        values = self.cache.dequantized()
+        if self.q_dtype == DType.float32:
+            np.testing.assert_allclose(self.out, self.reference(values), atol=2e-5, rtol=2e-5)
+            return
+        atol, rtol = cpu_attention.TOLERANCE[DType.bfloat16]
+        if tensor_cores:
+            values = rounded_to_bfloat16(values)
+            atol += 2 * float(np.abs(self.reference(values, p_rounded_attention) - self.reference(values)).max())
+        np.testing.assert_allclose(self.out, self.reference(values), atol=atol, rtol=rtol)

@@ -1,4 +1,5 @@
-"""Attention tiles on tensor cores, for bfloat16 caches: Q Kᵀ and P V as
+"""Attention tiles on tensor cores, for bfloat16 caches and 8-bit caches (their
+codes widened to bfloat16 in shared memory, `mma_tiles`): Q Kᵀ and P V as
 `mma.sync` m16n8k16 products with float32 accumulation (`..warp`), in two
 kernels (`MmaKernel`) that differ in what their four warps split:
 
@@ -29,12 +30,14 @@ The context is walked in tiles of `BN` = 64 keys:
 
 One barrier per tile: after it, this tile's copies have landed in every
 thread and every warp is done with the previous tile, whose stage the next
-tile's copies then overwrite. Masking (causal, sliding window, the block's
+tile's copies then overwrite (an 8-bit cache's tiles take a second one,
+after their codes are widened into the stage). Masking (causal, sliding window, the block's
 context range, padding rows) happens only on tiles where some row does not
 see every key, with two 32-bit bounds per row. Under the emulator a program
 is a whole warp (`..warp`)."""
 
 from std.math import exp2
+from std.sys import bit_width_of
 
 from ...pointers import BF16Ptr, F32Ptr
 from ...cache.traits import KVCacheT
@@ -52,6 +55,7 @@ comptime WAIT_TILE = 2
 comptime COMPUTE_TILE = 3
 comptime FINISH = 4
 comptime COMBINE = 5
+comptime CONVERT_TILE = 6
 
 comptime MMA_ROWS = 16
 """Rows of an m16n8k16 product's A: one warp's query rows."""
@@ -136,6 +140,8 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool](ThreadProg
             if arg + BN < self.work.kv_end:
                 self.tiles.locate_rows[Self.lanes](self.args, self.work, self.tid, arg + BN)
             wait_copies[0]()
+        elif phase == CONVERT_TILE:
+            self.tiles.convert_tile[Self.lanes](self.tid, arg, self.args.granularity)
         elif phase == COMPUTE_TILE:
             if arg + BN < self.work.kv_end:
                 self.tiles.start_tile[Self.lanes](self.tid, arg + BN)
@@ -373,14 +379,17 @@ struct MmaKernel[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool](KernelT):
 
     comptime Program = MmaThread[Self.cache_t, Self.D, Self.lanes, Self.decode]
     comptime THREADS = BLOCK_THREADS
-    comptime MIN_BLOCKS = 3 if Self.decode else 2
+    comptime MIN_BLOCKS = 3 if Self.decode and (
+        Self.D < 128 or not Self.Program.Tiles.QUANTIZED
+    ) else 2
     """Blocks per multiprocessor the registers are sized for (a decode warp
-    holds a quarter of a prefill warp's scores). Raise them only where
+    holds a quarter of a prefill warp's scores; an 8-bit decode at head_dim
+    128 spilled within three blocks' registers). Raise them only where
     `tools/check_gpu_build.sh --registers` shows no spills."""
     comptime LANES = Self.lanes
     comptime NAME = "decode_mma" if Self.decode else "prefill_mma"
     comptime HEAD_DIM = Self.D
-    comptime ELEMENT_BITS = 16
+    comptime ELEMENT_BITS = bit_width_of[Self.cache_t.dtype]()
     comptime SHARED_BYTES = Self.Program.Tiles.SHARED_BYTES
     comptime TENSOR_CORES = True
 
@@ -410,6 +419,9 @@ struct MmaKernel[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool](KernelT):
         while kv < work.kv_end:
             threads.each(WAIT_TILE, kv)
             threads.sync()
+            comptime if Self.Program.Tiles.QUANTIZED:
+                threads.each(CONVERT_TILE, kv)
+                threads.sync()
             threads.each(COMPUTE_TILE, kv)
             kv += BN
         comptime if Self.decode:

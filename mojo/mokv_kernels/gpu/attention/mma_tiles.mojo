@@ -10,13 +10,22 @@ K and V rows of a tile go through the page table row by row: one thread per
 key looks its row up once (`locate_rows`) and leaves the address in shared
 memory, then every thread copies 16-byte chunks (`start_tile`: thread t
 chunks t, t + 128, ..., so a warp reads whole rows) with `cp.async`
-(`..copy`), committed as one group per tile."""
+(`..copy`), committed as one group per tile.
+
+An 8-bit cache (`float8_e4m3fn` or `int8` codes with float32 scales) takes
+the same path to tensor cores: its codes are copied as they are into the
+second stage's space, then every thread widens its chunks times their
+scales to bfloat16 into the first stage (`convert_tile`), so each tile has
+one bfloat16 stage and the copies of the next tile's codes still overlap
+this tile's products. Each key's scale rows are looked up beside its row."""
 
 from std.sys import size_of
 
 from ...cache.traits import KVCacheT
-from ...pointers import BF16Ptr, CachePtr, F32Ptr
+from ...kv_quantization import is_quantized
+from ...pointers import BF16Ptr, CachePtr, F32Ptr, ScalePtr
 
+from ..codes import as_values, head_scales
 from ..copy import commit_copies, start_copy_16, zero_16
 
 from .config import BLOCK_THREADS
@@ -27,6 +36,10 @@ comptime BN = 64
 comptime STAGES = 2
 comptime KEYS = 0
 comptime VALUES = 1
+comptime KEY_SCALES = 1
+"""Address kinds of a key beside its row (`addresses`): its key scales,
+then its value scales (8-bit caches only)."""
+comptime VALUE_SCALES = 2
 
 
 @fieldwise_init
@@ -34,37 +47,48 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int](TrivialRegisterPassable):
     """One block's shared memory, from `smem`; tiles alternate between the
     stages from the block's first key `first_key`."""
 
+    comptime QUANTIZED = is_quantized[Self.cache_t.dtype]()
     comptime CHUNKS = Self.D // 8
-    """16-byte chunks of a row."""
-    comptime COPIES = BN * Self.CHUNKS // BLOCK_THREADS
-    """Chunks of each of a tile's K and V that one thread copies."""
+    """16-byte chunks of a bfloat16 row."""
+    comptime ELEMENTS_PER_COPY = 16 // size_of[Scalar[Self.cache_t.dtype]]()
+    """Stored elements (values or codes) in a 16-byte copy."""
+    comptime COPIES = BN * Self.D // Self.ELEMENTS_PER_COPY // BLOCK_THREADS
+    """16-byte copies of each of a tile's K and V that one thread makes."""
     comptime TILE = BN * Self.D
     comptime STAGES_AT = Self.ROWS * Self.D
     """Where the stages start, in elements."""
     comptime STAGE_BYTES = STAGES * 2 * Self.TILE * 2
+    comptime ADDRESS_KINDS = 3 if Self.QUANTIZED else 1
+    """Addresses per key: its row, and an 8-bit cache's key and value scales."""
     comptime ADDRESSES_AT = Self.STAGES_AT + STAGES * 2 * Self.TILE
-    comptime SHARED_BYTES = Self.ADDRESSES_AT * 2 + STAGES * BN * size_of[Int]()
+    comptime SHARED_BYTES = (
+        Self.ADDRESSES_AT * 2 + STAGES * Self.ADDRESS_KINDS * BN * size_of[Int]()
+    )
 
     var smem: BF16Ptr
     var first_key: Int
     var value_offset: Int
-    """Elements from a token's key row to its value row: the cache's K and
-    V of one layer are one block tensor's `kv_idx` 0 and 1, a fixed
+    """Stored elements from a token's key row to its value row: the cache's
+    K and V of one layer are one block tensor's `kv_idx` 0 and 1, a fixed
     distance apart for every token (both layouts), so only keys are looked
-    up in the page table and the value cache's state need not stay live."""
+    up in the page table (and their scales, for an 8-bit cache)."""
 
     @staticmethod
     def of(
         args: AttentionArgs[Self.cache_t, DType.bfloat16], work: BlockWork, shared: F32Ptr
     ) -> Self:
-        comptime assert Self.cache_t.dtype == DType.bfloat16, "tensor-core tiles are bfloat16"
+        comptime assert (
+            Self.cache_t.dtype == DType.bfloat16 or Self.QUANTIZED
+        ), "tensor-core tiles are bfloat16, stored so or as 8-bit codes"
         comptime assert Self.D % 64 == 0, "the swizzle needs rows of 8 chunks or more"
-        comptime assert Self.COPIES * BLOCK_THREADS == BN * Self.CHUNKS, "copy layout"
+        comptime assert (
+            Self.COPIES * BLOCK_THREADS * Self.ELEMENTS_PER_COPY == BN * Self.D
+        ), "copy layout"
         var value_offset = 0
         if not work.empty():
             value_offset = (
                 Int(args.v_cache.row_ptr(work.row, 0)) - Int(args.k_cache.row_ptr(work.row, 0))
-            ) // size_of[BFloat16]()
+            ) // size_of[Scalar[Self.cache_t.dtype]]()
         return Self(shared.unsafe_bitcast[BFloat16](), work.kv_start, value_offset)
 
     @staticmethod
@@ -82,18 +106,30 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int](TrivialRegisterPassable):
 
     @always_inline
     def tile(self, kv_start: Int, kind: Int) -> BF16Ptr:
-        """The K (`kind` KEYS) or V tile of the tile at `kv_start`."""
-        return self.smem.unsafe_offset(
-            Self.STAGES_AT + (self.stage(kv_start) * 2 + kind) * Self.TILE
+        """The bfloat16 K (`kind` KEYS) or V tile of the tile at `kv_start`
+        (always the first stage for an 8-bit cache)."""
+        var stage = 0 if Self.QUANTIZED else self.stage(kv_start)
+        return self.smem.unsafe_offset(Self.STAGES_AT + (stage * 2 + kind) * Self.TILE)
+
+    @always_inline
+    def codes(self, kind: Int) -> CachePtr[Self.cache_t.dtype]:
+        """An 8-bit cache: the K (`kind` KEYS) or V codes of the tile being
+        copied, `[BN, D]`, in the second stage's space."""
+        return (
+            self.smem.unsafe_offset(Self.STAGES_AT + 2 * Self.TILE)
+            .unsafe_bitcast[Scalar[Self.cache_t.dtype]]()
+            .unsafe_offset(kind * Self.TILE)
         )
 
     @always_inline
-    def addresses(self, kv_start: Int) -> Pointer[Int, MutUntrackedOrigin]:
-        """The key row addresses of the tile at `kv_start`."""
+    def addresses(self, kv_start: Int, kind: Int = KEYS) -> Pointer[Int, MutUntrackedOrigin]:
+        """The key row addresses (`kind` KEYS), or an 8-bit cache's key or
+        value scale rows' (KEY_SCALES, VALUE_SCALES), of the tile at
+        `kv_start`."""
         return (
             self.smem.unsafe_offset(Self.ADDRESSES_AT)
             .unsafe_bitcast[Int]()
-            .unsafe_offset(self.stage(kv_start) * BN)
+            .unsafe_offset((self.stage(kv_start) * Self.ADDRESS_KINDS + kind) * BN)
         )
 
     @always_inline
@@ -133,38 +169,91 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int](TrivialRegisterPassable):
         kv_start: Int,
     ):
         """Thread j < BN: the address of key `kv_start + j`'s row in the
-        block's KV head (0 outside the block's range or the cache)."""
+        block's KV head (0 outside the block's range or the cache), and an
+        8-bit cache's addresses of its key and value scales there."""
         var head_offset = work.kv_head * Self.D
         for l in range(lanes):
             var j = tid + l
             if j < BN:
                 var pos = kv_start + j
+                var found = args.has_key(work, pos)
                 var address = 0
-                if args.has_key(work, pos):
+                if found:
                     address = Int(args.k_cache.row_ptr(work.row, pos).unsafe_offset(head_offset))
                 self.addresses(kv_start)[unsafe_offset=j] = address
+                comptime if Self.QUANTIZED:
+                    var k_scales = 0
+                    var v_scales = 0
+                    if found:
+                        k_scales = Int(head_scales(args.k_cache, work.row, pos, work.kv_head))
+                        v_scales = Int(head_scales(args.v_cache, work.row, pos, work.kv_head))
+                    self.addresses(kv_start, KEY_SCALES)[unsafe_offset=j] = k_scales
+                    self.addresses(kv_start, VALUE_SCALES)[unsafe_offset=j] = v_scales
+
+    @always_inline
+    def copy_at(self, kv_start: Int, unit: Int, kind: Int) -> CachePtr[Self.cache_t.dtype]:
+        """Where copy `unit` of the tile's K (`kind` KEYS) or V lands: its
+        swizzled bfloat16 stage, or an 8-bit cache's codes `[BN, D]`."""
+        var key = unit * Self.ELEMENTS_PER_COPY // Self.D
+        var first = unit * Self.ELEMENTS_PER_COPY % Self.D
+        comptime if Self.QUANTIZED:
+            return self.codes(kind).unsafe_offset(key * Self.D + first)
+        else:
+            return rebind[CachePtr[Self.cache_t.dtype]](
+                self.tile(kv_start, kind).unsafe_offset(Self.swizzled(key, first // 8))
+            )
 
     @always_inline
     def start_tile[lanes: Int](self, tid: Int, kv_start: Int):
-        """Starts copying the K and V rows of the tile at `kv_start` into its
-        stage (zeros for keys without an address), as one committed group."""
-        var keys = rebind[CachePtr[Self.cache_t.dtype]](self.tile(kv_start, KEYS))
-        var values = rebind[CachePtr[Self.cache_t.dtype]](self.tile(kv_start, VALUES))
+        """Starts copying the K and V rows of the tile at `kv_start` as
+        stored into its stage, or an 8-bit cache's codes into their space
+        (zeros for keys without an address), as one committed group."""
         var addresses = self.addresses(kv_start)
         for l in range(lanes):
             for n in range(Self.COPIES):
                 var unit = tid + l + n * BLOCK_THREADS
-                var key = unit // Self.CHUNKS
-                var c = unit % Self.CHUNKS
-                var at = Self.swizzled(key, c)
-                var address = addresses[unsafe_offset=key]
+                var keys = self.copy_at(kv_start, unit, KEYS)
+                var values = self.copy_at(kv_start, unit, VALUES)
+                var address = addresses[unsafe_offset=unit * Self.ELEMENTS_PER_COPY // Self.D]
                 if address != 0:
+                    var first = unit * Self.ELEMENTS_PER_COPY % Self.D
                     var source = CachePtr[Self.cache_t.dtype](unsafe_from_address=address)
-                    start_copy_16(source.unsafe_offset(c * 8), keys.unsafe_offset(at))
-                    start_copy_16(
-                        source.unsafe_offset(self.value_offset + c * 8), values.unsafe_offset(at)
-                    )
+                    start_copy_16(source.unsafe_offset(first), keys)
+                    start_copy_16(source.unsafe_offset(self.value_offset + first), values)
                 else:
-                    zero_16(keys.unsafe_offset(at))
-                    zero_16(values.unsafe_offset(at))
+                    zero_16(keys)
+                    zero_16(values)
         commit_copies()
+
+    @always_inline
+    def convert_tile[lanes: Int](self, tid: Int, kv_start: Int, granularity: Int):
+        """An 8-bit cache: the codes of the tile at `kv_start`, once landed,
+        widened times their scales (a 16-code chunk lies in one granule of
+        `granularity` codes) into the bfloat16 stage, each thread its own
+        copies' chunks, their scales all loaded first (one wait); a key
+        without scales becomes zeros."""
+        for l in range(lanes):
+            comptime for kind in range(2):
+                var addresses = self.addresses(kv_start, KEY_SCALES + kind)
+                var scales = SIMD[DType.float32, Self.COPIES](0)
+                comptime for n in range(Self.COPIES):
+                    var unit = tid + l + n * BLOCK_THREADS
+                    var address = addresses[unsafe_offset=unit * Self.ELEMENTS_PER_COPY // Self.D]
+                    if address != 0:
+                        var first = unit * Self.ELEMENTS_PER_COPY % Self.D
+                        scales[n] = ScalePtr(unsafe_from_address=address)[
+                            unsafe_offset=first // granularity
+                        ]
+                var tile = self.tile(kv_start, kind)
+                comptime for n in range(Self.COPIES):
+                    var unit = tid + l + n * BLOCK_THREADS
+                    var key = unit * Self.ELEMENTS_PER_COPY // Self.D
+                    var first = unit * Self.ELEMENTS_PER_COPY % Self.D
+                    var codes = self.copy_at(kv_start, unit, kind).unsafe_load[
+                        width=Self.ELEMENTS_PER_COPY, alignment=16
+                    ](0)
+                    var values = as_values(codes, scales[n]).cast[DType.bfloat16]()
+                    comptime for half in range(Self.ELEMENTS_PER_COPY // 8):
+                        tile.unsafe_offset(Self.swizzled(key, first // 8 + half)).unsafe_store[
+                            alignment=16
+                        ](0, values.slice[8, offset=half * 8]())

@@ -28,8 +28,12 @@ def _prefill_rows(head_dim: Int) -> Int:
 
 def _on_tensor_cores[cache_t: KVCacheT, q_dtype: DType, D: Int]() -> Bool:
     """Whether a cache's tiles can go to tensor cores (`mma`): bfloat16
-    values and queries, head_dim up to 128."""
-    return cache_t.dtype == DType.bfloat16 and q_dtype == DType.bfloat16 and D <= 128
+    queries over bfloat16 values or 8-bit codes, head_dim up to 128."""
+    return (
+        (cache_t.dtype == DType.bfloat16 or is_quantized[cache_t.dtype]())
+        and q_dtype == DType.bfloat16
+        and D <= 128
+    )
 
 
 def _run[
