@@ -118,12 +118,12 @@ class QuantizedAttention:
         widened to bfloat16 in shared memory) against the dequantization
         rounded to bfloat16, within the tolerance widened by twice the error
         of rounding the softmax weights (`p_rounded_attention`)."""
+        on_tensor_cores = self.q_dtype == DType.bfloat16 and tensor_cores
         values = self.cache.dequantized()
-        if self.q_dtype == DType.float32:
-            np.testing.assert_allclose(self.out, self.reference(values), atol=2e-5, rtol=2e-5)
-            return
-        atol, rtol = cpu_attention.TOLERANCE[DType.bfloat16]
-        if tensor_cores:
+        if on_tensor_cores:
             values = rounded_to_bfloat16(values)
-            atol += 2 * float(np.abs(self.reference(values, p_rounded_attention) - self.reference(values)).max())
-        np.testing.assert_allclose(self.out, self.reference(values), atol=atol, rtol=rtol)
+        exact = self.reference(values)
+        atol, rtol = cpu_attention.TOLERANCE[self.q_dtype]
+        if on_tensor_cores:
+            atol += 2 * float(np.abs(self.reference(values, p_rounded_attention) - exact).max())
+        np.testing.assert_allclose(self.out, exact, atol=atol, rtol=rtol)

@@ -31,9 +31,9 @@ The context is walked in tiles of `BN` = 64 keys:
 One barrier per tile: after it, this tile's copies have landed in every
 thread and every warp is done with the previous tile, whose stage the next
 tile's copies then overwrite (an 8-bit cache's tiles take a second one,
-after their codes are widened into the stage). Masking (causal, sliding window, the block's
-context range, padding rows) happens only on tiles where some row does not
-see every key, with two 32-bit bounds per row. Under the emulator a program
+after their codes are widened into the stage). Masking (causal, sliding
+window, the block's context range, padding rows) happens only on tiles where
+some row does not see every key, with two 32-bit bounds per row. Under the emulator a program
 is a whole warp (`..warp`)."""
 
 from std.math import exp2

@@ -190,12 +190,22 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int](TrivialRegisterPassable):
                     self.addresses(kv_start, KEY_SCALES)[unsafe_offset=j] = k_scales
                     self.addresses(kv_start, VALUE_SCALES)[unsafe_offset=j] = v_scales
 
+    @staticmethod
+    def key_of(unit: Int) -> Int:
+        """The key (row of the tile) that copy `unit` reads."""
+        return unit * Self.ELEMENTS_PER_COPY // Self.D
+
+    @staticmethod
+    def first_of(unit: Int) -> Int:
+        """The first element of its row that copy `unit` reads."""
+        return unit * Self.ELEMENTS_PER_COPY % Self.D
+
     @always_inline
     def copy_at(self, kv_start: Int, unit: Int, kind: Int) -> CachePtr[Self.cache_t.dtype]:
         """Where copy `unit` of the tile's K (`kind` KEYS) or V lands: its
         swizzled bfloat16 stage, or an 8-bit cache's codes `[BN, D]`."""
-        var key = unit * Self.ELEMENTS_PER_COPY // Self.D
-        var first = unit * Self.ELEMENTS_PER_COPY % Self.D
+        var key = Self.key_of(unit)
+        var first = Self.first_of(unit)
         comptime if Self.QUANTIZED:
             return self.codes(kind).unsafe_offset(key * Self.D + first)
         else:
@@ -214,9 +224,9 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int](TrivialRegisterPassable):
                 var unit = tid + l + n * BLOCK_THREADS
                 var keys = self.copy_at(kv_start, unit, KEYS)
                 var values = self.copy_at(kv_start, unit, VALUES)
-                var address = addresses[unsafe_offset=unit * Self.ELEMENTS_PER_COPY // Self.D]
+                var address = addresses[unsafe_offset=Self.key_of(unit)]
                 if address != 0:
-                    var first = unit * Self.ELEMENTS_PER_COPY % Self.D
+                    var first = Self.first_of(unit)
                     var source = CachePtr[Self.cache_t.dtype](unsafe_from_address=address)
                     start_copy_16(source.unsafe_offset(first), keys)
                     start_copy_16(source.unsafe_offset(self.value_offset + first), values)
@@ -238,17 +248,16 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int](TrivialRegisterPassable):
                 var scales = SIMD[DType.float32, Self.COPIES](0)
                 comptime for n in range(Self.COPIES):
                     var unit = tid + l + n * BLOCK_THREADS
-                    var address = addresses[unsafe_offset=unit * Self.ELEMENTS_PER_COPY // Self.D]
+                    var address = addresses[unsafe_offset=Self.key_of(unit)]
                     if address != 0:
-                        var first = unit * Self.ELEMENTS_PER_COPY % Self.D
                         scales[n] = ScalePtr(unsafe_from_address=address)[
-                            unsafe_offset=first // granularity
+                            unsafe_offset=Self.first_of(unit) // granularity
                         ]
                 var tile = self.tile(kv_start, kind)
                 comptime for n in range(Self.COPIES):
                     var unit = tid + l + n * BLOCK_THREADS
-                    var key = unit * Self.ELEMENTS_PER_COPY // Self.D
-                    var first = unit * Self.ELEMENTS_PER_COPY % Self.D
+                    var key = Self.key_of(unit)
+                    var first = Self.first_of(unit)
                     var codes = self.copy_at(kv_start, unit, kind).unsafe_load[
                         width=Self.ELEMENTS_PER_COPY, alignment=16
                     ](0)
