@@ -8,6 +8,8 @@ splitting and online-softmax bookkeeping.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from . import cache
@@ -31,6 +33,7 @@ def attention(
     lookup_table: np.ndarray,
     scale: float,
     sliding_window: int = 0,
+    weights_in_products: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> np.ndarray:
     """Attention of every new token over its own sequence, in float64.
 
@@ -39,6 +42,11 @@ def attention(
     `q` is `[total_new_tokens, n_q_heads, head_dim]` with sequence b's tokens in
     rows `row_offsets[b] : row_offsets[b + 1]`; query head h reads KV head
     `h // (n_q_heads // n_kv_heads)`. Returns `[total_new_tokens, n_q_heads, head_dim]`.
+
+    `weights_in_products`, where given, models a kernel whose weighted sum of
+    values takes the softmax weights `exp(s - max)` as it rounds them (say to
+    a tensor core's bfloat16), while the sum that normalises takes them as
+    they are.
     """
     n_q_heads = q.shape[1]
     n_kv_heads = blocks.shape[4]
@@ -61,8 +69,12 @@ def attention(
             v = values[start:end, kv_head_of]
             scores = np.einsum("hd,nhd->hn", q[first + i].astype(np.float64), k) * scale
             weights = np.exp(scores - scores.max(axis=1, keepdims=True))
-            weights /= weights.sum(axis=1, keepdims=True)
-            out[first + i] = np.einsum("hn,nhd->hd", weights, v)
+            if weights_in_products is None:
+                weights /= weights.sum(axis=1, keepdims=True)
+                out[first + i] = np.einsum("hn,nhd->hd", weights, v)
+            else:
+                products = np.einsum("hn,nhd->hd", weights_in_products(weights), v)
+                out[first + i] = products / weights.sum(axis=1)[:, None]
     return out
 
 

@@ -13,9 +13,7 @@ import numpy as np
 from max.dtype import DType
 
 from mokv_reference import bfloat16
-from mokv_reference import cache as ref_cache
 from mokv_reference.attention import attention as reference_attention
-from mokv_reference.attention import visible_range
 from tests.support import attention_cases as cpu_attention
 from tests.support import kv_quantization_cases as cpu_quantized
 
@@ -44,40 +42,13 @@ def rounded_to_bfloat16(values: np.ndarray) -> np.ndarray:
     return bfloat16.from_bits(bfloat16.to_bits(values.astype(np.float32))).astype(np.float64)
 
 
-def p_rounded_attention(
-    blocks: np.ndarray,
-    layer: int,
-    q: np.ndarray,
-    row_offsets: np.ndarray,
-    cache_lengths: np.ndarray,
-    lookup_table: np.ndarray,
-    scale: float,
-    window: int = 0,
-) -> np.ndarray:
+def p_rounded_attention(*args, **kwargs) -> np.ndarray:
     """What a tensor-core kernel computes, modelled in float64 (the arguments
     are the reference attention's): every softmax weight `exp(s - max)`
     rounded to bfloat16 before it multiplies the values (the P V product
     takes bfloat16 operands), while the sum that normalises is of the
     unrounded weights (the kernel sums them in float32)."""
-    n_q, n_kv = q.shape[1], blocks.shape[4]
-    kv_head_of = np.arange(n_q) // (n_q // n_kv)
-    out = np.zeros(q.shape, np.float64)
-    for row in range(len(cache_lengths)):
-        first, last = int(row_offsets[row]), int(row_offsets[row + 1])
-        cached = int(cache_lengths[row])
-        positions = np.arange(cached + last - first, dtype=np.uint32)
-        rows = np.full(len(positions), row, np.uint32)
-        keys, values = (
-            ref_cache.gather(blocks, layer, kv, lookup_table, rows, positions).astype(np.float64)[:, kv_head_of]
-            for kv in (0, 1)
-        )
-        for i in range(last - first):
-            start, end = visible_range(cached, i, window)
-            scores = np.einsum("hd,nhd->hn", q[first + i].astype(np.float64), keys[start:end]) * scale
-            weights = np.exp(scores - scores.max(axis=1, keepdims=True))
-            rounded = rounded_to_bfloat16(weights)
-            out[first + i] = np.einsum("hn,nhd->hd", rounded, values[start:end]) / weights.sum(axis=1)[:, None]
-    return out
+    return reference_attention(*args, weights_in_products=rounded_to_bfloat16, **kwargs)
 
 
 def assert_attention_close(
