@@ -3,7 +3,8 @@ cases, each call twice, for a profiler to watch (`tools/gpu_proof.sh
 --profile` runs it under Nsight Compute): the first call of a case warms it
 up, the second is the one to read. No MAX kernel runs here, so every kernel
 the profiler sees is mokv's (attention, and the split-K merge where the plan
-splits the context).
+splits the context). On a Hopper GPU a bfloat16 prefill case runs twice more
+with `MOKV_PREFILL_KERNEL=wgmma`, so both prefill kernels are in the report.
 
 Usage: python3 tools/gpu_profile.py [CASE ...]  (names as in the benchmark;
 default: the 32-sequence decode and the 2k prefill)."""
@@ -16,6 +17,7 @@ import numpy as np
 from max.driver import CPU, Accelerator
 from max.engine import InferenceSession
 
+from mokv_examples.bench.attention import has_warpgroup_mma, with_prefill_kernel
 from mokv_examples.bench.attention_cases import gpu_quick_cases, make_inputs
 from mokv_examples.bench.attention_kernels import Kernels
 
@@ -33,10 +35,13 @@ def main(names: list[str]) -> None:
         case = cases[name]
         model = kernels.mokv_model(case.dtype)
         args = make_inputs(case, np.random.default_rng(0), (case.dtype,), gpu)[case.dtype].mokv_args(case.softmax_scale)
-        for _ in range(2):
-            model.execute(*args)
-            gpu.synchronize()
-        print(f"ran {name} twice", flush=True)
+        kinds = ["mma", "wgmma"] if case.phase == "prefill" and has_warpgroup_mma(kernels) else ["mma"]
+        for kind in kinds:
+            call = with_prefill_kernel(kind, lambda model=model, args=args: model.execute(*args))
+            for _ in range(2):
+                call()
+                gpu.synchronize()
+            print(f"ran {name} twice ({kind} prefill products)", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ there).
 
 `--check` fails (exit 1), naming the kernel, if any kernel spills, has a
 stack frame or local loads or stores, or, written for tensor cores, lacks
-`mma.sync`, `ldmatrix` or `cp.async`.
+`mma.sync`, `ldmatrix` or `cp.async` (a `wgmma` kernel: `wgmma.mma_async`,
+`cp.async`, and the proxy fence that lets its products see the copies).
 
 Usage: python3 tools/ptx_registers.py [--check] BINARY [PTXAS]"""
 
@@ -41,12 +42,15 @@ KERNEL = re.compile(
 )
 INSTRUCTIONS = {
     "mma": r"\bmma\.sync\.",
+    "wgmma": r"\bwgmma\.mma_async\.",
+    "fence": r"\bfence\.proxy\.async\b",
     "ldm": r"\bldmatrix\.",
     "cp.async": r"\bcp\.async\.c[ag]\.",
     "local": r"\b(?:ld|st)\.local\.",
 }
-HEADER = ("regs", "spill", "stack", "bars", "smem KB", "blk/SM", "occ", "gfx942", "mma", "ldm", "cp.async", "local")
-WIDTHS = (4, 5, 5, 4, 7, 6, 4, 6, 4, 4, 8, 5)
+COUNTED = ("mma", "wgmma", "ldm", "cp.async", "local")
+HEADER = ("regs", "spill", "stack", "bars", "smem KB", "blk/SM", "occ", "gfx942", *COUNTED)
+WIDTHS = (4, 5, 5, 4, 7, 6, 4, 6, 4, 5, 4, 8, 5)
 SM90_REGISTERS = 65536
 SM90_SHARED = 228 * 1024
 SM90_BLOCK_RESERVED = 1024
@@ -86,8 +90,14 @@ class Kernel:
             local = self.counts["local"]
             found.append(f"{self.spill_bytes} bytes spilled, {self.stack} of stack, {local} local accesses")
         if self.tensor_cores:
-            found += [f"no {key}" for key in ("mma", "ldm", "cp.async") if not self.counts[key]]
+            found += [f"no {key}" for key in self.required() if not self.counts[key]]
         return found
+
+    def required(self) -> tuple[str, ...]:
+        """The instructions a tensor-core kernel was written to use."""
+        if "wgmma" in self.name:
+            return ("wgmma", "cp.async", "fence")
+        return ("mma", "ldm", "cp.async")
 
 
 def modules(binary: bytes) -> list[bytes]:
@@ -153,7 +163,7 @@ def row(k: Kernel) -> str:
         str(blocks),
         f"{blocks * math.ceil(k.threads / 32) / 64:.0%}",
         "n/a" if k.tensor_cores else ("fits" if k.shared <= GFX942_SHARED else "OVER"),
-        *(str(k.counts[key]) for key in ("mma", "ldm", "cp.async", "local")),
+        *(str(k.counts[key]) for key in COUNTED),
     )
     return line(k.name, cells)
 

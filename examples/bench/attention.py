@@ -19,8 +19,9 @@ decoding for decode batches): longer contexts and larger batches, bfloat16 (and 
 rows). Every timed call ends with a device synchronize, so a row is the call's wall time,
 launch overhead included for both kernels. The memory yardstick is then a 1 GiB
 device-to-device copy: its traffic (read plus write) per second stands for the achievable HBM
-bandwidth, against which the KV read rate of decode is set. Without a GPU it says so and
-exits. `docs/gpu/results/` keeps the GPU runs' tables.
+bandwidth, against which the KV read rate of decode is set. On a Hopper GPU the bfloat16
+prefill rows also time mokv with `MOKV_PREFILL_KERNEL=wgmma` (warpgroup products) in the same
+rounds. Without a GPU it says so and exits. `docs/gpu/results/` keeps the GPU runs' tables.
 """
 
 from __future__ import annotations
@@ -54,13 +55,40 @@ from mokv_examples.bench.references import reference
 from mokv_examples.bench.results import out_dir_option, span, write_results
 from mokv_examples.bench.timing import CopyProbe, GpuCopyProbe, time_alternately
 
+PREFILL_KERNEL = "MOKV_PREFILL_KERNEL"
+
+
+def with_prefill_kernel(kernel: str, call: Callable[[], Any]) -> Callable[[], Any]:
+    """`call` with `MOKV_PREFILL_KERNEL` set to `kernel` (read by mokv's GPU
+    op at every call), then set back."""
+
+    def run() -> Any:
+        before = os.environ.get(PREFILL_KERNEL)
+        os.environ[PREFILL_KERNEL] = kernel
+        try:
+            return call()
+        finally:
+            if before is None:
+                del os.environ[PREFILL_KERNEL]
+            else:
+                os.environ[PREFILL_KERNEL] = before
+
+    return run
+
+
+def has_warpgroup_mma(kernels: Kernels) -> bool:
+    """Whether the benchmark's device is a Hopper GPU (sm_90)."""
+    return not kernels.device.is_host and accelerator_architecture_name().startswith("sm_90")
+
 
 def run_case(case: Case, kernels: Kernels, copy: CopyProbe | GpuCopyProbe, budget_s: float) -> dict[str, Any]:
     """Times one case. A bfloat16 decode case on the CPU also times mokv on
     the same values stored as float32, in the same rounds, for the tokens/s
-    ratio."""
+    ratio; a bfloat16 prefill on a Hopper GPU also times mokv's warpgroup
+    prefill (`MOKV_PREFILL_KERNEL=wgmma`)."""
     scale = case.softmax_scale
     with_f32 = case.dtype == DType.bfloat16 and case.phase == "decode" and kernels.device.is_host
+    with_wgmma = case.dtype == DType.bfloat16 and case.phase == "prefill" and has_warpgroup_mma(kernels)
     dtypes = (case.dtype, DType.float32) if with_f32 else (case.dtype,)
     data = make_inputs(case, np.random.default_rng(0), dtypes, kernels.device)
     mine = data[case.dtype]
@@ -76,8 +104,11 @@ def run_case(case: Case, kernels: Kernels, copy: CopyProbe | GpuCopyProbe, budge
         mokv_f32 = kernels.mokv_model(DType.float32)
         f32_args = data[DType.float32].mokv_args(scale)
         calls["mokv_float32"] = lambda: mokv_f32.execute(*f32_args)
+    if with_wgmma:
+        calls["mokv_wgmma"] = with_prefill_kernel("wgmma", calls["mokv"])
 
-    diff = np.abs(to_float(mokv.execute(*mokv_args)[0], case.dtype) - to_float(max_kernel(max_args), case.dtype))
+    expected = to_float(max_kernel(max_args), case.dtype)
+    diff = np.abs(to_float(mokv.execute(*mokv_args)[0], case.dtype) - expected)
     copy_rate = copy.gbps()
     times = time_alternately(calls, min_runs=5, budget_s=budget_s)
     row = {
@@ -100,6 +131,11 @@ def run_case(case: Case, kernels: Kernels, copy: CopyProbe | GpuCopyProbe, budge
     if with_f32:
         row["mokv_float32_s"] = times["mokv_float32"]
         row["bf16_over_f32"] = times["mokv_float32"] / times["mokv"]
+    if with_wgmma:
+        wgmma_out = with_prefill_kernel("wgmma", lambda: mokv.execute(*mokv_args)[0])()
+        row["wgmma_s"] = times["mokv_wgmma"]
+        row["wgmma_speedup"] = times["max"] / times["mokv_wgmma"]
+        row["wgmma_max_abs_diff"] = float(np.abs(to_float(wgmma_out, case.dtype) - expected).max())
     return row
 
 
@@ -121,6 +157,10 @@ def gpu_summary(rows: list[dict[str, Any]]) -> list[str]:
             f" {span([r['kv_gbps'] / r['copy_gbps'] for r in bound])}"
         ),
         f"- prefill, speedup over MAX (target >= 0.8): {span([r['speedup'] for r in prefill])}",
+        (
+            "- prefill with MOKV_PREFILL_KERNEL=wgmma (Hopper), speedup over MAX:"
+            f" {span([r['wgmma_speedup'] for r in prefill if 'wgmma_speedup' in r])}"
+        ),
     ]
 
 
@@ -150,15 +190,20 @@ def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
         *summary(rows),
         "",
         "| case | mokv ms | MAX ms | speedup | mokv KV GB/s | MAX KV GB/s | copy GB/s | tokens/s | bf16/f32"
-        " | max abs diff |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        " | max abs diff | wgmma ms | wgmma speedup | wgmma max abs diff |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ratio = f"{r['bf16_over_f32']:.2f}x" if "bf16_over_f32" in r else ""
+        wgmma = (
+            f"{r['wgmma_s'] * 1e3:.3f} | {r['wgmma_speedup']:.2f}x | {r['wgmma_max_abs_diff']:.1e}"
+            if "wgmma_s" in r
+            else " | | "
+        )
         lines.append(
             f"| {r['case']} | {r['mokv_s'] * 1e3:.3f} | {r['max_s'] * 1e3:.3f} | {r['speedup']:.2f}x"
             f" | {r['kv_gbps']:.1f} | {r['max_kv_gbps']:.1f} | {r['copy_gbps']:.1f}"
-            f" | {r['tokens_per_s']:.0f} | {ratio} | {r['max_abs_diff']:.1e} |"
+            f" | {r['tokens_per_s']:.0f} | {ratio} | {r['max_abs_diff']:.1e} | {wgmma} |"
         )
     return "\n".join(lines) + "\n"
 

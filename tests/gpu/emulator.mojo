@@ -9,7 +9,10 @@ A call naming a `format` (`float8_e4m3fn`, `int8`) runs on a paged quantized
 cache: its codes in `blocks.bin` (float8 as uint8 bits), its scales in
 `scales.bin`, queries and new rows in `dtype`; a store also writes
 `scales_out.bin`, `gather_codes` the codes (`out.bin`) and their scales.
-Op `warp` runs one emulated warp-collective step (`mokv_kernels.gpu.warp`)
+A `prefill_kernel` entry sets `MOKV_PREFILL_KERNEL` for the op (`mma` or
+`wgmma`: which products the tensor-core prefill takes). Op `warp` runs one
+emulated warp-collective step (`mokv_kernels.gpu.warp`, or a warpgroup
+product of `mokv_kernels.gpu.warpgroup` as one warp of its group does it)
 on per-lane registers instead, writing every lane's result to `out.bin`.
 
 The views hold untracked pointers into the byte lists read from disk, so
@@ -17,6 +20,7 @@ each list is kept alive (`_ = bytes^`) until the op has run.
 """
 
 from std.memory import bitcast
+from std.os import setenv
 from std.sys import argv, size_of
 from std.utils import IndexList
 
@@ -34,7 +38,8 @@ from mokv_kernels.gpu.quantized import (
 from mokv_kernels.gpu.rows import gather_rows_gpu, store_kv_gpu
 from mokv_kernels.kv_quantization import codes_in, is_quantized
 from mokv_kernels.gpu.views import InputView, MutableView, OutputView, row_major
-from mokv_kernels.gpu.warp import WARP_LANES, ld_matrix, mma, shuffle_xor
+from mokv_kernels.gpu.warp import WARP_LANES, FragA, Frags, ld_matrix, mma, shuffle_xor
+from mokv_kernels.gpu.warpgroup import k_slice, mn_slice, wgmma_rs, wgmma_ss
 
 
 struct Call:
@@ -105,6 +110,8 @@ def _run_op[
     quantized cache's codes travel as `codes_dtype` (its blocks' dtype)."""
     comptime quantized = is_quantized[collection_t.CacheType.dtype]()
     var op = call.text("op")
+    if "prefill_kernel" in call.meta:
+        _ = setenv("MOKV_PREFILL_KERNEL", call.text("prefill_kernel"))
     var emulator = Emulator(call.int("multiprocessors"), call.int("tensor_cores") == 1)
     var layer = UInt32(call.int("layer"))
     var offsets_bytes = List[UInt8]()
@@ -279,6 +286,59 @@ def _ld_matrix[count: Int, transpose: Bool](call: Call) raises:
     _ = rows_bytes^
 
 
+comptime WGMMA_TILE_ROWS = 64
+"""Rows of the swizzled `[64, 128]` tiles a `wgmma` step reads (`a_tile`,
+`b_tile`, laid out by the test)."""
+
+
+def _wgmma[n: Int](call: Call) raises:
+    """One warp's share of a warpgroup product: A from `a_tile` (K-major,
+    k-step `k_step`, the rows of warp `warp`) or from the lanes' fragments
+    (`a`), B from `b_tile` (K-major, or MN-major when `b_major` is 0, at
+    k-step `k_step`), C from the lanes' `c`."""
+    var a_tile = call.read("a_tile")
+    var b_tile = call.read("b_tile")
+    var c_bytes = call.read("c")
+    var c = _lanes[DType.float32, n // 2](c_bytes)
+    var d = Frags[DType.float32, 4, n // 8, WARP_LANES](0)
+    for l in range(WARP_LANES):
+        comptime for i in range(n // 8):
+            d[i, l] = c[l].slice[4, offset=4 * i]()
+    var step = call.int("k_step")
+    var a_ptr = _ptr[DType.bfloat16](a_tile)
+    var b_ptr = _ptr[DType.bfloat16](b_tile)
+    if call.int("a_shared") == 1:
+        if call.int("b_major") == 1:
+            wgmma_ss[n](
+                k_slice(a_ptr, WGMMA_TILE_ROWS, step),
+                k_slice(b_ptr, WGMMA_TILE_ROWS, step),
+                d,
+                call.int("warp"),
+            )
+        else:
+            wgmma_ss[n](
+                k_slice(a_ptr, WGMMA_TILE_ROWS, step),
+                mn_slice[WGMMA_TILE_ROWS](b_ptr, step),
+                d,
+                call.int("warp"),
+            )
+    else:
+        var a_bytes = call.read("a")
+        var a = _lanes[DType.bfloat16, 8](a_bytes)
+        if call.int("b_major") == 1:
+            wgmma_rs[n](a, k_slice(b_ptr, WGMMA_TILE_ROWS, step), d)
+        else:
+            wgmma_rs[n](a, mn_slice[WGMMA_TILE_ROWS](b_ptr, step), d)
+    var out = Array[SIMD[DType.float32, n // 2], WARP_LANES](fill=0)
+    for l in range(WARP_LANES):
+        for i in range(n // 8):
+            comptime for e in range(4):
+                out[l][4 * i + e] = d[i, l][e]
+    _write_lanes[DType.float32, n // 2](call, out)
+    _ = a_tile^
+    _ = b_tile^
+
+
 def _run_warp(call: Call) raises:
     """One warp-collective step on the lanes' registers in the call's files."""
     var step = call.text("step")
@@ -309,6 +369,11 @@ def _run_warp(call: Call) raises:
                     _ld_matrix[n, True](call)
                 else:
                     _ld_matrix[n, False](call)
+    elif step == "wgmma":
+        if call.int("n") == 64:
+            _wgmma[64](call)
+        else:
+            _wgmma[128](call)
     else:
         raise Error(t"unknown warp step {step}")
 

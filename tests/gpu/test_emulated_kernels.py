@@ -126,14 +126,18 @@ def emulate_attention(
     multiprocessors: int = 1,
     bounds: tuple[int, int] | None = None,
     tensor_cores: bool = True,
+    prefill_kernel: str = "mma",
 ) -> np.ndarray:
     """The emulated attention op's output (float32 values). `bounds` (most new
     tokens, longest context) default to the batch's own; `tensor_cores` says
-    whether the emulated device has them."""
+    whether the emulated device has them; `prefill_kernel` is
+    `MOKV_PREFILL_KERNEL`."""
     new = np.diff(b.row_offsets.astype(np.int64))
     if bounds is None:
         bounds = (int(new.max()), int((b.cache_lengths + new).max()))
-    meta = cache_meta("attention", b.layout, b.dtype.name, b.blocks, layer, multiprocessors, tensor_cores) | {
+    meta = cache_meta(
+        "attention", b.layout, b.dtype.name, b.blocks, layer, multiprocessors, tensor_cores, prefill_kernel
+    ) | {
         "tokens": b.q.shape[0],
         "n_q_heads": b.q.shape[1],
         "scale_bits": float32_bits(scale),
@@ -163,7 +167,34 @@ def test_mixed_batch_matches_numpy(case, multiprocessors, emulator):
     assert_attention_close(out, b, layer, scale)
 
 
-@pytest.mark.parametrize("case", [c for c in cpu_attention.CASES if c[1] == DType.bfloat16], ids=cpu_attention.case_id)
+BFLOAT16_CASES = [c for c in cpu_attention.CASES if c[1] == DType.bfloat16]
+
+
+@pytest.mark.parametrize("multiprocessors", [1, H100_MULTIPROCESSORS], ids=["unsplit", "split"])
+@pytest.mark.parametrize("case", BFLOAT16_CASES, ids=cpu_attention.case_id)
+def test_warpgroup_prefill_matches_numpy(case, multiprocessors, emulator):
+    """`MOKV_PREFILL_KERNEL=wgmma`: the tensor-core prefill's products as
+    Hopper's warpgroup MMA, its operands read from the swizzled tiles
+    through the PTX ISA's canonical layouts (`mokv_kernels.gpu.warpgroup`)."""
+    b, layer, scale = mixed_case(case)
+    out = emulate_attention(emulator, b, layer, scale, multiprocessors=multiprocessors, prefill_kernel="wgmma")
+    assert_attention_close(out, b, layer, scale)
+
+
+@pytest.mark.parametrize(
+    ("prefill_kernel", "tensor_cores", "message"),
+    [
+        ("tensor", True, "MOKV_PREFILL_KERNEL=tensor: expected mma or wgmma"),
+        ("wgmma", False, "MOKV_PREFILL_KERNEL=wgmma: this device has no warpgroup MMA"),
+    ],
+)
+def test_prefill_kernel_choice_is_checked(prefill_kernel, tensor_cores, message, emulator):
+    b, layer, scale = mixed_case(BFLOAT16_CASES[0])
+    with pytest.raises(RuntimeError, match=message):
+        emulate_attention(emulator, b, layer, scale, tensor_cores=tensor_cores, prefill_kernel=prefill_kernel)
+
+
+@pytest.mark.parametrize("case", BFLOAT16_CASES, ids=cpu_attention.case_id)
 def test_bfloat16_without_tensor_cores(case, emulator):
     """On a GPU without `mma.sync` (AMD's, older NVIDIA) a bfloat16 prefill
     takes the CUDA-core kernel, held to the CPU suite's tolerance."""
@@ -210,16 +241,19 @@ def test_head_dim_256(emulator):
     cpu_attention.assert_close(out, cpu_attention.expected(b, 0, 1 / 16), DType.float32)
 
 
+@pytest.mark.parametrize("prefill_kernel", ["mma", "wgmma"])
 @pytest.mark.parametrize("window", [0, 100])
-def test_tensor_core_prefill_of_long_chunks(window, emulator):
+def test_tensor_core_prefill_of_long_chunks(window, prefill_kernel, emulator):
     """Chunks of a few hundred tokens over cached prefixes, Llama's heads: the
-    tensor-core prefill walks tens of tiles per block, most of them seen in
-    full by every row (no masking), the last ones masked causally, or by the
-    window at both ends."""
+    tensor-core prefill (warp or warpgroup products) walks tens of tiles per
+    block, most of them seen in full by every row (no masking), the last
+    ones masked causally, or by the window at both ends."""
     rng = np.random.default_rng(300 + window)
     b = cpu_attention.make_batch(rng, "paged", DType.bfloat16, [(700, 130), (0, 200), (64, 64)], 32, 8, 128, 16)
     scale = 1 / math.sqrt(128)
-    out = emulate_attention(emulator, b, 1, scale, window, multiprocessors=H100_MULTIPROCESSORS)
+    out = emulate_attention(
+        emulator, b, 1, scale, window, multiprocessors=H100_MULTIPROCESSORS, prefill_kernel=prefill_kernel
+    )
     assert_attention_close(out, b, 1, scale, window)
 
 

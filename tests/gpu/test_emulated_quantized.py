@@ -159,10 +159,12 @@ def test_growing_scale_block_requantizes_the_tokens_it_holds(fmt, emulator):
         assert (np.abs(deq[t] - tokens[t]) <= allowed * 1.01 + 1e-6).all(), f"token {t}"
 
 
-def emulate_attention(emulator: Emulator, case: tuple, multiprocessors: int, tensor_cores: bool) -> QuantizedAttention:
+def emulate_attention(
+    emulator: Emulator, case: tuple, multiprocessors: int, tensor_cores: bool, prefill_kernel: str = "mma"
+) -> QuantizedAttention:
     """Decode and prefill rows (`cpu.ROWS`, or their decode steps alone on a
     large device, so that the decode kernels and their splits run) over a
-    quantized cache made for `case`."""
+    quantized cache made for `case`; `prefill_kernel` is `MOKV_PREFILL_KERNEL`."""
     fmt, q_dtype, group, d, page, granules, per_block = case
     rng = np.random.default_rng(d + page + granules)
     rows = cpu.ROWS if multiprocessors == 1 else [(c, 1) for c, _ in cpu.ROWS]
@@ -178,6 +180,7 @@ def emulate_attention(emulator: Emulator, case: tuple, multiprocessors: int, ten
         "window": 0,
         "max_new_tokens": int(summary[0, 0]),
         "max_context": int(summary[0, 1]),
+        "prefill_kernel": prefill_kernel,
     }
     raw = emulate(emulator, "attention", cache, q_dtype, 1, arrays, "out", multiprocessors, tensor_cores, **meta)
     return QuantizedAttention(_values(raw, q_dtype, q.shape), cache, q, q_dtype, offsets, cached, scale)
@@ -207,3 +210,10 @@ def test_tensor_cores_read_codes_widened_to_bfloat16(case, multiprocessors, emul
     """The tensor-core kernels, which widen each tile's codes times their
     scales to bfloat16 in shared memory (`QuantizedAttention.assert_close`)."""
     emulate_attention(emulator, case, multiprocessors, tensor_cores=True).assert_close(tensor_cores=True)
+
+
+@pytest.mark.parametrize("case", TENSOR_CORE_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_warpgroup_prefill_reads_codes_widened_to_bfloat16(case, emulator):
+    """`MOKV_PREFILL_KERNEL=wgmma`: the prefill rows' products as Hopper's
+    warpgroup MMA, over the same widened tiles."""
+    emulate_attention(emulator, case, 1, tensor_cores=True, prefill_kernel="wgmma").assert_close(tensor_cores=True)

@@ -21,7 +21,7 @@ from tests.support import store_gather as cpu_rows
 from tests.support.attention_graph import build_attention_graph
 from tests.support.compile_once import compiled_per_key
 from tests.support.gpu import needs_gpu
-from tests.support.gpu_cases import assert_attention_close, mixed_case, window_case
+from tests.support.gpu_cases import assert_attention_close, mixed_case, on_warpgroup_prefill, window_case
 
 pytestmark = needs_gpu("the store, gather and attention ops against numpy and MAX's GPU attention")
 
@@ -130,6 +130,24 @@ def test_long_contexts(rows, dtype, gpu_attention, gpu: Device):
     b = cpu_attention.make_batch(rng, "paged", dtype, rows, 32, 8, 128, 128)
     scale = 1 / math.sqrt(128)
     out = run_on_gpu(gpu_attention("paged", dtype), b, gpu, 0, scale)
+    assert_attention_close(out, b, 0, scale)
+
+
+@pytest.mark.parametrize("case", [c for c in cpu_attention.CASES if c[1] == DType.bfloat16], ids=cpu_attention.case_id)
+def test_warpgroup_prefill_matches_numpy(case, gpu_attention, gpu: Device, monkeypatch):
+    """The tensor-core prefill on Hopper's warpgroup products."""
+    b, layer, scale = mixed_case(case)
+    out = on_warpgroup_prefill(monkeypatch, lambda: run_on_gpu(gpu_attention(b.layout, b.dtype), b, gpu, layer, scale))
+    assert_attention_close(out, b, layer, scale)
+
+
+def test_warpgroup_prefill_of_a_long_chunk(gpu_attention, gpu: Device, monkeypatch):
+    """A 2k-token chunk over 6k cached tokens beside a 30k decode, Llama's heads, pages of 128."""
+    rng = np.random.default_rng(43)
+    b = cpu_attention.make_batch(rng, "paged", DType.bfloat16, [(6000, 2048), (30000, 1)], 32, 8, 128, 128)
+    scale = 1 / math.sqrt(128)
+    graph = gpu_attention("paged", DType.bfloat16)
+    out = on_warpgroup_prefill(monkeypatch, lambda: run_on_gpu(graph, b, gpu, 0, scale))
     assert_attention_close(out, b, 0, scale)
 
 

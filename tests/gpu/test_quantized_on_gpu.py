@@ -21,7 +21,7 @@ from mokv_reference import quant as ref
 from tests.support import kv_quantization_cases as cpu
 from tests.support.compile_once import compiled_per_key
 from tests.support.gpu import needs_gpu
-from tests.support.gpu_cases import QuantizedAttention
+from tests.support.gpu_cases import QuantizedAttention, on_warpgroup_prefill
 from tests.support.quantized_graphs import GRAPH_DTYPE, build_attention, build_store_gather
 
 pytestmark = needs_gpu("the quantized cache's store, gathers and attention against the numpy model")
@@ -80,8 +80,8 @@ def test_store_and_gathers_match_the_numpy_model(fmt, dtype, gpu_quantized, gpu:
     )
 
 
-@pytest.mark.parametrize("case", cpu.ATTENTION_CASES, ids=lambda c: "-".join(str(x) for x in c))
-def test_attention_reads_codes_with_their_scales(case, gpu_quantized, gpu: Device):
+def run_attention(case: tuple, gpu_quantized, gpu: Device) -> QuantizedAttention:
+    """mokv's attention on the GPU over a quantized cache made for `case`."""
     fmt, q_dtype, group, d, page, granules, per_block = case
     rng = np.random.default_rng(d + page + granules)
     cache, cached, offsets, q, summary = cpu.quantized_batch(
@@ -101,6 +101,18 @@ def test_attention_reads_codes_with_their_scales(case, gpu_quantized, gpu: Devic
         Buffer.from_numpy(np.array(scale, np.float32)),
         cpu.u32(0),
     )
-    call = QuantizedAttention(cpu.to_numpy(out, q_dtype), cache, q, q_dtype, offsets, cached, scale)
+    return QuantizedAttention(cpu.to_numpy(out, q_dtype), cache, q, q_dtype, offsets, cached, scale)
+
+
+@pytest.mark.parametrize("case", cpu.ATTENTION_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_attention_reads_codes_with_their_scales(case, gpu_quantized, gpu: Device):
     # bfloat16 queries go to tensor cores on NVIDIA GPUs from sm_80, the GPUs this runs on.
-    call.assert_close(tensor_cores=True)
+    run_attention(case, gpu_quantized, gpu).assert_close(tensor_cores=True)
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in cpu.ATTENTION_CASES if c[1] == DType.bfloat16], ids=lambda c: "-".join(str(x) for x in c)
+)
+def test_warpgroup_prefill_reads_codes(case, gpu_quantized, gpu: Device, monkeypatch):
+    """The prefill rows on Hopper's warpgroup products (`MOKV_PREFILL_KERNEL=wgmma`)."""
+    on_warpgroup_prefill(monkeypatch, lambda: run_attention(case, gpu_quantized, gpu)).assert_close(tensor_cores=True)

@@ -44,11 +44,31 @@ def b_fragments(b: np.ndarray) -> np.ndarray:
 
 
 def c_fragments(c: np.ndarray) -> np.ndarray:
-    """m16n8 C or D `[16, 8]` as each lane's 4 values (c0..c3)."""
-    out = np.empty((LANES, 4), c.dtype)
+    """m16n8 C or D `[16, 8]` as each lane's 4 values (c0..c3); for a
+    `[16, N]` (one warp's rows of a warpgroup product, m64nNk16), the same
+    4 values for each 8 columns in turn: N / 2 values."""
+    n = c.shape[1]
+    out = np.empty((LANES, n // 2), c.dtype)
     for lane in range(LANES):
         g, t = divmod(lane, 4)
-        out[lane] = [c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]]
+        for i in range(n // 8):
+            col = 8 * i + 2 * t
+            out[lane, 4 * i : 4 * i + 4] = [c[g, col], c[g, col + 1], c[g + 8, col], c[g + 8, col + 1]]
+    return out
+
+
+def swizzled_tile(tile: np.ndarray) -> np.ndarray:
+    """A `[rows, D]` tile as Hopper's 128-byte swizzle lays it out for
+    `wgmma` (PTX ISA, "Shared Memory Matrix Layout"): D / 64 column blocks
+    `[rows, 64]` one after the other, the 16-byte chunk c of row r stored
+    at chunk `c ^ (r % 8)` of its 128-byte row."""
+    rows, d = tile.shape
+    out = np.empty(rows * d, tile.dtype)
+    for block in range(d // 64):
+        for r in range(rows):
+            for c in range(8):
+                to = (block * rows + r) * 64 + (c ^ (r % 8)) * 8
+                out[to : to + 8] = tile[r, block * 64 + 8 * c : block * 64 + 8 * c + 8]
     return out
 
 
@@ -101,3 +121,47 @@ def test_shuffle_xor_matches_numpy(mask, emulator):
     values = np.random.default_rng(mask).standard_normal(LANES, dtype=np.float32)
     got = np.frombuffer(run_step(emulator, "shuffle_xor", {"values": values}, mask=mask), np.float32)
     np.testing.assert_array_equal(got, values[np.arange(LANES) ^ mask])
+
+
+def _wgmma(emulator: Emulator, arrays: dict[str, np.ndarray], n: int, **meta: int) -> np.ndarray:
+    raw = run_step(emulator, "wgmma", arrays, n=n, **meta)
+    return np.frombuffer(raw, np.float32).reshape(LANES, n // 2)
+
+
+@pytest.mark.parametrize(("step", "warp"), [(0, 0), (5, 3), (7, 1)])
+def test_wgmma_scores_from_shared_memory(step, warp, emulator):
+    """Q Kᵀ's k-step `step` as the tensor-core prefill issues it on Hopper:
+    A from the swizzled queries `[64, 128]`, B the swizzled keys `[64, 128]`
+    read K-major, N = 64 keys; a warp gets its 16 rows of D."""
+    rng = np.random.default_rng(step + 10 * warp)
+    queries, keys = _bf16(rng, (64, 128)), _bf16(rng, (64, 128))
+    c = rng.standard_normal((16, 64), dtype=np.float32)
+    arrays = {
+        "a_tile": bfloat16.to_bits(swizzled_tile(queries)),
+        "b_tile": bfloat16.to_bits(swizzled_tile(keys)),
+        "c": c_fragments(c),
+    }
+    d = _wgmma(emulator, arrays, 64, a_shared=1, b_major=1, k_step=step, warp=warp)
+    k = slice(16 * step, 16 * step + 16)
+    a = queries[16 * warp : 16 * warp + 16, k].astype(np.float64)
+    expected = a @ keys[:, k].T.astype(np.float64) + c
+    np.testing.assert_allclose(d, c_fragments(expected), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("step", [0, 3])
+def test_wgmma_values_from_registers_and_shared_memory(step, emulator):
+    """P V's k-step `step`: A (probabilities `[16, 16]`) in one warp's
+    `mma.sync` A fragments, B the swizzled values `[64, 128]` read MN-major
+    (keys 16 step .. as K), N = 128 dims."""
+    rng = np.random.default_rng(100 + step)
+    p, values = _bf16(rng, (16, 16)), _bf16(rng, (64, 128))
+    c = rng.standard_normal((16, 128), dtype=np.float32)
+    arrays = {
+        "a_tile": bfloat16.to_bits(np.zeros(64 * 128, np.float32)),
+        "b_tile": bfloat16.to_bits(swizzled_tile(values)),
+        "a": bfloat16.to_bits(a_fragments(p)),
+        "c": c_fragments(c),
+    }
+    d = _wgmma(emulator, arrays, 128, a_shared=0, b_major=0, k_step=step, warp=0)
+    expected = p.astype(np.float64) @ values[16 * step : 16 * step + 16].astype(np.float64) + c
+    np.testing.assert_allclose(d, c_fragments(expected), rtol=1e-5, atol=1e-5)

@@ -74,10 +74,12 @@ def cache_meta(
     layer: int,
     multiprocessors: int = 1,
     tensor_cores: bool = True,
+    prefill_kernel: str = "mma",
 ) -> dict:
     """The meta entries every call has: the op, the layout, the block tensor's
-    shape, and the emulated device (multiprocessors, whether it has tensor
-    cores: without, the ops launch the kernels of GPUs that have none)."""
+    shape, the emulated device (multiprocessors, whether it has tensor
+    cores: without, the ops launch the kernels of GPUs that have none; with,
+    it has Hopper's warpgroup MMA too), and `MOKV_PREFILL_KERNEL`."""
     num_blocks, _, num_layers, block_len, n_kv_heads, head_dim = blocks.shape
     return {
         "op": op,
@@ -91,6 +93,7 @@ def cache_meta(
         "layer": layer,
         "multiprocessors": multiprocessors,
         "tensor_cores": int(tensor_cores),
+        "prefill_kernel": prefill_kernel,
     }
 
 

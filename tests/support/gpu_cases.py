@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 from max.dtype import DType
 
 from mokv_reference import bfloat16
@@ -98,3 +99,15 @@ class QuantizedAttention:
         if on_tensor_cores:
             atol += 2 * float(np.abs(self.reference(values, p_rounded_attention) - exact).max())
         np.testing.assert_allclose(self.out, exact, atol=atol, rtol=rtol)
+
+
+def on_warpgroup_prefill(monkeypatch: pytest.MonkeyPatch, run):
+    """`run()` with `MOKV_PREFILL_KERNEL=wgmma`; skips where the GPU has no
+    warpgroup MMA (the op says so)."""
+    monkeypatch.setenv("MOKV_PREFILL_KERNEL", "wgmma")
+    try:
+        return run()
+    except ValueError as error:
+        if "no warpgroup MMA" in str(error):
+            pytest.skip(f"not a Hopper GPU: {error}")
+        raise

@@ -37,6 +37,7 @@ from std.utils.static_tuple import StaticTuple
 
 from ..pointers import F32Ptr
 from .warp import WARP_LANES
+from .warpgroup import SWIZZLE_ALIGNMENT
 
 
 comptime DEFAULT_SHARED_BYTES = 48 * 1024
@@ -140,7 +141,7 @@ struct GpuBlock[P: ThreadProgram](BlockExecutor):
 
 def _shared_memory() -> F32Ptr:
     return (
-        external_memory[Float32, address_space=AddressSpace.SHARED, alignment=16]()
+        external_memory[Float32, address_space=AddressSpace.SHARED, alignment=SWIZZLE_ALIGNMENT]()
         .unsafe_address_space_cast[AddressSpace.GENERIC]()
         .unsafe_origin_cast[MutUntrackedOrigin]()
     )
@@ -169,6 +170,11 @@ trait Launcher:
     def tensor_cores(self) -> Bool:
         """Whether kernels with `mma.sync` steps (`warp`) run here: NVIDIA
         GPUs from sm_80, and the emulator."""
+        ...
+
+    def warpgroup_mma(self) -> Bool:
+        """Whether kernels with `wgmma` steps (`warpgroup`) run here: NVIDIA
+        Hopper GPUs (sm_90), and the emulator."""
         ...
 
 
@@ -264,6 +270,15 @@ struct GpuLauncher(Launcher):
         except:
             return False
 
+    def warpgroup_mma(self) -> Bool:
+        try:
+            return (
+                self.ctx.api() == "cuda"
+                and self.ctx.get_attribute(DeviceAttribute.COMPUTE_CAPABILITY_MAJOR) == 9
+            )
+        except:
+            return False
+
 
 struct EmulatedBlock[P: ThreadProgram](BlockExecutor):
     """Every thread of one block on the CPU (see the module docstring)."""
@@ -289,7 +304,7 @@ struct Emulator(Launcher):
     """Runs kernels on the CPU, block after block (see the module docstring).
     For tests: slow, and only as exact as the host's float32 arithmetic.
     `has_tensor_cores` false makes the ops pick the kernels they launch on
-    GPUs without `mma.sync`."""
+    GPUs without `mma.sync` (or `wgmma`)."""
 
     comptime LANES = WARP_LANES
 
@@ -332,4 +347,7 @@ struct Emulator(Launcher):
         return self.num_multiprocessors
 
     def tensor_cores(self) -> Bool:
+        return self.has_tensor_cores
+
+    def warpgroup_mma(self) -> Bool:
         return self.has_tensor_cores

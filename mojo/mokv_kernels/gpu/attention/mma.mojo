@@ -1,7 +1,8 @@
 """Attention tiles on tensor cores, for bfloat16 caches and 8-bit caches (their
 codes widened to bfloat16 in shared memory, `mma_tiles`): Q Kᵀ and P V as
-`mma.sync` m16n8k16 products with float32 accumulation (`..warp`), in two
-kernels (`MmaKernel`) that differ in what their four warps split:
+`mma.sync` m16n8k16 products with float32 accumulation (`..warp`), or as
+Hopper's warpgroup products, in three kernels (`MmaKernel`) that differ in
+what their four warps split and how they multiply:
 
 - prefill (`decode` False): 64 query rows (tokens times the GQA group of one
   KV head, `work`), sixteen per warp, each warp over all keys of a tile, so
@@ -10,7 +11,13 @@ kernels (`MmaKernel`) that differ in what their four warps split:
   warp over its own 16 keys of a tile with its own online softmax; at the
   end the warps' states are combined through shared memory (a split-K of
   the tile across warps), so K and V are still read once per group, with
-  no tensor-core work on rows that do not exist.
+  no tensor-core work on rows that do not exist;
+- prefill on Hopper's warpgroup products (`warpgroup` True, chosen by
+  `MOKV_PREFILL_KERNEL=wgmma`, `op`): the same rows, tiles, masking and
+  softmax as the prefill, but each product is one `wgmma` of the four warps
+  (`..warpgroup`): Q Kᵀ with queries and keys read by the tensor cores from
+  shared memory, P V with P from registers and values from shared memory,
+  so a tile is read from shared memory once per block, not once per warp.
 
 The context is walked in tiles of `BN` = 64 keys:
 
@@ -44,6 +51,15 @@ from ...cache.traits import KVCacheT
 from ..block import BlockExecutor, BlockId, KernelT, ThreadProgram
 from ..copy import wait_copies
 from ..warp import FragA, FragB, Frags, ld_matrix, mma, shuffle_xor
+from ..warpgroup import (
+    async_proxy_fence,
+    k_slice,
+    mn_slice,
+    warpgroup_arrive,
+    warpgroup_wait,
+    wgmma_rs,
+    wgmma_ss,
+)
 from .config import BLOCK_THREADS, NEG_INF, WARP, WARPS
 from .mma_tiles import BN, KEYS, VALUES, MmaTiles
 from .work import AttentionArgs, BlockWork, block_work, write_row_part
@@ -61,7 +77,9 @@ comptime MMA_ROWS = 16
 """Rows of an m16n8k16 product's A: one warp's query rows."""
 
 
-struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool](ThreadProgram):
+struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup: Bool](
+    ThreadProgram
+):
     """One thread of a block on a GPU (`lanes` 1), one warp under the
     emulator (`lanes` 32). Shared memory: `MmaTiles`; a decode block's
     warps leave their states over its stages at the end. Registers: the
@@ -99,6 +117,9 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool](ThreadProg
         shared: F32Ptr,
     ):
         comptime assert Self.WARP_KEYS % 16 == 0, "a warp's keys are whole k-steps of P V"
+        comptime assert not (
+            Self.decode and Self.warpgroup
+        ), "a warpgroup product spans the four warps' rows: prefill only"
         comptime assert (
             WARPS * Self.STATE_FLOATS * 4 <= Self.Tiles.STAGE_BYTES
         ), "decode states fit the stages"
@@ -134,14 +155,17 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool](ThreadProg
         if phase == LOAD_Q:
             self.tiles.load_queries[Self.lanes](self.args, self.work, self.tid)
             self.tiles.locate_rows[Self.lanes](self.args, self.work, self.tid, arg)
+            self.shared_writes_done()
         elif phase == START_FIRST:
             self.tiles.start_tile[Self.lanes](self.tid, arg)
         elif phase == WAIT_TILE:
             if arg + BN < self.work.kv_end:
                 self.tiles.locate_rows[Self.lanes](self.args, self.work, self.tid, arg + BN)
             wait_copies[0]()
+            self.shared_writes_done()
         elif phase == CONVERT_TILE:
             self.tiles.convert_tile[Self.lanes](self.tid, arg, self.args.granularity)
+            self.shared_writes_done()
         elif phase == COMPUTE_TILE:
             if arg + BN < self.work.kv_end:
                 self.tiles.start_tile[Self.lanes](self.tid, arg + BN)
@@ -153,6 +177,13 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool](ThreadProg
                 self.write_rows()
         else:
             self.combine()
+
+    @always_inline
+    def shared_writes_done(self):
+        """Before a barrier after which warpgroup products read what this
+        thread wrote to shared memory (`..warpgroup`)."""
+        comptime if Self.warpgroup:
+            async_proxy_fence()
 
     @always_inline
     def tile_fully_visible(self, kv_start: Int) -> Bool:
@@ -191,27 +222,15 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool](ThreadProg
         var keys = self.tiles.tile(kv_start, KEYS)
         var queries = self.tiles.queries()
         var s = Frags[DType.float32, 4, Self.NTILES, Self.lanes](0)
-        comptime for k in range(Self.KSTEPS):
-            var rows = Array[BF16Ptr, Self.lanes](fill=queries)
-            for l in range(Self.lanes):
-                var lane = self.lane(l)
-                rows[l] = queries.unsafe_offset(
-                    Self.Tiles.swizzled(self.warp_row() + lane % 16, 2 * k + lane // 16)
+        comptime if Self.warpgroup:
+            warpgroup_arrive()
+            comptime for k in range(Self.KSTEPS):
+                wgmma_ss[Self.WARP_KEYS](
+                    k_slice(queries, Self.ROWS, k), k_slice(keys, BN, k), s, self.warp()
                 )
-            var a = ld_matrix[4, False, Self.lanes](rows)
-            comptime for n2 in range(Self.NTILES // 2):
-                for l in range(Self.lanes):
-                    var lane = self.lane(l)
-                    var key = self.warp_key() + n2 * 16 + lane // 16 * 8 + lane % 8
-                    rows[l] = keys.unsafe_offset(Self.Tiles.swizzled(key, 2 * k + lane // 8 % 2))
-                var b = ld_matrix[4, False, Self.lanes](rows)
-                var b0 = Array[FragB, Self.lanes](fill=0)
-                var b1 = Array[FragB, Self.lanes](fill=0)
-                for l in range(Self.lanes):
-                    b0[l] = b[l].slice[4, offset=0]()
-                    b1[l] = b[l].slice[4, offset=4]()
-                s.set(2 * n2, mma[Self.lanes](a, b0, s.get(2 * n2)))
-                s.set(2 * n2 + 1, mma[Self.lanes](a, b1, s.get(2 * n2 + 1)))
+            warpgroup_wait()
+        else:
+            self.warp_scores(queries, keys, s)
         var masked = not self.tile_fully_visible(kv_start)
         for l in range(Self.lanes):
             comptime for h in range(2):
@@ -226,6 +245,39 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool](ThreadProg
                         c[2 * h + e] = x
                     s[n, l] = c
         return s^
+
+    @always_inline
+    def warp_scores(
+        self,
+        queries: BF16Ptr,
+        keys: BF16Ptr,
+        mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes],
+    ):
+        """Q Kᵀ of the warp's rows and keys as `mma.sync` products, query
+        and key fragments from `ldmatrix`."""
+        comptime for k in range(Self.KSTEPS):
+            var rows = Array[BF16Ptr, Self.lanes](fill=queries)
+            for l in range(Self.lanes):
+                var lane = self.lane(l)
+                rows[l] = queries.unsafe_offset(
+                    Self.Tiles.swizzled[Self.ROWS](self.warp_row() + lane % 16, 2 * k + lane // 16)
+                )
+            var a = ld_matrix[4, False, Self.lanes](rows)
+            comptime for n2 in range(Self.NTILES // 2):
+                for l in range(Self.lanes):
+                    var lane = self.lane(l)
+                    var key = self.warp_key() + n2 * 16 + lane // 16 * 8 + lane % 8
+                    rows[l] = keys.unsafe_offset(
+                        Self.Tiles.swizzled[BN](key, 2 * k + lane // 8 % 2)
+                    )
+                var b = ld_matrix[4, False, Self.lanes](rows)
+                var b0 = Array[FragB, Self.lanes](fill=0)
+                var b1 = Array[FragB, Self.lanes](fill=0)
+                for l in range(Self.lanes):
+                    b0[l] = b[l].slice[4, offset=0]()
+                    b1[l] = b[l].slice[4, offset=4]()
+                s.set(2 * n2, mma[Self.lanes](a, b0, s.get(2 * n2)))
+                s.set(2 * n2 + 1, mma[Self.lanes](a, b1, s.get(2 * n2 + 1)))
 
     @always_inline
     def quad_combine[
@@ -272,26 +324,40 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool](ThreadProg
                     acc[2 * h + 1] *= alpha
                     self.o[n, l] = acc
         var values = self.tiles.tile(kv_start, VALUES)
+        var p = Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes](0)
         comptime for j in range(Self.WARP_KEYS // 16):
-            var a = Array[FragA, Self.lanes](fill=0)
             for l in range(Self.lanes):
-                a[l] = (
+                p[j, l] = (
                     s[2 * j, l].cast[DType.bfloat16]().join(s[2 * j + 1, l].cast[DType.bfloat16]())
                 )
-            comptime for n2 in range(Self.DTILES // 2):
-                var rows = Array[BF16Ptr, Self.lanes](fill=values)
-                for l in range(Self.lanes):
-                    var lane = self.lane(l)
-                    var key = self.warp_key() + 16 * j + lane // 8 % 2 * 8 + lane % 8
-                    rows[l] = values.unsafe_offset(Self.Tiles.swizzled(key, 2 * n2 + lane // 16))
-                var b = ld_matrix[4, True, Self.lanes](rows)
-                var b0 = Array[FragB, Self.lanes](fill=0)
-                var b1 = Array[FragB, Self.lanes](fill=0)
-                for l in range(Self.lanes):
-                    b0[l] = b[l].slice[4, offset=0]()
-                    b1[l] = b[l].slice[4, offset=4]()
-                self.o.set(2 * n2, mma[Self.lanes](a, b0, self.o.get(2 * n2)))
-                self.o.set(2 * n2 + 1, mma[Self.lanes](a, b1, self.o.get(2 * n2 + 1)))
+        comptime if Self.warpgroup:
+            warpgroup_arrive()
+            comptime for j in range(Self.WARP_KEYS // 16):
+                wgmma_rs[Self.D](p.get(j), mn_slice[BN](values, j), self.o)
+            warpgroup_wait()
+        else:
+            comptime for j in range(Self.WARP_KEYS // 16):
+                self.warp_values(p.get(j), values, j)
+
+    @always_inline
+    def warp_values(mut self, a: Array[FragA, Self.lanes], values: BF16Ptr, j: Int):
+        """P V of the warp's rows over keys 16 j .. of its share of the
+        tile as `mma.sync` products, V fragments from the transposed
+        `ldmatrix`."""
+        comptime for n2 in range(Self.DTILES // 2):
+            var rows = Array[BF16Ptr, Self.lanes](fill=values)
+            for l in range(Self.lanes):
+                var lane = self.lane(l)
+                var key = self.warp_key() + 16 * j + lane // 8 % 2 * 8 + lane % 8
+                rows[l] = values.unsafe_offset(Self.Tiles.swizzled[BN](key, 2 * n2 + lane // 16))
+            var b = ld_matrix[4, True, Self.lanes](rows)
+            var b0 = Array[FragB, Self.lanes](fill=0)
+            var b1 = Array[FragB, Self.lanes](fill=0)
+            for l in range(Self.lanes):
+                b0[l] = b[l].slice[4, offset=0]()
+                b1[l] = b[l].slice[4, offset=4]()
+            self.o.set(2 * n2, mma[Self.lanes](a, b0, self.o.get(2 * n2)))
+            self.o.set(2 * n2 + 1, mma[Self.lanes](a, b1, self.o.get(2 * n2 + 1)))
 
     @always_inline
     def row_sums(self, h: Int) -> Array[Float32, Self.lanes]:
@@ -373,11 +439,14 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool](ThreadProg
 
 
 @fieldwise_init
-struct MmaKernel[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool](KernelT):
+struct MmaKernel[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup: Bool = False](
+    KernelT
+):
     """Grid (query tiles * splits, KV heads, batch rows) of tensor-core
-    prefill or decode blocks."""
+    prefill or decode blocks (a prefill's products per warp, or per
+    warpgroup where `warpgroup`)."""
 
-    comptime Program = MmaThread[Self.cache_t, Self.D, Self.lanes, Self.decode]
+    comptime Program = MmaThread[Self.cache_t, Self.D, Self.lanes, Self.decode, Self.warpgroup]
     comptime THREADS = BLOCK_THREADS
     comptime MIN_BLOCKS = 3 if Self.decode and (
         Self.D < 128 or not Self.Program.Tiles.QUANTIZED
@@ -387,7 +456,9 @@ struct MmaKernel[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool](KernelT):
     128 spilled within three blocks' registers). Raise them only where
     `tools/check_gpu_build.sh --registers` shows no spills."""
     comptime LANES = Self.lanes
-    comptime NAME = "decode_mma" if Self.decode else "prefill_mma"
+    comptime NAME = "decode_mma" if Self.decode else (
+        "prefill_wgmma" if Self.warpgroup else "prefill_mma"
+    )
     comptime HEAD_DIM = Self.D
     comptime ELEMENT_BITS = bit_width_of[Self.cache_t.dtype]()
     comptime SHARED_BYTES = Self.Program.Tiles.SHARED_BYTES

@@ -1,10 +1,12 @@
 """A tensor-core attention block's shared memory (`mma`), and how the
 queries and the K/V tiles get there.
 
-Layout, bfloat16 rows of `D` elements, XOR-swizzled (chunk c of row r at
-chunk `c ^ (r % 8)`, so the eight rows one `ldmatrix` reads sit in distinct
-banks): the block's queries `[ROWS, D]`, then `STAGES` pairs of K and V
-tiles `[BN, D]`, then per stage the `BN` key rows' addresses.
+Layout: the block's queries `[ROWS, D]`, then `STAGES` pairs of K and V
+tiles `[BN, D]`, each stored as `..warpgroup` lays out a swizzled tile (D / 64
+column blocks of 128-byte rows, chunk c of row r at chunk `c ^ (r % 8)`: the
+eight rows one `ldmatrix` reads sit in distinct banks, and a `wgmma` reads
+the tile through a descriptor), then per stage the `BN` key rows'
+addresses.
 
 K and V rows of a tile go through the page table row by row: one thread per
 key looks its row up once (`locate_rows`) and leaves the address in shared
@@ -27,6 +29,8 @@ from ...pointers import BF16Ptr, CachePtr, F32Ptr, ScalePtr
 
 from ..codes import as_values, head_scales
 from ..copy import commit_copies, start_copy_16, zero_16
+
+from ..warpgroup import SWIZZLE_ALIGNMENT, SWIZZLE_COLUMNS
 
 from .config import BLOCK_THREADS
 from .work import AttentionArgs, BlockWork, row_offset
@@ -80,7 +84,10 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int](TrivialRegisterPassable):
         comptime assert (
             Self.cache_t.dtype == DType.bfloat16 or Self.QUANTIZED
         ), "tensor-core tiles are bfloat16, stored so or as 8-bit codes"
-        comptime assert Self.D % 64 == 0, "the swizzle needs rows of 8 chunks or more"
+        comptime assert Self.D % SWIZZLE_COLUMNS == 0, "tiles are whole swizzled column blocks"
+        comptime assert (
+            Self.STAGES_AT * 2 % SWIZZLE_ALIGNMENT == 0 and Self.TILE * 2 % SWIZZLE_ALIGNMENT == 0
+        ), "every tile starts where the swizzle pattern does"
         comptime assert (
             Self.COPIES * BLOCK_THREADS * Self.ELEMENTS_PER_COPY == BN * Self.D
         ), "copy layout"
@@ -92,9 +99,11 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int](TrivialRegisterPassable):
         return Self(shared.unsafe_bitcast[BFloat16](), work.kv_start, value_offset)
 
     @staticmethod
-    def swizzled(row: Int, chunk: Int) -> Int:
-        """Element offset of chunk `chunk` of row `row` in a `[*, D]` tile."""
-        return row * Self.D + (chunk ^ (row % 8)) * 8
+    def swizzled[rows: Int](row: Int, chunk: Int) -> Int:
+        """Element offset of chunk `chunk` (8 elements) of row `row` in a
+        `[rows, D]` tile."""
+        comptime chunks = SWIZZLE_COLUMNS // 8
+        return (chunk // chunks * rows + row) * SWIZZLE_COLUMNS + (chunk % chunks ^ row % 8) * 8
 
     @always_inline
     def queries(self) -> BF16Ptr:
@@ -149,7 +158,7 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int](TrivialRegisterPassable):
             for u in range(tid + l, Self.ROWS * Self.CHUNKS, BLOCK_THREADS):
                 var r = u // Self.CHUNKS
                 var c = u % Self.CHUNKS
-                var to = self.smem.unsafe_offset(Self.swizzled(r, c))
+                var to = self.smem.unsafe_offset(Self.swizzled[Self.ROWS](r, c))
                 if r < rows:
                     var offset = row_offset[Self.D](args, work, r) + c * 8
                     to.unsafe_store[alignment=16](
@@ -210,7 +219,7 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int](TrivialRegisterPassable):
             return self.codes(kind).unsafe_offset(key * Self.D + first)
         else:
             return rebind[CachePtr[Self.cache_t.dtype]](
-                self.tile(kv_start, kind).unsafe_offset(Self.swizzled(key, first // 8))
+                self.tile(kv_start, kind).unsafe_offset(Self.swizzled[BN](key, first // 8))
             )
 
     @always_inline
@@ -263,6 +272,6 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int](TrivialRegisterPassable):
                     ](0)
                     var values = as_values(codes, scales[n]).cast[DType.bfloat16]()
                     comptime for half in range(Self.ELEMENTS_PER_COPY // 8):
-                        tile.unsafe_offset(Self.swizzled(key, first // 8 + half)).unsafe_store[
+                        tile.unsafe_offset(Self.swizzled[BN](key, first // 8 + half)).unsafe_store[
                             alignment=16
                         ](0, values.slice[8, offset=half * 8]())

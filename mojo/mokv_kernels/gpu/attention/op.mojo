@@ -1,7 +1,12 @@
 """`mokv.attention` on a GPU: the host checks shapes and heads, plans the
 grid from the batch summary (`plan`), and launches a decode or a prefill
 kernel (on tensor cores for bfloat16 where the device has them, `mma`), then
-the split-K merge when the context was split."""
+the split-K merge when the context was split.
+
+The tensor-core prefill's products are `mma.sync` per warp unless the
+environment says `MOKV_PREFILL_KERNEL=wgmma`, which takes Hopper's warpgroup
+products (`..warpgroup`) instead: the choice stays with the user until a
+GPU run has measured it against the default (docs/gpu.md)."""
 
 from extensibility import InputTensor, OutputTensor
 
@@ -9,6 +14,7 @@ from ...bind import check_layer
 from ...cache.batch_summary import BatchSummary
 from ...cache.traits import KVCacheT, KVCollectionT
 from ...kv_quantization import is_quantized
+from std.os import getenv
 from ..block import Launcher
 from .config import LOG2E, QUANTIZED_CHUNK
 from .decode import DecodeKernel
@@ -36,6 +42,26 @@ def _on_tensor_cores[cache_t: KVCacheT, q_dtype: DType, D: Int]() -> Bool:
     )
 
 
+comptime PREFILL_KERNEL_VARIABLE = "MOKV_PREFILL_KERNEL"
+
+
+def _warpgroup_prefill[L: Launcher](launcher: L) raises -> Bool:
+    """Whether the tensor-core prefill takes warpgroup products: what
+    `MOKV_PREFILL_KERNEL` says (`mma`, the default, or `wgmma`, which needs
+    a device that has them)."""
+    var kernel = getenv(PREFILL_KERNEL_VARIABLE, "mma")
+    if kernel == "mma":
+        return False
+    if kernel != "wgmma":
+        raise Error(t"{PREFILL_KERNEL_VARIABLE}={kernel}: expected mma or wgmma")
+    if not launcher.warpgroup_mma():
+        raise Error(
+            t"{PREFILL_KERNEL_VARIABLE}=wgmma: this device has no warpgroup MMA"
+            t" (NVIDIA Hopper, sm_90, only)"
+        )
+    return True
+
+
 def _run[
     cache_t: KVCacheT, q_dtype: DType, //, D: Int, L: Launcher
 ](mut launcher: L, var args: AttentionArgs[cache_t, q_dtype], bounds: BatchBounds) raises:
@@ -43,12 +69,15 @@ def _run[
     them: decode or prefill, then the merge when the context is split."""
     comptime MmaPrefill = MmaKernel[cache_t, D, L.LANES, False]
     comptime MmaDecode = MmaKernel[cache_t, D, L.LANES, True]
+    comptime WgmmaPrefill = MmaKernel[cache_t, D, L.LANES, False, True]
     comptime Decode = DecodeKernel[cache_t, q_dtype, D]
     comptime Prefill = AttentionKernel[
         cache_t, q_dtype, D, _prefill_rows(D), 32 if D <= 128 else 16, 4 if D <= 128 else 2
     ]
     var mma = False
+    var warpgroup = False
     comptime if _on_tensor_cores[cache_t, q_dtype, D]():
+        warpgroup = _warpgroup_prefill(launcher)
         mma = launcher.tensor_cores()
     var plan = plan_attention(
         args.k_cache.batch_size(),
@@ -68,6 +97,8 @@ def _run[
         var bf16_args = rebind[AttentionArgs[cache_t, DType.bfloat16]](args)
         if mma and plan.decode:
             launcher.launch(MmaDecode(bf16_args, plan.query_tiles))
+        elif warpgroup:
+            launcher.launch(WgmmaPrefill(bf16_args, plan.query_tiles))
         elif mma:
             launcher.launch(MmaPrefill(bf16_args, plan.query_tiles))
     if not mma and plan.decode:

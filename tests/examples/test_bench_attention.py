@@ -1,0 +1,47 @@
+"""`mokv bench attention`'s bookkeeping that runs without a GPU: the prefill
+kernel switch it times on Hopper, and the table's columns."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mokv_examples.bench.attention import PREFILL_KERNEL, to_markdown, with_prefill_kernel
+
+
+def test_prefill_kernel_is_set_for_the_call_and_restored(monkeypatch):
+    monkeypatch.delenv(PREFILL_KERNEL, raising=False)
+    assert with_prefill_kernel("wgmma", lambda: os.environ[PREFILL_KERNEL])() == "wgmma"
+    assert PREFILL_KERNEL not in os.environ
+
+    def fails():
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setenv(PREFILL_KERNEL, "mma")
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        with_prefill_kernel("wgmma", fails)()
+    assert os.environ[PREFILL_KERNEL] == "mma"
+
+
+def test_rows_with_and_without_the_warpgroup_prefill_fill_every_column():
+    row = {
+        "device": "gpu",
+        "case": "prefill-x",
+        "phase": "prefill",
+        "kv_bytes": 1,
+        "mokv_s": 2e-3,
+        "max_s": 1e-3,
+        "speedup": 0.5,
+        "kv_gbps": 1.0,
+        "max_kv_gbps": 2.0,
+        "copy_gbps": 3.0,
+        "tokens_per_s": 4.0,
+        "max_abs_diff": 1e-3,
+    }
+    hopper = row | {"case": "prefill-y", "wgmma_s": 1e-3, "wgmma_speedup": 1.0, "wgmma_max_abs_diff": 2e-3}
+    lines = to_markdown([row, hopper], "## header").splitlines()
+    table = [line for line in lines if line.startswith("|")]
+    assert len({line.count("|") for line in table}) == 1  # header, rule and rows alike
+    assert table[-1].endswith("| 1.000 | 1.00x | 2.0e-03 |")
+    assert "speedup over MAX: min 1.00, median 1.00, max 1.00 (1 case)" in "\n".join(lines)
