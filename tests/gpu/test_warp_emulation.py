@@ -76,6 +76,12 @@ def _bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     return bfloat16.from_bits(bfloat16.to_bits(rng.standard_normal(shape, dtype=np.float32)))
 
 
+def assert_product(d: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> None:
+    """The lanes' D fragments `d` hold A B + C, computed in float64."""
+    expected = a.astype(np.float64) @ b.astype(np.float64) + c
+    np.testing.assert_allclose(d, c_fragments(expected), rtol=1e-5, atol=1e-5)
+
+
 def run_step(emulator: Emulator, step: str, arrays: dict[str, np.ndarray], **meta: int) -> bytes:
     return emulator.run({"op": "warp", "step": step} | meta, arrays, "out")
 
@@ -91,8 +97,7 @@ def test_mma_m16n8k16_matches_numpy(seed, emulator):
         "c": c_fragments(c),
     }
     d = np.frombuffer(run_step(emulator, "mma", arrays), np.float32).reshape(LANES, 4)
-    expected = a.astype(np.float64) @ b.astype(np.float64) + c
-    np.testing.assert_allclose(d, c_fragments(expected), rtol=1e-5, atol=1e-5)
+    assert_product(d, a, b, c)
 
 
 @pytest.mark.parametrize("transpose", [False, True], ids=["plain", "transposed"])
@@ -143,9 +148,7 @@ def test_wgmma_scores_from_shared_memory(step, warp, emulator):
     }
     d = _wgmma(emulator, arrays, 64, a_shared=1, b_major=1, k_step=step, warp=warp)
     k = slice(16 * step, 16 * step + 16)
-    a = queries[16 * warp : 16 * warp + 16, k].astype(np.float64)
-    expected = a @ keys[:, k].T.astype(np.float64) + c
-    np.testing.assert_allclose(d, c_fragments(expected), rtol=1e-5, atol=1e-5)
+    assert_product(d, queries[16 * warp : 16 * warp + 16, k], keys[:, k].T, c)
 
 
 @pytest.mark.parametrize("step", [0, 3])
@@ -163,5 +166,4 @@ def test_wgmma_values_from_registers_and_shared_memory(step, emulator):
         "c": c_fragments(c),
     }
     d = _wgmma(emulator, arrays, 128, a_shared=0, b_major=0, k_step=step, warp=0)
-    expected = p.astype(np.float64) @ values[16 * step : 16 * step + 16].astype(np.float64) + c
-    np.testing.assert_allclose(d, c_fragments(expected), rtol=1e-5, atol=1e-5)
+    assert_product(d, p, values[16 * step : 16 * step + 16], c)
