@@ -45,3 +45,5 @@ def test_rows_with_and_without_the_warpgroup_prefill_fill_every_column():
     assert len({line.count("|") for line in table}) == 1  # header, rule and rows alike
     assert table[-1].endswith("| 1.000 | 1.00x | 2.0e-03 |")
     assert "speedup over MAX: min 1.00, median 1.00, max 1.00 (1 case)" in "\n".join(lines)
+    without = [line for line in to_markdown([row], "## header").splitlines() if line.startswith("|")]
+    assert "wgmma" not in without[0] and {line.count("|") for line in without} == {11}

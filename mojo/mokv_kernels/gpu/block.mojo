@@ -99,8 +99,9 @@ trait KernelT(TrivialRegisterPassable):
     """Shared memory per block; at most `AMD_SHARED_BYTES` for a kernel
     that may run on AMD GPUs (checked when compiling for them)."""
     comptime TENSOR_CORES: Bool = False
-    """Whether it uses `mma.sync` (`warp`): then it runs only where
-    `Launcher.tensor_cores` says so, never on an AMD GPU."""
+    """Whether it uses tensor cores (`mma.sync`, `warp`; or `wgmma`,
+    `warpgroup`): then it runs only where `Launcher.tensor_cores` (for
+    `wgmma`, `Launcher.warpgroup_mma`) says so, never on an AMD GPU."""
 
     def grid(self) -> BlockId:
         """Blocks along x, y and z."""
