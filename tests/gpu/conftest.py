@@ -9,7 +9,7 @@ from max.driver import CPU, Accelerator, Device
 from max.engine import InferenceSession
 from max.graph import DeviceRef
 
-from tests.support.emulation import Emulator, build_emulator
+from tests.support.emulation import Emulator, build_harness
 
 
 @pytest.fixture(scope="session")
@@ -31,4 +31,4 @@ def gpu_session(gpu: Device) -> InferenceSession:
 @pytest.fixture(scope="session")
 def emulator(tmp_path_factory) -> Emulator:
     """The CPU emulator of the GPU kernels, built once per kernel-source revision."""
-    return Emulator(build_emulator(), tmp_path_factory.mktemp("emulator"))
+    return Emulator(build_harness(), tmp_path_factory.mktemp("emulator"))

@@ -41,49 +41,13 @@ from mokv_kernels.gpu.views import InputView, MutableView, OutputView, row_major
 from mokv_kernels.gpu.warp import WARP_LANES, FragA, Frags, ld_matrix, mma, shuffle_xor
 from mokv_kernels.gpu.warpgroup import k_slice, mn_slice, wgmma_rs, wgmma_ss
 
-
-struct Call:
-    """One emulated call's directory and its `meta.txt`."""
-
-    var dir: String
-    var meta: Dict[String, String]
-
-    def __init__(out self, dir: String) raises:
-        self.dir = dir
-        self.meta = Dict[String, String]()
-        var text: String
-        with open(dir + "/meta.txt", "r") as f:
-            text = f.read()
-        for line in text.splitlines():
-            var parts = line.split(" ")
-            if len(parts) == 2:
-                self.meta[String(parts[0])] = String(parts[1])
-
-    def int(self, key: String) raises -> Int:
-        return Int(self.meta[key])
-
-    def text(self, key: String) raises -> String:
-        return self.meta[key]
-
-    def read(self, name: String) raises -> List[UInt8]:
-        with open(self.dir + "/" + name + ".bin", "r") as f:
-            return f.read_bytes()
-
-    def write(self, name: String, data: List[UInt8]) raises:
-        with open(self.dir + "/" + name + ".bin", "w") as f:
-            f.write_bytes(Span(data))
-
-
-def _ptr[dtype: DType](mut bytes: List[UInt8]) -> Pointer[Scalar[dtype], MutUntrackedOrigin]:
-    return (
-        bytes.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[Scalar[dtype]]()
-    )
+from call_files import Call, bytes_ptr, lane_values, write_lane_values
 
 
 def _vector(call: Call, mut bytes: List[UInt8], name: String) raises -> InputView[DType.uint32, 1]:
     bytes = call.read(name)
     return InputView[DType.uint32, 1](
-        _ptr[DType.uint32](bytes), IndexList[1](len(bytes) // 4), IndexList[1](1)
+        bytes_ptr[DType.uint32](bytes), IndexList[1](len(bytes) // 4), IndexList[1](1)
     )
 
 
@@ -93,14 +57,14 @@ def _rows_view[
     """New token rows `[tokens, n_kv_heads, head_dim]` from `name.bin`."""
     bytes = call.read(name)
     var rows = IndexList[3](call.int("tokens"), call.int("n_kv_heads"), call.int("head_dim"))
-    return InputView[dtype, 3](_ptr[dtype](bytes), rows, row_major(rows))
+    return InputView[dtype, 3](bytes_ptr[dtype](bytes), rows, row_major(rows))
 
 
 def _output[dtype: DType](mut bytes: List[UInt8], shape: IndexList[3]) -> OutputView[dtype, 3]:
     """An output over `bytes`, first filled with 0xFF bytes (so rows the op
     never writes show)."""
     bytes = List[UInt8](length=shape.flattened_length() * size_of[Scalar[dtype]](), fill=0xFF)
-    return OutputView[dtype, 3](_ptr[dtype](bytes), shape, row_major(shape))
+    return OutputView[dtype, 3](bytes_ptr[dtype](bytes), shape, row_major(shape))
 
 
 def _run_op[
@@ -159,7 +123,7 @@ def _run_op[
     elif op == "attention":
         var shape = IndexList[3](call.int("tokens"), call.int("n_q_heads"), call.int("head_dim"))
         var q_bytes = call.read("q")
-        var q = InputView[q_dtype, 3](_ptr[q_dtype](q_bytes), shape, row_major(shape))
+        var q = InputView[q_dtype, 3](bytes_ptr[q_dtype](q_bytes), shape, row_major(shape))
         var output = _output[q_dtype](first, shape)
         var summary = BatchSummary.of_max_lengths(
             call.int("max_new_tokens"), call.int("max_context")
@@ -200,12 +164,12 @@ def _run[blocks_dtype: DType, q_dtype: DType](call: Call) raises:
     )
     var blocks_bytes = call.read("blocks")
     var blocks = MutableView[blocks_dtype, 6](
-        _ptr[blocks_dtype](blocks_bytes), shape, row_major(shape)
+        bytes_ptr[blocks_dtype](blocks_bytes), shape, row_major(shape)
     )
     var lengths_bytes = List[UInt8]()
     var lengths = _vector(call, lengths_bytes, "cache_lengths")
     var table_bytes = call.read("lookup_table")
-    var table = _ptr[DType.uint32](table_bytes)
+    var table = bytes_ptr[DType.uint32](table_bytes)
     var batch = lengths.dim_size(0)
     var scales_bytes = List[UInt8]()
     comptime if blocks_dtype == DType.uint8 or blocks_dtype == DType.int8:
@@ -221,7 +185,7 @@ def _run[blocks_dtype: DType, q_dtype: DType](call: Call) raises:
             call.int("granules"),
         )
         var scales = MutableView[DType.float32, 6](
-            _ptr[DType.float32](scales_bytes), scale_shape, row_major(scale_shape)
+            bytes_ptr[DType.float32](scales_bytes), scale_shape, row_major(scale_shape)
         )
         var width = len(table_bytes) // 4 // max(batch, 1)
         var lookup = InputView[DType.uint32, 2](
@@ -251,35 +215,14 @@ def _run[blocks_dtype: DType, q_dtype: DType](call: Call) raises:
     _ = table_bytes^
 
 
-def _lanes[
-    dtype: DType, width: Int
-](mut bytes: List[UInt8]) -> Array[SIMD[dtype, width], WARP_LANES]:
-    """Every lane's `width` values, lane-major."""
-    var values = Array[SIMD[dtype, width], WARP_LANES](fill=0)
-    var p = _ptr[dtype](bytes)
-    for l in range(WARP_LANES):
-        values[l] = p.unsafe_load[width=width](l * width)
-    return values^
-
-
-def _write_lanes[
-    dtype: DType, width: Int
-](call: Call, values: Array[SIMD[dtype, width], WARP_LANES]) raises:
-    var out = List[UInt8](length=WARP_LANES * width * size_of[Scalar[dtype]](), fill=0)
-    var p = _ptr[dtype](out)
-    for l in range(WARP_LANES):
-        p.unsafe_store(l * width, values[l])
-    call.write("out", out)
-
-
 def _ld_matrix[count: Int, transpose: Bool](call: Call) raises:
     var smem = call.read("smem")
     var rows_bytes = call.read("rows")
-    var rows = _ptr[DType.uint32](rows_bytes)
-    var addresses = Array[BF16Ptr, WARP_LANES](fill=_ptr[DType.bfloat16](smem))
+    var rows = bytes_ptr[DType.uint32](rows_bytes)
+    var addresses = Array[BF16Ptr, WARP_LANES](fill=bytes_ptr[DType.bfloat16](smem))
     for l in range(WARP_LANES):
-        addresses[l] = _ptr[DType.bfloat16](smem).unsafe_offset(Int(rows[unsafe_offset=l]) * 8)
-    _write_lanes[DType.bfloat16, 2 * count](
+        addresses[l] = bytes_ptr[DType.bfloat16](smem).unsafe_offset(Int(rows[unsafe_offset=l]) * 8)
+    write_lane_values[DType.bfloat16, 2 * count](
         call, ld_matrix[count, transpose, WARP_LANES](addresses)
     )
     _ = smem^
@@ -299,14 +242,14 @@ def _wgmma[n: Int](call: Call) raises:
     var a_tile = call.read("a_tile")
     var b_tile = call.read("b_tile")
     var c_bytes = call.read("c")
-    var c = _lanes[DType.float32, n // 2](c_bytes)
+    var c = lane_values[DType.float32, n // 2](c_bytes)
     var d = Frags[DType.float32, 4, n // 8, WARP_LANES](0)
     for l in range(WARP_LANES):
         comptime for i in range(n // 8):
             d[i, l] = c[l].slice[4, offset=4 * i]()
     var step = call.int("k_step")
-    var a_ptr = _ptr[DType.bfloat16](a_tile)
-    var b_ptr = _ptr[DType.bfloat16](b_tile)
+    var a_ptr = bytes_ptr[DType.bfloat16](a_tile)
+    var b_ptr = bytes_ptr[DType.bfloat16](b_tile)
     if call.int("a_shared") == 1:
         if call.int("b_major") == 1:
             wgmma_ss[n](
@@ -324,7 +267,7 @@ def _wgmma[n: Int](call: Call) raises:
             )
     else:
         var a_bytes = call.read("a")
-        var a = _lanes[DType.bfloat16, 8](a_bytes)
+        var a = lane_values[DType.bfloat16, 8](a_bytes)
         if call.int("b_major") == 1:
             wgmma_rs[n](a, k_slice(b_ptr, WGMMA_TILE_ROWS, step), d)
         else:
@@ -334,7 +277,7 @@ def _wgmma[n: Int](call: Call) raises:
         for i in range(n // 8):
             comptime for e in range(4):
                 out[l][4 * i + e] = d[i, l][e]
-    _write_lanes[DType.float32, n // 2](call, out)
+    write_lane_values[DType.float32, n // 2](call, out)
     _ = a_tile^
     _ = b_tile^
 
@@ -346,18 +289,18 @@ def _run_warp(call: Call) raises:
         var a = call.read("a")
         var b = call.read("b")
         var c = call.read("c")
-        _write_lanes[DType.float32, 4](
+        write_lane_values[DType.float32, 4](
             call,
             mma[WARP_LANES](
-                _lanes[DType.bfloat16, 8](a),
-                _lanes[DType.bfloat16, 4](b),
-                _lanes[DType.float32, 4](c),
+                lane_values[DType.bfloat16, 8](a),
+                lane_values[DType.bfloat16, 4](b),
+                lane_values[DType.float32, 4](c),
             ),
         )
     elif step == "shuffle_xor":
         var values = call.read("values")
-        _write_lanes[DType.float32, 1](
-            call, shuffle_xor[WARP_LANES](_lanes[DType.float32, 1](values), call.int("mask"))
+        write_lane_values[DType.float32, 1](
+            call, shuffle_xor[WARP_LANES](lane_values[DType.float32, 1](values), call.int("mask"))
         )
     elif step == "ld_matrix":
         var count = call.int("count")

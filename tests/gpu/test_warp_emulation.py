@@ -1,5 +1,8 @@
-"""The emulated warp-collective steps of `mokv_kernels.gpu.warp` against numpy,
-on random registers (no GPU needed).
+"""The emulated warp-collective steps of `mokv_kernels.gpu.warp` (and the
+warpgroup products of `mokv_kernels.gpu.warpgroup`) against numpy, on random
+registers (no GPU needed); where there is a GPU, the same cases run on it too
+(`steps` "gpu": `tests/gpu/warp_steps_on_gpu.mojo`, each lane a hardware
+thread), so the hardware itself checks what the emulator was written from.
 
 The tensor-core kernels run under the emulator only as correctly as these
 steps follow the hardware's documented fragment layouts, and a kernel that is
@@ -14,11 +17,23 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from max.driver import accelerator_architecture_name
 
 from mokv_reference import bfloat16
-from tests.support.emulation import Emulator
+from tests.support.emulation import GPU_STEPS_SOURCE, Emulator, build_harness
+from tests.support.gpu import HAS_GPU
 
 LANES = 32
+
+
+@pytest.fixture(scope="module", params=["emulated", "gpu"])
+def steps(request, tmp_path_factory) -> Emulator:
+    """Where the steps run: the CPU emulator, or the GPU (skipped without one)."""
+    if request.param == "emulated":
+        return request.getfixturevalue("emulator")
+    if not HAS_GPU:
+        pytest.skip("no GPU on this machine: would run the same warp steps on one")
+    return Emulator(build_harness(GPU_STEPS_SOURCE, accelerator_architecture_name()), tmp_path_factory.mktemp("steps"))
 
 
 def a_fragments(a: np.ndarray) -> np.ndarray:
@@ -82,12 +97,12 @@ def assert_product(d: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.ndarray) -
     np.testing.assert_allclose(d, c_fragments(expected), rtol=1e-5, atol=1e-5)
 
 
-def run_step(emulator: Emulator, step: str, arrays: dict[str, np.ndarray], **meta: int) -> bytes:
-    return emulator.run({"op": "warp", "step": step} | meta, arrays, "out")
+def run_step(steps: Emulator, step: str, arrays: dict[str, np.ndarray], **meta: int) -> bytes:
+    return steps.run({"op": "warp", "step": step} | meta, arrays, "out")
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_mma_m16n8k16_matches_numpy(seed, emulator):
+def test_mma_m16n8k16_matches_numpy(seed, steps):
     rng = np.random.default_rng(seed)
     a, b = _bf16(rng, (16, 16)), _bf16(rng, (16, 8))
     c = rng.standard_normal((16, 8), dtype=np.float32)
@@ -96,20 +111,20 @@ def test_mma_m16n8k16_matches_numpy(seed, emulator):
         "b": bfloat16.to_bits(b_fragments(b)),
         "c": c_fragments(c),
     }
-    d = np.frombuffer(run_step(emulator, "mma", arrays), np.float32).reshape(LANES, 4)
+    d = np.frombuffer(run_step(steps, "mma", arrays), np.float32).reshape(LANES, 4)
     assert_product(d, a, b, c)
 
 
 @pytest.mark.parametrize("transpose", [False, True], ids=["plain", "transposed"])
 @pytest.mark.parametrize("count", [1, 2, 4])
-def test_ld_matrix_matches_numpy(count, transpose, emulator):
+def test_ld_matrix_matches_numpy(count, transpose, steps):
     """Lanes give the addresses of rows picked at random from a 64-row
     shared-memory array; lanes 8i .. 8i + 7 address matrix i."""
     rng = np.random.default_rng(count + 10 * transpose)
     smem = _bf16(rng, (64, 8))
     rows = rng.permutation(64)[:LANES].astype(np.uint32)
     arrays = {"smem": bfloat16.to_bits(smem), "rows": rows}
-    raw = run_step(emulator, "ld_matrix", arrays, count=count, transpose=int(transpose))
+    raw = run_step(steps, "ld_matrix", arrays, count=count, transpose=int(transpose))
     got = bfloat16.from_bits(np.frombuffer(raw, np.uint16)).reshape(LANES, 2 * count)
     expected = np.empty((LANES, 2 * count), np.float32)
     for lane in range(LANES):
@@ -122,19 +137,22 @@ def test_ld_matrix_matches_numpy(count, transpose, emulator):
 
 
 @pytest.mark.parametrize("mask", [1, 2, 4, 8, 16])
-def test_shuffle_xor_matches_numpy(mask, emulator):
+def test_shuffle_xor_matches_numpy(mask, steps):
     values = np.random.default_rng(mask).standard_normal(LANES, dtype=np.float32)
-    got = np.frombuffer(run_step(emulator, "shuffle_xor", {"values": values}, mask=mask), np.float32)
+    got = np.frombuffer(run_step(steps, "shuffle_xor", {"values": values}, mask=mask), np.float32)
     np.testing.assert_array_equal(got, values[np.arange(LANES) ^ mask])
 
 
-def _wgmma(emulator: Emulator, arrays: dict[str, np.ndarray], n: int, **meta: int) -> np.ndarray:
-    raw = run_step(emulator, "wgmma", arrays, n=n, **meta)
+def _wgmma(steps: Emulator, arrays: dict[str, np.ndarray], n: int, **meta: int) -> np.ndarray:
+    """A warpgroup product (on a GPU, only Hopper has them)."""
+    if steps.binary.stem == GPU_STEPS_SOURCE.stem and not accelerator_architecture_name().startswith("sm_90"):
+        pytest.skip(f"warpgroup MMA is Hopper's (sm_90); this GPU is {accelerator_architecture_name()}")
+    raw = run_step(steps, "wgmma", arrays, n=n, **meta)
     return np.frombuffer(raw, np.float32).reshape(LANES, n // 2)
 
 
 @pytest.mark.parametrize(("step", "warp"), [(0, 0), (5, 3), (7, 1)])
-def test_wgmma_scores_from_shared_memory(step, warp, emulator):
+def test_wgmma_scores_from_shared_memory(step, warp, steps):
     """Q Kᵀ's k-step `step` as the tensor-core prefill issues it on Hopper:
     A from the swizzled queries `[64, 128]`, B the swizzled keys `[64, 128]`
     read K-major, N = 64 keys; a warp gets its 16 rows of D."""
@@ -146,13 +164,13 @@ def test_wgmma_scores_from_shared_memory(step, warp, emulator):
         "b_tile": bfloat16.to_bits(swizzled_tile(keys)),
         "c": c_fragments(c),
     }
-    d = _wgmma(emulator, arrays, 64, a_shared=1, b_major=1, k_step=step, warp=warp)
+    d = _wgmma(steps, arrays, 64, a_shared=1, b_major=1, k_step=step, warp=warp)
     k = slice(16 * step, 16 * step + 16)
     assert_product(d, queries[16 * warp : 16 * warp + 16, k], keys[:, k].T, c)
 
 
 @pytest.mark.parametrize("step", [0, 3])
-def test_wgmma_values_from_registers_and_shared_memory(step, emulator):
+def test_wgmma_values_from_registers_and_shared_memory(step, steps):
     """P V's k-step `step`: A (probabilities `[16, 16]`) in one warp's
     `mma.sync` A fragments, B the swizzled values `[64, 128]` read MN-major
     (keys 16 step .. as K), N = 128 dims."""
@@ -165,5 +183,5 @@ def test_wgmma_values_from_registers_and_shared_memory(step, emulator):
         "a": bfloat16.to_bits(a_fragments(p)),
         "c": c_fragments(c),
     }
-    d = _wgmma(emulator, arrays, 128, a_shared=0, b_major=0, k_step=step, warp=0)
+    d = _wgmma(steps, arrays, 128, a_shared=0, b_major=0, k_step=step, warp=0)
     assert_product(d, p, values[16 * step : 16 * step + 16], c)

@@ -1,7 +1,8 @@
 """Driving the GPU ops' kernels under the CPU emulator (`tests/gpu/emulator.mojo`).
 
 The emulator binary is built once per kernel-source revision into the cache
-directory (~1.5 min on 2 cores). Each call writes its arrays as raw files,
+directory (~1.5 min on 2 cores); so is, where there is a GPU, the binary that
+runs the same warp steps on it (`GPU_STEPS_SOURCE`). Each call writes its arrays as raw files,
 runs the binary on them and reads back what the op wrote: the kernels' own
 code, run thread by thread on the CPU, so their index arithmetic, masking,
 split-K and merge are checked against the numpy references on a machine
@@ -21,23 +22,43 @@ import numpy as np
 from mokv.kernels import _source_digest, kernel_source_dir, mojo_compiler
 from mokv.paths import precompiled_kernels_dir
 
-EMULATOR_SOURCE = Path(__file__).parents[1] / "gpu" / "emulator.mojo"
+HARNESS_DIR = Path(__file__).parents[1] / "gpu"
+EMULATOR_SOURCE = HARNESS_DIR / "emulator.mojo"
+GPU_STEPS_SOURCE = HARNESS_DIR / "warp_steps_on_gpu.mojo"
+"""Runs the `warp` op's steps on a GPU instead (`tests/gpu/test_warp_emulation.py`)."""
+SHARED_SOURCE = HARNESS_DIR / "call_files.mojo"
 
 
-def build_emulator() -> Path:
-    """The emulator binary for the current kernel sources, built if missing."""
+def build_harness(source: Path = EMULATOR_SOURCE, accelerator: str | None = None) -> Path:
+    """The harness binary built from `source` (by default the emulator) for the
+    current kernel sources, built if missing; its device code for
+    `accelerator` (say `sm_90a`) when given."""
     sources = kernel_source_dir()
-    digest = hashlib.sha256((_source_digest(sources) + EMULATOR_SOURCE.read_text()).encode())
-    out = precompiled_kernels_dir() / f"emulator-{digest.hexdigest()[:16]}" / "emulator"
+    text = _source_digest(sources) + source.read_text() + SHARED_SOURCE.read_text()
+    digest = hashlib.sha256(text.encode())
+    target = ["--target-accelerator", accelerator] if accelerator else []
+    digest.update(" ".join(target).encode())
+    out = precompiled_kernels_dir() / f"{source.stem}-{digest.hexdigest()[:16]}" / source.stem
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f"{out.name}.{os.getpid()}")
     # os.environ: the environment this process started with (see mokv.kernels).
-    command = [mojo_compiler(), "build", "-I", str(sources.parent), str(EMULATOR_SOURCE), "-o", str(partial)]
+    command = [
+        mojo_compiler(),
+        "build",
+        *target,
+        "-I",
+        str(sources.parent),
+        "-I",
+        str(HARNESS_DIR),
+        str(source),
+        "-o",
+        str(partial),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ), check=False)
     if result.returncode != 0:
-        raise RuntimeError(f"building the GPU kernel emulator failed:\n{result.stderr}")
+        raise RuntimeError(f"building {source.name} failed:\n{result.stderr}")
     os.replace(partial, out)  # atomic: a concurrent run never sees a half-written binary
     return out
 

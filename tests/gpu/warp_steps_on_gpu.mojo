@@ -1,0 +1,242 @@
+"""Runs one warp step of `tests/gpu/emulator.mojo`'s `warp` op on the GPU
+instead: the very call files (`call_files`), the same result in `out.bin`,
+but each lane a hardware thread calling the step with `lanes` 1, as the
+kernels do. `tests/gpu/test_warp_emulation.py` runs its cases both ways, so
+on a GPU the emulated steps are checked against the hardware itself, not
+only against the PTX ISA as read here.
+
+Steps `mma`, `ld_matrix` and `shuffle_xor` run on one warp; `wgmma` on a
+warpgroup of four, every warp given the same lanes' inputs, warp `warp`'s
+result written (on a GPU without warpgroup MMA the step aborts). Shared
+memory is loaded from the call's arrays by the threads, then fenced for the
+asynchronous proxy, as the kernels do.
+"""
+
+from max.gpu import barrier, thread_idx
+from max.gpu.host import DeviceBuffer, DeviceContext
+from max.gpu.memory import external_memory
+from std.memory import AddressSpace
+from std.sys import argv, size_of
+
+from mokv_kernels.pointers import BF16Ptr, CachePtr
+from mokv_kernels.gpu.warp import (
+    WARP_LANES,
+    FragA,
+    FragB,
+    FragC,
+    Frags,
+    ld_matrix,
+    mma,
+    shuffle_xor,
+)
+from mokv_kernels.gpu.warpgroup import (
+    SWIZZLE_ALIGNMENT,
+    async_proxy_fence,
+    k_slice,
+    mn_slice,
+    warpgroup_arrive,
+    warpgroup_wait,
+    wgmma_rs,
+    wgmma_ss,
+)
+
+from call_files import Call
+
+comptime TILE = 64 * 128
+"""Elements of each `[64, 128]` tile a `wgmma` step reads."""
+
+
+def _device[dtype: DType](ctx: DeviceContext, mut bytes: List[UInt8]) raises -> DeviceBuffer[dtype]:
+    """`bytes` copied to a new device buffer of `dtype` elements."""
+    var buffer = ctx.enqueue_create_buffer[dtype](max(len(bytes) // size_of[Scalar[dtype]](), 1))
+    if len(bytes):
+        ctx.enqueue_copy(buffer, bytes.unsafe_ptr().unsafe_bitcast[Scalar[dtype]]())
+    return buffer
+
+
+def _input[
+    dtype: DType
+](ctx: DeviceContext, call: Call, name: String) raises -> DeviceBuffer[dtype]:
+    var bytes = call.read(name)
+    return _device[dtype](ctx, bytes)
+
+
+def _ptr[dtype: DType](mut buffer: DeviceBuffer[dtype]) -> CachePtr[dtype]:
+    return buffer.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+
+
+def _shared_bf16() -> BF16Ptr:
+    return (
+        external_memory[BFloat16, address_space=AddressSpace.SHARED, alignment=SWIZZLE_ALIGNMENT]()
+        .unsafe_address_space_cast[AddressSpace.GENERIC]()
+        .unsafe_origin_cast[MutUntrackedOrigin]()
+    )
+
+
+def _fill_shared(to: BF16Ptr, source: CachePtr[DType.bfloat16], count: Int, threads: Int):
+    """Every thread copies its share of `count` elements into shared memory,
+    then makes them visible to warpgroup products after the barrier."""
+    for i in range(Int(thread_idx.x), count, threads):
+        to[unsafe_offset=i] = source[unsafe_offset=i]
+    async_proxy_fence()
+    barrier()
+
+
+def _write_out[
+    dtype: DType
+](ctx: DeviceContext, call: Call, result: DeviceBuffer[dtype], count: Int) raises:
+    """The device buffer `result` (`count` elements) as the call's `out.bin`."""
+    var bytes = List[UInt8](length=count * size_of[Scalar[dtype]](), fill=0)
+    ctx.enqueue_copy(bytes.unsafe_ptr().unsafe_bitcast[Scalar[dtype]](), result)
+    ctx.synchronize()
+    call.write("out", bytes)
+
+
+def _mma(ctx: DeviceContext, call: Call) raises:
+    var a_buffer = _input[DType.bfloat16](ctx, call, "a")
+    var b_buffer = _input[DType.bfloat16](ctx, call, "b")
+    var c_buffer = _input[DType.float32](ctx, call, "c")
+    var a = _ptr(a_buffer)
+    var b = _ptr(b_buffer)
+    var c = _ptr(c_buffer)
+    var out = ctx.enqueue_create_buffer[DType.float32](WARP_LANES * 4)
+    var d = _ptr(out)
+
+    def run() {var a, var b, var c, var d}:
+        var lane = Int(thread_idx.x)
+        var result = mma[1](
+            Array[FragA, 1](fill=a.unsafe_load[width=8](8 * lane)),
+            Array[FragB, 1](fill=b.unsafe_load[width=4](4 * lane)),
+            Array[FragC, 1](fill=c.unsafe_load[width=4](4 * lane)),
+        )
+        d.unsafe_store(4 * lane, result[0])
+
+    ctx.enqueue_function(run, grid_dim=1, block_dim=WARP_LANES)
+    _write_out(ctx, call, out, WARP_LANES * 4)
+    _ = a_buffer^
+    _ = b_buffer^
+    _ = c_buffer^
+
+
+def _shuffle_xor(ctx: DeviceContext, call: Call) raises:
+    var values_buffer = _input[DType.float32](ctx, call, "values")
+    var values = _ptr(values_buffer)
+    var out = ctx.enqueue_create_buffer[DType.float32](WARP_LANES)
+    var d = _ptr(out)
+    var mask = Int32(call.int("mask"))  # a kernel argument: a fixed-width integer
+
+    def run() {var values, var d, var mask}:
+        var lane = Int(thread_idx.x)
+        d[unsafe_offset=lane] = shuffle_xor[1](
+            Array[Float32, 1](fill=values[unsafe_offset=lane]), Int(mask)
+        )[0]
+
+    ctx.enqueue_function(run, grid_dim=1, block_dim=WARP_LANES)
+    _write_out(ctx, call, out, WARP_LANES)
+    _ = values_buffer^
+
+
+def _ld_matrix[count: Int, transpose: Bool](ctx: DeviceContext, call: Call) raises:
+    comptime SMEM = 64 * 8
+    var smem_buffer = _input[DType.bfloat16](ctx, call, "smem")
+    var rows_buffer = _input[DType.uint32](ctx, call, "rows")
+    var smem = _ptr(smem_buffer)
+    var rows = _ptr(rows_buffer)
+    var out = ctx.enqueue_create_buffer[DType.bfloat16](WARP_LANES * 2 * count)
+    var d = _ptr(out)
+
+    def run() {var smem, var rows, var d}:
+        var lane = Int(thread_idx.x)
+        var shared = _shared_bf16()
+        _fill_shared(shared, smem, SMEM, WARP_LANES)
+        var row = shared.unsafe_offset(Int(rows[unsafe_offset=lane]) * 8)
+        var result = ld_matrix[count, transpose, 1](Array[BF16Ptr, 1](fill=row))
+        d.unsafe_store(2 * count * lane, result[0])
+
+    ctx.enqueue_function(run, grid_dim=1, block_dim=WARP_LANES, shared_mem_bytes=SMEM * 2)
+    _write_out(ctx, call, out, WARP_LANES * 2 * count)
+    _ = smem_buffer^
+    _ = rows_buffer^
+
+
+def _wgmma[n: Int](ctx: DeviceContext, call: Call) raises:
+    var a_shared = call.int("a_shared") == 1
+    var a_tile_buffer = _input[DType.bfloat16](ctx, call, "a_tile")
+    var b_tile_buffer = _input[DType.bfloat16](ctx, call, "b_tile")
+    var c_buffer = _input[DType.float32](ctx, call, "c")
+    var a_buffer = ctx.enqueue_create_buffer[DType.bfloat16](WARP_LANES * 8)
+    if not a_shared:
+        a_buffer = _input[DType.bfloat16](ctx, call, "a")
+    var a_tile = _ptr(a_tile_buffer)
+    var b_tile = _ptr(b_tile_buffer)
+    var c = _ptr(c_buffer)
+    var a = _ptr(a_buffer)
+    var out = ctx.enqueue_create_buffer[DType.float32](WARP_LANES * n // 2)
+    var d = _ptr(out)
+    var k_major = call.int("b_major") == 1
+    var step = Int32(call.int("k_step"))  # kernel arguments: fixed-width integers
+    var warp = Int32(call.int("warp"))
+
+    def run() {
+        var a_tile, var b_tile, var c, var a, var d, var a_shared, var k_major, var step, var warp
+    }:
+        var lane = Int(thread_idx.x) % WARP_LANES
+        var shared = _shared_bf16()
+        _fill_shared(shared, a_tile, TILE, 4 * WARP_LANES)
+        _fill_shared(shared.unsafe_offset(TILE), b_tile, TILE, 4 * WARP_LANES)
+        var acc = Frags[DType.float32, 4, n // 8, 1](0)
+        comptime for i in range(n // 8):
+            acc[i, 0] = c.unsafe_load[width=4](lane * n // 2 + 4 * i)
+        var fragment = Array[FragA, 1](fill=a.unsafe_load[width=8](8 * lane))
+        var keys_or_values = shared.unsafe_offset(TILE)
+        warpgroup_arrive()
+        if a_shared and k_major:
+            wgmma_ss[n](
+                k_slice(shared, 64, Int(step)), k_slice(keys_or_values, 64, Int(step)), acc, 0
+            )
+        elif a_shared:
+            wgmma_ss[n](
+                k_slice(shared, 64, Int(step)), mn_slice[64](keys_or_values, Int(step)), acc, 0
+            )
+        elif k_major:
+            wgmma_rs[n](fragment, k_slice(keys_or_values, 64, Int(step)), acc)
+        else:
+            wgmma_rs[n](fragment, mn_slice[64](keys_or_values, Int(step)), acc)
+        warpgroup_wait()
+        if Int(thread_idx.x) // WARP_LANES == Int(warp):
+            comptime for i in range(n // 8):
+                d.unsafe_store(lane * n // 2 + 4 * i, acc[i, 0])
+
+    ctx.enqueue_function(run, grid_dim=1, block_dim=4 * WARP_LANES, shared_mem_bytes=2 * TILE * 2)
+    _write_out(ctx, call, out, WARP_LANES * n // 2)
+    _ = a_tile_buffer^
+    _ = b_tile_buffer^
+    _ = c_buffer^
+    _ = a_buffer^
+
+
+def main() raises:
+    var call = Call(String(argv()[1]))
+    var ctx = DeviceContext()
+    var step = call.text("step")
+    if step == "mma":
+        _mma(ctx, call)
+    elif step == "shuffle_xor":
+        _shuffle_xor(ctx, call)
+    elif step == "ld_matrix":
+        var count = call.int("count")
+        var transpose = call.int("transpose") == 1
+        comptime for c in range(3):
+            comptime n = 1 << c
+            if count == n:
+                if transpose:
+                    _ld_matrix[n, True](ctx, call)
+                else:
+                    _ld_matrix[n, False](ctx, call)
+    elif step == "wgmma":
+        if call.int("n") == 64:
+            _wgmma[64](ctx, call)
+        else:
+            _wgmma[128](ctx, call)
+    else:
+        raise Error(t"unknown warp step {step}")
