@@ -54,6 +54,8 @@ comptime SWIZZLE_ALIGNMENT = 1024
 comptime NOT_HOPPER = "wgmma exists only on NVIDIA Hopper GPUs (Launcher.warpgroup_mma)"
 comptime M = 64
 """Rows of a warpgroup product."""
+comptime WARPGROUP_ROWS = M
+comptime WARPGROUP_WARPS = 4
 comptime K = 16
 """Depth of one bfloat16 warpgroup product."""
 
@@ -101,13 +103,14 @@ comptime MNMajor[rows: Int] = SharedOperand[False, rows * SWIZZLE_BYTES, 8 * SWI
 
 
 @always_inline
-def k_slice(tile: BF16Ptr, rows: Int, step: Int) -> KMajor:
+def k_slice(tile: BF16Ptr, rows: Int, step: Int, first_row: Int = 0) -> KMajor:
     """The K-major slice of k-step `step` (columns 16 step ..) of a tile of
-    `rows` rows."""
+    `rows` rows, from row `first_row` (a multiple of 8) on."""
     comptime steps_per_block = SWIZZLE_COLUMNS // K
     return KMajor(
         tile,
-        step // steps_per_block * rows * SWIZZLE_BYTES + step % steps_per_block * 2 * K,
+        (step // steps_per_block * rows + first_row) * SWIZZLE_BYTES
+        + step % steps_per_block * 2 * K,
     )
 
 

@@ -440,11 +440,10 @@ struct DecodeKernel[cache_t: KVCacheT, q_dtype: DType, D: Int](KernelT):
     in shared memory."""
 
     var args: AttentionArgs[Self.cache_t, Self.q_dtype]
-    var query_tiles: Int
 
     def grid(self) -> BlockId:
         return BlockId(
-            self.query_tiles * self.args.splits,
+            self.args.query_tiles * self.args.splits,
             self.args.k_cache.num_heads(),
             self.args.k_cache.batch_size(),
         )

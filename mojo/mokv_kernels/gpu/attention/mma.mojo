@@ -13,11 +13,13 @@ what their four warps split and how they multiply:
   the tile across warps), so K and V are still read once per group, with
   no tensor-core work on rows that do not exist;
 - prefill on Hopper's warpgroup products (`warpgroup` True, chosen by
-  `MOKV_PREFILL_KERNEL=wgmma`, `op`): the same rows, tiles, masking and
-  softmax as the prefill, but each product is one `wgmma` of the four warps
-  (`..warpgroup`): Q Kᵀ with queries and keys read by the tensor cores from
-  shared memory, P V with P from registers and values from shared memory,
-  so a tile is read from shared memory once per block, not once per warp.
+  `MOKV_PREFILL_KERNEL=wgmma`, `op`): two warpgroups of four warps, 128
+  query rows, the same tiles, masking and softmax as the prefill, but each
+  product is one `wgmma` of a warpgroup (`..warpgroup`): Q Kᵀ with queries
+  and keys read by the tensor cores from shared memory, P V with P from
+  registers and values from shared memory. A tile is read from shared
+  memory once per warpgroup, not once per warp, and copied in once per 128
+  rows.
 
 The context is walked in tiles of `BN` = 64 keys:
 
@@ -52,6 +54,8 @@ from ..block import BlockExecutor, BlockId, KernelT, ThreadProgram
 from ..copy import wait_copies
 from ..warp import FragA, FragB, Frags, ld_matrix, mma, shuffle_xor
 from ..warpgroup import (
+    WARPGROUP_ROWS,
+    WARPGROUP_WARPS,
     async_proxy_fence,
     k_slice,
     mn_slice,
@@ -86,7 +90,10 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     warp's output accumulators `[16, D]` (C fragments), and per row the
     running max and this lane's share of the running sum."""
 
-    comptime ROWS = MMA_ROWS if Self.decode else WARPS * MMA_ROWS
+    comptime THREADS = BLOCK_THREADS * (2 if Self.warpgroup else 1)
+    """Threads of a block: four warps, or on warpgroup products two
+    warpgroups, which share each K/V tile (half the tile reads per row)."""
+    comptime ROWS = MMA_ROWS if Self.decode else Self.THREADS // WARP * MMA_ROWS
     """Query rows of a block: the most query heads per KV head it takes."""
     comptime WARP_KEYS = BN // WARPS if Self.decode else BN
     """Keys of a tile one warp scores."""
@@ -96,7 +103,7 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     """Output n-tiles (8 dims each)."""
     comptime NTILES = Self.WARP_KEYS // 8
     """Score n-tiles of a warp (8 keys each)."""
-    comptime Tiles = MmaTiles[Self.cache_t, Self.D, Self.ROWS]
+    comptime Tiles = MmaTiles[Self.cache_t, Self.D, Self.ROWS, Self.THREADS]
     comptime STATE_FLOATS = MMA_ROWS * Self.D + 2 * MMA_ROWS
     """A decode warp's state: outputs `[16, D]`, then each row's max and sum."""
 
@@ -224,9 +231,13 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
         var s = Frags[DType.float32, 4, Self.NTILES, Self.lanes](0)
         comptime if Self.warpgroup:
             warpgroup_arrive()
+            var group_row = self.warp() // WARPGROUP_WARPS * WARPGROUP_ROWS
             comptime for k in range(Self.KSTEPS):
                 wgmma_ss[Self.WARP_KEYS](
-                    k_slice(queries, Self.ROWS, k), k_slice(keys, BN, k), s, self.warp()
+                    k_slice(queries, Self.ROWS, k, group_row),
+                    k_slice(keys, BN, k),
+                    s,
+                    self.warp() % WARPGROUP_WARPS,
                 )
             warpgroup_wait()
         else:
@@ -447,13 +458,14 @@ struct MmaKernel[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     warpgroup where `warpgroup`)."""
 
     comptime Program = MmaThread[Self.cache_t, Self.D, Self.lanes, Self.decode, Self.warpgroup]
-    comptime THREADS = BLOCK_THREADS
-    comptime MIN_BLOCKS = 3 if Self.decode and (
-        Self.D < 128 or not Self.Program.Tiles.QUANTIZED
-    ) else 2
+    comptime THREADS = Self.Program.THREADS
+    comptime MIN_BLOCKS = 1 if Self.warpgroup else (
+        3 if Self.decode and (Self.D < 128 or not Self.Program.Tiles.QUANTIZED) else 2
+    )
     """Blocks per multiprocessor the registers are sized for (a decode warp
     holds a quarter of a prefill warp's scores; an 8-bit decode at head_dim
-    128 spilled within three blocks' registers). Raise them only where
+    128 spilled within three blocks' registers; a block of two warpgroups
+    holds as many warps as two blocks of one). Raise them only where
     `tools/check_gpu_build.sh --registers` shows no spills."""
     comptime LANES = Self.lanes
     comptime NAME = "decode_mma" if Self.decode else (
@@ -465,11 +477,10 @@ struct MmaKernel[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     comptime TENSOR_CORES = True
 
     var args: AttentionArgs[Self.cache_t, DType.bfloat16]
-    var query_tiles: Int
 
     def grid(self) -> BlockId:
         return BlockId(
-            self.query_tiles * self.args.splits,
+            self.args.query_tiles * self.args.splits,
             self.args.k_cache.num_heads(),
             self.args.k_cache.batch_size(),
         )

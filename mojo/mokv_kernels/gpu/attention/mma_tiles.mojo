@@ -11,7 +11,7 @@ addresses.
 K and V rows of a tile go through the page table row by row: one thread per
 key looks its row up once (`locate_rows`) and leaves the address in shared
 memory, then every thread copies 16-byte chunks (`start_tile`: thread t
-chunks t, t + 128, ..., so a warp reads whole rows) with `cp.async`
+chunks t, t + THREADS, ..., so a warp reads whole rows) with `cp.async`
 (`..copy`), committed as one group per tile.
 
 An 8-bit cache (`float8_e4m3fn` or `int8` codes with float32 scales) takes
@@ -32,7 +32,6 @@ from ..copy import commit_copies, start_copy_16, zero_16
 
 from ..warpgroup import SWIZZLE_ALIGNMENT, SWIZZLE_COLUMNS
 
-from .config import BLOCK_THREADS
 from .work import AttentionArgs, BlockWork, row_offset
 
 comptime BN = 64
@@ -47,16 +46,16 @@ comptime VALUE_SCALES = 2
 
 
 @fieldwise_init
-struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int](TrivialRegisterPassable):
-    """One block's shared memory, from `smem`; tiles alternate between the
-    stages from the block's first key `first_key`."""
+struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int](TrivialRegisterPassable):
+    """The shared memory of a block of `THREADS` threads, from `smem`; tiles
+    alternate between the stages from the block's first key `first_key`."""
 
     comptime QUANTIZED = is_quantized[Self.cache_t.dtype]()
     comptime CHUNKS = Self.D // 8
     """16-byte chunks of a bfloat16 row."""
     comptime ELEMENTS_PER_COPY = 16 // size_of[Scalar[Self.cache_t.dtype]]()
     """Stored elements (values or codes) in a 16-byte copy."""
-    comptime COPIES = BN * Self.D // Self.ELEMENTS_PER_COPY // BLOCK_THREADS
+    comptime COPIES = BN * Self.D // Self.ELEMENTS_PER_COPY // Self.THREADS
     """16-byte copies of each of a tile's K and V that one thread makes."""
     comptime TILE = BN * Self.D
     comptime STAGES_AT = Self.ROWS * Self.D
@@ -89,7 +88,7 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int](TrivialRegisterPassable):
             Self.STAGES_AT * 2 % SWIZZLE_ALIGNMENT == 0 and Self.TILE * 2 % SWIZZLE_ALIGNMENT == 0
         ), "every tile starts where the swizzle pattern does"
         comptime assert (
-            Self.COPIES * BLOCK_THREADS * Self.ELEMENTS_PER_COPY == BN * Self.D
+            Self.COPIES * Self.THREADS * Self.ELEMENTS_PER_COPY == BN * Self.D
         ), "copy layout"
         var value_offset = 0
         if not work.empty():
@@ -155,7 +154,7 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int](TrivialRegisterPassable):
         threads `tid ..< tid + lanes` take their share."""
         var rows = work.rows(args.group)
         for l in range(lanes):
-            for u in range(tid + l, Self.ROWS * Self.CHUNKS, BLOCK_THREADS):
+            for u in range(tid + l, Self.ROWS * Self.CHUNKS, Self.THREADS):
                 var r = u // Self.CHUNKS
                 var c = u % Self.CHUNKS
                 var to = self.smem.unsafe_offset(Self.swizzled[Self.ROWS](r, c))
@@ -230,7 +229,7 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int](TrivialRegisterPassable):
         var addresses = self.addresses(kv_start)
         for l in range(lanes):
             for n in range(Self.COPIES):
-                var unit = tid + l + n * BLOCK_THREADS
+                var unit = tid + l + n * Self.THREADS
                 var keys = self.copy_at(kv_start, unit, KEYS)
                 var values = self.copy_at(kv_start, unit, VALUES)
                 var address = addresses[unsafe_offset=Self.key_of(unit)]
@@ -256,7 +255,7 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int](TrivialRegisterPassable):
                 var addresses = self.addresses(kv_start, KEY_SCALES + kind)
                 var scales = SIMD[DType.float32, Self.COPIES](0)
                 comptime for n in range(Self.COPIES):
-                    var unit = tid + l + n * BLOCK_THREADS
+                    var unit = tid + l + n * Self.THREADS
                     var address = addresses[unsafe_offset=Self.key_of(unit)]
                     if address != 0:
                         scales[n] = ScalePtr(unsafe_from_address=address)[
@@ -264,7 +263,7 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int](TrivialRegisterPassable):
                         ]
                 var tile = self.tile(kv_start, kind)
                 comptime for n in range(Self.COPIES):
-                    var unit = tid + l + n * BLOCK_THREADS
+                    var unit = tid + l + n * Self.THREADS
                     var key = Self.key_of(unit)
                     var first = Self.first_of(unit)
                     var codes = self.copy_at(kv_start, unit, kind).unsafe_load[

@@ -79,32 +79,41 @@ def _run[
     comptime if _on_tensor_cores[cache_t, q_dtype, D]():
         warpgroup = _warpgroup_prefill(launcher)
         mma = launcher.tensor_cores()
+    var prefill_rows = _prefill_rows(D)
+    var prefill_blocks = Prefill.MIN_BLOCKS
+    if warpgroup:
+        prefill_rows = WgmmaPrefill.Program.ROWS
+        prefill_blocks = WgmmaPrefill.MIN_BLOCKS
+    elif mma:
+        prefill_rows = MmaPrefill.Program.ROWS
+        prefill_blocks = MmaPrefill.MIN_BLOCKS
     var plan = plan_attention(
         args.k_cache.batch_size(),
         args.k_cache.num_heads(),
         args.group,
-        MmaPrefill.Program.ROWS if mma else _prefill_rows(D),
+        prefill_rows,
         bounds,
         launcher.multiprocessors(),
         MmaDecode.MIN_BLOCKS if mma else Decode.MIN_BLOCKS,
-        MmaPrefill.MIN_BLOCKS if mma else Prefill.MIN_BLOCKS,
+        prefill_blocks,
     )
     args.tokens_per_tile = plan.tokens_per_tile
+    args.query_tiles = plan.query_tiles
     args.splits = plan.splits
     if plan.splits > 1:
         args.partials = launcher.scratch(plan.splits * args.total_tokens * args.n_q_heads * (D + 2))
     comptime if _on_tensor_cores[cache_t, q_dtype, D]():
         var bf16_args = rebind[AttentionArgs[cache_t, DType.bfloat16]](args)
         if mma and plan.decode:
-            launcher.launch(MmaDecode(bf16_args, plan.query_tiles))
+            launcher.launch(MmaDecode(bf16_args))
         elif warpgroup:
-            launcher.launch(WgmmaPrefill(bf16_args, plan.query_tiles))
+            launcher.launch(WgmmaPrefill(bf16_args))
         elif mma:
-            launcher.launch(MmaPrefill(bf16_args, plan.query_tiles))
+            launcher.launch(MmaPrefill(bf16_args))
     if not mma and plan.decode:
-        launcher.launch(Decode(args, plan.query_tiles))
+        launcher.launch(Decode(args))
     elif not mma:
-        launcher.launch(Prefill(args, plan.query_tiles))
+        launcher.launch(Prefill(args))
     if plan.splits > 1:
         launcher.launch(
             MergeKernel[q_dtype, D](
@@ -191,6 +200,7 @@ def attention_gpu[
         group,
         scale * LOG2E,
         Int(sliding_window),
+        1,
         1,
         1,
         granularity,

@@ -266,11 +266,10 @@ struct AttentionKernel[cache_t: KVCacheT, q_dtype: DType, D: Int, BM: Int, BN: I
     comptime SHARED_BYTES = Self.Program.Tiles.FLOATS * 4
 
     var args: AttentionArgs[Self.cache_t, Self.q_dtype]
-    var query_tiles: Int
 
     def grid(self) -> BlockId:
         return BlockId(
-            self.query_tiles * self.args.splits,
+            self.args.query_tiles * self.args.splits,
             self.args.k_cache.num_heads(),
             self.args.k_cache.batch_size(),
         )

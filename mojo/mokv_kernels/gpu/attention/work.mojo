@@ -36,6 +36,9 @@ struct AttentionArgs[cache_t: KVCacheT, q_dtype: DType](TrivialRegisterPassable)
     var scale_log2: Float32
     var window: Int
     var tokens_per_tile: Int
+    var query_tiles: Int
+    """Query tiles of the grid: the most new tokens of a row over
+    `tokens_per_tile`."""
     var splits: Int
     var granularity: Int
     """Elements per scale of a quantized cache (`head_dim // granules`)."""
@@ -101,9 +104,12 @@ def block_work[
     cache_t: KVCacheT, q_dtype: DType, //
 ](args: AttentionArgs[cache_t, q_dtype], block: BlockId, tile_tokens: Int) -> BlockWork:
     """Block (x = query tile * splits + split, y = KV head, z = batch row)'s
-    rows and its split's share of their context, aligned to `tile_tokens`."""
+    rows and its split's share of their context, aligned to `tile_tokens`.
+    Query tiles are handed out last first: a later tile sees more keys (its
+    causal prefix is longer), so the longest blocks start first and the
+    shortest fill the grid's tail."""
     var row = block.z
-    var tile = block.x // args.splits
+    var tile = args.query_tiles - 1 - block.x // args.splits
     var split = block.x % args.splits
     var start = Int(args.row_offsets[unsafe_offset=row])
     var end = Int(args.row_offsets[unsafe_offset=row + 1])
