@@ -25,7 +25,8 @@ The context is walked in tiles of `BN` = 64 keys:
 
 - copies: K and V rows of a tile go through the page table row by row, in
   16-byte `cp.async` chunks into swizzled shared memory (`mma_tiles`); two
-  stages, the next tile's copies in flight while this one computes;
+  stages, the next tile's copies in flight while this one computes (three
+  on warpgroup products over a bfloat16 cache: the next two tiles');
 - scores: query and K fragments from `ldmatrix` (the queries stay in
   shared memory, read again per tile: registers go to the outputs); scores
   are scaled by `scale * log2(e)` in float32, after the product, so the
@@ -50,6 +51,7 @@ from std.sys import bit_width_of
 
 from ...pointers import BF16Ptr, F32Ptr
 from ...cache.traits import KVCacheT
+from ...kv_quantization import is_quantized
 from ..block import BlockExecutor, BlockId, KernelT, ThreadProgram
 from ..copy import wait_copies
 from ..warp import FragA, FragB, Frags, ld_matrix, mma, shuffle_xor
@@ -103,7 +105,13 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     """Output n-tiles (8 dims each)."""
     comptime NTILES = Self.WARP_KEYS // 8
     """Score n-tiles of a warp (8 keys each)."""
-    comptime Tiles = MmaTiles[Self.cache_t, Self.D, Self.ROWS, Self.THREADS]
+    comptime STAGES = 3 if Self.warpgroup and not is_quantized[Self.cache_t.dtype]() else 2
+    """Shared-memory stages: on warpgroup products (one block per
+    multiprocessor) three for a bfloat16 cache, so two tiles' copies are in
+    flight while one is multiplied."""
+    comptime AHEAD = Self.STAGES - 1
+    """Tiles whose copies start before the block multiplies its first."""
+    comptime Tiles = MmaTiles[Self.cache_t, Self.D, Self.ROWS, Self.THREADS, Self.STAGES]
     comptime STATE_FLOATS = MMA_ROWS * Self.D + 2 * MMA_ROWS
     """A decode warp's state: outputs `[16, D]`, then each row's max and sum."""
 
@@ -161,21 +169,27 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     def step(mut self, phase: Int, arg: Int):
         if phase == LOAD_Q:
             self.tiles.load_queries[Self.lanes](self.args, self.work, self.tid)
-            self.tiles.locate_rows[Self.lanes](self.args, self.work, self.tid, arg)
+            comptime for t in range(Self.AHEAD):
+                if arg + t * BN < self.work.kv_end:
+                    self.tiles.locate_rows[Self.lanes](self.args, self.work, self.tid, arg + t * BN)
             self.shared_writes_done()
         elif phase == START_FIRST:
-            self.tiles.start_tile[Self.lanes](self.tid, arg)
+            comptime for t in range(Self.AHEAD):
+                if arg + t * BN < self.work.kv_end:
+                    self.tiles.start_tile[Self.lanes](self.tid, arg + t * BN)
         elif phase == WAIT_TILE:
-            if arg + BN < self.work.kv_end:
-                self.tiles.locate_rows[Self.lanes](self.args, self.work, self.tid, arg + BN)
-            wait_copies[0]()
+            if arg + Self.AHEAD * BN < self.work.kv_end:
+                self.tiles.locate_rows[Self.lanes](
+                    self.args, self.work, self.tid, arg + Self.AHEAD * BN
+                )
+            self.wait_tile(arg)
             self.shared_writes_done()
         elif phase == CONVERT_TILE:
             self.tiles.convert_tile[Self.lanes](self.tid, arg, self.args.granularity)
             self.shared_writes_done()
         elif phase == COMPUTE_TILE:
-            if arg + BN < self.work.kv_end:
-                self.tiles.start_tile[Self.lanes](self.tid, arg + BN)
+            if arg + Self.AHEAD * BN < self.work.kv_end:
+                self.tiles.start_tile[Self.lanes](self.tid, arg + Self.AHEAD * BN)
             self.compute_tile(arg)
         elif phase == FINISH:
             comptime if Self.decode:
@@ -184,6 +198,18 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
                 self.write_rows()
         else:
             self.combine()
+
+    @always_inline
+    def wait_tile(self, kv_start: Int):
+        """Waits for this thread's copies of the tile at `kv_start`, leaving
+        the later tiles' (started `AHEAD` tiles ahead, each one group) in
+        flight."""
+        comptime assert Self.AHEAD <= 2, "waits for up to one later tile's copies"
+        comptime if Self.AHEAD == 2:
+            if kv_start + BN < self.work.kv_end:
+                wait_copies[1]()
+                return
+        wait_copies[0]()
 
     @always_inline
     def shared_writes_done(self):

@@ -1,7 +1,7 @@
 """A tensor-core attention block's shared memory (`mma`), and how the
 queries and the K/V tiles get there.
 
-Layout: the block's queries `[ROWS, D]`, then `STAGES` pairs of K and V
+Layout: the block's queries `[ROWS, D]`, then `stage_count` pairs of K and V
 tiles `[BN, D]`, each stored as `..warpgroup` lays out a swizzled tile (D / 64
 column blocks of 128-byte rows, chunk c of row r at chunk `c ^ (r % 8)`: the
 eight rows one `ldmatrix` reads sit in distinct banks, and a `wgmma` reads
@@ -36,7 +36,6 @@ from .work import AttentionArgs, BlockWork, row_offset
 
 comptime BN = 64
 """Keys per tile."""
-comptime STAGES = 2
 comptime KEYS = 0
 comptime VALUES = 1
 comptime KEY_SCALES = 1
@@ -46,9 +45,12 @@ comptime VALUE_SCALES = 2
 
 
 @fieldwise_init
-struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int](TrivialRegisterPassable):
+struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int, stage_count: Int](
+    TrivialRegisterPassable
+):
     """The shared memory of a block of `THREADS` threads, from `smem`; tiles
-    alternate between the stages from the block's first key `first_key`."""
+    take the `stage_count` stages in turn from the block's first key `first_key` (an
+    8-bit cache: two, see the module docstring)."""
 
     comptime QUANTIZED = is_quantized[Self.cache_t.dtype]()
     comptime CHUNKS = Self.D // 8
@@ -60,12 +62,12 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int](TrivialRegis
     comptime TILE = BN * Self.D
     comptime STAGES_AT = Self.ROWS * Self.D
     """Where the stages start, in elements."""
-    comptime STAGE_BYTES = STAGES * 2 * Self.TILE * 2
+    comptime STAGE_BYTES = Self.stage_count * 2 * Self.TILE * 2
     comptime ADDRESS_KINDS = 3 if Self.QUANTIZED else 1
     """Addresses per key: its row, and an 8-bit cache's key and value scales."""
-    comptime ADDRESSES_AT = Self.STAGES_AT + STAGES * 2 * Self.TILE
+    comptime ADDRESSES_AT = Self.STAGES_AT + Self.stage_count * 2 * Self.TILE
     comptime SHARED_BYTES = (
-        Self.ADDRESSES_AT * 2 + STAGES * Self.ADDRESS_KINDS * BN * size_of[Int]()
+        Self.ADDRESSES_AT * 2 + Self.stage_count * Self.ADDRESS_KINDS * BN * size_of[Int]()
     )
 
     var smem: BF16Ptr
@@ -90,6 +92,9 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int](TrivialRegis
         comptime assert (
             Self.COPIES * Self.THREADS * Self.ELEMENTS_PER_COPY == BN * Self.D
         ), "copy layout"
+        comptime assert (
+            Self.stage_count == 2 or not Self.QUANTIZED
+        ), "an 8-bit cache's codes land in the second stage's space"
         var value_offset = 0
         if not work.empty():
             value_offset = (
@@ -110,7 +115,7 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int](TrivialRegis
 
     @always_inline
     def stage(self, kv_start: Int) -> Int:
-        return (kv_start - self.first_key) // BN % STAGES
+        return (kv_start - self.first_key) // BN % Self.stage_count
 
     @always_inline
     def tile(self, kv_start: Int, kind: Int) -> BF16Ptr:
