@@ -49,7 +49,8 @@ comptime FragC = SIMD[DType.float32, 4]
 """A thread's share of a C or D operand (16 x 8 float32)."""
 
 
-def _check_lanes[lanes: Int]():
+def check_lanes[lanes: Int]():
+    """A program is one thread (on a GPU) or one warp (emulated)."""
     comptime assert lanes == 1 or lanes == WARP_LANES, "a program is one thread or one warp"
 
 
@@ -60,7 +61,7 @@ def ld_matrix[
     """`ldmatrix.sync.aligned.m8n8.x{count}[.trans].b16` from shared memory:
     `rows[l]` is the row address lane l gives (16 bytes, 16-byte aligned;
     only lanes below `8 * count` are read)."""
-    _check_lanes[lanes]()
+    check_lanes[lanes]()
     comptime assert count == 1 or count == 2 or count == 4, "ldmatrix loads 1, 2 or 4 matrices"
     var out = Array[SIMD[DType.bfloat16, 2 * count], lanes](fill=0)
     comptime if lanes == 1:
@@ -83,7 +84,7 @@ def mma[
 ](a: Array[FragA, lanes], b: Array[FragB, lanes], c: Array[FragC, lanes]) -> Array[FragC, lanes]:
     """`mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`: D = A B + C,
     products and sums in float32."""
-    _check_lanes[lanes]()
+    check_lanes[lanes]()
     var d = Array[FragC, lanes](fill=0)
     comptime if lanes == 1:
         comptime if is_nvidia_gpu():
@@ -150,7 +151,7 @@ def _emulated_mma(
 @always_inline
 def shuffle_xor[lanes: Int](values: Array[Float32, lanes], mask: Int) -> Array[Float32, lanes]:
     """`shfl.sync.bfly`: lane l gets lane `l ^ mask`'s value."""
-    _check_lanes[lanes]()
+    check_lanes[lanes]()
     var out = Array[Float32, lanes](fill=0)
     comptime if lanes == 1:
         out[0] = hw_shuffle_xor(values[0], UInt32(mask))

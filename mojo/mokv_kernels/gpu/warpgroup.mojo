@@ -44,7 +44,7 @@ from std.os import abort
 from std.sys.info import is_nvidia_gpu
 
 from ..pointers import BF16Ptr
-from .warp import WARP_LANES, FragA, Frags
+from .warp import WARP_LANES, FragA, Frags, check_lanes
 
 comptime SWIZZLE_BYTES = 128
 """Bytes of a swizzled row: 64 bfloat16 columns."""
@@ -52,9 +52,8 @@ comptime SWIZZLE_COLUMNS = 64
 comptime SWIZZLE_ALIGNMENT = 1024
 """Where a swizzled tile must start: the 8 rows the pattern repeats over."""
 comptime NOT_HOPPER = "wgmma exists only on NVIDIA Hopper GPUs (Launcher.warpgroup_mma)"
-comptime M = 64
-"""Rows of a warpgroup product."""
-comptime WARPGROUP_ROWS = M
+comptime WARPGROUP_ROWS = 64
+"""Rows of a warpgroup product: 16 per warp."""
 comptime WARPGROUP_WARPS = 4
 comptime K = 16
 """Depth of one bfloat16 warpgroup product."""
@@ -121,11 +120,6 @@ def mn_slice[rows: Int](tile: BF16Ptr, step: Int) -> MNMajor[rows]:
 
 
 @always_inline
-def _check_lanes[lanes: Int]():
-    comptime assert lanes == 1 or lanes == WARP_LANES, "a program is one thread or one warp"
-
-
-@always_inline
 def _joined[
     n: Int, lanes: Int
 ](frags: Frags[DType.float32, 4, n // 8, lanes]) -> SIMD[DType.float32, n // 2]:
@@ -156,11 +150,11 @@ def wgmma_ss[
 ):
     """`wgmma.mma_async.m64nNk16.f32.bf16.bf16` with A and B in shared memory:
     D += A B; `warp` is the program's warp within its warpgroup."""
-    _check_lanes[lanes]()
+    check_lanes[lanes]()
     comptime if lanes == 1:
         comptime if is_nvidia_gpu["sm_90a"]():
             var acc = wgmma_async[
-                M,
+                WARPGROUP_ROWS,
                 n,
                 K,
                 DType.float32,
@@ -186,11 +180,11 @@ def wgmma_rs[
 ):
     """`wgmma.mma_async.m64nNk16.f32.bf16.bf16` with A in registers (each
     warp's rows as an `mma.sync` A fragment) and B in shared memory."""
-    _check_lanes[lanes]()
+    check_lanes[lanes]()
     comptime if lanes == 1:
         comptime if is_nvidia_gpu["sm_90a"]():
             var acc = wgmma_async[
-                M,
+                WARPGROUP_ROWS,
                 n,
                 K,
                 a_type=DType.bfloat16,
