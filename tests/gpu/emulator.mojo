@@ -39,9 +39,9 @@ from mokv_kernels.gpu.rows import gather_rows_gpu, store_kv_gpu
 from mokv_kernels.kv_quantization import codes_in, is_quantized
 from mokv_kernels.gpu.views import InputView, MutableView, OutputView, row_major
 from mokv_kernels.gpu.warp import WARP_LANES, FragA, Frags, ld_matrix, mma, shuffle_xor
-from mokv_kernels.gpu.warpgroup import k_slice, mn_slice, wgmma_rs, wgmma_ss
 
 from call_files import Call, bytes_ptr, lane_values, write_lane_values
+from warp_steps import WarpSteps, run_warp_step, wgmma_product
 
 
 def _vector(call: Call, mut bytes: List[UInt8], name: String) raises -> InputView[DType.uint32, 1]:
@@ -215,77 +215,13 @@ def _run[blocks_dtype: DType, q_dtype: DType](call: Call) raises:
     _ = table_bytes^
 
 
-def _ld_matrix[count: Int, transpose: Bool](call: Call) raises:
-    var smem = call.read("smem")
-    var rows_bytes = call.read("rows")
-    var rows = bytes_ptr[DType.uint32](rows_bytes)
-    var addresses = Array[BF16Ptr, WARP_LANES](fill=bytes_ptr[DType.bfloat16](smem))
-    for l in range(WARP_LANES):
-        addresses[l] = bytes_ptr[DType.bfloat16](smem).unsafe_offset(Int(rows[unsafe_offset=l]) * 8)
-    write_lane_values[DType.bfloat16, 2 * count](
-        call, ld_matrix[count, transpose, WARP_LANES](addresses)
-    )
-    _ = smem^
-    _ = rows_bytes^
+struct EmulatedSteps(WarpSteps):
+    """The `warp` op's steps on the CPU: one program holds every lane."""
 
+    def __init__(out self):
+        pass
 
-comptime WGMMA_TILE_ROWS = 64
-"""Rows of the swizzled `[64, 128]` tiles a `wgmma` step reads (`a_tile`,
-`b_tile`, laid out by the test)."""
-
-
-def _wgmma[n: Int](call: Call) raises:
-    """One warp's share of a warpgroup product: A from `a_tile` (K-major,
-    k-step `k_step`, the rows of warp `warp`) or from the lanes' fragments
-    (`a`), B from `b_tile` (K-major, or MN-major when `b_major` is 0, at
-    k-step `k_step`), C from the lanes' `c`."""
-    var a_tile = call.read("a_tile")
-    var b_tile = call.read("b_tile")
-    var c_bytes = call.read("c")
-    var c = lane_values[DType.float32, n // 2](c_bytes)
-    var d = Frags[DType.float32, 4, n // 8, WARP_LANES](0)
-    for l in range(WARP_LANES):
-        comptime for i in range(n // 8):
-            d[i, l] = c[l].slice[4, offset=4 * i]()
-    var step = call.int("k_step")
-    var a_ptr = bytes_ptr[DType.bfloat16](a_tile)
-    var b_ptr = bytes_ptr[DType.bfloat16](b_tile)
-    if call.int("a_shared") == 1:
-        if call.int("b_major") == 1:
-            wgmma_ss[n](
-                k_slice(a_ptr, WGMMA_TILE_ROWS, step),
-                k_slice(b_ptr, WGMMA_TILE_ROWS, step),
-                d,
-                call.int("warp"),
-            )
-        else:
-            wgmma_ss[n](
-                k_slice(a_ptr, WGMMA_TILE_ROWS, step),
-                mn_slice[WGMMA_TILE_ROWS](b_ptr, step),
-                d,
-                call.int("warp"),
-            )
-    else:
-        var a_bytes = call.read("a")
-        var a = lane_values[DType.bfloat16, 8](a_bytes)
-        if call.int("b_major") == 1:
-            wgmma_rs[n](a, k_slice(b_ptr, WGMMA_TILE_ROWS, step), d)
-        else:
-            wgmma_rs[n](a, mn_slice[WGMMA_TILE_ROWS](b_ptr, step), d)
-    var out = Array[SIMD[DType.float32, n // 2], WARP_LANES](fill=0)
-    for l in range(WARP_LANES):
-        for i in range(n // 8):
-            comptime for e in range(4):
-                out[l][4 * i + e] = d[i, l][e]
-    write_lane_values[DType.float32, n // 2](call, out)
-    _ = a_tile^
-    _ = b_tile^
-
-
-def _run_warp(call: Call) raises:
-    """One warp-collective step on the lanes' registers in the call's files."""
-    var step = call.text("step")
-    if step == "mma":
+    def mma(mut self, call: Call) raises:
         var a = call.read("a")
         var b = call.read("b")
         var c = call.read("c")
@@ -297,34 +233,67 @@ def _run_warp(call: Call) raises:
                 lane_values[DType.float32, 4](c),
             ),
         )
-    elif step == "shuffle_xor":
+
+    def shuffle_xor(mut self, call: Call) raises:
         var values = call.read("values")
         write_lane_values[DType.float32, 1](
             call, shuffle_xor[WARP_LANES](lane_values[DType.float32, 1](values), call.int("mask"))
         )
-    elif step == "ld_matrix":
-        var count = call.int("count")
-        var transpose = call.int("transpose") == 1
-        comptime for c in range(3):
-            comptime n = 1 << c
-            if count == n:
-                if transpose:
-                    _ld_matrix[n, True](call)
-                else:
-                    _ld_matrix[n, False](call)
-    elif step == "wgmma":
-        if call.int("n") == 64:
-            _wgmma[64](call)
-        else:
-            _wgmma[128](call)
-    else:
-        raise Error(t"unknown warp step {step}")
+
+    def ld_matrix[count: Int, transpose: Bool](mut self, call: Call) raises:
+        var smem = call.read("smem")
+        var rows_bytes = call.read("rows")
+        var rows = bytes_ptr[DType.uint32](rows_bytes)
+        var addresses = Array[BF16Ptr, WARP_LANES](fill=bytes_ptr[DType.bfloat16](smem))
+        for l in range(WARP_LANES):
+            addresses[l] = bytes_ptr[DType.bfloat16](smem).unsafe_offset(
+                Int(rows[unsafe_offset=l]) * 8
+            )
+        write_lane_values[DType.bfloat16, 2 * count](
+            call, ld_matrix[count, transpose, WARP_LANES](addresses)
+        )
+        _ = smem^
+        _ = rows_bytes^
+
+    def wgmma[n: Int](mut self, call: Call) raises:
+        """One warp's share (warp `warp` of its group) of the product."""
+        var a_tile = call.read("a_tile")
+        var b_tile = call.read("b_tile")
+        var c_bytes = call.read("c")
+        var c = lane_values[DType.float32, n // 2](c_bytes)
+        var d = Frags[DType.float32, 4, n // 8, WARP_LANES](0)
+        for l in range(WARP_LANES):
+            comptime for i in range(n // 8):
+                d[i, l] = c[l].slice[4, offset=4 * i]()
+        var a_shared = call.int("a_shared") == 1
+        var a_bytes = List[UInt8]() if a_shared else call.read("a")
+        var a = Array[FragA, WARP_LANES](fill=0)
+        if not a_shared:
+            a = lane_values[DType.bfloat16, 8](a_bytes)
+        wgmma_product[n](
+            bytes_ptr[DType.bfloat16](a_tile),
+            bytes_ptr[DType.bfloat16](b_tile),
+            a,
+            d,
+            a_shared,
+            call.int("b_major") == 1,
+            call.int("k_step"),
+            call.int("warp"),
+        )
+        var out = Array[SIMD[DType.float32, n // 2], WARP_LANES](fill=0)
+        for l in range(WARP_LANES):
+            comptime for i in range(n // 8):
+                out[l] = out[l].insert[offset=4 * i](d[i, l])
+        write_lane_values[DType.float32, n // 2](call, out)
+        _ = a_tile^
+        _ = b_tile^
 
 
 def main() raises:
     var call = Call(String(argv()[1]))
     if call.text("op") == "warp":
-        _run_warp(call)
+        var steps = EmulatedSteps()
+        run_warp_step(steps, call)
         return
     var dtype = call.text("dtype")
     if "format" in call.meta:

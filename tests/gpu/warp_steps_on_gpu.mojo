@@ -1,5 +1,5 @@
 """Runs one warp step of `tests/gpu/emulator.mojo`'s `warp` op on the GPU
-instead: the very call files (`call_files`), the same result in `out.bin`,
+instead (`warp_steps`): the very call files (`call_files`), the same result in `out.bin`,
 but each lane a hardware thread calling the step with `lanes` 1, as the
 kernels do. `tests/gpu/test_warp_emulation.py` runs its cases both ways, so
 on a GPU the emulated steps are checked against the hardware itself, not
@@ -32,17 +32,14 @@ from mokv_kernels.gpu.warp import (
 from mokv_kernels.gpu.warpgroup import (
     SWIZZLE_ALIGNMENT,
     async_proxy_fence,
-    k_slice,
-    mn_slice,
     warpgroup_arrive,
     warpgroup_wait,
-    wgmma_rs,
-    wgmma_ss,
 )
 
 from call_files import Call
+from warp_steps import WGMMA_TILE_ROWS, WarpSteps, run_warp_step, wgmma_product
 
-comptime TILE = 64 * 128
+comptime TILE = WGMMA_TILE_ROWS * 128
 """Elements of each `[64, 128]` tile a `wgmma` step reads."""
 
 
@@ -190,18 +187,7 @@ def _wgmma[n: Int](ctx: DeviceContext, call: Call) raises:
         var fragment = Array[FragA, 1](fill=a.unsafe_load[width=8](8 * lane))
         var keys_or_values = shared.unsafe_offset(TILE)
         warpgroup_arrive()
-        if a_shared and k_major:
-            wgmma_ss[n](
-                k_slice(shared, 64, Int(step)), k_slice(keys_or_values, 64, Int(step)), acc, 0
-            )
-        elif a_shared:
-            wgmma_ss[n](
-                k_slice(shared, 64, Int(step)), mn_slice[64](keys_or_values, Int(step)), acc, 0
-            )
-        elif k_major:
-            wgmma_rs[n](fragment, k_slice(keys_or_values, 64, Int(step)), acc)
-        else:
-            wgmma_rs[n](fragment, mn_slice[64](keys_or_values, Int(step)), acc)
+        wgmma_product[n](shared, keys_or_values, fragment, acc, a_shared, k_major, Int(step), 0)
         warpgroup_wait()
         if Int(thread_idx.x) // WARP_LANES == Int(warp):
             comptime for i in range(n // 8):
@@ -215,28 +201,27 @@ def _wgmma[n: Int](ctx: DeviceContext, call: Call) raises:
     _ = a_buffer^
 
 
+struct GpuSteps(WarpSteps):
+    """The `warp` op's steps on the device of `ctx`."""
+
+    var ctx: DeviceContext
+
+    def __init__(out self) raises:
+        self.ctx = DeviceContext()
+
+    def mma(mut self, call: Call) raises:
+        _mma(self.ctx, call)
+
+    def shuffle_xor(mut self, call: Call) raises:
+        _shuffle_xor(self.ctx, call)
+
+    def ld_matrix[count: Int, transpose: Bool](mut self, call: Call) raises:
+        _ld_matrix[count, transpose](self.ctx, call)
+
+    def wgmma[n: Int](mut self, call: Call) raises:
+        _wgmma[n](self.ctx, call)
+
+
 def main() raises:
-    var call = Call(String(argv()[1]))
-    var ctx = DeviceContext()
-    var step = call.text("step")
-    if step == "mma":
-        _mma(ctx, call)
-    elif step == "shuffle_xor":
-        _shuffle_xor(ctx, call)
-    elif step == "ld_matrix":
-        var count = call.int("count")
-        var transpose = call.int("transpose") == 1
-        comptime for c in range(3):
-            comptime n = 1 << c
-            if count == n:
-                if transpose:
-                    _ld_matrix[n, True](ctx, call)
-                else:
-                    _ld_matrix[n, False](ctx, call)
-    elif step == "wgmma":
-        if call.int("n") == 64:
-            _wgmma[64](ctx, call)
-        else:
-            _wgmma[128](ctx, call)
-    else:
-        raise Error(t"unknown warp step {step}")
+    var steps = GpuSteps()
+    run_warp_step(steps, Call(String(argv()[1])))

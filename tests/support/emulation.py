@@ -26,7 +26,6 @@ HARNESS_DIR = Path(__file__).parents[1] / "gpu"
 EMULATOR_SOURCE = HARNESS_DIR / "emulator.mojo"
 GPU_STEPS_SOURCE = HARNESS_DIR / "warp_steps_on_gpu.mojo"
 """Runs the `warp` op's steps on a GPU instead (`tests/gpu/test_warp_emulation.py`)."""
-SHARED_SOURCE = HARNESS_DIR / "call_files.mojo"
 
 
 def build_harness(source: Path = EMULATOR_SOURCE, accelerator: str | None = None) -> Path:
@@ -34,7 +33,9 @@ def build_harness(source: Path = EMULATOR_SOURCE, accelerator: str | None = None
     current kernel sources, built if missing; its device code for
     `accelerator` (say `sm_90a`) when given."""
     sources = kernel_source_dir()
-    text = _source_digest(sources) + source.read_text() + SHARED_SOURCE.read_text()
+    # Every harness source: the binaries share modules (call_files.mojo, warp_steps.mojo).
+    harness = "".join(path.read_text() for path in sorted(HARNESS_DIR.glob("*.mojo")))
+    text = _source_digest(sources) + source.name + harness
     digest = hashlib.sha256(text.encode())
     target = ["--target-accelerator", accelerator] if accelerator else []
     digest.update(" ".join(target).encode())

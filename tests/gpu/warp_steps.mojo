@@ -1,0 +1,95 @@
+"""The `warp` op of the test harnesses: which step a call names, dispatched
+the same way whether the emulator (`emulator.mojo`, a program per warp) or
+the GPU (`warp_steps_on_gpu.mojo`, a program per thread) runs it, and the
+warpgroup product a `wgmma` call describes."""
+
+from mokv_kernels.pointers import BF16Ptr
+from mokv_kernels.gpu.warp import FragA, Frags
+from mokv_kernels.gpu.warpgroup import k_slice, mn_slice, wgmma_rs, wgmma_ss
+
+from call_files import Call
+
+comptime WGMMA_TILE_ROWS = 64
+"""Rows of the swizzled `[64, 128]` tiles a `wgmma` step reads (`a_tile`,
+`b_tile`, laid out by the test)."""
+
+
+trait WarpSteps:
+    """Runs each step on a call's files and writes the lanes' results to
+    its `out.bin`."""
+
+    def mma(mut self, call: Call) raises:
+        ...
+
+    def shuffle_xor(mut self, call: Call) raises:
+        ...
+
+    def ld_matrix[count: Int, transpose: Bool](mut self, call: Call) raises:
+        ...
+
+    def wgmma[n: Int](mut self, call: Call) raises:
+        ...
+
+
+def run_warp_step[S: WarpSteps](mut steps: S, call: Call) raises:
+    """The step `call` names (`step`, with `count` and `transpose` for
+    `ld_matrix`, `n` for `wgmma`)."""
+    var step = call.text("step")
+    if step == "mma":
+        steps.mma(call)
+    elif step == "shuffle_xor":
+        steps.shuffle_xor(call)
+    elif step == "ld_matrix":
+        var count = call.int("count")
+        var transpose = call.int("transpose") == 1
+        comptime for c in range(3):
+            comptime n = 1 << c
+            if count == n:
+                if transpose:
+                    steps.ld_matrix[n, True](call)
+                else:
+                    steps.ld_matrix[n, False](call)
+    elif step == "wgmma":
+        var n = call.int("n")
+        if n == 64:
+            steps.wgmma[64](call)
+        elif n == 128:
+            steps.wgmma[128](call)
+        else:
+            raise Error(t"wgmma with N {n}: the tests use 64 or 128")
+    else:
+        raise Error(t"unknown warp step {step}")
+
+
+@always_inline
+def wgmma_product[
+    n: Int, lanes: Int
+](
+    a_tile: BF16Ptr,
+    b_tile: BF16Ptr,
+    a: Array[FragA, lanes],
+    mut d: Frags[DType.float32, 4, n // 8, lanes],
+    a_shared: Bool,
+    k_major: Bool,
+    step: Int,
+    warp: Int,
+):
+    """D += A B for a `wgmma` call: A from `a_tile` (K-major, k-step `step`;
+    `warp` is the program's warp in its warpgroup) when `a_shared`, else
+    the lanes' fragments `a`; B from `b_tile`, K-major or MN-major, at
+    k-step `step`."""
+    if a_shared and k_major:
+        wgmma_ss[n](
+            k_slice(a_tile, WGMMA_TILE_ROWS, step), k_slice(b_tile, WGMMA_TILE_ROWS, step), d, warp
+        )
+    elif a_shared:
+        wgmma_ss[n](
+            k_slice(a_tile, WGMMA_TILE_ROWS, step),
+            mn_slice[WGMMA_TILE_ROWS](b_tile, step),
+            d,
+            warp,
+        )
+    elif k_major:
+        wgmma_rs[n](a, k_slice(b_tile, WGMMA_TILE_ROWS, step), d)
+    else:
+        wgmma_rs[n](a, mn_slice[WGMMA_TILE_ROWS](b_tile, step), d)
