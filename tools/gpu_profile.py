@@ -17,7 +17,7 @@ import numpy as np
 from max.driver import CPU, Accelerator
 from max.engine import InferenceSession
 
-from mokv_examples.bench.attention import has_warpgroup_mma, with_prefill_kernel
+from mokv_examples.bench.attention import PREFILL_KERNEL, has_warpgroup_mma, with_variable
 from mokv_examples.bench.attention_cases import gpu_quick_cases, make_inputs
 from mokv_examples.bench.attention_kernels import Kernels
 
@@ -37,7 +37,7 @@ def main(names: list[str]) -> None:
         args = make_inputs(case, np.random.default_rng(0), (case.dtype,), gpu)[case.dtype].mokv_args(case.softmax_scale)
         kinds = ["mma", "wgmma"] if case.phase == "prefill" and has_warpgroup_mma(kernels) else ["mma"]
         for kind in kinds:
-            call = with_prefill_kernel(kind, lambda model=model, args=args: model.execute(*args))
+            call = with_variable(PREFILL_KERNEL, kind, lambda model=model, args=args: model.execute(*args))
             for _ in range(2):
                 call()
                 gpu.synchronize()

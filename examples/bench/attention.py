@@ -21,7 +21,9 @@ launch overhead included for both kernels. The memory yardstick is then a 1 GiB
 device-to-device copy: its traffic (read plus write) per second stands for the achievable HBM
 bandwidth, against which the KV read rate of decode is set. On a Hopper GPU the bfloat16
 prefill rows also time mokv with `MOKV_PREFILL_KERNEL=wgmma` (warpgroup products) in the same
-rounds. Without a GPU it says so and exits. `docs/gpu/results/` keeps the GPU runs' tables.
+rounds, and every GPU decode row times mokv with its context cut into a fixed number of splits
+(`MOKV_ATTENTION_SPLITS`, `SPLIT_SWEEP`) beside the planner's choice, the data the planner is
+tuned from. Without a GPU it says so and exits. `docs/gpu/results/` keeps the GPU runs' tables.
 """
 
 from __future__ import annotations
@@ -56,22 +58,30 @@ from mokv_examples.bench.results import out_dir_option, span, write_results
 from mokv_examples.bench.timing import CopyProbe, GpuCopyProbe, time_alternately
 
 PREFILL_KERNEL = "MOKV_PREFILL_KERNEL"
+ATTENTION_SPLITS = "MOKV_ATTENTION_SPLITS"
+SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
+"""Split counts a GPU decode row is timed at beside the planner's (those
+the context allows: one split per 256 tokens at most)."""
+MIN_SPLIT_TOKENS = 256
+"""Fewest context tokens of a split (`MIN_SPLIT_TOKENS` in
+`mojo/mokv_kernels/gpu/attention/config.mojo`): larger counts run as this."""
 
 
-def with_prefill_kernel(kernel: str, call: Callable[[], Any]) -> Callable[[], Any]:
-    """`call` with `MOKV_PREFILL_KERNEL` set to `kernel` (read by mokv's GPU
-    op at every call), then set back."""
+def with_variable(name: str, value: str, call: Callable[[], Any]) -> Callable[[], Any]:
+    """`call` with the environment variable `name` set to `value` (mokv's
+    GPU op reads `MOKV_PREFILL_KERNEL` and `MOKV_ATTENTION_SPLITS` at every
+    call), then set back."""
 
     def run() -> Any:
-        before = os.environ.get(PREFILL_KERNEL)
-        os.environ[PREFILL_KERNEL] = kernel
+        before = os.environ.get(name)
+        os.environ[name] = value
         try:
             return call()
         finally:
             if before is None:
-                del os.environ[PREFILL_KERNEL]
+                del os.environ[name]
             else:
-                os.environ[PREFILL_KERNEL] = before
+                os.environ[name] = before
 
     return run
 
@@ -85,10 +95,14 @@ def run_case(case: Case, kernels: Kernels, copy: CopyProbe | GpuCopyProbe, budge
     """Times one case. A bfloat16 decode case on the CPU also times mokv on
     the same values stored as float32, in the same rounds, for the tokens/s
     ratio; a bfloat16 prefill on a Hopper GPU also times mokv's warpgroup
-    prefill (`MOKV_PREFILL_KERNEL=wgmma`)."""
+    prefill (`MOKV_PREFILL_KERNEL=wgmma`), and a GPU decode mokv at each
+    split count of `SPLIT_SWEEP` the context allows (`splits_s`)."""
     scale = case.softmax_scale
     with_f32 = case.dtype == DType.bfloat16 and case.phase == "decode" and kernels.device.is_host
     with_wgmma = case.dtype == DType.bfloat16 and case.phase == "prefill" and has_warpgroup_mma(kernels)
+    sweep = [n for n in SPLIT_SWEEP if n <= max(1, case.context // MIN_SPLIT_TOKENS)]
+    if case.phase != "decode" or kernels.device.is_host:
+        sweep = []
     dtypes = (case.dtype, DType.float32) if with_f32 else (case.dtype,)
     data = make_inputs(case, np.random.default_rng(0), dtypes, kernels.device)
     mine = data[case.dtype]
@@ -105,7 +119,9 @@ def run_case(case: Case, kernels: Kernels, copy: CopyProbe | GpuCopyProbe, budge
         f32_args = data[DType.float32].mokv_args(scale)
         calls["mokv_float32"] = lambda: mokv_f32.execute(*f32_args)
     if with_wgmma:
-        calls["mokv_wgmma"] = with_prefill_kernel("wgmma", calls["mokv"])
+        calls["mokv_wgmma"] = with_variable(PREFILL_KERNEL, "wgmma", calls["mokv"])
+    for n in sweep:
+        calls[f"mokv_splits_{n}"] = with_variable(ATTENTION_SPLITS, str(n), calls["mokv"])
 
     expected = to_float(max_kernel(max_args), case.dtype)
     diff = np.abs(to_float(mokv.execute(*mokv_args)[0], case.dtype) - expected)
@@ -132,10 +148,12 @@ def run_case(case: Case, kernels: Kernels, copy: CopyProbe | GpuCopyProbe, budge
         row["mokv_float32_s"] = times["mokv_float32"]
         row["bf16_over_f32"] = times["mokv_float32"] / times["mokv"]
     if with_wgmma:
-        wgmma_out = with_prefill_kernel("wgmma", lambda: mokv.execute(*mokv_args)[0])()
+        wgmma_out = with_variable(PREFILL_KERNEL, "wgmma", lambda: mokv.execute(*mokv_args)[0])()
         row["wgmma_s"] = times["mokv_wgmma"]
         row["wgmma_speedup"] = times["max"] / times["mokv_wgmma"]
         row["wgmma_max_abs_diff"] = float(np.abs(to_float(wgmma_out, case.dtype) - expected).max())
+    if sweep:
+        row["splits_s"] = {str(n): times[f"mokv_splits_{n}"] for n in sweep}
     return row
 
 
@@ -211,7 +229,29 @@ def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
             f" | {r['kv_gbps']:.1f} | {r['max_kv_gbps']:.1f} | {r['copy_gbps']:.1f}"
             f" | {r['tokens_per_s']:.0f} | {ratio} | {r['max_abs_diff']:.1e} |{wgmma}"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + split_sweep_table(rows)) + "\n"
+
+
+def split_sweep_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The decode rows' times at each fixed split count beside the planner's
+    (`MOKV_ATTENTION_SPLITS`), as ratios of the planner's time: below 1 where
+    a fixed count was faster. Empty where no row swept."""
+    swept = [r for r in rows if "splits_s" in r]
+    if not swept:
+        return []
+    counts = [str(n) for n in SPLIT_SWEEP]
+    lines = [
+        "",
+        "Decode with the context cut into a fixed number of splits (`MOKV_ATTENTION_SPLITS`), time over"
+        " the planner's choice, timed in the same rounds:",
+        "",
+        "| case | planner ms | " + " | ".join(f"{n} splits" for n in counts) + " |",
+        "|---|---:|" + "---:|" * len(counts),
+    ]
+    for r in swept:
+        cells = [f"{r['splits_s'][n] / r['mokv_s']:.2f}" if n in r["splits_s"] else "" for n in counts]
+        lines.append(f"| {r['case']} | {r['mokv_s'] * 1e3:.3f} | " + " | ".join(cells) + " |")
+    return lines
 
 
 @click.command("attention")

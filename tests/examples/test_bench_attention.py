@@ -1,5 +1,6 @@
-"""`mokv bench attention`'s bookkeeping that runs without a GPU: the prefill
-kernel switch it times on Hopper, and the table's columns."""
+"""`mokv bench attention`'s bookkeeping that runs without a GPU: the
+environment switches it times on a GPU (prefill kernel, split count), and
+the tables' columns."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import os
 
 import pytest
 
-from mokv_examples.bench.attention import PREFILL_KERNEL, to_markdown, with_prefill_kernel
+from mokv_examples.bench.attention import PREFILL_KERNEL, SPLIT_SWEEP, to_markdown, with_variable
 
 
-def test_prefill_kernel_is_set_for_the_call_and_restored(monkeypatch):
+def test_variable_is_set_for_the_call_and_restored(monkeypatch):
     monkeypatch.delenv(PREFILL_KERNEL, raising=False)
-    assert with_prefill_kernel("wgmma", lambda: os.environ[PREFILL_KERNEL])() == "wgmma"
+    assert with_variable(PREFILL_KERNEL, "wgmma", lambda: os.environ[PREFILL_KERNEL])() == "wgmma"
     assert PREFILL_KERNEL not in os.environ
 
     def fails():
@@ -20,7 +21,7 @@ def test_prefill_kernel_is_set_for_the_call_and_restored(monkeypatch):
 
     monkeypatch.setenv(PREFILL_KERNEL, "mma")
     with pytest.raises(RuntimeError, match="kernel failed"):
-        with_prefill_kernel("wgmma", fails)()
+        with_variable(PREFILL_KERNEL, "wgmma", fails)()
     assert os.environ[PREFILL_KERNEL] == "mma"
 
 
@@ -47,3 +48,26 @@ def test_rows_with_and_without_the_warpgroup_prefill_fill_every_column():
     assert "speedup over MAX: min 1.00, median 1.00, max 1.00 (1 case)" in "\n".join(lines)
     without = [line for line in to_markdown([row], "## header").splitlines() if line.startswith("|")]
     assert "wgmma" not in without[0] and {line.count("|") for line in without} == {11}
+
+
+def test_split_sweep_table_gives_each_count_over_the_planner():
+    row = {
+        "device": "gpu",
+        "case": "decode-x",
+        "phase": "decode",
+        "kv_bytes": 1,
+        "mokv_s": 2e-3,
+        "max_s": 1e-3,
+        "speedup": 0.5,
+        "kv_gbps": 1.0,
+        "max_kv_gbps": 2.0,
+        "copy_gbps": 3.0,
+        "tokens_per_s": 4.0,
+        "max_abs_diff": 1e-3,
+    }
+    swept = row | {"case": "decode-y", "splits_s": {"1": 4e-3, "2": 1e-3}}
+    lines = to_markdown([row, swept], "## header").splitlines()
+    sweep = lines[lines.index(next(line for line in lines if line.startswith("| case | planner ms"))) :]
+    assert len({line.count("|") for line in sweep}) == 1
+    assert sweep[-1] == "| decode-y | 2.000 | 2.00 | 0.50 |" + "  |" * (len(SPLIT_SWEEP) - 2)
+    assert "planner ms" not in to_markdown([row], "## header")

@@ -10,7 +10,8 @@ cache: its codes in `blocks.bin` (float8 as uint8 bits), its scales in
 `scales.bin`, queries and new rows in `dtype`; a store also writes
 `scales_out.bin`, `gather_codes` the codes (`out.bin`) and their scales.
 A `prefill_kernel` entry sets `MOKV_PREFILL_KERNEL` for the op (`mma` or
-`wgmma`: which products the tensor-core prefill takes). Op `warp` runs one
+`wgmma`: which products the tensor-core prefill takes), and an entry named
+`MOKV_...` sets that variable (`MOKV_ATTENTION_SPLITS`). Op `warp` runs one
 emulated warp-collective step (`mokv_kernels.gpu.warp`, or a warpgroup
 product of `mokv_kernels.gpu.warpgroup` as one warp of its group does it)
 on per-lane registers instead, writing every lane's result to `out.bin`.
@@ -76,6 +77,9 @@ def _run_op[
     var op = call.text("op")
     if "prefill_kernel" in call.meta:
         _ = setenv("MOKV_PREFILL_KERNEL", call.text("prefill_kernel"))
+    for entry in call.meta.items():
+        if entry.key.startswith("MOKV_"):
+            _ = setenv(entry.key, entry.value)
     var emulator = Emulator(call.int("multiprocessors"), call.int("tensor_cores") == 1)
     var layer = UInt32(call.int("layer"))
     var offsets_bytes = List[UInt8]()

@@ -127,11 +127,12 @@ def emulate_attention(
     bounds: tuple[int, int] | None = None,
     tensor_cores: bool = True,
     prefill_kernel: str = "mma",
+    splits: str | None = None,
 ) -> np.ndarray:
     """The emulated attention op's output (float32 values). `bounds` (most new
     tokens, longest context) default to the batch's own; `tensor_cores` says
     whether the emulated device has them; `prefill_kernel` is
-    `MOKV_PREFILL_KERNEL`."""
+    `MOKV_PREFILL_KERNEL`, `splits` `MOKV_ATTENTION_SPLITS` (unset: None)."""
     new = np.diff(b.row_offsets.astype(np.int64))
     if bounds is None:
         bounds = (int(new.max()), int((b.cache_lengths + new).max()))
@@ -145,6 +146,8 @@ def emulate_attention(
         "max_new_tokens": bounds[0],
         "max_context": bounds[1],
     }
+    if splits is not None:
+        meta["MOKV_ATTENTION_SPLITS"] = splits
     to_storage = bfloat16.to_bits if b.dtype == DType.bfloat16 else np.ascontiguousarray
     arrays = {
         "blocks": to_storage(b.blocks),
@@ -217,6 +220,39 @@ def test_decode_split_over_the_context(rows, n_q, n_kv, head_dim, dtype, emulato
     scale = 1 / math.sqrt(head_dim)
     out = emulate_attention(emulator, b, 1, scale, multiprocessors=H100_MULTIPROCESSORS)
     assert_attention_close(out, b, 1, scale)
+
+
+@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16], ids=lambda d: d.name)
+@pytest.mark.parametrize("splits", ["1", "3", "64"])
+def test_fixed_splits(splits, dtype, emulator):
+    """`MOKV_ATTENTION_SPLITS` cuts every context into that many splits (at
+    most one per 256 tokens) on a one-multiprocessor device, where the
+    planner alone would not split: decode rows and a prefill chunk."""
+    rng = np.random.default_rng(int(splits))
+    b = cpu_attention.make_batch(rng, "paged", dtype, [(3000, 1), (700, 1), (20, 1)], 32, 8, 128, 16)
+    prefill = cpu_attention.make_batch(rng, "paged", dtype, [(900, 40), (10, 1)], 8, 2, 64, 16)
+    for batch in (b, prefill):
+        scale = 1 / math.sqrt(batch.q.shape[2])
+        out = emulate_attention(emulator, batch, 1, scale, splits=splits)
+        assert_attention_close(out, batch, 1, scale)
+
+
+def test_fixed_splits_change_the_plan(emulator):
+    """The variable reaches the planner: three splits of a float32 decode sum
+    in another order than one block does, so the outputs differ in their
+    last bits (both are within tolerance, `test_fixed_splits`)."""
+    rng = np.random.default_rng(5)
+    b = cpu_attention.make_batch(rng, "paged", DType.float32, [(3000, 1)], 8, 2, 64, 16)
+    one, three = (emulate_attention(emulator, b, 1, 0.125, splits=n) for n in ("1", "3"))
+    assert not np.array_equal(one, three)
+    np.testing.assert_allclose(one, three, atol=1e-5)
+
+
+@pytest.mark.parametrize("splits", ["0", "-2", "many"])
+def test_fixed_splits_are_checked(splits, emulator):
+    b, layer, scale = mixed_case(BFLOAT16_CASES[0])
+    with pytest.raises(RuntimeError, match=f"MOKV_ATTENTION_SPLITS={splits}: expected a positive number of splits"):
+        emulate_attention(emulator, b, layer, scale, splits=splits)
 
 
 @pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-cores", "cuda-cores"])

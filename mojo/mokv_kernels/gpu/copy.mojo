@@ -1,8 +1,9 @@
-"""16-byte copies from global into shared memory that run asynchronously where
-the GPU has them (NVIDIA's `cp.async`, from sm_80) and complete at once
-elsewhere (other GPUs, the CPU emulator): a thread starts its copies, commits
-them as a group, and later waits for all but its newest groups, computing
-meanwhile without holding registers for the data in flight."""
+"""Copies of 4 to 16 bytes from global into shared memory that run
+asynchronously where the GPU has them (NVIDIA's `cp.async`, from sm_80) and
+complete at once elsewhere (other GPUs, the CPU emulator): a thread starts
+its copies, commits them as a group, and later waits for all but its newest
+groups, computing meanwhile without holding registers for the data in
+flight."""
 
 from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_group
 from std.memory import AddressSpace
@@ -13,17 +14,18 @@ from ..pointers import CachePtr
 
 
 @always_inline
-def start_copy_16[dtype: DType](source: CachePtr[dtype], dest: CachePtr[dtype]):
-    """Starts copying the 16 bytes at `source` (global memory) to `dest`
-    (shared memory); both 16-byte aligned."""
-    comptime width = 16 // size_of[Scalar[dtype]]()
+def start_copy[bytes: Int, dtype: DType](source: CachePtr[dtype], dest: CachePtr[dtype]):
+    """Starts copying the `bytes` (4, 8 or 16) at `source` (global memory)
+    to `dest` (shared memory); both aligned to `bytes`."""
+    comptime assert bytes == 4 or bytes == 8 or bytes == 16, "cp.async copies 4, 8 or 16 bytes"
+    comptime width = bytes // size_of[Scalar[dtype]]()
     comptime if is_nvidia_gpu():
-        async_copy[16](
+        async_copy[bytes](
             source.unsafe_address_space_cast[AddressSpace.GLOBAL](),
             dest.unsafe_address_space_cast[AddressSpace.SHARED](),
         )
     else:
-        dest.unsafe_store[alignment=16](0, source.unsafe_load[width=width, alignment=16](0))
+        dest.unsafe_store[alignment=bytes](0, source.unsafe_load[width=width, alignment=bytes](0))
 
 
 @always_inline

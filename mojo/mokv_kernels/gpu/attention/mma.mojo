@@ -26,7 +26,9 @@ The context is walked in tiles of `BN` = 64 keys:
 - copies: K and V rows of a tile go through the page table row by row, in
   16-byte `cp.async` chunks into swizzled shared memory (`mma_tiles`); two
   stages, the next tile's copies in flight while this one computes (three
-  on warpgroup products over a bfloat16 cache: the next two tiles');
+  on warpgroup products over a bfloat16 cache: the next two tiles'); an
+  8-bit cache's codes and scales land in code stages (two, three for
+  decode), all of them in flight while the widened tile is multiplied;
 - scores: query and K fragments from `ldmatrix` (the queries stay in
   shared memory, read again per tile: registers go to the outputs); scores
   are scaled by `scale * log2(e)` in float32, after the product, so the
@@ -41,7 +43,10 @@ The context is walked in tiles of `BN` = 64 keys:
 One barrier per tile: after it, this tile's copies have landed in every
 thread and every warp is done with the previous tile, whose stage the next
 tile's copies then overwrite (an 8-bit cache's tiles take a second one,
-after their codes are widened into the stage). Masking (causal, sliding
+after their codes are widened into the stage). One more after the first
+tiles' copies start: an 8-bit cache's first tile shares its address slot
+with the tile located next, so no thread may overwrite it while another
+still reads it. Masking (causal, sliding
 window, the block's context range, padding rows) happens only on tiles where
 some row does not see every key, with two 32-bit bounds per row. Under the emulator a program
 is a whole warp (`..warp`)."""
@@ -105,13 +110,17 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     """Output n-tiles (8 dims each)."""
     comptime NTILES = Self.WARP_KEYS // 8
     """Score n-tiles of a warp (8 keys each)."""
-    comptime STAGES = 3 if Self.warpgroup and not is_quantized[Self.cache_t.dtype]() else 2
-    """Shared-memory stages: on warpgroup products (one block per
-    multiprocessor) three for a bfloat16 cache, so two tiles' copies are in
-    flight while one is multiplied."""
-    comptime AHEAD = Self.STAGES - 1
-    """Tiles whose copies start before the block multiplies its first."""
+    comptime STAGES = 3 if (Self.decode and is_quantized[Self.cache_t.dtype]()) or (
+        Self.warpgroup and not is_quantized[Self.cache_t.dtype]()
+    ) else 2
+    """Shared-memory stages (`mma_tiles`): three on warpgroup products over
+    a bfloat16 cache (one block per multiprocessor), so two tiles' copies
+    are in flight while one is multiplied; three code stages for an 8-bit
+    decode, whose blocks wait on memory, so three tiles of codes are in
+    flight (as many bytes as two bfloat16 tiles)."""
     comptime Tiles = MmaTiles[Self.cache_t, Self.D, Self.ROWS, Self.THREADS, Self.STAGES]
+    comptime AHEAD = Self.Tiles.TILES_AHEAD
+    """Tiles whose copies start before the block multiplies its first."""
     comptime STATE_FLOATS = MMA_ROWS * Self.D + 2 * MMA_ROWS
     """A decode warp's state: outputs `[16, D]`, then each row's max and sum."""
 
@@ -136,7 +145,7 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
             Self.decode and Self.warpgroup
         ), "a warpgroup product spans the four warps' rows: prefill only"
         comptime assert (
-            WARPS * Self.STATE_FLOATS * 4 <= Self.Tiles.STAGE_BYTES
+            WARPS * Self.STATE_FLOATS * 4 <= Self.Tiles.STAGES_BYTES
         ), "decode states fit the stages"
         self.args = args
         self.work = work
@@ -176,7 +185,7 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
         elif phase == START_FIRST:
             comptime for t in range(Self.AHEAD):
                 if arg + t * BN < self.work.kv_end:
-                    self.tiles.start_tile[Self.lanes](self.tid, arg + t * BN)
+                    self.tiles.start_tile[Self.lanes](self.tid, arg + t * BN, self.args.granularity)
         elif phase == WAIT_TILE:
             if arg + Self.AHEAD * BN < self.work.kv_end:
                 self.tiles.locate_rows[Self.lanes](
@@ -189,7 +198,9 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
             self.shared_writes_done()
         elif phase == COMPUTE_TILE:
             if arg + Self.AHEAD * BN < self.work.kv_end:
-                self.tiles.start_tile[Self.lanes](self.tid, arg + Self.AHEAD * BN)
+                self.tiles.start_tile[Self.lanes](
+                    self.tid, arg + Self.AHEAD * BN, self.args.granularity
+                )
             self.compute_tile(arg)
         elif phase == FINISH:
             comptime if Self.decode:
@@ -202,12 +213,12 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     @always_inline
     def wait_tile(self, kv_start: Int):
         """Waits for this thread's copies of the tile at `kv_start`, leaving
-        the later tiles' (started `AHEAD` tiles ahead, each one group) in
-        flight."""
-        comptime assert Self.AHEAD <= 2, "waits for up to one later tile's copies"
-        comptime if Self.AHEAD == 2:
-            if kv_start + BN < self.work.kv_end:
-                wait_copies[1]()
+        the later tiles' in flight: up to `AHEAD - 1` of them, one group
+        each, as many as the block has after this one."""
+        var later = (self.work.kv_end - kv_start - 1) // BN
+        comptime for pending in reversed(range(1, Self.AHEAD)):
+            if later >= pending:
+                wait_copies[pending]()
                 return
         wait_copies[0]()
 
@@ -523,6 +534,7 @@ struct MmaKernel[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
         threads.each(LOAD_Q, work.kv_start)
         threads.sync()
         threads.each(START_FIRST, work.kv_start)
+        threads.sync()
         var kv = work.kv_start
         while kv < work.kv_end:
             threads.each(WAIT_TILE, kv)

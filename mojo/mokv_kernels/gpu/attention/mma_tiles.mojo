@@ -2,11 +2,12 @@
 queries and the K/V tiles get there.
 
 Layout: the block's queries `[ROWS, D]`, then `stage_count` pairs of K and V
-tiles `[BN, D]`, each stored as `..warpgroup` lays out a swizzled tile (D / 64
-column blocks of 128-byte rows, chunk c of row r at chunk `c ^ (r % 8)`: the
-eight rows one `ldmatrix` reads sit in distinct banks, and a `wgmma` reads
-the tile through a descriptor), then per stage the `BN` key rows'
-addresses.
+tiles `[BN, D]` (one pair for an 8-bit cache, below), each stored as
+`..warpgroup` lays out a swizzled tile (D / 64 column blocks of 128-byte
+rows, chunk c of row r at chunk `c ^ (r % 8)`: the eight rows one `ldmatrix`
+reads sit in distinct banks, and a `wgmma` reads the tile through a
+descriptor), then an 8-bit cache's code stages, then per stage the `BN` key
+rows' addresses.
 
 K and V rows of a tile go through the page table row by row: one thread per
 key looks its row up once (`locate_rows`) and leaves the address in shared
@@ -15,23 +16,28 @@ chunks t, t + THREADS, ..., so a warp reads whole rows) with `cp.async`
 (`..copy`), committed as one group per tile.
 
 An 8-bit cache (`float8_e4m3fn` or `int8` codes with float32 scales) takes
-the same path to tensor cores: its codes are copied as they are into the
-second stage's space, then every thread widens its chunks times their
-scales to bfloat16 into the first stage (`convert_tile`), so each tile has
-one bfloat16 stage and the copies of the next tile's codes still overlap
-this tile's products. Each key's scale rows are looked up beside its row."""
+the same path to tensor cores: each tile's codes `[BN, D]` and its keys'
+scales are copied as they are (`cp.async`, the scales 4 bytes at a time)
+into one of `stage_count` code stages, then every thread widens its chunks
+times their scales to bfloat16 into the one bfloat16 stage
+(`convert_tile`). A code stage is free again once converted, so all
+`stage_count` of them hold tiles in flight while one is multiplied: a tile
+of codes is half a bfloat16 tile's bytes, and the stages keep as many bytes
+in flight. No thread loads a scale from global memory while the block waits
+on it. Each key's scale rows are looked up beside its row."""
 
 from std.sys import size_of
 
 from ...cache.traits import KVCacheT
 from ...kv_quantization import is_quantized
-from ...pointers import BF16Ptr, CachePtr, F32Ptr, ScalePtr
+from ...pointers import BF16Ptr, BytePtr, CachePtr, F32Ptr, ScalePtr
 
 from ..codes import as_values, head_scales
-from ..copy import commit_copies, start_copy_16, zero_16
+from ..copy import commit_copies, start_copy, zero_16
 
 from ..warpgroup import SWIZZLE_ALIGNMENT, SWIZZLE_COLUMNS
 
+from .config import QUANTIZED_CHUNK
 from .work import AttentionArgs, BlockWork, row_offset
 
 comptime BN = 64
@@ -49,10 +55,19 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int, stage_count:
     TrivialRegisterPassable
 ):
     """The shared memory of a block of `THREADS` threads, from `smem`; tiles
-    take the `stage_count` stages in turn from the block's first key `first_key` (an
-    8-bit cache: two, see the module docstring)."""
+    take the `stage_count` stages (an 8-bit cache: code stages) in turn from
+    the block's first key `first_key`."""
 
     comptime QUANTIZED = is_quantized[Self.cache_t.dtype]()
+    comptime TILES_AHEAD = Self.stage_count if Self.QUANTIZED else Self.stage_count - 1
+    """Tiles whose copies are in flight while one is multiplied: every stage
+    but the one being read, or every code stage (read before the products,
+    by `convert_tile`)."""
+    comptime VALUE_STAGES = 1 if Self.QUANTIZED else Self.stage_count
+    """Stages of bfloat16 K and V tiles."""
+    comptime MAX_GRANULES = Self.D // QUANTIZED_CHUNK
+    """Most scales per head row of an 8-bit cache (a granule is whole
+    16-code chunks)."""
     comptime CHUNKS = Self.D // 8
     """16-byte chunks of a bfloat16 row."""
     comptime ELEMENTS_PER_COPY = 16 // size_of[Scalar[Self.cache_t.dtype]]()
@@ -61,11 +76,17 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int, stage_count:
     """16-byte copies of each of a tile's K and V that one thread makes."""
     comptime TILE = BN * Self.D
     comptime STAGES_AT = Self.ROWS * Self.D
-    """Where the stages start, in elements."""
-    comptime STAGE_BYTES = Self.stage_count * 2 * Self.TILE * 2
+    """Where the stages start, in bfloat16 elements."""
+    comptime CODE_STAGE = 2 * Self.TILE + 2 * BN * Self.MAX_GRANULES * 4 if Self.QUANTIZED else 0
+    """Bytes of an 8-bit cache's code stage: K and V codes `[BN, D]`, then
+    their keys' scales `[BN, MAX_GRANULES]` each."""
+    comptime CODES_AT = Self.STAGES_AT + Self.VALUE_STAGES * 2 * Self.TILE
+    """Where the code stages start, in bfloat16 elements."""
+    comptime STAGES_BYTES = Self.VALUE_STAGES * 2 * Self.TILE * 2 + Self.stage_count * Self.CODE_STAGE
+    """Bytes of all stages, which a block may reuse once its tiles are done."""
     comptime ADDRESS_KINDS = 3 if Self.QUANTIZED else 1
     """Addresses per key: its row, and an 8-bit cache's key and value scales."""
-    comptime ADDRESSES_AT = Self.STAGES_AT + Self.stage_count * 2 * Self.TILE
+    comptime ADDRESSES_AT = Self.STAGES_AT + Self.STAGES_BYTES // 2
     comptime SHARED_BYTES = (
         Self.ADDRESSES_AT * 2 + Self.stage_count * Self.ADDRESS_KINDS * BN * size_of[Int]()
     )
@@ -93,8 +114,8 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int, stage_count:
             Self.COPIES * Self.THREADS * Self.ELEMENTS_PER_COPY == BN * Self.D
         ), "copy layout"
         comptime assert (
-            Self.stage_count == 2 or not Self.QUANTIZED
-        ), "an 8-bit cache's codes land in the second stage's space"
+            Self.TILES_AHEAD >= 1
+        ), "a tile's copies overlap the previous tile's products"
         var value_offset = 0
         if not work.empty():
             value_offset = (
@@ -120,18 +141,38 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int, stage_count:
     @always_inline
     def tile(self, kv_start: Int, kind: Int) -> BF16Ptr:
         """The bfloat16 K (`kind` KEYS) or V tile of the tile at `kv_start`
-        (always the first stage for an 8-bit cache)."""
+        (the one bfloat16 stage for an 8-bit cache)."""
         var stage = 0 if Self.QUANTIZED else self.stage(kv_start)
         return self.smem.unsafe_offset(Self.STAGES_AT + (stage * 2 + kind) * Self.TILE)
 
     @always_inline
-    def codes(self, kind: Int) -> CachePtr[Self.cache_t.dtype]:
-        """An 8-bit cache: the K (`kind` KEYS) or V codes of the tile being
-        copied, `[BN, D]`, in the second stage's space."""
+    def code_stage(self, kv_start: Int) -> BytePtr:
+        """An 8-bit cache: the code stage of the tile at `kv_start`."""
         return (
-            self.smem.unsafe_offset(Self.STAGES_AT + 2 * Self.TILE)
+            self.smem.unsafe_offset(Self.CODES_AT)
+            .unsafe_bitcast[UInt8]()
+            .unsafe_offset(self.stage(kv_start) * Self.CODE_STAGE)
+        )
+
+    @always_inline
+    def codes(self, kv_start: Int, kind: Int) -> CachePtr[Self.cache_t.dtype]:
+        """An 8-bit cache: the K (`kind` KEYS) or V codes `[BN, D]` of the
+        tile at `kv_start`."""
+        return (
+            self.code_stage(kv_start)
             .unsafe_bitcast[Scalar[Self.cache_t.dtype]]()
             .unsafe_offset(kind * Self.TILE)
+        )
+
+    @always_inline
+    def scales(self, kv_start: Int, kind: Int) -> F32Ptr:
+        """An 8-bit cache: the K (`kind` KEYS) or V scales `[BN,
+        MAX_GRANULES]` of the keys of the tile at `kv_start`."""
+        return (
+            self.code_stage(kv_start)
+            .unsafe_offset(2 * Self.TILE)
+            .unsafe_bitcast[Float32]()
+            .unsafe_offset(kind * BN * Self.MAX_GRANULES)
         )
 
     @always_inline
@@ -220,16 +261,17 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int, stage_count:
         var key = Self.key_of(unit)
         var first = Self.first_of(unit)
         comptime if Self.QUANTIZED:
-            return self.codes(kind).unsafe_offset(key * Self.D + first)
+            return self.codes(kv_start, kind).unsafe_offset(key * Self.D + first)
         else:
             return rebind[CachePtr[Self.cache_t.dtype]](
                 self.tile(kv_start, kind).unsafe_offset(Self.swizzled[BN](key, first // 8))
             )
 
     @always_inline
-    def start_tile[lanes: Int](self, tid: Int, kv_start: Int):
+    def start_tile[lanes: Int](self, tid: Int, kv_start: Int, granularity: Int):
         """Starts copying the K and V rows of the tile at `kv_start` as
-        stored into its stage, or an 8-bit cache's codes into their space
+        stored into its stage, or an 8-bit cache's codes and their keys'
+        scales (granules of `granularity` elements) into its code stage
         (zeros for keys without an address), as one committed group."""
         var addresses = self.addresses(kv_start)
         for l in range(lanes):
@@ -241,40 +283,51 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int, stage_count:
                 if address != 0:
                     var first = Self.first_of(unit)
                     var source = CachePtr[Self.cache_t.dtype](unsafe_from_address=address)
-                    start_copy_16(source.unsafe_offset(first), keys)
-                    start_copy_16(source.unsafe_offset(self.value_offset + first), values)
+                    start_copy[16](source.unsafe_offset(first), keys)
+                    start_copy[16](source.unsafe_offset(self.value_offset + first), values)
                 else:
                     zero_16(keys)
                     zero_16(values)
+            comptime if Self.QUANTIZED:
+                self.start_scales(tid + l, kv_start, Self.D // granularity)
         commit_copies()
 
     @always_inline
+    def start_scales(self, thread: Int, kv_start: Int, granules: Int):
+        """An 8-bit cache: thread `thread`'s share of the tile's keys'
+        scales (`granules` per key, K then V) into its code stage, 4 bytes
+        a copy (scale rows are only 4-byte aligned); zeros for keys without
+        scales."""
+        for unit in range(thread, 2 * BN * granules, Self.THREADS):
+            var kind = unit // (BN * granules)
+            var key = unit // granules % BN
+            var granule = unit % granules
+            var dest = self.scales(kv_start, kind).unsafe_offset(key * Self.MAX_GRANULES + granule)
+            var address = self.addresses(kv_start, KEY_SCALES + kind)[unsafe_offset=key]
+            if address != 0:
+                start_copy[4](ScalePtr(unsafe_from_address=address).unsafe_offset(granule), dest)
+            else:
+                dest[] = 0
+
+    @always_inline
     def convert_tile[lanes: Int](self, tid: Int, kv_start: Int, granularity: Int):
-        """An 8-bit cache: the codes of the tile at `kv_start`, once landed,
-        widened times their scales (a 16-code chunk lies in one granule of
-        `granularity` codes) into the bfloat16 stage, each thread its own
-        copies' chunks, their scales all loaded first (one wait); a key
-        without scales becomes zeros."""
+        """An 8-bit cache: the codes of the tile at `kv_start`, once landed
+        with their scales, widened times their scale (a 16-code chunk lies
+        in one granule of `granularity` codes) into the bfloat16 stage, each
+        thread the chunks it copied; a key without scales becomes zeros."""
         for l in range(lanes):
             comptime for kind in range(2):
-                var addresses = self.addresses(kv_start, KEY_SCALES + kind)
-                var scales = SIMD[DType.float32, Self.COPIES](0)
-                comptime for n in range(Self.COPIES):
-                    var unit = tid + l + n * Self.THREADS
-                    var address = addresses[unsafe_offset=Self.key_of(unit)]
-                    if address != 0:
-                        scales[n] = ScalePtr(unsafe_from_address=address)[
-                            unsafe_offset=Self.first_of(unit) // granularity
-                        ]
+                var scales = self.scales(kv_start, kind)
                 var tile = self.tile(kv_start, kind)
                 comptime for n in range(Self.COPIES):
                     var unit = tid + l + n * Self.THREADS
                     var key = Self.key_of(unit)
                     var first = Self.first_of(unit)
+                    var scale = scales[unsafe_offset=key * Self.MAX_GRANULES + first // granularity]
                     var codes = self.copy_at(kv_start, unit, kind).unsafe_load[
                         width=Self.ELEMENTS_PER_COPY, alignment=16
                     ](0)
-                    var values = as_values(codes, scales[n]).cast[DType.bfloat16]()
+                    var values = as_values(codes, scale).cast[DType.bfloat16]()
                     comptime for half in range(Self.ELEMENTS_PER_COPY // 8):
                         tile.unsafe_offset(Self.swizzled[BN](key, first // 8 + half)).unsafe_store[
                             alignment=16

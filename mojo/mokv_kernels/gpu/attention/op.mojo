@@ -6,7 +6,10 @@ the split-K merge when the context was split.
 The tensor-core prefill's products are `mma.sync` per warp unless the
 environment says `MOKV_PREFILL_KERNEL=wgmma`, which takes Hopper's warpgroup
 products (`..warpgroup`) instead: the choice stays with the user until a
-GPU run has measured it against the default (docs/gpu.md)."""
+GPU run has measured it against the default (docs/gpu.md).
+`MOKV_ATTENTION_SPLITS=N` fixes how many splits a context is cut into
+(within the planner's bounds) instead of the planner's choice, for tuning:
+`mokv bench attention --device gpu` times decode at several."""
 
 from extensibility import InputTensor, OutputTensor
 
@@ -62,6 +65,25 @@ def _warpgroup_prefill[L: Launcher](launcher: L) raises -> Bool:
     return True
 
 
+comptime SPLITS_VARIABLE = "MOKV_ATTENTION_SPLITS"
+
+
+def _fixed_splits() raises -> Int:
+    """What `MOKV_ATTENTION_SPLITS` says: a positive split count, or 0 (not
+    set) for the planner's."""
+    var value = getenv(SPLITS_VARIABLE, "")
+    if value == "":
+        return 0
+    var splits: Int
+    try:
+        splits = atol(value)
+    except:
+        raise Error(t"{SPLITS_VARIABLE}={value}: expected a positive number of splits")
+    if splits <= 0:
+        raise Error(t"{SPLITS_VARIABLE}={value}: expected a positive number of splits")
+    return splits
+
+
 def _run[
     cache_t: KVCacheT, q_dtype: DType, //, D: Int, L: Launcher
 ](mut launcher: L, var args: AttentionArgs[cache_t, q_dtype], bounds: BatchBounds) raises:
@@ -96,6 +118,7 @@ def _run[
         launcher.multiprocessors(),
         MmaDecode.MIN_BLOCKS if mma else Decode.MIN_BLOCKS,
         prefill_blocks,
+        _fixed_splits(),
     )
     args.tokens_per_tile = plan.tokens_per_tile
     args.query_tiles = plan.query_tiles

@@ -48,14 +48,16 @@ def plan_attention(
     multiprocessors: Int,
     decode_blocks: Int,
     prefill_blocks: Int,
+    fixed_splits: Int = 0,
 ) -> AttentionPlan:
     """Picks the tile shape (decode, or prefill tiles of `prefill_rows`
     query rows), then splits the context until the grid fills the device:
     as many blocks as are resident at once, `multiprocessors` times the
     blocks per multiprocessor of the kernel that runs (`decode_blocks` or
     `prefill_blocks`), so that a long context is one wave of longer splits
-    rather than several of shorter ones; no split shorter than
-    `MIN_SPLIT_TOKENS`."""
+    rather than several of shorter ones; or into `fixed_splits` when it is
+    positive (tuning, `op`). No split shorter than `MIN_SPLIT_TOKENS`, nor
+    more than `MAX_SPLITS`."""
     var max_new = max(bounds.max_new_tokens, 1)
     var decode = max_new * group <= DECODE_ROWS
     var tokens_per_tile = (DECODE_ROWS if decode else prefill_rows) // group
@@ -63,7 +65,9 @@ def plan_attention(
     var blocks = query_tiles * n_kv_heads * batch
     var wanted = (decode_blocks if decode else prefill_blocks) * multiprocessors
     var splits = 1
-    if blocks < wanted:
-        var by_context = max(1, bounds.max_context // MIN_SPLIT_TOKENS)
+    var by_context = max(1, bounds.max_context // MIN_SPLIT_TOKENS)
+    if fixed_splits > 0:
+        splits = min(fixed_splits, by_context, MAX_SPLITS)
+    elif blocks < wanted:
         splits = max(1, min(ceildiv(wanted, blocks), by_context, MAX_SPLITS))
     return AttentionPlan(decode, tokens_per_tile, query_tiles, splits)
