@@ -22,7 +22,8 @@ from ..block import Launcher
 from .config import LOG2E, QUANTIZED_CHUNK
 from .decode import DecodeKernel
 from .merge import MergeArgs, MergeKernel
-from .plan import BatchBounds, plan_attention
+from .mma_tiles import BN
+from .plan import BatchBounds, KernelFit, plan_attention
 from .prefill import AttentionKernel
 from .mma import MmaKernel
 from .work import AttentionArgs
@@ -102,13 +103,16 @@ def _run[
         warpgroup = _warpgroup_prefill(launcher)
         mma = launcher.tensor_cores()
     var prefill_rows = _prefill_rows(D)
-    var prefill_blocks = Prefill.MIN_BLOCKS
+    var prefill = KernelFit(Prefill.MIN_BLOCKS, Prefill.BN)
+    var decode = KernelFit(Decode.MIN_BLOCKS, Decode.Program.BN)
+    if mma:
+        decode = KernelFit(MmaDecode.MIN_BLOCKS, BN)
     if warpgroup:
         prefill_rows = WgmmaPrefill.Program.ROWS
-        prefill_blocks = WgmmaPrefill.MIN_BLOCKS
+        prefill = KernelFit(WgmmaPrefill.MIN_BLOCKS, BN)
     elif mma:
         prefill_rows = MmaPrefill.Program.ROWS
-        prefill_blocks = MmaPrefill.MIN_BLOCKS
+        prefill = KernelFit(MmaPrefill.MIN_BLOCKS, BN)
     var plan = plan_attention(
         args.k_cache.batch_size(),
         args.k_cache.num_heads(),
@@ -116,8 +120,8 @@ def _run[
         prefill_rows,
         bounds,
         launcher.multiprocessors(),
-        MmaDecode.MIN_BLOCKS if mma else Decode.MIN_BLOCKS,
-        prefill_blocks,
+        decode,
+        prefill,
         _fixed_splits(),
     )
     args.tokens_per_tile = plan.tokens_per_tile

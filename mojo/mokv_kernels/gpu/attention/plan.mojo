@@ -39,6 +39,16 @@ struct AttentionPlan(TrivialRegisterPassable):
     var splits: Int
 
 
+@fieldwise_init
+struct KernelFit(TrivialRegisterPassable):
+    """What the planner needs of a kernel: how many of its blocks one
+    multiprocessor holds at once, and how many keys a block reads per
+    tile (a split is whole tiles, `work.block_work`)."""
+
+    var blocks_per_multiprocessor: Int
+    var tile_keys: Int
+
+
 def plan_attention(
     batch: Int,
     n_kv_heads: Int,
@@ -46,28 +56,49 @@ def plan_attention(
     prefill_rows: Int,
     bounds: BatchBounds,
     multiprocessors: Int,
-    decode_blocks: Int,
-    prefill_blocks: Int,
+    decode_kernel: KernelFit,
+    prefill_kernel: KernelFit,
     fixed_splits: Int = 0,
 ) -> AttentionPlan:
     """Picks the tile shape (decode, or prefill tiles of `prefill_rows`
-    query rows), then splits the context until the grid fills the device:
-    as many blocks as are resident at once, `multiprocessors` times the
-    blocks per multiprocessor of the kernel that runs (`decode_blocks` or
-    `prefill_blocks`), so that a long context is one wave of longer splits
-    rather than several of shorter ones; or into `fixed_splits` when it is
-    positive (tuning, `op`). No split shorter than `MIN_SPLIT_TOKENS`, nor
-    more than `MAX_SPLITS`."""
+    query rows), then how many splits each context is cut into: the count
+    that finishes soonest (`soonest_splits`) on `multiprocessors` times the
+    blocks per multiprocessor of the kernel that runs, or `fixed_splits`
+    when positive (tuning, `op`). No split shorter than `MIN_SPLIT_TOKENS`,
+    nor more than `MAX_SPLITS`."""
     var max_new = max(bounds.max_new_tokens, 1)
     var decode = max_new * group <= DECODE_ROWS
     var tokens_per_tile = (DECODE_ROWS if decode else prefill_rows) // group
     var query_tiles = ceildiv(max_new, tokens_per_tile)
-    var blocks = query_tiles * n_kv_heads * batch
-    var wanted = (decode_blocks if decode else prefill_blocks) * multiprocessors
-    var splits = 1
-    var by_context = max(1, bounds.max_context // MIN_SPLIT_TOKENS)
+    var kernel = decode_kernel if decode else prefill_kernel
+    var most = min(max(1, bounds.max_context // MIN_SPLIT_TOKENS), MAX_SPLITS)
+    var splits: Int
     if fixed_splits > 0:
-        splits = min(fixed_splits, by_context, MAX_SPLITS)
-    elif blocks < wanted:
-        splits = max(1, min(ceildiv(wanted, blocks), by_context, MAX_SPLITS))
+        splits = min(fixed_splits, most)
+    else:
+        splits = soonest_splits(
+            query_tiles * n_kv_heads * batch,
+            kernel.blocks_per_multiprocessor * multiprocessors,
+            ceildiv(max(bounds.max_context, 1), kernel.tile_keys),
+            most,
+        )
     return AttentionPlan(decode, tokens_per_tile, query_tiles, splits)
+
+
+def soonest_splits(blocks: Int, resident: Int, tiles: Int, most: Int) -> Int:
+    """How many splits (1 to `most`) of a context of `tiles` tiles, for
+    each of `blocks` blocks, finish soonest when `resident` blocks run at
+    once and a block's time is its tiles: `ceil(blocks * s / resident)`
+    waves of `ceil(tiles / s)` tiles. Decode blocks wait on memory one tile
+    at a time, so a block's time is its tiles whether few or many run: a
+    last wave of a few blocks costs a whole block's time, which one more
+    split (or one fewer) can avoid. The fewest splits among equals: each
+    costs the merge a state per row."""
+    var best = 1
+    var best_time = ceildiv(blocks, resident) * tiles
+    for s in range(2, most + 1):
+        var time = ceildiv(blocks * s, resident) * ceildiv(tiles, s)
+        if time < best_time:
+            best = s
+            best_time = time
+    return best

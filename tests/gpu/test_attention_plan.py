@@ -1,0 +1,149 @@
+"""The GPU attention planner (`mojo/mokv_kernels/gpu/attention/plan.mojo`),
+run on the host as the op runs it (`attention_plan.mojo`), against a
+simulation of the grid it models: every block of a split context takes as
+long as its tiles, `resident` blocks run at once and a free slot takes the
+next block. The planner must pick the split count whose grid finishes
+first, the fewest splits among equals, and the tile shape the batch needs."""
+
+from __future__ import annotations
+
+import heapq
+import math
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from mokv.kernels import kernel_sources_root, mojo_compiler
+
+PROGRAM = Path(__file__).with_name("attention_plan.mojo")
+MIN_SPLIT_TOKENS = 256  # config.mojo
+MAX_SPLITS = 64
+DECODE_ROWS = 8
+H200_MULTIPROCESSORS = 132
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    kv_heads: int
+    group: int
+    max_new: int
+    max_context: int
+    multiprocessors: int = H200_MULTIPROCESSORS
+    decode_blocks: int = 3
+    prefill_blocks: int = 2
+    tile: int = 64
+    prefill_rows: int = 64
+    fixed_splits: int = 0
+
+    def numbers(self) -> list[int]:
+        return [
+            self.batch,
+            self.kv_heads,
+            self.group,
+            self.prefill_rows,
+            self.max_new,
+            self.max_context,
+            self.multiprocessors,
+            self.decode_blocks,
+            self.tile,
+            self.prefill_blocks,
+            self.tile,
+            self.fixed_splits,
+        ]
+
+
+@dataclass(frozen=True)
+class Plan:
+    decode: bool
+    tokens_per_tile: int
+    query_tiles: int
+    splits: int
+
+
+def plans(cases: list[Case]) -> list[Plan]:
+    """The planner's plan for each case, from one run of the program."""
+    result = subprocess.run(
+        [
+            mojo_compiler(),
+            "run",
+            "-I",
+            str(kernel_sources_root()),
+            str(PROGRAM),
+            *(str(n) for case in cases for n in case.numbers()),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split() for line in result.stdout.splitlines() if line.strip()]
+    return [Plan(bool(int(d)), int(t), int(q), int(s)) for d, t, q, s in lines]
+
+
+def simulated_finish(blocks: int, tiles: int, resident: int) -> int:
+    """When the last of `blocks` blocks of `tiles` tiles each finishes, with
+    `resident` slots each taking the next block as soon as it is free."""
+    slots = [0] * min(resident, blocks)
+    heapq.heapify(slots)
+    for _ in range(blocks):
+        heapq.heappush(slots, heapq.heappop(slots) + tiles)
+    return max(slots)
+
+
+def best_splits(case: Case, blocks: int, decode: bool) -> int:
+    """The fewest splits whose simulated grid finishes first."""
+    resident = (case.decode_blocks if decode else case.prefill_blocks) * case.multiprocessors
+    tiles = math.ceil(case.max_context / case.tile)
+    most = min(max(1, case.max_context // MIN_SPLIT_TOKENS), MAX_SPLITS)
+    finish = {s: simulated_finish(blocks * s, math.ceil(tiles / s), resident) for s in range(1, most + 1)}
+    return min(finish, key=lambda s: (finish[s], s))
+
+
+CASES = [
+    # The benchmark's decode cases (Llama's 32/8 heads): batch 1 at 32k, 32 at 4k, 128 at 1k.
+    Case(1, 8, 4, 1, 32769),
+    Case(32, 8, 4, 1, 4097),
+    Case(128, 8, 4, 1, 1025),
+    # Its prefill cases, and a batch too short to split.
+    Case(1, 8, 4, 2048, 2048),
+    Case(1, 8, 4, 512, 8704),
+    Case(4, 2, 3, 1, 300),
+    # Other devices and kernels: one multiprocessor, few resident blocks, a GQA group of 8.
+    Case(3, 4, 8, 1, 20000, multiprocessors=1),
+    Case(2, 8, 1, 40, 5000, multiprocessors=16, prefill_blocks=1, tile=32),
+    Case(64, 1, 2, 3, 70000, multiprocessors=108, decode_blocks=2),
+]
+
+
+def test_plans_cut_each_context_into_the_splits_that_finish_first():
+    for case, plan in zip(CASES, plans(CASES), strict=True):
+        decode = case.max_new * case.group <= DECODE_ROWS
+        rows = DECODE_ROWS if decode else case.prefill_rows
+        assert (plan.decode, plan.tokens_per_tile) == (decode, rows // case.group), case
+        assert plan.query_tiles == math.ceil(case.max_new / plan.tokens_per_tile), case
+        blocks = plan.query_tiles * case.kv_heads * case.batch
+        assert plan.splits == best_splits(case, blocks, decode), case
+
+
+def test_benchmark_decode_cases_avoid_a_short_last_wave():
+    """On an H200 (132 multiprocessors, three decode blocks each): batch 32
+    at 4k takes three splits (768 blocks in two full waves of 22 tiles, where
+    two splits left 116 blocks of 33 tiles in a second wave); batch 1 at 32k
+    one wave of 47."""
+    batch_1, batch_32, batch_128 = plans(CASES[:3])
+    assert (batch_1.splits, batch_32.splits, batch_128.splits) == (47, 3, 3)
+
+
+@pytest.mark.parametrize(("fixed", "expected"), [(1, 1), (5, 5), (200, 64), (30, 19)])
+def test_fixed_splits_are_taken_within_the_bounds(fixed, expected):
+    """`MOKV_ATTENTION_SPLITS`: any positive count, at most one split per 256
+    context tokens and `MAX_SPLITS` in all."""
+    context = 4999 if fixed == 30 else 40000
+    (plan,) = plans([Case(32, 8, 4, 1, context, fixed_splits=fixed)])
+    assert plan.splits == expected
