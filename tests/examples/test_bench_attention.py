@@ -10,6 +10,20 @@ import pytest
 
 from mokv_examples.bench.attention import PREFILL_KERNEL, SPLIT_SWEEP, to_markdown, with_variable
 
+ROW = {
+    "device": "gpu",
+    "kv_bytes": 1,
+    "mokv_s": 2e-3,
+    "max_s": 1e-3,
+    "speedup": 0.5,
+    "kv_gbps": 1.0,
+    "max_kv_gbps": 2.0,
+    "copy_gbps": 3.0,
+    "tokens_per_s": 4.0,
+    "max_abs_diff": 1e-3,
+}
+"""A GPU row's fields; each test names its case and phase."""
+
 
 def test_variable_is_set_for_the_call_and_restored(monkeypatch):
     monkeypatch.delenv(PREFILL_KERNEL, raising=False)
@@ -26,20 +40,7 @@ def test_variable_is_set_for_the_call_and_restored(monkeypatch):
 
 
 def test_rows_with_and_without_the_warpgroup_prefill_fill_every_column():
-    row = {
-        "device": "gpu",
-        "case": "prefill-x",
-        "phase": "prefill",
-        "kv_bytes": 1,
-        "mokv_s": 2e-3,
-        "max_s": 1e-3,
-        "speedup": 0.5,
-        "kv_gbps": 1.0,
-        "max_kv_gbps": 2.0,
-        "copy_gbps": 3.0,
-        "tokens_per_s": 4.0,
-        "max_abs_diff": 1e-3,
-    }
+    row = ROW | {"case": "prefill-x", "phase": "prefill"}
     hopper = row | {"case": "prefill-y", "wgmma_s": 1e-3, "wgmma_speedup": 1.0, "wgmma_max_abs_diff": 2e-3}
     lines = to_markdown([row, hopper], "## header").splitlines()
     table = [line for line in lines if line.startswith("|")]
@@ -51,20 +52,7 @@ def test_rows_with_and_without_the_warpgroup_prefill_fill_every_column():
 
 
 def test_split_sweep_table_gives_each_count_over_the_planner():
-    row = {
-        "device": "gpu",
-        "case": "decode-x",
-        "phase": "decode",
-        "kv_bytes": 1,
-        "mokv_s": 2e-3,
-        "max_s": 1e-3,
-        "speedup": 0.5,
-        "kv_gbps": 1.0,
-        "max_kv_gbps": 2.0,
-        "copy_gbps": 3.0,
-        "tokens_per_s": 4.0,
-        "max_abs_diff": 1e-3,
-    }
+    row = ROW | {"case": "decode-x", "phase": "decode"}
     swept = row | {"case": "decode-y", "splits_s": {"1": 4e-3, "2": 1e-3}}
     lines = to_markdown([row, swept], "## header").splitlines()
     sweep = lines[lines.index(next(line for line in lines if line.startswith("| case | planner ms"))) :]

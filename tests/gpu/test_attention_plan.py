@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import heapq
 import math
-import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from mokv.kernels import kernel_sources_root, mojo_compiler
+from tests.support.mojo_programs import run_program
 
 PROGRAM = Path(__file__).with_name("attention_plan.mojo")
 MIN_SPLIT_TOKENS = 256  # config.mojo
@@ -66,23 +64,8 @@ class Plan:
 
 def plans(cases: list[Case]) -> list[Plan]:
     """The planner's plan for each case, from one run of the program."""
-    result = subprocess.run(
-        [
-            mojo_compiler(),
-            "run",
-            "-I",
-            str(kernel_sources_root()),
-            str(PROGRAM),
-            *(str(n) for case in cases for n in case.numbers()),
-        ],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ),
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line.split() for line in result.stdout.splitlines() if line.strip()]
+    output = run_program(PROGRAM, *(n for case in cases for n in case.numbers()))
+    lines = [line.split() for line in output.splitlines() if line.strip()]
     return [Plan(bool(int(d)), int(t), int(q), int(s)) for d, t, q, s in lines]
 
 

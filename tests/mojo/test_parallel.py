@@ -5,26 +5,16 @@ for a helper that cannot start)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
-from mokv.kernels import kernel_sources_root, mojo_compiler
+from tests.support.mojo_programs import run_program
 
 PROGRAM = Path(__file__).with_name("programs") / "parallel_items.mojo"
 
 
 def test_every_item_runs_exactly_once_on_the_caller_and_its_helpers():
-    result = subprocess.run(
-        [mojo_compiler(), "run", "-I", str(kernel_sources_root()), str(PROGRAM)],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ),
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    output = run_program(PROGRAM)
+    lines = [line for line in output.splitlines() if line.strip()]
     assert [line.rsplit(" ", 1)[0] for line in lines if line.endswith(" ok")] == [
         "no items",
         "one item",
@@ -32,4 +22,4 @@ def test_every_item_runs_exactly_once_on_the_caller_and_its_helpers():
         "many short items",
         "many long items",
         "nested",
-    ], result.stdout
+    ], output
