@@ -154,9 +154,11 @@ python3 -c "import xdist" 2>/dev/null && side_by_side=(-p xdist.plugin -n 3 --di
 # Importing the tests once first builds the Mojo extensions MAX compiles on
 # first import (max._kv_cache_ops), which parallel workers would race to write.
 step collect 120 python3 -m pytest tests/gpu --collect-only -q -p no:cacheprovider || status=1
-# The emulator's tests need no GPU (CI runs them) and would spend minutes building it here;
-# the warp steps' tests run here on the GPU only (`-k "not emulated"`: their hardware half).
+# The emulator's tests need no GPU (CI runs them) and would spend minutes building it here,
+# nor do the planner's and the code conversions' (host programs); the warp steps' tests run
+# here on the GPU only (`-k "not emulated"`: their hardware half).
 # shellcheck disable=SC2086
 step tests "${TESTS_S:-330}" python3 -m pytest tests/gpu --ignore-glob "tests/gpu/test_emulated_*" \
+    --ignore tests/gpu/test_attention_plan.py --ignore tests/gpu/test_code_conversions.py \
     "${side_by_side[@]}" -v -rfEs --durations=15 -p no:cacheprovider -k "not emulated" ${PYTEST_ARGS:-} || status=1
 exit $status
