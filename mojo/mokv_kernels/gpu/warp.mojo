@@ -30,6 +30,7 @@ says so. The emulated steps see a warp as one unit, so they cannot show a missin
 test_warp_emulation.py` checks them against numpy on random fragments.
 """
 
+from max.gpu import syncwarp
 from max.gpu.compute.mma import ld_matrix as hw_ld_matrix
 from max.gpu.compute.mma import mma as hw_mma
 from max.gpu.primitives.warp import shuffle_xor as hw_shuffle_xor
@@ -52,6 +53,19 @@ comptime FragC = SIMD[DType.float32, 4]
 def check_lanes[lanes: Int]():
     """A program is one thread (on a GPU) or one warp (emulated)."""
     comptime assert lanes == 1 or lanes == WARP_LANES, "a program is one thread or one warp"
+
+
+@always_inline
+def warp_barrier[lanes: Int]():
+    """`bar.warp.sync` (`__syncwarp`): the lanes' shared-memory writes before
+    it are seen by every lane after it. Under the emulator a program is the
+    whole warp, whose lanes run in order: nothing to wait for."""
+    check_lanes[lanes]()
+    comptime if lanes == 1:
+        comptime if is_nvidia_gpu():
+            syncwarp()
+        else:
+            abort(NOT_NVIDIA)
 
 
 @always_inline

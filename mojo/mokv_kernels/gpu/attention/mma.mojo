@@ -46,7 +46,11 @@ tile's copies then overwrite (an 8-bit cache's tiles take a second one,
 after their codes are widened into the stage). One more after the first
 tiles' copies start: an 8-bit cache's first tile shares its address slot
 with the tile located next, so no thread may overwrite it while another
-still reads it. Masking (causal, sliding
+still reads it. In decode these are warp barriers, not the block's: each
+warp locates, copies and reads only its own keys of a tile (`per_warp` in
+`mma_tiles`), so its four warps go through their tiles independently, one
+waiting on memory while another computes, until they combine their
+states. Masking (causal, sliding
 window, the block's context range, padding rows) happens only on tiles where
 some row does not see every key, with two 32-bit bounds per row. Under the emulator a program
 is a whole warp (`..warp`)."""
@@ -59,7 +63,7 @@ from ...cache.traits import KVCacheT
 from ...kv_quantization import is_quantized
 from ..block import BlockExecutor, BlockId, KernelT, ThreadProgram
 from ..copy import wait_copies
-from ..warp import FragA, FragB, Frags, ld_matrix, mma, shuffle_xor
+from ..warp import FragA, FragB, Frags, ld_matrix, mma, shuffle_xor, warp_barrier
 from ..warpgroup import (
     WARPGROUP_ROWS,
     WARPGROUP_WARPS,
@@ -118,7 +122,9 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     are in flight while one is multiplied; three code stages for an 8-bit
     decode, whose blocks wait on memory, so three tiles of codes are in
     flight (as many bytes as two bfloat16 tiles)."""
-    comptime Tiles = MmaTiles[Self.cache_t, Self.D, Self.ROWS, Self.THREADS, Self.STAGES]
+    comptime Tiles = MmaTiles[
+        Self.cache_t, Self.D, Self.ROWS, Self.THREADS, Self.STAGES, per_warp=Self.decode
+    ]
     comptime AHEAD = Self.Tiles.TILES_AHEAD
     """Tiles whose copies start before the block multiplies its first."""
     comptime STATE_FLOATS = MMA_ROWS * Self.D + 2 * MMA_ROWS
@@ -186,6 +192,7 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
             comptime for t in range(Self.AHEAD):
                 if arg + t * BN < self.work.kv_end:
                     self.tiles.start_tile[Self.lanes](self.tid, arg + t * BN, self.args.granularity)
+            self.shared_writes_done()
         elif phase == WAIT_TILE:
             if arg + Self.AHEAD * BN < self.work.kv_end:
                 self.tiles.locate_rows[Self.lanes](
@@ -224,10 +231,16 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
 
     @always_inline
     def shared_writes_done(self):
-        """Before a barrier after which warpgroup products read what this
-        thread wrote to shared memory (`..warpgroup`)."""
+        """After this thread's shared-memory writes (queries, addresses,
+        copies waited for, widened codes), before other threads read them:
+        warpgroup products read through the async proxy, so a fence
+        (`..warpgroup`) precedes the block's barrier; a decode warp's lanes
+        read only what its lanes wrote (`per_warp`, `mma_tiles`), so a warp
+        barrier takes the block's place between tiles."""
         comptime if Self.warpgroup:
             async_proxy_fence()
+        comptime if Self.decode:
+            warp_barrier[Self.lanes]()
 
     @always_inline
     def tile_fully_visible(self, kv_start: Int) -> Bool:
@@ -527,6 +540,13 @@ struct MmaKernel[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
         return Self.Program(self.args, block_work(self.args, block, BN), tid, shared)
 
     @always_inline
+    def between_tiles[E: BlockExecutor](self, mut threads: E):
+        """The block's barrier between the phases of its tiles; none in
+        decode, whose warps wait only for their own lanes (`per_warp`)."""
+        comptime if not Self.decode:
+            threads.sync()
+
+    @always_inline
     def schedule[E: BlockExecutor](self, mut threads: E, block: BlockId):
         var work = block_work(self.args, block, BN)
         if work.empty():
@@ -534,14 +554,14 @@ struct MmaKernel[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
         threads.each(LOAD_Q, work.kv_start)
         threads.sync()
         threads.each(START_FIRST, work.kv_start)
-        threads.sync()
+        self.between_tiles(threads)
         var kv = work.kv_start
         while kv < work.kv_end:
             threads.each(WAIT_TILE, kv)
-            threads.sync()
+            self.between_tiles(threads)
             comptime if Self.Program.Tiles.QUANTIZED:
                 threads.each(CONVERT_TILE, kv)
-                threads.sync()
+                self.between_tiles(threads)
             threads.each(COMPUTE_TILE, kv)
             kv += BN
         comptime if Self.decode:

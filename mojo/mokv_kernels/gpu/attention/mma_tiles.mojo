@@ -13,7 +13,11 @@ K and V rows of a tile go through the page table row by row: one thread per
 key looks its row up once (`locate_rows`) and leaves the address in shared
 memory, then every thread copies 16-byte chunks (`start_tile`: thread t
 chunks t, t + THREADS, ..., so a warp reads whole rows) with `cp.async`
-(`..copy`), committed as one group per tile.
+(`..copy`), committed as one group per tile. With `per_warp` (decode, whose
+warps each read only their own `BN / WARPS` keys of a tile) each warp
+locates and copies its own keys' rows (lane t chunks t, t + 32, ... of
+them), so a warp needs only its own copies and a warp barrier, never the
+block's, between tiles.
 
 An 8-bit cache (`float8_e4m3fn` or `int8` codes with float32 scales) takes
 the same path to tensor cores: each tile's codes `[BN, D]` and its keys'
@@ -37,7 +41,7 @@ from ..copy import commit_copies, start_copy, zero_16
 
 from ..warpgroup import SWIZZLE_ALIGNMENT, SWIZZLE_COLUMNS
 
-from .config import QUANTIZED_CHUNK
+from .config import QUANTIZED_CHUNK, WARP
 from .work import AttentionArgs, BlockWork, row_offset
 
 comptime BN = 64
@@ -51,12 +55,13 @@ comptime VALUE_SCALES = 2
 
 
 @fieldwise_init
-struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int, stage_count: Int](
-    TrivialRegisterPassable
-):
+struct MmaTiles[
+    cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int, stage_count: Int, per_warp: Bool
+](TrivialRegisterPassable):
     """The shared memory of a block of `THREADS` threads, from `smem`; tiles
     take the `stage_count` stages (an 8-bit cache: code stages) in turn from
-    the block's first key `first_key`."""
+    the block's first key `first_key`; each warp copies its own keys when
+    `per_warp` (see the module docstring)."""
 
     comptime QUANTIZED = is_quantized[Self.cache_t.dtype]()
     comptime TILES_AHEAD = Self.stage_count if Self.QUANTIZED else Self.stage_count - 1
@@ -70,6 +75,8 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int, stage_count:
     16-code chunks)."""
     comptime CHUNKS = Self.D // 8
     """16-byte chunks of a bfloat16 row."""
+    comptime WARP_KEYS = BN // (Self.THREADS // WARP)
+    """Keys of a tile that each warp copies when `per_warp`."""
     comptime ELEMENTS_PER_COPY = 16 // size_of[Scalar[Self.cache_t.dtype]]()
     """Stored elements (values or codes) in a 16-byte copy."""
     comptime COPIES = BN * Self.D // Self.ELEMENTS_PER_COPY // Self.THREADS
@@ -222,13 +229,14 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int, stage_count:
         tid: Int,
         kv_start: Int,
     ):
-        """Thread j < BN: the address of key `kv_start + j`'s row in the
-        block's KV head (0 outside the block's range or the cache), and an
-        8-bit cache's addresses of its key and value scales there."""
+        """Thread t, for its key j (`located_key`): the address of key
+        `kv_start + j`'s row in the block's KV head (0 outside the block's
+        range or the cache), and an 8-bit cache's addresses of its key and
+        value scales there."""
         var head_offset = work.kv_head * Self.D
         for l in range(lanes):
-            var j = tid + l
-            if j < BN:
+            var j = Self.located_key(tid + l)
+            if j >= 0:
                 var pos = kv_start + j
                 var found = args.has_key(work, pos)
                 var address = 0
@@ -243,6 +251,27 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int, stage_count:
                         v_scales = Int(head_scales(args.v_cache, work.row, pos, work.kv_head))
                     self.addresses(kv_start, KEY_SCALES)[unsafe_offset=j] = k_scales
                     self.addresses(kv_start, VALUE_SCALES)[unsafe_offset=j] = v_scales
+
+    @staticmethod
+    def located_key(thread: Int) -> Int:
+        """The key of a tile that `thread` looks up, or -1: thread j < BN,
+        or with `per_warp` lane j < WARP_KEYS of warp w key `w * WARP_KEYS
+        + j`."""
+        comptime if Self.per_warp:
+            var lane = thread % WARP
+            return thread // WARP * Self.WARP_KEYS + lane if lane < Self.WARP_KEYS else -1
+        else:
+            return thread if thread < BN else -1
+
+    @staticmethod
+    def unit(thread: Int, n: Int) -> Int:
+        """`thread`'s copy `n` (of `COPIES`) of a tile's K or V: 16-byte
+        chunks numbered row by row, thread t's `t + n * THREADS`, or with
+        `per_warp` the ones of its warp's keys, lane t's `t + n * WARP`."""
+        comptime if Self.per_warp:
+            return thread // WARP * Self.COPIES * WARP + thread % WARP + n * WARP
+        else:
+            return thread + n * Self.THREADS
 
     @staticmethod
     def key_of(unit: Int) -> Int:
@@ -276,7 +305,7 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int, stage_count:
         var addresses = self.addresses(kv_start)
         for l in range(lanes):
             for n in range(Self.COPIES):
-                var unit = tid + l + n * Self.THREADS
+                var unit = Self.unit(tid + l, n)
                 var keys = self.copy_at(kv_start, unit, KEYS)
                 var values = self.copy_at(kv_start, unit, VALUES)
                 var address = addresses[unsafe_offset=Self.key_of(unit)]
@@ -295,12 +324,15 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int, stage_count:
     @always_inline
     def start_scales(self, thread: Int, kv_start: Int, granules: Int):
         """An 8-bit cache: thread `thread`'s share of the tile's keys'
-        scales (`granules` per key, K then V) into its code stage, 4 bytes
-        a copy (scale rows are only 4-byte aligned); zeros for keys without
-        scales."""
-        for unit in range(thread, 2 * BN * granules, Self.THREADS):
-            var kind = unit // (BN * granules)
-            var key = unit // granules % BN
+        scales (`granules` per key, K then V; with `per_warp`, of its warp's
+        keys) into its code stage, 4 bytes a copy (scale rows are only
+        4-byte aligned); zeros for keys without scales."""
+        comptime keys = Self.WARP_KEYS if Self.per_warp else BN
+        comptime threads = WARP if Self.per_warp else Self.THREADS
+        var first_key = thread // WARP * Self.WARP_KEYS if Self.per_warp else 0
+        for unit in range(thread % threads, 2 * keys * granules, threads):
+            var kind = unit // (keys * granules)
+            var key = first_key + unit // granules % keys
             var granule = unit % granules
             var dest = self.scales(kv_start, kind).unsafe_offset(key * Self.MAX_GRANULES + granule)
             var address = self.addresses(kv_start, KEY_SCALES + kind)[unsafe_offset=key]
@@ -320,7 +352,7 @@ struct MmaTiles[cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int, stage_count:
                 var scales = self.scales(kv_start, kind)
                 var tile = self.tile(kv_start, kind)
                 comptime for n in range(Self.COPIES):
-                    var unit = tid + l + n * Self.THREADS
+                    var unit = Self.unit(tid + l, n)
                     var key = Self.key_of(unit)
                     var first = Self.first_of(unit)
                     var scale = scales[unsafe_offset=key * Self.MAX_GRANULES + first // granularity]
