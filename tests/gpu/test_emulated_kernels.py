@@ -226,8 +226,8 @@ def test_decode_split_over_the_context(rows, n_q, n_kv, head_dim, dtype, emulato
 @pytest.mark.parametrize("splits", ["1", "3", "64"])
 def test_fixed_splits(splits, dtype, emulator):
     """`MOKV_ATTENTION_SPLITS` cuts every context into that many splits (at
-    most one per 256 tokens) on a one-multiprocessor device, where the
-    planner alone would not split: decode rows and a prefill chunk."""
+    most one per 256 tokens), whatever the planner would pick: decode rows
+    and a prefill chunk."""
     rng = np.random.default_rng(int(splits))
     b = cpu_attention.make_batch(rng, "paged", dtype, [(3000, 1), (700, 1), (20, 1)], 32, 8, 128, 16)
     prefill = cpu_attention.make_batch(rng, "paged", dtype, [(900, 40), (10, 1)], 8, 2, 64, 16)
