@@ -1,5 +1,5 @@
 """Prints the GPU attention planner's choice for each case on the command
-line (`tests/gpu/test_attention_plan.py`): each case is eleven integers,
+line (`tests/gpu/test_attention_plan.py`): each case is twelve integers,
 `batch kv_heads group prefill_rows max_new max_context multiprocessors
 decode_blocks decode_tile prefill_blocks prefill_tile fixed_splits`, and its
 line `decode tokens_per_tile query_tiles splits`."""

@@ -106,8 +106,9 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     warpgroups, which share each K/V tile (half the tile reads per row)."""
     comptime ROWS = MMA_ROWS if Self.decode else Self.THREADS // WARP * MMA_ROWS
     """Query rows of a block: the most query heads per KV head it takes."""
-    comptime WARP_KEYS = BN // WARPS if Self.decode else BN
-    """Keys of a tile one warp scores."""
+    comptime WARP_KEYS = Self.Tiles.WARP_KEYS if Self.decode else BN
+    """Keys of a tile one warp scores: in decode the ones it copies
+    (`per_warp`), so it reads no other warp's."""
     comptime KSTEPS = Self.D // 16
     """k-steps of a score product (16 dims each)."""
     comptime DTILES = Self.D // 8

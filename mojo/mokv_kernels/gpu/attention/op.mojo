@@ -75,11 +75,11 @@ def _fixed_splits() raises -> Int:
     var value = getenv(SPLITS_VARIABLE, "")
     if value == "":
         return 0
-    var splits: Int
+    var splits = 0
     try:
         splits = atol(value)
     except:
-        raise Error(t"{SPLITS_VARIABLE}={value}: expected a positive number of splits")
+        pass  # not a number: refused below, as a count below 1 is
     if splits <= 0:
         raise Error(t"{SPLITS_VARIABLE}={value}: expected a positive number of splits")
     return splits
@@ -104,9 +104,9 @@ def _run[
         mma = launcher.tensor_cores()
     var prefill_rows = _prefill_rows(D)
     var prefill = KernelFit(Prefill.MIN_BLOCKS, Prefill.BN)
-    var decode = KernelFit(Decode.MIN_BLOCKS, Decode.Program.BN)
-    if mma:
-        decode = KernelFit(MmaDecode.MIN_BLOCKS, BN)
+    var decode = KernelFit(MmaDecode.MIN_BLOCKS, BN) if mma else KernelFit(
+        Decode.MIN_BLOCKS, Decode.Program.BN
+    )
     if warpgroup:
         prefill_rows = WgmmaPrefill.Program.ROWS
         prefill = KernelFit(WgmmaPrefill.MIN_BLOCKS, BN)
