@@ -21,7 +21,7 @@ launch overhead included for both kernels. The memory yardstick is then a 1 GiB
 device-to-device copy: its traffic (read plus write) per second stands for the achievable HBM
 bandwidth, against which the KV read rate of decode is set. On a Hopper GPU the bfloat16
 prefill rows also time mokv with `MOKV_PREFILL_KERNEL=wgmma` (warpgroup products) in the same
-rounds, and every GPU decode row times mokv with its context cut into a fixed number of splits
+rounds, and every GPU row times mokv with its context cut into a fixed number of splits
 (`MOKV_ATTENTION_SPLITS`, `SPLIT_SWEEP`) beside the planner's choice, the data the planner is
 tuned from. Without a GPU it says so and exits. `docs/gpu/results/` keeps the GPU runs' tables.
 """
@@ -95,13 +95,13 @@ def run_case(case: Case, kernels: Kernels, copy: CopyProbe | GpuCopyProbe, budge
     """Times one case. A bfloat16 decode case on the CPU also times mokv on
     the same values stored as float32, in the same rounds, for the tokens/s
     ratio; a bfloat16 prefill on a Hopper GPU also times mokv's warpgroup
-    prefill (`MOKV_PREFILL_KERNEL=wgmma`), and a GPU decode mokv at each
-    split count of `SPLIT_SWEEP` the context allows (`splits_s`)."""
+    prefill (`MOKV_PREFILL_KERNEL=wgmma`), and a GPU row mokv at each split
+    count of `SPLIT_SWEEP` the context allows (`splits_s`)."""
     scale = case.softmax_scale
     with_f32 = case.dtype == DType.bfloat16 and case.phase == "decode" and kernels.device.is_host
     with_wgmma = case.dtype == DType.bfloat16 and case.phase == "prefill" and has_warpgroup_mma(kernels)
     sweep = [n for n in SPLIT_SWEEP if n <= max(1, case.context // MIN_SPLIT_TOKENS)]
-    if case.phase != "decode" or kernels.device.is_host:
+    if kernels.device.is_host:
         sweep = []
     dtypes = (case.dtype, DType.float32) if with_f32 else (case.dtype,)
     data = make_inputs(case, np.random.default_rng(0), dtypes, kernels.device)
@@ -233,7 +233,7 @@ def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
 
 
 def split_sweep_table(rows: list[dict[str, Any]]) -> list[str]:
-    """The decode rows' times at each fixed split count beside the planner's
+    """The GPU rows' times at each fixed split count beside the planner's
     (`MOKV_ATTENTION_SPLITS`), as ratios of the planner's time: below 1 where
     a fixed count was faster. Empty where no row swept."""
     swept = [r for r in rows if "splits_s" in r]
@@ -242,7 +242,7 @@ def split_sweep_table(rows: list[dict[str, Any]]) -> list[str]:
     counts = [str(n) for n in SPLIT_SWEEP]
     lines = [
         "",
-        "Decode with the context cut into a fixed number of splits (`MOKV_ATTENTION_SPLITS`), time over"
+        "Each context cut into a fixed number of splits (`MOKV_ATTENTION_SPLITS`), time over"
         " the planner's choice, timed in the same rounds:",
         "",
         "| case | planner ms | " + " | ".join(f"{n} splits" for n in counts) + " |",

@@ -6,6 +6,15 @@ from std.math import ceildiv
 from ...cache.batch_summary import BatchSummary
 from .config import DECODE_ROWS, MAX_SPLITS, MIN_SPLIT_TOKENS
 
+comptime BLOCK_OVERHEAD_TILES = 2
+"""A block's fixed cost, in tiles: loading its queries, writing its rows or
+its split's state, and the merge's share of that state. Fit to the eighth
+GPU run's split table (H200, 2026-11-28): without it the planner cut batch
+128 at 1k into 4 splits, 10% slower than none, and 512 new tokens over 8.7k
+into 34 splits of 4 tiles (8704 blocks), 1.0 ms where the seventh run's 2
+splits took 0.52 ms; with it both stay whole, and batch 32 at 4k (3 splits)
+and batch 1 at 32k (47) keep the counts that measured fastest."""
+
 
 @fieldwise_init
 struct BatchBounds(TrivialRegisterPassable):
@@ -88,16 +97,17 @@ def plan_attention(
 def soonest_splits(blocks: Int, resident: Int, tiles: Int, most: Int) -> Int:
     """How many splits (1 to `most`) of a context of `tiles` tiles, for
     each of `blocks` blocks, finish soonest when `resident` blocks run at
-    once and a block's time is its tiles: `ceil(blocks * s / resident)`
-    waves of `ceil(tiles / s)` tiles. Decode blocks wait on memory one tile
-    at a time, so a block's time is its tiles whether few or many run: a
-    last wave of a few blocks costs a whole block's time, which one more
-    split (or one fewer) can avoid. The fewest splits among equals: each
-    costs the merge a state per row."""
+    once and a block's time is its tiles plus `BLOCK_OVERHEAD_TILES`:
+    `ceil(blocks * s / resident)` waves of `ceil(tiles / s) + overhead`.
+    Decode blocks wait on memory one tile at a time, so a block's time is
+    its tiles whether few or many run: a last wave of a few blocks costs a
+    whole block's time, which one more split (or one fewer) can avoid, and
+    a split whose blocks are only a few tiles long costs more in overhead
+    than it saves. The fewest splits among equals."""
     var best = 1
-    var best_time = ceildiv(blocks, resident) * tiles
+    var best_time = ceildiv(blocks, resident) * (tiles + BLOCK_OVERHEAD_TILES)
     for s in range(2, most + 1):
-        var time = ceildiv(blocks * s, resident) * ceildiv(tiles, s)
+        var time = ceildiv(blocks * s, resident) * (ceildiv(tiles, s) + BLOCK_OVERHEAD_TILES)
         if time < best_time:
             best = s
             best_time = time
