@@ -50,10 +50,13 @@ still reads it. In decode these are warp barriers, not the block's: each
 warp locates, copies and reads only its own keys of a tile (`per_warp` in
 `mma_tiles`), so its four warps go through their tiles independently, one
 waiting on memory while another computes, until they combine their
-states. Masking (causal, sliding
-window, the block's context range, padding rows) happens only on tiles where
-some row does not see every key, with two 32-bit bounds per row. Under the emulator a program
-is a whole warp (`..warp`)."""
+states. Masking (causal, sliding window, the block's context range, padding
+rows) happens only on tiles where some row does not see every key, behind a
+branch the whole block takes alike, against two 32-bit bounds per row found
+once per block: a tile every row sees whole costs no masking instructions at
+all (the eighth GPU run's profile found masking and its per-tile divisions a
+fifth of the prefill's instructions). Under the emulator a program is a whole
+warp (`..warp`)."""
 
 from std.math import exp2
 from std.sys import bit_width_of
@@ -139,6 +142,14 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     var o: Frags[DType.float32, 4, Self.DTILES, Self.lanes]
     var row_max: Frags[DType.float32, 1, 2, Self.lanes]
     var row_sum: Frags[DType.float32, 1, 2, Self.lanes]
+    var visible: Frags[DType.int32, 2, 2, Self.lanes]
+    """Each lane's two rows' first and last visible keys (positions; an
+    empty range for a padding row), found once per block: a tile that
+    needs masking then costs two compares per score, and one that does not
+    costs none."""
+    var unmasked: SIMD[DType.int32, 2]
+    """The keys every row of the block sees, first and last: a tile inside
+    them needs no masking."""
 
     def __init__(
         out self,
@@ -161,6 +172,24 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
         self.o = Frags[DType.float32, 4, Self.DTILES, Self.lanes](0)
         self.row_max = Frags[DType.float32, 1, 2, Self.lanes](NEG_INF)
         self.row_sum = Frags[DType.float32, 1, 2, Self.lanes](0)
+        var visible = Frags[DType.int32, 2, 2, Self.lanes](0)
+        var rows = work.rows(args.group)
+        for l in range(Self.lanes):
+            comptime for h in range(2):
+                var r = Self.lane_row(tid, l, h)
+                var keys = SIMD[DType.int32, 2](1, 0)
+                if r < rows:
+                    var position = work.position(r, args.group)
+                    keys = SIMD[DType.int32, 2](
+                        Int32(args.visible_start(position)), Int32(min(position, work.kv_end - 1))
+                    )
+                visible[h, l] = keys
+        self.visible = visible^
+        var last_position = work.position(max(rows, 1) - 1, args.group)
+        self.unmasked = SIMD[DType.int32, 2](
+            Int32(args.visible_start(last_position)),
+            Int32(min(work.first_position, work.kv_end - 1)),
+        )
 
     @always_inline
     def state(self, warp: Int) -> F32Ptr:
@@ -176,6 +205,13 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     def warp_row(self) -> Int:
         """The warp's first query row."""
         return 0 if Self.decode else self.warp() * MMA_ROWS
+
+    @staticmethod
+    def lane_row(tid: Int, l: Int, h: Int) -> Int:
+        """The query row of lane `l`'s (of the program at thread `tid`)
+        fragment values `2 h` and `2 h + 1` (`..warp`'s C layout)."""
+        var first = 0 if Self.decode else tid // WARP * MMA_ROWS
+        return first + (tid % WARP + l) // 4 + 8 * h
 
     def warp_key(self) -> Int:
         """The warp's first key of a tile."""
@@ -247,31 +283,27 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     def tile_fully_visible(self, kv_start: Int) -> Bool:
         """Whether every query row of the block sees every key of the tile
         at `kv_start` (then nothing needs masking)."""
-        var last_key = kv_start + BN - 1
-        var rows = self.work.rows(self.args.group)
-        var last_position = self.work.position(rows - 1, self.args.group)
-        return (
-            last_key < self.work.kv_end
-            and last_key <= self.work.first_position
-            and kv_start >= self.args.visible_start(last_position)
-        )
+        var first = Int32(kv_start)
+        return first >= self.unmasked[0] and first + BN - 1 <= self.unmasked[1]
 
     @always_inline
-    def visible_keys(self, kv_start: Int, l: Int, h: Int) -> SIMD[DType.int32, 2]:
-        """The keys of the tile at `kv_start` that lane `l`'s row `h` sees,
-        as offsets from the lane's first column (`8 n + e` is the lane's
-        value e of score n-tile n): first and last, or an empty range for a
-        padding row."""
-        var lane = self.lane(l)
-        var r = self.warp_row() + lane // 4 + 8 * h
-        if r >= self.work.rows(self.args.group):
-            return SIMD[DType.int32, 2](1, 0)
-        var position = self.work.position(r, self.args.group)
-        var column = kv_start + self.warp_key() + 2 * (lane % 4)
-        return SIMD[DType.int32, 2](
-            Int32(max(self.args.visible_start(position) - column, -1)),
-            Int32(min(position, self.work.kv_end - 1) - column),
-        )
+    def mask(self, kv_start: Int, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]):
+        """-inf in place of the scores of keys a row does not see (causal,
+        window, the block's context range; every key for a padding row).
+        Lane l's value e of score n-tile n is key `8 n + e` from the lane's
+        first column."""
+        for l in range(Self.lanes):
+            var column = Int32(kv_start + self.warp_key() + 2 * (self.lane(l) % 4))
+            comptime for h in range(2):
+                var first = self.visible[h, l][0] - column
+                var last = self.visible[h, l][1] - column
+                comptime for n in range(Self.NTILES):
+                    var c = s[n, l]
+                    comptime for e in range(2):
+                        comptime local = Int32(n * 8 + e)
+                        if local < first or local > last:
+                            c[2 * h + e] = NEG_INF
+                    s[n, l] = c
 
     @always_inline
     def scores(self, kv_start: Int) -> Frags[DType.float32, 4, Self.NTILES, Self.lanes]:
@@ -293,19 +325,11 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
             warpgroup_wait()
         else:
             self.warp_scores(queries, keys, s)
-        var masked = not self.tile_fully_visible(kv_start)
         for l in range(Self.lanes):
-            comptime for h in range(2):
-                var visible = self.visible_keys(kv_start, l, h)
-                comptime for n in range(Self.NTILES):
-                    var c = s[n, l]
-                    comptime for e in range(2):
-                        var x = c[2 * h + e] * self.args.scale_log2
-                        comptime local = Int32(n * 8 + e)
-                        if masked and (local < visible[0] or local > visible[1]):
-                            x = NEG_INF
-                        c[2 * h + e] = x
-                    s[n, l] = c
+            comptime for n in range(Self.NTILES):
+                s[n, l] = s[n, l] * self.args.scale_log2
+        if not self.tile_fully_visible(kv_start):
+            self.mask(kv_start, s)
         return s^
 
     @always_inline
@@ -438,7 +462,7 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
             var sums = self.row_sums(h)
             for l in range(Self.lanes):
                 var lane = self.lane(l)
-                var r = self.warp_row() + lane // 4 + 8 * h
+                var r = Self.lane_row(self.tid, l, h)
                 if r < rows:
                     comptime for n in range(Self.DTILES):
                         var acc = self.o[n, l]

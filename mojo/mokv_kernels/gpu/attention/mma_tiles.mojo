@@ -143,7 +143,10 @@ struct MmaTiles[
 
     @always_inline
     def stage(self, kv_start: Int) -> Int:
-        return (kv_start - self.first_key) // BN % Self.stage_count
+        """The stage of the tile at `kv_start` (32-bit: a block's keys are
+        far fewer than 2^32, and 64-bit division costs a dozen instructions
+        more on every tile)."""
+        return Int(UInt32(kv_start - self.first_key) // UInt32(BN) % UInt32(Self.stage_count))
 
     @always_inline
     def tile(self, kv_start: Int, kind: Int) -> BF16Ptr:
@@ -304,7 +307,7 @@ struct MmaTiles[
         (zeros for keys without an address), as one committed group."""
         var addresses = self.addresses(kv_start)
         for l in range(lanes):
-            for n in range(Self.COPIES):
+            comptime for n in range(Self.COPIES):
                 var unit = Self.unit(tid + l, n)
                 var keys = self.copy_at(kv_start, unit, KEYS)
                 var values = self.copy_at(kv_start, unit, VALUES)

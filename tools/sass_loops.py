@@ -1,0 +1,123 @@
+"""The machine code of each NVIDIA kernel's tile loop: how many instructions
+one pass of its largest loop issues per thread, and of which kinds, as ptxas
+compiles the PTX of a `mojo build --target-accelerator sm_*` binary
+(`tools/check_gpu_build.sh` builds one) and nvdisasm prints it.
+
+This is the static half of a kernel's speed, readable without a GPU: the
+eighth GPU run's profile (docs/gpu.md) found the tensor-core prefill issuing
+about 1,270 instructions per warp and tile, of which 128 were the products,
+with two warps per scheduler to hide their latencies. A loop's body counts
+each instruction once: an inner loop (a runtime loop the compiler did not
+unroll) is its own row, run as many times as it iterates.
+
+Kinds: `mma` (`HMMA`, `HGMMA`), `ldsm` (`LDSM`), `copy` (`LDGSTS`), `exp`
+(`MUFU`), `float` (other F* arithmetic), `int` (integer arithmetic,
+compares, selects, shifts, moves), `other` (branches, barriers, shared and
+global loads and stores, conversions).
+
+Needs ptxas and nvdisasm: `NVDISASM=path`, or on PATH (PyPI's
+`nvidia-cuda-nvdisasm` wheel carries one under nvidia/cu13/bin).
+
+Usage: python3 tools/sass_loops.py BINARY [SUBSTRING ...]   (kernels whose
+name, as `ptx_registers.py` prints it, contains a SUBSTRING; default all)"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ptx_registers import KERNEL, field, modules
+
+INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", re.MULTILINE)
+LABEL = re.compile(r"^\s*\.(L_x_\d+):", re.MULTILINE)
+BRANCH = re.compile(r"\bBRA\s+`\(\.(L_x_\d+)\)")
+KINDS = {
+    "mma": ("HMMA", "HGMMA"),
+    "ldsm": ("LDSM",),
+    "copy": ("LDGSTS",),
+    "exp": ("MUFU",),
+    "float": ("FMUL", "FADD", "FFMA", "FSEL", "FMNMX", "FSETP", "F2FP"),
+    "int": ("IMAD", "IADD3", "ISETP", "LOP3", "SEL", "SHF", "LEA", "VIADD", "MOV", "PLOP3", "IABS", "IMNMX"),
+}
+
+
+@dataclass
+class Loop:
+    start: int
+    end: int
+    opcodes: list[str]
+
+    def kinds(self) -> Counter[str]:
+        counts: Counter[str] = Counter()
+        for opcode in self.opcodes:
+            kind = next((k for k, names in KINDS.items() if opcode in names), "other")
+            counts[kind] += 1
+        return counts
+
+
+def opcode(text: str) -> str:
+    """`@!P3 IMAD.WIDE.U32 R1, ...` -> `IMAD`."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+
+
+def loops(sass: str) -> list[Loop]:
+    """Every loop: a branch back to a label, with the instructions between."""
+    instructions = [(int(a, 16), text) for a, text in INSTRUCTION.findall(sass)]
+    at: dict[str, int] = {}
+    for label in LABEL.finditer(sass):
+        following = INSTRUCTION.search(sass, label.end())
+        if following:
+            at[label.group(1)] = int(following.group(1), 16)
+    found = []
+    for address, text in instructions:
+        target = BRANCH.search(text)
+        if target and at.get(target.group(1), address + 1) <= address:
+            start = at[target.group(1)]
+            body = [opcode(t) for a, t in instructions if start <= a <= address]
+            found.append(Loop(start, address, body))
+    return found
+
+
+def nvdisasm() -> str:
+    return os.environ.get("NVDISASM", "nvdisasm")
+
+
+def kernel_sass(ptx: str, ptxas: str = "ptxas") -> str:
+    target = field(r"\.target (\S+)", ptx)
+    with tempfile.TemporaryDirectory() as tmp:
+        source, cubin = Path(tmp, "k.ptx"), Path(tmp, "k.cubin")
+        source.write_text(ptx)
+        subprocess.run([ptxas, f"-arch={target}", str(source), "-o", str(cubin)], check=True)
+        return subprocess.run([nvdisasm(), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+def main(argv: list[str]) -> int:
+    binary, *wanted = argv
+    print(f"{'kernel':30} {'loop':>13} {'instr':>6} " + " ".join(f"{k:>5}" for k in (*KINDS, "other")))
+    seen = set()
+    for ptx in (m.decode() for m in modules(Path(binary).read_bytes())):
+        marker = KERNEL.search(ptx)
+        if marker is None:
+            continue
+        name, head_dim, bits = marker.group(1), int(marker.group(2)), int(marker.group(3))
+        label = name + (f" d{head_dim}" if head_dim else "") + (f" {bits}-bit" if bits else "")
+        label += f" #{len([s for s in seen if s.startswith(label)])}"
+        seen.add(label)
+        if wanted and not any(w in label for w in wanted):
+            continue
+        for loop in sorted(loops(kernel_sass(ptx)), key=lambda lp: -len(lp.opcodes))[:2]:
+            kinds = loop.kinds()
+            cells = " ".join(f"{kinds[k]:>5}" for k in (*KINDS, "other"))
+            print(f"{label:30} {loop.start:>#6x}-{loop.end:<#6x} {len(loop.opcodes):>6} {cells}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
