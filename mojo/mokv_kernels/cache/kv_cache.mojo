@@ -36,11 +36,11 @@ struct KVCache[dtype_: DType, layout_t: PageLayout](KVCacheT):
         return self.geometry.num_pages
 
     def row_ptr(self, bs: Int, tok_idx: Int) -> CachePtr[Self.dtype_]:
+        return self.row_in_page(self.page_index(bs, tok_idx), tok_idx)
+
+    def row_in_page(self, page: Int, tok_idx: Int) -> CachePtr[Self.dtype_]:
         var offset = self.geometry.offset(
-            self.page_index(bs, tok_idx),
-            self.kv_idx,
-            self.layer,
-            self.layout.token_in_page(self.geometry, tok_idx),
+            page, self.kv_idx, self.layer, self.layout.token_in_page(self.geometry, tok_idx)
         )
         return self.geometry.pages.unsafe_bitcast[Scalar[Self.dtype_]]().unsafe_offset(offset)
 

@@ -39,6 +39,11 @@ trait KVCacheT(TrivialRegisterPassable):
         """Pointer to the `[n_kv_heads, head_dim]` row of token `tok_idx`."""
         ...
 
+    def row_in_page(self, page: Int, tok_idx: Int) -> CachePtr[Self.dtype]:
+        """`row_ptr` of token `tok_idx` once its page (`page_index`) is
+        known: a kernel that checks the page first reads the table once."""
+        ...
+
     def contiguous_tokens(self, tok_idx: Int) -> Int:
         """Token rows from `tok_idx` on that lie back to back in memory (to
         the end of its page or slot)."""

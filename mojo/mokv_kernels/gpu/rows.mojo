@@ -37,10 +37,19 @@ def row_of(row_offsets: U32Ptr, batch: Int, token: Int) -> Int:
 
 def row_in_cache[cache_t: KVCacheT](cache: cache_t, bs: Int, tok: Int) -> Bool:
     """Whether token `tok` of batch row `bs` maps to a block of the tensor."""
+    return cached_row(cache, bs, tok) != 0
+
+
+def cached_row[cache_t: KVCacheT](cache: cache_t, bs: Int, tok: Int) -> Int:
+    """The address of token `tok`'s row of batch row `bs`, or 0 where it
+    maps to no block of the tensor (a bad table entry is never followed);
+    the page table read once."""
     if bs < 0 or bs >= cache.batch_size() or tok < 0 or tok >= cache.max_tokens():
-        return False
+        return 0
     var page = cache.page_index(bs, tok)
-    return page >= 0 and page < cache.num_pages()
+    if page < 0 or page >= cache.num_pages():
+        return 0
+    return Int(cache.row_in_page(page, tok))
 
 
 def vector_width[dtype: DType](row_elems: Int, *addresses: Int) -> Int:

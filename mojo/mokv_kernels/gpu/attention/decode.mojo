@@ -245,13 +245,14 @@ struct DecodeThread[cache_t: KVCacheT, q_dtype: DType, D: Int](ThreadProgram):
         if self.tid >= Self.BN:
             return
         var pos = kv_start + self.tid
-        var found = self.args.has_key(self.work, pos)
+        var row = self.args.key_row(self.work, pos)
+        var found = row != 0
         var head = self.work.kv_head
         var k_address = 0
         var v_address = 0
         if found:
             k_address = Int(
-                self.args.k_cache.row_ptr(self.work.row, pos).unsafe_offset(head * Self.D)
+                CachePtr[Self.dtype](unsafe_from_address=row).unsafe_offset(head * Self.D)
             )
             v_address = Int(
                 self.args.v_cache.row_ptr(self.work.row, pos).unsafe_offset(head * Self.D)

@@ -402,13 +402,16 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
                         c[2 * h + e] = p
                         total += p
                     s[n, l] = c
-                self.row_max[h, l] = new_max
                 self.row_sum[h, l] = self.row_sum[h, l] * alpha + total
-                comptime for n in range(Self.DTILES):
-                    var acc = self.o[n, l]
-                    acc[2 * h] *= alpha
-                    acc[2 * h + 1] *= alpha
-                    self.o[n, l] = acc
+                if new_max != self.row_max[h, l][0]:
+                    # Most tiles of a long context leave the max as it was:
+                    # then the outputs keep their scale and cost nothing.
+                    comptime for n in range(Self.DTILES):
+                        var acc = self.o[n, l]
+                        acc[2 * h] *= alpha
+                        acc[2 * h + 1] *= alpha
+                        self.o[n, l] = acc
+                self.row_max[h, l] = new_max
         var values = self.tiles.tile(kv_start, VALUES)
         var p = Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes](0)
         comptime for j in range(Self.WARP_KEYS // 16):

@@ -241,10 +241,15 @@ struct MmaTiles[
             var j = Self.located_key(tid + l)
             if j >= 0:
                 var pos = kv_start + j
-                var found = args.has_key(work, pos)
+                var row = args.key_row(work, pos)
+                var found = row != 0
                 var address = 0
                 if found:
-                    address = Int(args.k_cache.row_ptr(work.row, pos).unsafe_offset(head_offset))
+                    address = Int(
+                        CachePtr[Self.cache_t.dtype](unsafe_from_address=row).unsafe_offset(
+                            head_offset
+                        )
+                    )
                 self.addresses(kv_start)[unsafe_offset=j] = address
                 comptime if Self.QUANTIZED:
                     var k_scales = 0

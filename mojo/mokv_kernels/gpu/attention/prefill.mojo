@@ -9,7 +9,7 @@ not run."""
 
 from std.sys import size_of, bit_width_of
 
-from ...pointers import F32Ptr
+from ...pointers import CachePtr, F32Ptr
 from ...cache.traits import KVCacheT
 from ...kv_quantization import is_quantized
 from ..codes import as_values, head_scales
@@ -148,8 +148,9 @@ struct AttentionThread[cache_t: KVCacheT, q_dtype: DType, D: Int, BM: Int, BN: I
             var unit = self.tid + n * BLOCK_THREADS
             var pos = kv_start + unit // per_row
             var d = (unit % per_row) * Self.VEC
-            if self.args.has_key(self.work, pos):
-                keys[n] = self.args.k_cache.row_ptr(self.work.row, pos).unsafe_load[
+            var row = self.args.key_row(self.work, pos)
+            if row != 0:
+                keys[n] = CachePtr[Self.dtype](unsafe_from_address=row).unsafe_load[
                     width=Self.VEC, alignment=16
                 ](head * Self.D + d)
                 values[n] = self.args.v_cache.row_ptr(self.work.row, pos).unsafe_load[

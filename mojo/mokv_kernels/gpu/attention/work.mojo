@@ -13,7 +13,7 @@ from std.math import ceildiv
 from ...cache.traits import KVCacheT
 from ...pointers import CachePtr, F32Ptr, U32Ptr
 from ..block import BlockId
-from ..rows import row_in_cache
+from ..rows import cached_row
 from .config import BLOCK_THREADS
 
 
@@ -54,11 +54,13 @@ struct AttentionArgs[cache_t: KVCacheT, q_dtype: DType](TrivialRegisterPassable)
         not after it, and inside the window when there is one."""
         return key <= position and key >= self.visible_start(position)
 
-    def has_key(self, work: BlockWork, pos: Int) -> Bool:
-        """Whether the key at `pos` is in `work`'s context range and its row
-        in the cache: a block reads no other row (a bad table entry is
-        skipped, never followed)."""
-        return pos < work.kv_end and row_in_cache(self.k_cache, work.row, pos)
+    def key_row(self, work: BlockWork, pos: Int) -> Int:
+        """The address of the key row at `pos` (every KV head's), or 0 when
+        it is past `work`'s context range or not in the cache: a block reads
+        no other row (a bad table entry is skipped, never followed)."""
+        if pos >= work.kv_end:
+            return 0
+        return cached_row(self.k_cache, work.row, pos)
 
     def state_offset(self, split: Int, token: Int, head: Int, head_dim: Int) -> Int:
         return split_state_offset(split, token, head, self.total_tokens, self.n_q_heads, head_dim)
