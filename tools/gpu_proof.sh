@@ -9,19 +9,24 @@
 # are made.
 #
 # Usage (on the GPU machine, in the repository root):
-#   tools/gpu_proof.sh [--full] [--kv-formats] [--build] [--profile]
+#   tools/gpu_proof.sh [--full] [--kv-formats] [--build] [--profile] [--tests-only]
 #   --full: the whole GPU benchmark instead of --quick.
-#   --kv-formats: the benchmark also times mokv's decode and store over
-#            float32, bfloat16, float8_e4m3fn and int8 caches side by side
-#            (attention-gpu-kv-formats.md; 8 more compiles).
+#   --kv-formats: then also times mokv's decode and store over float32,
+#            bfloat16, float8_e4m3fn and int8 caches side by side
+#            (attention-gpu-kv-formats.md; 8 more compiles), as a step of
+#            its own bounded by FORMATS_S (default 150), so that a long
+#            benchmark leaves it its time (the eighth run's did not).
 #   --build: first compile every GPU kernel for the machine's architecture
 #            (tools/check_gpu_build.sh; CI already does it for sm_90).
 #   --profile: also, between the benchmark and the tests, Nsight Compute's
 #            report (occupancy, stall reasons, memory throughput) of mokv's
 #            kernels on a decode and a prefill case (tools/gpu_profile.py),
 #            PROFILE_S seconds at most (default 240; it took 54 s on the H200).
+#   --tests-only: only the tests (with PYTEST_ARGS, say), for a second call
+#            on the warm machine after the first ran out of time.
 # TESTS_S and BENCH_S (seconds, default 330 and 180) bound the two steps;
-# PYTEST_ARGS (split on spaces) goes to pytest, e.g. "-k long_contexts".
+# PYTEST_ARGS goes to pytest, split as the shell splits words (quotes keep
+# an expression whole), e.g. "-k 'long_contexts or matches_max'".
 # COMPARE="TARGET=FILE[,TARGET=FILE...] ..." times other versions of source
 # files in the same call, right after the benchmark: for each variant (pairs
 # joined by commas change several files at once), each FILE (say an older
@@ -36,13 +41,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-full=false build=false profile=false kv_formats=false
+full=false build=false profile=false kv_formats=false tests_only=false
 for arg in "$@"; do
     case $arg in
         --full) full=true ;;
         --kv-formats) kv_formats=true ;;
         --build) build=true ;;
         --profile) profile=true ;;
+        --tests-only) tests_only=true ;;
         *) echo "unknown argument $arg" >&2; exit 2 ;;
     esac
 done
@@ -90,14 +96,16 @@ step install 0 install || exit 1
 export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 status=0
-if $build; then
+if $build && ! $tests_only; then
     ARCH=$(python3 -c "from max.driver import accelerator_architecture_name as a; print(a())" 2>/dev/null || echo sm_90)
     step build 300 env MOJO="$SITE/bin/mojo" tools/check_gpu_build.sh "$ARCH" || status=1
 fi
 bench=(python3 -c "from mokv_examples.cli import main; main()" bench attention --device gpu)
 $full || bench+=(--quick)
-$kv_formats && bench+=(--kv-formats)
-step bench "${BENCH_S:-180}" "${bench[@]}" --out "$OUT" || status=1
+$tests_only || step bench "${BENCH_S:-180}" "${bench[@]}" --out "$OUT" || status=1
+if $kv_formats && ! $tests_only; then
+    step formats "${FORMATS_S:-150}" "${bench[@]}" --only-kv-formats --out "$OUT" || status=1
+fi
 swap() {  # swap DIR TARGET FILE: puts FILE (a file or a directory) in place of TARGET, keeping it in DIR
     local kept=$1 target=$2 file=$3
     rm -rf "$kept" && cp -R "$target" "$kept" || return 1
@@ -135,13 +143,15 @@ compare_variants() {  # compare_variants SUFFIX: one benchmark per COMPARE varia
     done
 }
 
-compare_variants ""
-for ((round = 2; round <= ${ROUNDS:-1}; round++)); do
+rounds=${ROUNDS:-1}
+$tests_only && rounds=0
+[ "$rounds" -ge 1 ] && compare_variants ""
+for ((round = 2; round <= rounds; round++)); do
     mkdir -p "$OUT/round-$round"
     step "round-$round/bench" "${BENCH_S:-180}" "${bench[@]}" --out "$OUT/round-$round" || status=1
     compare_variants "-$round"
 done
-if $profile; then
+if $profile && ! $tests_only; then
     step profile "${PROFILE_S:-240}" ncu --target-processes all --launch-count 16 \
         --section LaunchStats --section Occupancy --section SpeedOfLight --section SchedulerStats \
         --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
@@ -157,8 +167,8 @@ step collect 120 python3 -m pytest tests/gpu --collect-only -q -p no:cacheprovid
 # The emulator's tests need no GPU (CI runs them) and would spend minutes building it here,
 # nor do the planner's and the code conversions' (host programs); the warp steps' tests run
 # here on the GPU only (`-k "not emulated"`: their hardware half).
-# shellcheck disable=SC2086
+eval "pytest_args=(${PYTEST_ARGS:-})"
 step tests "${TESTS_S:-330}" python3 -m pytest tests/gpu --ignore-glob "tests/gpu/test_emulated_*" \
     --ignore tests/gpu/test_attention_plan.py --ignore tests/gpu/test_code_conversions.py \
-    "${side_by_side[@]}" -v -rfEs --durations=15 -p no:cacheprovider -k "not emulated" ${PYTEST_ARGS:-} || status=1
+    "${side_by_side[@]}" -v -rfEs --durations=15 -p no:cacheprovider -k "not emulated" "${pytest_args[@]}" || status=1
 exit $status

@@ -18,8 +18,15 @@ global loads and stores, conversions).
 Needs ptxas and nvdisasm: `NVDISASM=path`, or on PATH (PyPI's
 `nvidia-cuda-nvdisasm` wheel carries one under nvidia/cu13/bin).
 
-Usage: python3 tools/sass_loops.py BINARY [SUBSTRING ...]   (kernels whose
-name, as `ptx_registers.py` prints it, contains a SUBSTRING; default all)"""
+With `--skips`, each kernel's largest loop is followed by the forward
+branches inside it that skip 16 instructions or more, with what they skip
+(the tensor-core loops' masking, taken only on tiles some row does not see
+whole; their rescaling of the outputs, only when a row's max moves): a pass
+that skips them issues that many fewer.
+
+Usage: python3 tools/sass_loops.py [--skips] BINARY [SUBSTRING ...]
+(kernels whose name, as `ptx_registers.py` prints it, contains a SUBSTRING;
+default all)"""
 
 from __future__ import annotations
 
@@ -37,7 +44,7 @@ from ptx_registers import KERNEL, field, modules
 
 INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", re.MULTILINE)
 LABEL = re.compile(r"^\s*\.(L_x_\d+):", re.MULTILINE)
-BRANCH = re.compile(r"\bBRA\s+`\(\.(L_x_\d+)\)")
+BRANCH = re.compile(r"\bBRA\s+(?:!?U?P\w+,\s*)?`\(\.(L_x_\d+)\)")
 KINDS = {
     "mma": ("HMMA", "HGMMA"),
     "ldsm": ("LDSM",),
@@ -53,6 +60,8 @@ class Loop:
     start: int
     end: int
     opcodes: list[str]
+    skips: list[tuple[int, list[str]]]
+    """Forward branches inside the loop: where, and the opcodes they skip."""
 
     def kinds(self) -> Counter[str]:
         counts: Counter[str] = Counter()
@@ -75,13 +84,19 @@ def loops(sass: str) -> list[Loop]:
         following = INSTRUCTION.search(sass, label.end())
         if following:
             at[label.group(1)] = int(following.group(1), 16)
+    forward = []
+    for address, text in instructions:
+        target = BRANCH.search(text)
+        if target and text.startswith("@") and at.get(target.group(1), 0) > address:
+            forward.append((address, [opcode(t) for a, t in instructions if address < a < at[target.group(1)]]))
     found = []
     for address, text in instructions:
         target = BRANCH.search(text)
         if target and at.get(target.group(1), address + 1) <= address:
             start = at[target.group(1)]
             body = [opcode(t) for a, t in instructions if start <= a <= address]
-            found.append(Loop(start, address, body))
+            skips = [(a, ops) for a, ops in forward if start <= a <= address and len(ops) >= 16]
+            found.append(Loop(start, address, body, skips))
     return found
 
 
@@ -99,7 +114,8 @@ def kernel_sass(ptx: str, ptxas: str = "ptxas") -> str:
 
 
 def main(argv: list[str]) -> int:
-    binary, *wanted = argv
+    show_skips = argv[:1] == ["--skips"]
+    binary, *wanted = argv[1:] if show_skips else argv
     print(f"{'kernel':30} {'loop':>13} {'instr':>6} " + " ".join(f"{k:>5}" for k in (*KINDS, "other")))
     seen = set()
     for ptx in (m.decode() for m in modules(Path(binary).read_bytes())):
@@ -112,10 +128,15 @@ def main(argv: list[str]) -> int:
         seen.add(label)
         if wanted and not any(w in label for w in wanted):
             continue
-        for loop in sorted(loops(kernel_sass(ptx)), key=lambda lp: -len(lp.opcodes))[:2]:
+        largest = sorted(loops(kernel_sass(ptx)), key=lambda lp: -len(lp.opcodes))[:2]
+        for loop in largest:
             kinds = loop.kinds()
             cells = " ".join(f"{kinds[k]:>5}" for k in (*KINDS, "other"))
             print(f"{label:30} {loop.start:>#6x}-{loop.end:<#6x} {len(loop.opcodes):>6} {cells}")
+        for address, ops in largest[0].skips if show_skips and largest else []:
+            kinds = Loop(0, 0, ops, []).kinds()
+            what = ", ".join(f"{n} {k}" for k, n in kinds.most_common(3))
+            print(f"{'':30}   skips {len(ops):>4} at {address:#x}: {what}")
     return 0
 
 

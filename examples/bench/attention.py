@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -269,9 +270,16 @@ def split_sweep_table(rows: list[dict[str, Any]]) -> list[str]:
     help="Also time mokv's decode and store over float32, bfloat16, float8_e4m3fn and int8 caches "
     "(attention[-gpu]-kv-formats.json/.md); default: on the CPU yes, on a GPU no (8 more compiles).",
 )
+@click.option(
+    "--only-kv-formats",
+    is_flag=True,
+    help="Time only the KV formats, none of the cases against MAX's kernel (a GPU run gives each its own time limit).",
+)
 @out_dir_option("attention")
-def attention(quick: bool, device: str, kv_formats: bool | None, out_dir: Path) -> None:
+def attention(quick: bool, device: str, kv_formats: bool | None, only_kv_formats: bool, out_dir: Path) -> None:
     """Paged flash attention: mokv's kernel against MAX's built-in, decode and prefill; KV formats side by side."""
+    if only_kv_formats and kv_formats is False:
+        raise click.UsageError("--only-kv-formats and --no-kv-formats exclude each other")
     reference("max_attention", MAX_KERNELS)  # before any compile: stop early where it is missing
     bfloat16_codec()
     copy: CopyProbe | GpuCopyProbe
@@ -294,23 +302,25 @@ def attention(quick: bool, device: str, kv_formats: bool | None, out_dir: Path) 
         copy = CopyProbe()
         where = f"{platform.machine()}, {os.cpu_count()} cores"
         yardstick = "copy = np.copyto of 1 GiB"
+    started = time.perf_counter()
     rows = []
-    for case in cases:
+    for case in [] if only_kv_formats else cases:
         click.echo(f"{case.name} ...", err=True)
         row = run_case(case, kernels, copy, budget_s=0.5 if quick else 1.5)
         rows.append(row)
         click.echo(
             f"  mokv {row['mokv_s'] * 1e3:.3f} ms, MAX {row['max_s'] * 1e3:.3f} ms, {row['speedup']:.2f}x,"
-            f" {row['kv_gbps']:.1f} GB/s (copy {row['copy_gbps']:.1f})",
+            f" {row['kv_gbps']:.1f} GB/s (copy {row['copy_gbps']:.1f}); {time.perf_counter() - started:.0f} s in",
             err=True,
         )
-    header = (
-        f"## Paged attention, mokv vs MAX 26.7 ({where}{', quick' if quick else ''}):"
-        f" median seconds per call, timed alternately; {yardstick}, measured next to each case"
-    )
-    markdown = to_markdown(rows, header)
-    write_results(out_dir, "attention" if device == "cpu" else "attention-gpu", rows, markdown)
-    if kv_formats if kv_formats is not None else device == "cpu":
+    if rows:
+        header = (
+            f"## Paged attention, mokv vs MAX 26.7 ({where}{', quick' if quick else ''}):"
+            f" median seconds per call, timed alternately; {yardstick}, measured next to each case"
+        )
+        markdown = to_markdown(rows, header)
+        write_results(out_dir, "attention" if device == "cpu" else "attention-gpu", rows, markdown)
+    if only_kv_formats or (kv_formats if kv_formats is not None else device == "cpu"):
         formats = format_rows(kernels, quick)
         header = (
             f"## KV formats, mokv decode and store ({where}{', quick' if quick else ''}):"

@@ -19,6 +19,7 @@ reaches the tensor cores as bfloat16's does).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -251,12 +252,15 @@ def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -
 def format_rows(attention_kernels: Kernels, quick: bool) -> list[dict[str, Any]]:
     """Every format case's rows, on the attention kernels' device."""
     kernels = FormatKernels(attention_kernels)
+    started = time.perf_counter()
     rows = []
     for case in format_cases(quick, gpu=not attention_kernels.device.is_host):
         click.echo(f"{case.name}, KV formats ...", err=True)
         case_rows = run_format_case(case, kernels, budget_s=0.5 if quick else 1.5)
         click.echo(
-            "  " + ", ".join(f"{r['kv_format']} {r['decode_s'] * 1e3:.3f} ms" for r in case_rows),
+            "  "
+            + ", ".join(f"{r['kv_format']} {r['decode_s'] * 1e3:.3f} ms" for r in case_rows)
+            + f"; {time.perf_counter() - started:.0f} s in",
             err=True,
         )
         rows += case_rows

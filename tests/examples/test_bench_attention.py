@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 
 import pytest
+from click.testing import CliRunner
 
-from mokv_examples.bench.attention import PREFILL_KERNEL, SPLIT_SWEEP, to_markdown, with_variable
+from mokv_examples.bench.attention import PREFILL_KERNEL, SPLIT_SWEEP, attention, to_markdown, with_variable
 
 ROW = {
     "device": "gpu",
@@ -59,3 +60,10 @@ def test_split_sweep_table_gives_each_count_over_the_planner():
     assert len({line.count("|") for line in sweep}) == 1
     assert sweep[-1] == "| decode-y | 2.000 | 2.00 | 0.50 |" + "  |" * (len(SPLIT_SWEEP) - 2)
     assert "planner ms" not in to_markdown([row], "## header")
+
+
+def test_only_kv_formats_refuses_no_kv_formats():
+    """The two say opposite things: refused before anything compiles."""
+    result = CliRunner().invoke(attention, ["--only-kv-formats", "--no-kv-formats"])
+    assert result.exit_code == 2
+    assert "--only-kv-formats and --no-kv-formats exclude each other" in result.output
