@@ -45,11 +45,11 @@ struct KVCache[dtype_: DType, layout_t: PageLayout](KVCacheT):
         return self.geometry.pages.unsafe_bitcast[Scalar[Self.dtype_]]().unsafe_offset(offset)
 
     def scale_row(self, bs: Int, tok_idx: Int) -> ScalePtr:
+        return self.scale_row_in_page(self.page_index(bs, tok_idx), tok_idx)
+
+    def scale_row_in_page(self, page: Int, tok_idx: Int) -> ScalePtr:
         var offset = self.geometry.scale_offset(
-            self.page_index(bs, tok_idx),
-            self.kv_idx,
-            self.layer,
-            self.layout.token_in_page(self.geometry, tok_idx),
+            page, self.kv_idx, self.layer, self.layout.token_in_page(self.geometry, tok_idx)
         )
         return self.geometry.scales.scales.unsafe_offset(offset)
 

@@ -59,6 +59,10 @@ trait KVCacheT(TrivialRegisterPassable):
         block); meaningless for an unquantized cache."""
         ...
 
+    def scale_row_in_page(self, page: Int, tok_idx: Int) -> ScalePtr:
+        """`scale_row` of token `tok_idx` once its page is known."""
+        ...
+
     def scales(self) -> ScaleTable:
         """The scale table's shape (empty when unquantized)."""
         ...

@@ -33,7 +33,15 @@ def as_values[
 def head_scales[cache_t: KVCacheT](cache: cache_t, row: Int, pos: Int, head: Int) -> ScalePtr:
     """The scales of head `head` of token `pos` of batch row `row` (one per
     granule); meaningless for an unquantized cache."""
-    return cache.scale_row(row, pos).unsafe_offset(head * cache.scales().granules)
+    return head_scales_in_page(cache, cache.page_index(row, pos), pos, head)
+
+
+@always_inline
+def head_scales_in_page[
+    cache_t: KVCacheT
+](cache: cache_t, page: Int, pos: Int, head: Int) -> ScalePtr:
+    """`head_scales` of token `pos` once its page is known."""
+    return cache.scale_row_in_page(page, pos).unsafe_offset(head * cache.scales().granules)
 
 
 @always_inline

@@ -44,12 +44,28 @@ def cached_row[cache_t: KVCacheT](cache: cache_t, bs: Int, tok: Int) -> Int:
     """The address of token `tok`'s row of batch row `bs`, or 0 where it
     maps to no block of the tensor (a bad table entry is never followed);
     the page table read once."""
+    return row_in_table_page(cache, table_page(cache, bs, tok), tok)
+
+
+@always_inline
+def table_page[cache_t: KVCacheT](cache: cache_t, bs: Int, tok: Int) -> Int32:
+    """What the page table says of token `tok` of batch row `bs`, as read
+    (a page, or anything a bad entry holds), or -1 where `bs` or `tok` is
+    outside the table. Nothing here uses the value read: a kernel can read
+    it a tile ahead and check it (`row_in_table_page`) when it needs it, so
+    the read's latency passes while it computes."""
     if bs < 0 or bs >= cache.batch_size() or tok < 0 or tok >= cache.max_tokens():
+        return -1
+    return Int32(cache.page_index(bs, tok))
+
+
+@always_inline
+def row_in_table_page[cache_t: KVCacheT](cache: cache_t, page: Int32, tok: Int) -> Int:
+    """The address of token `tok`'s row in `page` (`table_page`), or 0 where
+    that is no page of the tensor."""
+    if page < 0 or Int(page) >= cache.num_pages():
         return 0
-    var page = cache.page_index(bs, tok)
-    if page < 0 or page >= cache.num_pages():
-        return 0
-    return Int(cache.row_in_page(page, tok))
+    return Int(cache.row_in_page(Int(page), tok))
 
 
 def vector_width[dtype: DType](row_elems: Int, *addresses: Int) -> Int:

@@ -28,7 +28,9 @@ The context is walked in tiles of `BN` = 64 keys:
   stages, the next tile's copies in flight while this one computes (three
   on warpgroup products over a bfloat16 cache: the next two tiles'); an
   8-bit cache's codes and scales land in code stages (two, three for
-  decode), all of them in flight while the widened tile is multiplied;
+  decode), all of them in flight while the widened tile is multiplied; a
+  key's page table entry is read one tile before its row is located, so
+  the block never waits on that read (the copies wait on the address);
 - scores: query and K fragments from `ldmatrix` (the queries stay in
   shared memory, read again per tile: registers go to the outputs); scores
   are scaled by `scale * log2(e)` in float32, after the product, so the
@@ -150,6 +152,10 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     var unmasked: SIMD[DType.int32, 2]
     """The keys every row of the block sees, first and last: a tile inside
     them needs no masking."""
+    var pages: Array[Int32, Self.lanes]
+    """The page table entry of this thread's key (`MmaTiles.located_key`)
+    of the next tile to locate, read a tile before it is used
+    (`MmaTiles.fetch_pages`)."""
 
     def __init__(
         out self,
@@ -172,6 +178,7 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
         self.o = Frags[DType.float32, 4, Self.DTILES, Self.lanes](0)
         self.row_max = Frags[DType.float32, 1, 2, Self.lanes](NEG_INF)
         self.row_sum = Frags[DType.float32, 1, 2, Self.lanes](0)
+        self.pages = Array[Int32, Self.lanes](fill=-1)
         var visible = Frags[DType.int32, 2, 2, Self.lanes](0)
         var rows = work.rows(args.group)
         for l in range(Self.lanes):
@@ -224,6 +231,9 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
             comptime for t in range(Self.AHEAD):
                 if arg + t * BN < self.work.kv_end:
                     self.tiles.locate_rows[Self.lanes](self.args, self.work, self.tid, arg + t * BN)
+            self.pages = self.tiles.fetch_pages[Self.lanes](
+                self.args, self.work, self.tid, arg + Self.AHEAD * BN
+            )
             self.shared_writes_done()
         elif phase == START_FIRST:
             comptime for t in range(Self.AHEAD):
@@ -231,9 +241,13 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
                     self.tiles.start_tile[Self.lanes](self.tid, arg + t * BN, self.args.granularity)
             self.shared_writes_done()
         elif phase == WAIT_TILE:
-            if arg + Self.AHEAD * BN < self.work.kv_end:
-                self.tiles.locate_rows[Self.lanes](
-                    self.args, self.work, self.tid, arg + Self.AHEAD * BN
+            var located = arg + Self.AHEAD * BN
+            if located < self.work.kv_end:
+                self.tiles.locate_pages[Self.lanes](
+                    self.args, self.work, self.tid, located, self.pages
+                )
+                self.pages = self.tiles.fetch_pages[Self.lanes](
+                    self.args, self.work, self.tid, located + BN
                 )
             self.wait_tile(arg)
             self.shared_writes_done()

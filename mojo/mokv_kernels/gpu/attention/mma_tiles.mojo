@@ -36,8 +36,9 @@ from ...cache.traits import KVCacheT
 from ...kv_quantization import is_quantized
 from ...pointers import BF16Ptr, BytePtr, CachePtr, F32Ptr, ScalePtr
 
-from ..codes import as_values, head_scales
+from ..codes import as_values, head_scales_in_page
 from ..copy import commit_copies, start_copy, zero_16
+from ..rows import row_in_table_page, table_page
 
 from ..warpgroup import SWIZZLE_ALIGNMENT, SWIZZLE_COLUMNS
 
@@ -232,16 +233,56 @@ struct MmaTiles[
         tid: Int,
         kv_start: Int,
     ):
-        """Thread t, for its key j (`located_key`): the address of key
-        `kv_start + j`'s row in the block's KV head (0 outside the block's
-        range or the cache), and an 8-bit cache's addresses of its key and
-        value scales there."""
+        """`locate_pages` of the tile at `kv_start` from its page table
+        entries read now (the block's first tiles)."""
+        self.locate_pages[lanes](
+            args, work, tid, kv_start, self.fetch_pages[lanes](args, work, tid, kv_start)
+        )
+
+    @always_inline
+    def fetch_pages[
+        lanes: Int
+    ](
+        self,
+        args: AttentionArgs[Self.cache_t, DType.bfloat16],
+        work: BlockWork,
+        tid: Int,
+        kv_start: Int,
+    ) -> Array[Int32, lanes]:
+        """Thread t's key of the tile at `kv_start` (`located_key`): what the
+        page table says of it (`..rows.table_page`), read now and used a
+        tile later (`locate_pages`), so that the read's latency passes while
+        the block computes; -1 for a key past the block's range, or where
+        the thread locates no key."""
+        var pages = Array[Int32, lanes](fill=-1)
+        for l in range(lanes):
+            var j = Self.located_key(tid + l)
+            if j >= 0 and kv_start + j < work.kv_end:
+                pages[l] = table_page(args.k_cache, work.row, kv_start + j)
+        return pages^
+
+    @always_inline
+    def locate_pages[
+        lanes: Int
+    ](
+        self,
+        args: AttentionArgs[Self.cache_t, DType.bfloat16],
+        work: BlockWork,
+        tid: Int,
+        kv_start: Int,
+        pages: Array[Int32, lanes],
+    ):
+        """Thread t, for its key j (`located_key`) of the tile at `kv_start`,
+        whose page table entry `pages` holds (`fetch_pages`): the address of
+        the key's row in the block's KV head (0 where the entry is no page
+        of the tensor: a bad entry is never followed), and an 8-bit cache's
+        addresses of its key and value scales there."""
         var head_offset = work.kv_head * Self.D
         for l in range(lanes):
             var j = Self.located_key(tid + l)
             if j >= 0:
                 var pos = kv_start + j
-                var row = args.key_row(work, pos)
+                var row = row_in_table_page(args.k_cache, pages[l], pos)
                 var found = row != 0
                 var address = 0
                 if found:
@@ -255,8 +296,9 @@ struct MmaTiles[
                     var k_scales = 0
                     var v_scales = 0
                     if found:
-                        k_scales = Int(head_scales(args.k_cache, work.row, pos, work.kv_head))
-                        v_scales = Int(head_scales(args.v_cache, work.row, pos, work.kv_head))
+                        var page = Int(pages[l])
+                        k_scales = Int(head_scales_in_page(args.k_cache, page, pos, work.kv_head))
+                        v_scales = Int(head_scales_in_page(args.v_cache, page, pos, work.kv_head))
                     self.addresses(kv_start, KEY_SCALES)[unsafe_offset=j] = k_scales
                     self.addresses(kv_start, VALUE_SCALES)[unsafe_offset=j] = v_scales
 
