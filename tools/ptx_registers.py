@@ -21,7 +21,11 @@ there).
 `--check` fails (exit 1), naming the kernel, if any kernel spills, has a
 stack frame or local loads or stores, or, written for tensor cores, lacks
 `mma.sync`, `ldmatrix` or `cp.async` (a `wgmma` kernel: `wgmma.mma_async`,
-`cp.async`, and the proxy fence that lets its products see the copies).
+`cp.async`, and the proxy fence that lets its products see the copies), or
+if ptxas serializes a kernel's `wgmma` (its "Potential Performance Loss"
+notes, C7510-C7520: products in flight across a branch it cannot prove
+uniform, or registers touched before their wait), which would leave the
+products to run one at a time while the kernel is still correct.
 
 Usage: python3 tools/ptx_registers.py [--check] BINARY [PTXAS]"""
 
@@ -74,6 +78,8 @@ class Kernel:
     min_blocks: int
     tensor_cores: bool
     counts: dict[str, int]
+    serialized: list[str]
+    """ptxas's notes that it serialized the kernel's `wgmma` (their codes)."""
 
     def blocks_per_multiprocessor(self) -> int:
         """Resident blocks on sm_90, from registers, shared memory and threads."""
@@ -89,6 +95,8 @@ class Kernel:
         if self.spill_bytes or self.stack or self.counts["local"]:
             local = self.counts["local"]
             found.append(f"{self.spill_bytes} bytes spilled, {self.stack} of stack, {local} local accesses")
+        if self.serialized:
+            found.append(f"wgmma serialized by ptxas ({', '.join(self.serialized)})")
         if self.tensor_cores:
             found += [f"no {key}" for key in self.required() if not self.counts[key]]
         return found
@@ -144,6 +152,7 @@ def kernel(ptx: str, ptxas: str) -> Kernel:
         min_blocks=int(min_blocks),
         tensor_cores=tensor_cores == "1",
         counts={key: len(re.findall(pattern, ptx)) for key, pattern in INSTRUCTIONS.items()},
+        serialized=re.findall(r"\((C75\d\d)\) Potential Performance Loss: wgmma", info),
     )
 
 

@@ -92,6 +92,7 @@ comptime COMPUTE_TILE = 3
 comptime FINISH = 4
 comptime COMBINE = 5
 comptime CONVERT_TILE = 6
+comptime FIRST_SCORES = 7
 
 comptime MMA_ROWS = 16
 """Rows of an m16n8k16 product's A: one warp's query rows."""
@@ -120,14 +121,21 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     """Output n-tiles (8 dims each)."""
     comptime NTILES = Self.WARP_KEYS // 8
     """Score n-tiles of a warp (8 keys each)."""
-    comptime STAGES = 3 if (Self.decode and is_quantized[Self.cache_t.dtype]()) or (
-        Self.warpgroup and not is_quantized[Self.cache_t.dtype]()
-    ) else 2
-    """Shared-memory stages (`mma_tiles`): three on warpgroup products over
-    a bfloat16 cache (one block per multiprocessor), so two tiles' copies
-    are in flight while one is multiplied; three code stages for an 8-bit
-    decode, whose blocks wait on memory, so three tiles of codes are in
-    flight (as many bytes as two bfloat16 tiles)."""
+    comptime PIPELINED = Self.warpgroup and not is_quantized[Self.cache_t.dtype]()
+    """Warpgroup products over a bfloat16 cache issue the next tile's Q Kᵀ
+    before this tile's softmax, so the tensor cores multiply while the
+    threads exponentiate (the eighth run's profile: products and softmax
+    took turns, each idle while the other ran). An 8-bit cache's next tile
+    is not widened yet at that point: its one bfloat16 stage holds this
+    tile."""
+    comptime STAGES = 4 if Self.PIPELINED else (
+        3 if Self.decode and is_quantized[Self.cache_t.dtype]() else 2
+    )
+    """Shared-memory stages (`mma_tiles`): four when `PIPELINED` (one block
+    per multiprocessor): the tile whose values are multiplied, the next
+    one whose keys are, and two tiles' copies in flight; three code stages
+    for an 8-bit decode, whose blocks wait on memory, so three tiles of
+    codes are in flight (as many bytes as two bfloat16 tiles)."""
     comptime Tiles = MmaTiles[
         Self.cache_t, Self.D, Self.ROWS, Self.THREADS, Self.STAGES, per_warp=Self.decode
     ]
@@ -156,6 +164,9 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     """The page table entry of this thread's key (`MmaTiles.located_key`)
     of the next tile to locate, read a tile before it is used
     (`MmaTiles.fetch_pages`)."""
+    var next_scores: Frags[DType.float32, 4, Self.NTILES, Self.lanes]
+    """`PIPELINED`: the next tile's Q Kᵀ, in flight until this tile's
+    values are multiplied."""
 
     def __init__(
         out self,
@@ -179,6 +190,7 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
         self.row_max = Frags[DType.float32, 1, 2, Self.lanes](NEG_INF)
         self.row_sum = Frags[DType.float32, 1, 2, Self.lanes](0)
         self.pages = Array[Int32, Self.lanes](fill=-1)
+        self.next_scores = Frags[DType.float32, 4, Self.NTILES, Self.lanes](0)
         var visible = Frags[DType.int32, 2, 2, Self.lanes](0)
         var rows = work.rows(args.group)
         for l in range(Self.lanes):
@@ -260,6 +272,11 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
                     self.tid, arg + Self.AHEAD * BN, self.args.granularity
                 )
             self.compute_tile(arg)
+        elif phase == FIRST_SCORES:
+            # Waited for at once: products in flight across the branches of
+            # the next tile's wait would make ptxas serialize them all (C7518).
+            self.start_scores(arg)
+            warpgroup_wait()
         elif phase == FINISH:
             comptime if Self.decode:
                 self.save_state()
@@ -271,10 +288,13 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     @always_inline
     def wait_tile(self, kv_start: Int):
         """Waits for this thread's copies of the tile at `kv_start`, leaving
-        the later tiles' in flight: up to `AHEAD - 1` of them, one group
-        each, as many as the block has after this one."""
+        the later tiles' in flight: up to `AHEAD - 1` of them (`AHEAD - 2`
+        when `PIPELINED`, whose next copies start after this wait, in the
+        previous tile's `COMPUTE_TILE`), one group each, as many as the
+        block has after this one."""
+        comptime in_flight = Self.AHEAD - 2 if Self.PIPELINED else Self.AHEAD - 1
         var later = (self.work.kv_end - kv_start - 1) // BN
-        comptime for pending in reversed(range(1, Self.AHEAD)):
+        comptime for pending in reversed(range(1, in_flight + 1)):
             if later >= pending:
                 wait_copies[pending]()
                 return
@@ -320,31 +340,52 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
                     s[n, l] = c
 
     @always_inline
-    def scores(self, kv_start: Int) -> Frags[DType.float32, 4, Self.NTILES, Self.lanes]:
+    def scores(mut self, kv_start: Int) -> Frags[DType.float32, 4, Self.NTILES, Self.lanes]:
         """The warp's 16 rows' base-2 logits against its keys of the tile,
-        -inf where masked."""
-        var keys = self.tiles.tile(kv_start, KEYS)
-        var queries = self.tiles.queries()
+        -inf where masked. `PIPELINED`: the products started a tile ago
+        (`start_scores`), and the next tile's started in their place."""
         var s = Frags[DType.float32, 4, Self.NTILES, Self.lanes](0)
-        comptime if Self.warpgroup:
-            warpgroup_arrive()
-            var group_row = self.warp() // WARPGROUP_WARPS * WARPGROUP_ROWS
-            comptime for k in range(Self.KSTEPS):
-                wgmma_ss[Self.WARP_KEYS](
-                    k_slice(queries, Self.ROWS, k, group_row),
-                    k_slice(keys, BN, k),
-                    s,
-                    self.warp() % WARPGROUP_WARPS,
-                )
+        comptime if Self.PIPELINED:
+            # Landed: the last tile's wait for its values waited for these.
+            s = self.next_scores.copy()
+            if kv_start + BN < self.work.kv_end:
+                self.start_scores(kv_start + BN)
+        elif Self.warpgroup:
+            self.group_scores(kv_start, s)
             warpgroup_wait()
         else:
-            self.warp_scores(queries, keys, s)
+            self.warp_scores(self.tiles.queries(), self.tiles.tile(kv_start, KEYS), s)
         for l in range(Self.lanes):
             comptime for n in range(Self.NTILES):
                 s[n, l] = s[n, l] * self.args.scale_log2
         if not self.tile_fully_visible(kv_start):
             self.mask(kv_start, s)
         return s^
+
+    @always_inline
+    def start_scores(mut self, kv_start: Int):
+        """`PIPELINED`: starts the warpgroup's Q Kᵀ of the tile at `kv_start`
+        into `next_scores`, without waiting for them."""
+        var s = Frags[DType.float32, 4, Self.NTILES, Self.lanes](0)
+        self.group_scores(kv_start, s)
+        self.next_scores = s^
+
+    @always_inline
+    def group_scores(self, kv_start: Int, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]):
+        """Starts the warpgroup's Q Kᵀ of the tile at `kv_start` into `s`
+        (zeros): one `wgmma` per 16 dims; their results may be read after
+        `warpgroup_wait`."""
+        var keys = self.tiles.tile(kv_start, KEYS)
+        var queries = self.tiles.queries()
+        warpgroup_arrive()
+        var group_row = self.warp() // WARPGROUP_WARPS * WARPGROUP_ROWS
+        comptime for k in range(Self.KSTEPS):
+            wgmma_ss[Self.WARP_KEYS](
+                k_slice(queries, Self.ROWS, k, group_row),
+                k_slice(keys, BN, k),
+                s,
+                self.warp() % WARPGROUP_WARPS,
+            )
 
     @always_inline
     def warp_scores(
@@ -598,14 +639,27 @@ struct MmaKernel[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
         threads.each(START_FIRST, work.kv_start)
         self.between_tiles(threads)
         var kv = work.kv_start
-        while kv < work.kv_end:
+        comptime if Self.Program.PIPELINED:
+            # Each tile's keys land and are multiplied a tile early: the
+            # next tile's wait and barrier come before this tile's softmax.
             threads.each(WAIT_TILE, kv)
-            self.between_tiles(threads)
-            comptime if Self.Program.Tiles.QUANTIZED:
-                threads.each(CONVERT_TILE, kv)
+            threads.sync()
+            threads.each(FIRST_SCORES, kv)
+            while kv < work.kv_end:
+                if kv + BN < work.kv_end:
+                    threads.each(WAIT_TILE, kv + BN)
+                    threads.sync()
+                threads.each(COMPUTE_TILE, kv)
+                kv += BN
+        else:
+            while kv < work.kv_end:
+                threads.each(WAIT_TILE, kv)
                 self.between_tiles(threads)
-            threads.each(COMPUTE_TILE, kv)
-            kv += BN
+                comptime if Self.Program.Tiles.QUANTIZED:
+                    threads.each(CONVERT_TILE, kv)
+                    self.between_tiles(threads)
+                threads.each(COMPUTE_TILE, kv)
+                kv += BN
         comptime if Self.decode:
             threads.sync()
             threads.each(FINISH, 0)
