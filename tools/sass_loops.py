@@ -18,7 +18,8 @@ global loads and stores, conversions).
 Needs ptxas and nvdisasm: `NVDISASM=path`, or on PATH (PyPI's
 `nvidia-cuda-nvdisasm` wheel carries one under nvidia/cu13/bin).
 
-With `--skips`, each kernel's largest loop is followed by the forward
+With `--skips`, each kernel's tile loop (the loop with the most products,
+else the largest) is followed by the forward
 branches inside it that skip 16 instructions or more, with what they skip
 (the tensor-core loops' masking, taken only on tiles some row does not see
 whole; their rescaling of the outputs, only when a row's max moves): a pass
@@ -128,7 +129,10 @@ def main(argv: list[str]) -> int:
         seen.add(label)
         if wanted and not any(w in label for w in wanted):
             continue
-        largest = sorted(loops(kernel_sass(ptx)), key=lambda lp: -len(lp.opcodes))[:2]
+        # The tile loop carries the products; a branch back from a slow path
+        # placed after the loop (a shuffle's `BRA.DIV` fallback) looks like
+        # a loop of its own.
+        largest = sorted(loops(kernel_sass(ptx)), key=lambda lp: (-lp.kinds()["mma"], -len(lp.opcodes)))[:2]
         for loop in largest:
             kinds = loop.kinds()
             cells = " ".join(f"{kinds[k]:>5}" for k in (*KINDS, "other"))

@@ -22,7 +22,7 @@ struct ScaleTable(TrivialRegisterPassable):
         return Self(anywhere, 1, 0)
 
     def rows_per_page(self, page_len: Int) -> Int:
-        return page_len // self.tokens_per_scale
+        return Int(UInt32(page_len) // UInt32(self.tokens_per_scale))
 
 
 @fieldwise_init
@@ -53,8 +53,8 @@ struct CacheGeometry(TrivialRegisterPassable):
     def scale_offset(self, page: Int, kv_idx: Int, layer: Int, tok_in_page: Int) -> Int:
         """Element offset of one token's scales inside the scale table."""
         var rows = self.scales.rows_per_page(self.page_len)
-        var row = ((page * 2 + kv_idx) * self.num_layers + layer) * rows + (
-            tok_in_page // self.scales.tokens_per_scale
+        var row = ((page * 2 + kv_idx) * self.num_layers + layer) * rows + Int(
+            UInt32(tok_in_page) // UInt32(self.scales.tokens_per_scale)
         )
         return row * self.n_kv_heads * self.scales.granules
 
@@ -63,7 +63,10 @@ struct CacheGeometry(TrivialRegisterPassable):
 
 
 trait PageLayout(TrivialRegisterPassable):
-    """Where a batch row's tokens live in the page tensor."""
+    """Where a batch row's tokens live in the page tensor. Token indices and
+    page sizes are below 2^32 (a lookup table's columns times its page
+    size), so divisions by a page or scale-block size are 32-bit: a 64-bit
+    division costs a GPU kernel three times the instructions, every key."""
 
     def page_index(self, geometry: CacheGeometry, bs: Int, tok_idx: Int) -> Int:
         """The page (a continuous-batching slot) holding token `tok_idx` of
@@ -92,14 +95,14 @@ struct PagedLayout(PageLayout):
     var max_pages_per_seq: Int
 
     def page_index(self, geometry: CacheGeometry, bs: Int, tok_idx: Int) -> Int:
-        var column = tok_idx // geometry.page_len
+        var column = Int(UInt32(tok_idx) // UInt32(geometry.page_len))
         return Int(geometry.lookup_table[unsafe_offset=bs * self.max_pages_per_seq + column])
 
     def token_in_page(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
-        return tok_idx % geometry.page_len
+        return Int(UInt32(tok_idx) % UInt32(geometry.page_len))
 
     def contiguous_tokens(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
-        return geometry.page_len - tok_idx % geometry.page_len
+        return geometry.page_len - self.token_in_page(geometry, tok_idx)
 
     def max_tokens(self, geometry: CacheGeometry) -> Int:
         return self.max_pages_per_seq * geometry.page_len

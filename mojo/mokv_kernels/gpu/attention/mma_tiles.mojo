@@ -28,7 +28,8 @@ times their scales to bfloat16 into the one bfloat16 stage
 `stage_count` of them hold tiles in flight while one is multiplied: a tile
 of codes is half a bfloat16 tile's bytes, and the stages keep as many bytes
 in flight. No thread loads a scale from global memory while the block waits
-on it. Each key's scale rows are looked up beside its row."""
+on it. Each key's key scales are looked up beside its row; its value
+scales lie a fixed distance from them, as its value row does from its key row."""
 
 from std.sys import size_of
 
@@ -50,9 +51,8 @@ comptime BN = 64
 comptime KEYS = 0
 comptime VALUES = 1
 comptime KEY_SCALES = 1
-"""Address kinds of a key beside its row (`addresses`): its key scales,
-then its value scales (8-bit caches only)."""
-comptime VALUE_SCALES = 2
+"""The address kind of a key's key scales beside its row (`addresses`, an
+8-bit cache only; its value scales are `scale_value_offset` further)."""
 
 
 @fieldwise_init
@@ -92,8 +92,8 @@ struct MmaTiles[
     """Where the code stages start, in bfloat16 elements."""
     comptime STAGES_BYTES = Self.VALUE_STAGES * 2 * Self.TILE * 2 + Self.stage_count * Self.CODE_STAGE
     """Bytes of all stages, which a block may reuse once its tiles are done."""
-    comptime ADDRESS_KINDS = 3 if Self.QUANTIZED else 1
-    """Addresses per key: its row, and an 8-bit cache's key and value scales."""
+    comptime ADDRESS_KINDS = 2 if Self.QUANTIZED else 1
+    """Addresses per key: its row, and an 8-bit cache's key scales."""
     comptime ADDRESSES_AT = Self.STAGES_AT + Self.STAGES_BYTES // 2
     comptime SHARED_BYTES = (
         Self.ADDRESSES_AT * 2 + Self.stage_count * Self.ADDRESS_KINDS * BN * size_of[Int]()
@@ -106,6 +106,9 @@ struct MmaTiles[
     K and V of one layer are one block tensor's `kv_idx` 0 and 1, a fixed
     distance apart for every token (both layouts), so only keys are looked
     up in the page table (and their scales, for an 8-bit cache)."""
+    var scale_value_offset: Int
+    """An 8-bit cache: scales from a token's key scales to its value
+    scales, fixed as `value_offset` is."""
 
     @staticmethod
     def of(
@@ -125,11 +128,19 @@ struct MmaTiles[
             Self.TILES_AHEAD >= 1
         ), "a tile's copies overlap the previous tile's products"
         var value_offset = 0
+        var scale_value_offset = 0
         if not work.empty():
             value_offset = (
                 Int(args.v_cache.row_ptr(work.row, 0)) - Int(args.k_cache.row_ptr(work.row, 0))
             ) // size_of[Scalar[Self.cache_t.dtype]]()
-        return Self(shared.unsafe_bitcast[BFloat16](), work.kv_start, value_offset)
+            comptime if Self.QUANTIZED:
+                scale_value_offset = (
+                    Int(args.v_cache.scale_row(work.row, 0))
+                    - Int(args.k_cache.scale_row(work.row, 0))
+                ) // size_of[Float32]()
+        return Self(
+            shared.unsafe_bitcast[BFloat16](), work.kv_start, value_offset, scale_value_offset
+        )
 
     @staticmethod
     def swizzled[rows: Int](row: Int, chunk: Int) -> Int:
@@ -188,9 +199,8 @@ struct MmaTiles[
 
     @always_inline
     def addresses(self, kv_start: Int, kind: Int = KEYS) -> Pointer[Int, MutUntrackedOrigin]:
-        """The key row addresses (`kind` KEYS), or an 8-bit cache's key or
-        value scale rows' (KEY_SCALES, VALUE_SCALES), of the tile at
-        `kv_start`."""
+        """The key row addresses (`kind` KEYS), or an 8-bit cache's key
+        scale rows' (KEY_SCALES), of the tile at `kv_start`."""
         return (
             self.smem.unsafe_offset(Self.ADDRESSES_AT)
             .unsafe_bitcast[Int]()
@@ -276,7 +286,8 @@ struct MmaTiles[
         whose page table entry `pages` holds (`fetch_pages`): the address of
         the key's row in the block's KV head (0 where the entry is no page
         of the tensor: a bad entry is never followed), and an 8-bit cache's
-        addresses of its key and value scales there."""
+        address of its key scales there (its value scales are
+        `scale_value_offset` further)."""
         var head_offset = work.kv_head * Self.D
         for l in range(lanes):
             var j = Self.located_key(tid + l)
@@ -294,13 +305,11 @@ struct MmaTiles[
                 self.addresses(kv_start)[unsafe_offset=j] = address
                 comptime if Self.QUANTIZED:
                     var k_scales = 0
-                    var v_scales = 0
                     if found:
-                        var page = Int(pages[l])
-                        k_scales = Int(head_scales_in_page(args.k_cache, page, pos, work.kv_head))
-                        v_scales = Int(head_scales_in_page(args.v_cache, page, pos, work.kv_head))
+                        k_scales = Int(
+                            head_scales_in_page(args.k_cache, Int(pages[l]), pos, work.kv_head)
+                        )
                     self.addresses(kv_start, KEY_SCALES)[unsafe_offset=j] = k_scales
-                    self.addresses(kv_start, VALUE_SCALES)[unsafe_offset=j] = v_scales
 
     @staticmethod
     def located_key(thread: Int) -> Int:
@@ -374,22 +383,28 @@ struct MmaTiles[
     @always_inline
     def start_scales(self, thread: Int, kv_start: Int, granules: Int):
         """An 8-bit cache: thread `thread`'s share of the tile's keys'
-        scales (`granules` per key, K then V; with `per_warp`, of its warp's
-        keys) into its code stage, 4 bytes a copy (scale rows are only
-        4-byte aligned); zeros for keys without scales."""
+        scales (`granules` per key) into its code stage: the key or value
+        scales of one key (with `per_warp`, of its warp's keys), 4 bytes a
+        copy (scale rows are only 4-byte aligned); zeros for keys without
+        scales. A thread takes whole keys, so no index divides by the
+        granule count, a runtime value."""
         comptime keys = Self.WARP_KEYS if Self.per_warp else BN
         comptime threads = WARP if Self.per_warp else Self.THREADS
         var first_key = thread // WARP * Self.WARP_KEYS if Self.per_warp else 0
-        for unit in range(thread % threads, 2 * keys * granules, threads):
-            var kind = unit // (keys * granules)
-            var key = first_key + unit // granules % keys
-            var granule = unit % granules
-            var dest = self.scales(kv_start, kind).unsafe_offset(key * Self.MAX_GRANULES + granule)
-            var address = self.addresses(kv_start, KEY_SCALES + kind)[unsafe_offset=key]
+        for pair in range(thread % threads, 2 * keys, threads):
+            var kind = pair // keys
+            var key = first_key + pair % keys
+            var dest = self.scales(kv_start, kind).unsafe_offset(key * Self.MAX_GRANULES)
+            var address = self.addresses(kv_start, KEY_SCALES)[unsafe_offset=key]
             if address != 0:
-                start_copy[4](ScalePtr(unsafe_from_address=address).unsafe_offset(granule), dest)
+                var source = ScalePtr(unsafe_from_address=address).unsafe_offset(
+                    kind * self.scale_value_offset
+                )
+                for granule in range(granules):
+                    start_copy[4](source.unsafe_offset(granule), dest.unsafe_offset(granule))
             else:
-                dest[] = 0
+                for granule in range(granules):
+                    dest[unsafe_offset=granule] = 0
 
     @always_inline
     def convert_tile[lanes: Int](self, tid: Int, kv_start: Int, granularity: Int):
