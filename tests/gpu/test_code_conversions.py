@@ -1,7 +1,7 @@
 """The GPU kernels widen 8-bit codes in words of several codes
-(`mojo/mokv_kernels/gpu/codes.mojo`: float8 in pairs, int8 without an
-integer-to-float conversion); every byte must give the very value the CPU
-kernels' conversions give (`code_conversions.mojo`, run on the host)."""
+(`mojo/mokv_kernels/gpu/codes.mojo`: float8 in pairs, to float16 or
+exactly to bfloat16, int8 without an integer-to-float conversion); every
+byte must give the very value the CPU kernels' conversions give (`code_conversions.mojo`, run on the host)."""
 
 from __future__ import annotations
 
@@ -14,4 +14,4 @@ PROGRAM = Path(__file__).with_name("code_conversions.mojo")
 
 def test_every_code_widens_as_on_the_cpu():
     output = run_program(PROGRAM)
-    assert output.split("\n")[:2] == ["e4m3 ok", "int8 ok"], output
+    assert output.split("\n")[:3] == ["e4m3 ok", "int8 ok", "e4m3 bfloat16 ok"], output

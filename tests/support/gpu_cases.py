@@ -86,13 +86,17 @@ class QuantizedAttention:
 
     def assert_close(self, tensor_cores: bool) -> None:
         """Float64 attention over the numpy dequantization of the cache, within
-        the CPU suite's tolerance; bfloat16 queries on tensor cores (codes
-        widened to bfloat16 in shared memory) against the dequantization
-        rounded to bfloat16, within the tolerance widened by twice the error
-        of rounding the softmax weights (`p_rounded_attention`)."""
+        the CPU suite's tolerance; bfloat16 queries on tensor cores within
+        the tolerance widened by twice the error of rounding the softmax
+        weights (`p_rounded_attention`), against the dequantization rounded
+        to bfloat16 (codes widened times their scales in shared memory), or
+        as it is with one scale per head row (codes widened exactly, each
+        score times its key's scale, each weight times its value's before
+        it is rounded)."""
         on_tensor_cores = self.q_dtype == DType.bfloat16 and tensor_cores
         values = self.cache.dequantized()
-        if on_tensor_cores:
+        per_key_scales = self.cache.scales.shape[-1] == 1
+        if on_tensor_cores and not per_key_scales:
             values = rounded_to_bfloat16(values)
         exact = self.reference(values)
         atol, rtol = cpu_attention.TOLERANCE[self.q_dtype]

@@ -18,15 +18,37 @@ def as_values[
     """`width` stored elements as float32: codes widened times `scale` (their
     granule's), or an unquantized cache's values as they are (`scale`
     unused). The elements must share one granule."""
-    comptime if dtype == DType.float8_e4m3fn and width % 2 == 0:
-        var codes = rebind[SIMD[DType.float8_e4m3fn, width]](stored)
-        return e4m3_as_float16[width](codes).cast[DType.float32]() * (scale * widened_unit[dtype]())
-    elif dtype == DType.int8:
-        return int8_as_float32[width](rebind[SIMD[DType.int8, width]](stored)) * scale
-    elif is_quantized[dtype]():
-        return widen[dtype, width](stored) * (scale * widened_unit[dtype]())
+    comptime if is_quantized[dtype]():
+        return widened(stored) * (scale * widened_unit[dtype]())
     else:
         return stored.cast[DType.float32]()
+
+
+@always_inline
+def codes_as_bfloat16[
+    dtype: DType, width: Int
+](codes: SIMD[dtype, width]) -> SIMD[DType.bfloat16, width]:
+    """8-bit codes' values as bfloat16, exactly (every float8_e4m3fn and
+    int8 value has one), for a kernel that applies a key's one scale after
+    its products (`..attention.mma_tiles`)."""
+    comptime if dtype == DType.float8_e4m3fn and width % 2 == 0:
+        return e4m3_as_bfloat16[width](rebind[SIMD[DType.float8_e4m3fn, width]](codes))
+    else:
+        return (widened(codes) * widened_unit[dtype]()).cast[DType.bfloat16]()
+
+
+@always_inline
+def widened[dtype: DType, width: Int](codes: SIMD[dtype, width]) -> SIMD[DType.float32, width]:
+    """8-bit codes as float32 in units of `widened_unit`, exactly: what
+    `as_values` multiplies by the scale."""
+    comptime if dtype == DType.float8_e4m3fn and width % 2 == 0:
+        return e4m3_as_float16[width](rebind[SIMD[DType.float8_e4m3fn, width]](codes)).cast[
+            DType.float32
+        ]()
+    elif dtype == DType.int8:
+        return int8_as_float32[width](rebind[SIMD[DType.int8, width]](codes))
+    else:
+        return widen[dtype, width](codes)
 
 
 @always_inline
@@ -59,6 +81,24 @@ def e4m3_as_float16[
     var pairs = bitcast[DType.uint32, width // 2](spaced)
     # s eeee mmm 0000 0000 -> s 0 eeee mmm 000 0000 in each half.
     return bitcast[DType.float16, width]((pairs & 0x80008000) | ((pairs >> 1) & 0x3F803F80))
+
+
+@always_inline
+def e4m3_as_bfloat16[
+    width: Int
+](codes: SIMD[DType.float8_e4m3fn, width]) -> SIMD[DType.bfloat16, width]:
+    """Each code's value as bfloat16, exactly, in 32-bit words of two codes:
+    the code's exponent and mantissa bits under a bfloat16's sign (its value
+    times 2^-120, a subnormal for subnormal codes), then one bfloat16 product
+    by 2^120 per pair, which keeps subnormals. The two NaN codes come out as
+    1.875 and -1.875: the store never writes them. `width` even."""
+    comptime assert width % 2 == 0, "whole pairs of codes"
+    var spaced = SIMD[DType.uint8, width](0).interleave(bitcast[DType.uint8, width](codes))
+    var pairs = bitcast[DType.uint32, width // 2](spaced)
+    # s eeee mmm 0000 0000 -> s 000 0eee emmm 0000 in each half.
+    var scaled = bitcast[DType.bfloat16, width]((pairs & 0x80008000) | ((pairs >> 4) & 0x07F007F0))
+    comptime two_to_120 = bitcast[DType.bfloat16](UInt16((127 + 120) << 7))
+    return scaled * SIMD[DType.bfloat16, width](two_to_120)
 
 
 @always_inline

@@ -355,12 +355,39 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
             warpgroup_wait()
         else:
             self.warp_scores(self.tiles.queries(), self.tiles.tile(kv_start, KEYS), s)
-        for l in range(Self.lanes):
-            comptime for n in range(Self.NTILES):
-                s[n, l] = s[n, l] * self.args.scale_log2
+        comptime if Self.Tiles.QUANTIZED:
+            if self.args.granularity == Self.D:
+                self.times_key_scales(KEYS, s, self.args.scale_log2)
+            else:
+                self.times_scale(s)
+        else:
+            self.times_scale(s)
         if not self.tile_fully_visible(kv_start):
             self.mask(kv_start, s)
         return s^
+
+    @always_inline
+    def times_scale(self, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]):
+        """The scores times `scale * log2(e)`."""
+        for l in range(Self.lanes):
+            comptime for n in range(Self.NTILES):
+                s[n, l] = s[n, l] * self.args.scale_log2
+
+    @always_inline
+    def times_key_scales(
+        self, kind: Int, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes], factor: Float32
+    ):
+        """An 8-bit cache with one scale per head row: each score (or
+        softmax weight) times its key's key (`kind` KEYS) or value scale
+        (`MmaTiles.key_scales`) and `factor`. Lane l's values 2 h + e of
+        n-tile n are key `8 n + 2 (l % 4) + e` of the warp's keys, for
+        either row h."""
+        var scales = self.tiles.key_scales(kind).unsafe_offset(self.warp_key())
+        for l in range(Self.lanes):
+            var column = 2 * (self.lane(l) % 4)
+            comptime for n in range(Self.NTILES):
+                var pair = scales.unsafe_load[width=2, alignment=8](n * 8 + column) * factor
+                s[n, l] = s[n, l] * pair.join(pair)
 
     @always_inline
     def start_scores(mut self, kv_start: Int):
@@ -468,6 +495,11 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
                         self.o[n, l] = acc
                 self.row_max[h, l] = new_max
         var values = self.tiles.tile(kv_start, VALUES)
+        comptime if Self.Tiles.QUANTIZED:
+            if self.args.granularity == Self.D:
+                # The values' scales go in with the weights (the row sums
+                # above are of the weights alone).
+                self.times_key_scales(VALUES, s, 1)
         var p = Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes](0)
         comptime for j in range(Self.WARP_KEYS // 16):
             for l in range(Self.lanes):

@@ -37,7 +37,7 @@ from ...cache.traits import KVCacheT
 from ...kv_quantization import is_quantized
 from ...pointers import BF16Ptr, BytePtr, CachePtr, F32Ptr, ScalePtr
 
-from ..codes import as_values, head_scales_in_page
+from ..codes import as_values, codes_as_bfloat16, head_scales_in_page
 from ..copy import commit_copies, start_copy, zero_16
 from ..rows import row_in_table_page, table_page
 
@@ -95,9 +95,11 @@ struct MmaTiles[
     comptime ADDRESS_KINDS = 2 if Self.QUANTIZED else 1
     """Addresses per key: its row, and an 8-bit cache's key scales."""
     comptime ADDRESSES_AT = Self.STAGES_AT + Self.STAGES_BYTES // 2
-    comptime SHARED_BYTES = (
+    comptime KEY_SCALES_AT = (
         Self.ADDRESSES_AT * 2 + Self.stage_count * Self.ADDRESS_KINDS * BN * size_of[Int]()
     )
+    """Bytes to an 8-bit cache's per-key scales `[2, BN]` (`key_scales`)."""
+    comptime SHARED_BYTES = Self.KEY_SCALES_AT + (2 * BN * 4 if Self.QUANTIZED else 0)
 
     var smem: BF16Ptr
     var first_key: Int
@@ -205,6 +207,18 @@ struct MmaTiles[
             self.smem.unsafe_offset(Self.ADDRESSES_AT)
             .unsafe_bitcast[Int]()
             .unsafe_offset((self.stage(kv_start) * Self.ADDRESS_KINDS + kind) * BN)
+        )
+
+    @always_inline
+    def key_scales(self, kind: Int) -> F32Ptr:
+        """An 8-bit cache with one scale per head row: the key (`kind` KEYS)
+        or value scales of the widened tile's keys (`convert_tile`), which
+        the products are multiplied by."""
+        return (
+            self.smem.unsafe_bitcast[UInt8]()
+            .unsafe_offset(Self.KEY_SCALES_AT)
+            .unsafe_bitcast[Float32]()
+            .unsafe_offset(kind * BN)
         )
 
     @always_inline
@@ -409,22 +423,45 @@ struct MmaTiles[
     @always_inline
     def convert_tile[lanes: Int](self, tid: Int, kv_start: Int, granularity: Int):
         """An 8-bit cache: the codes of the tile at `kv_start`, once landed
-        with their scales, widened times their scale (a 16-code chunk lies
-        in one granule of `granularity` codes) into the bfloat16 stage, each
-        thread the chunks it copied; a key without scales becomes zeros."""
+        with their scales, widened into the bfloat16 stage, each thread the
+        chunks it copied. With one scale per head row (`granularity` D, the
+        default) the codes are widened as they are, exactly
+        (`codes_as_bfloat16`),
+        and their keys' scales go to `key_scales` for the products, which
+        take one multiplication per score instead of one per code; else
+        times their scale (a 16-code chunk lies in one granule). A key
+        without scales becomes zeros."""
+        if granularity == Self.D:
+            self.convert_units[lanes, True](tid, kv_start, granularity)
+        else:
+            self.convert_units[lanes, False](tid, kv_start, granularity)
+
+    @always_inline
+    def convert_units[lanes: Int, per_key: Bool](self, tid: Int, kv_start: Int, granularity: Int):
+        """`convert_tile`, with scales per key (`per_key`) or per granule."""
         for l in range(lanes):
             comptime for kind in range(2):
                 var scales = self.scales(kv_start, kind)
                 var tile = self.tile(kv_start, kind)
                 comptime for n in range(Self.COPIES):
-                    var unit = Self.unit(tid + l, n)
-                    var key = Self.key_of(unit)
-                    var first = Self.first_of(unit)
-                    var scale = scales[unsafe_offset=key * Self.MAX_GRANULES + first // granularity]
-                    var codes = self.copy_at(kv_start, unit, kind).unsafe_load[
+                    var copy = Self.unit(tid + l, n)
+                    var key = Self.key_of(copy)
+                    var first = Self.first_of(copy)
+                    var codes = self.copy_at(kv_start, copy, kind).unsafe_load[
                         width=Self.ELEMENTS_PER_COPY, alignment=16
                     ](0)
-                    var values = as_values(codes, scale).cast[DType.bfloat16]()
+                    var values: SIMD[DType.bfloat16, Self.ELEMENTS_PER_COPY]
+                    comptime if per_key:
+                        values = codes_as_bfloat16(codes)
+                        if first == 0:
+                            self.key_scales(kind)[unsafe_offset=key] = scales[
+                                unsafe_offset=key * Self.MAX_GRANULES
+                            ]
+                    else:
+                        var scale = scales[
+                            unsafe_offset=key * Self.MAX_GRANULES + first // granularity
+                        ]
+                        values = as_values(codes, scale).cast[DType.bfloat16]()
                     comptime for half in range(Self.ELEMENTS_PER_COPY // 8):
                         tile.unsafe_offset(Self.swizzled[BN](key, first // 8 + half)).unsafe_store[
                             alignment=16
