@@ -80,7 +80,7 @@ from ..warpgroup import (
     wgmma_rs,
     wgmma_ss,
 )
-from .config import BLOCK_THREADS, NEG_INF, WARP, WARPS
+from .config import BLOCK_THREADS, DECODE_ROWS, NEG_INF, WARP, WARPS
 from .mma_tiles import BN, KEYS, VALUES, MmaTiles
 from .work import AttentionArgs, BlockWork, block_work, write_row_part
 
@@ -121,6 +121,11 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     """Output n-tiles (8 dims each)."""
     comptime NTILES = Self.WARP_KEYS // 8
     """Score n-tiles of a warp (8 keys each)."""
+    comptime ROW_HALVES = 1 if Self.decode else 2
+    """The rows of a lane's values the softmax runs on (`..warp`'s C layout:
+    row `g` in values 0 and 1, row `g + 8` in 2 and 3): a decode block has
+    at most `DECODE_ROWS` query rows, so rows 8 to 15 are padding there,
+    and its softmax, rescaling and state skip them."""
     comptime PIPELINED = Self.warpgroup and not is_quantized[Self.cache_t.dtype]()
     """Warpgroup products over a bfloat16 cache issue the next tile's Q Kᵀ
     before this tile's softmax, so the tensor cores multiply while the
@@ -182,6 +187,7 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
         comptime assert (
             WARPS * Self.STATE_FLOATS * 4 <= Self.Tiles.STAGES_BYTES
         ), "decode states fit the stages"
+        comptime assert DECODE_ROWS <= 8, "a decode block's rows are each lane's first row"
         self.args = args
         self.work = work
         self.tid = tid
@@ -328,7 +334,7 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
         first column."""
         for l in range(Self.lanes):
             var column = Int32(kv_start + self.warp_key() + 2 * (self.lane(l) % 4))
-            comptime for h in range(2):
+            comptime for h in range(Self.ROW_HALVES):
                 var first = self.visible[h, l][0] - column
                 var last = self.visible[h, l][1] - column
                 comptime for n in range(Self.NTILES):
@@ -466,7 +472,7 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     def compute_tile(mut self, kv_start: Int):
         """Scores, the online softmax and the values of the warp's keys."""
         var s = self.scores(kv_start)
-        comptime for h in range(2):
+        comptime for h in range(Self.ROW_HALVES):
             var best = Array[Float32, Self.lanes](fill=NEG_INF)
             for l in range(Self.lanes):
                 comptime for n in range(Self.NTILES):
@@ -494,6 +500,14 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
                         acc[2 * h + 1] *= alpha
                         self.o[n, l] = acc
                 self.row_max[h, l] = new_max
+        comptime if Self.ROW_HALVES == 1:
+            # Padding rows weigh nothing (their outputs are never read).
+            for l in range(Self.lanes):
+                comptime for n in range(Self.NTILES):
+                    var c = s[n, l]
+                    c[2] = 0
+                    c[3] = 0
+                    s[n, l] = c
         var values = self.tiles.tile(kv_start, VALUES)
         comptime if Self.Tiles.QUANTIZED:
             if self.args.granularity == Self.D:
@@ -571,7 +585,7 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     def save_state(self):
         """Decode: the warp's outputs, maxima and sums into shared memory."""
         var state = self.state(self.warp())
-        comptime for h in range(2):
+        comptime for h in range(Self.ROW_HALVES):
             var sums = self.row_sums(h)
             for l in range(Self.lanes):
                 var lane = self.lane(l)
