@@ -638,14 +638,20 @@ struct MmaKernel[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
 
     comptime Program = MmaThread[Self.cache_t, Self.D, Self.lanes, Self.decode, Self.warpgroup]
     comptime THREADS = Self.Program.THREADS
-    comptime MIN_BLOCKS = 1 if Self.warpgroup else (
-        3 if Self.decode and (Self.D < 128 or not Self.Program.Tiles.QUANTIZED) else 2
+    comptime DECODE_BLOCKS = (
+        4 if Self.D < 128
+        and not Self.Program.Tiles.QUANTIZED else (
+            3 if Self.D < 128 or not Self.Program.Tiles.QUANTIZED else 2
+        )
     )
+    comptime MIN_BLOCKS = 1 if Self.warpgroup else (Self.DECODE_BLOCKS if Self.decode else 2)
     """Blocks per multiprocessor the registers are sized for (a decode warp
-    holds a quarter of a prefill warp's scores; an 8-bit decode at head_dim
-    128 spilled within three blocks' registers; a block of two warpgroups
-    holds as many warps as two blocks of one). Raise them only where
-    `tools/check_gpu_build.sh --registers` shows no spills."""
+    holds a quarter of a prefill warp's scores, and since its softmax runs
+    on real rows only a bfloat16 decode at head_dim 64 fits four blocks'
+    registers; an 8-bit decode at head_dim 128 spilled within three
+    blocks'; a block of two warpgroups holds as many warps as two blocks of
+    one). Raise them only where `tools/check_gpu_build.sh --registers` shows
+    no spills."""
     comptime LANES = Self.lanes
     comptime NAME = "decode_mma" if Self.decode else (
         "prefill_wgmma" if Self.warpgroup else "prefill_mma"
