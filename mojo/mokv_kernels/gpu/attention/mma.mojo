@@ -19,14 +19,17 @@ what their four warps split and how they multiply:
   and keys read by the tensor cores from shared memory, P V with P from
   registers and values from shared memory. A tile is read from shared
   memory once per warpgroup, not once per warp, and copied in once per 128
-  rows.
+  rows. Over a bfloat16 cache the next tile's Q Kᵀ is started before this
+  tile's softmax (`PIPELINED`), so the tensor cores and the threads work
+  at once.
 
 The context is walked in tiles of `BN` = 64 keys:
 
 - copies: K and V rows of a tile go through the page table row by row, in
   16-byte `cp.async` chunks into swizzled shared memory (`mma_tiles`); two
-  stages, the next tile's copies in flight while this one computes (three
-  on warpgroup products over a bfloat16 cache: the next two tiles'); an
+  stages, the next tile's copies in flight while this one computes (four
+  on warpgroup products over a bfloat16 cache: two tiles' copies beside
+  the two tiles multiplied); an
   8-bit cache's codes and scales land in code stages (two, three for
   decode), all of them in flight while the widened tile is multiplied; a
   key's page table entry is read one tile before its row is located, so
@@ -34,11 +37,14 @@ The context is walked in tiles of `BN` = 64 keys:
 - scores: query and K fragments from `ldmatrix` (the queries stay in
   shared memory, read again per tile: registers go to the outputs); scores
   are scaled by `scale * log2(e)` in float32, after the product, so the
-  queries stay exact;
+  queries stay exact (over an 8-bit cache with one scale per head row, by
+  that times each key's key scale: its codes are multiplied as they are);
 - online softmax in registers: each lane holds two rows' scores (`..warp`'s
-  C layout), the quad of four lanes sharing a row combine maxima with two
-  shuffles; sums stay per lane until the end;
-- values: the probabilities are rounded to bfloat16 in registers and are
+  C layout; decode, with at most 8 rows, only the first), the quad of four
+  lanes sharing a row combine maxima with two shuffles; sums stay per lane
+  until the end; a row's outputs are rescaled only when its max moves;
+- values: the probabilities (times each key's value scale, over an 8-bit
+  cache with one per head row) are rounded to bfloat16 in registers and are
   the next product's A operand as they are (a C fragment pair is an A
   fragment), V fragments from the transposed `ldmatrix`.
 
