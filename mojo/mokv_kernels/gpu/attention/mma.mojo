@@ -235,14 +235,19 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
 
     def warp_row(self) -> Int:
         """The warp's first query row."""
-        return 0 if Self.decode else self.warp() * MMA_ROWS
+        return Self.first_row(self.tid)
+
+    @staticmethod
+    def first_row(tid: Int) -> Int:
+        """The first query row of thread `tid`'s warp: 0 in decode, whose
+        warps share their rows."""
+        return 0 if Self.decode else tid // WARP * MMA_ROWS
 
     @staticmethod
     def lane_row(tid: Int, l: Int, h: Int) -> Int:
         """The query row of lane `l`'s (of the program at thread `tid`)
         fragment values `2 h` and `2 h + 1` (`..warp`'s C layout)."""
-        var first = 0 if Self.decode else tid // WARP * MMA_ROWS
-        return first + (tid % WARP + l) // 4 + 8 * h
+        return Self.first_row(tid) + (tid % WARP + l) // 4 + 8 * h
 
     def warp_key(self) -> Int:
         """The warp's first key of a tile."""
@@ -367,11 +372,8 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
             warpgroup_wait()
         else:
             self.warp_scores(self.tiles.queries(), self.tiles.tile(kv_start, KEYS), s)
-        comptime if Self.Tiles.QUANTIZED:
-            if self.args.granularity == Self.D:
-                self.times_key_scales(KEYS, s, self.args.scale_log2)
-            else:
-                self.times_scale(s)
+        if Self.Tiles.scales_per_key(self.args.granularity):
+            self.times_key_scales(KEYS, s, self.args.scale_log2)
         else:
             self.times_scale(s)
         if not self.tile_fully_visible(kv_start):
@@ -515,11 +517,10 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
                     c[3] = 0
                     s[n, l] = c
         var values = self.tiles.tile(kv_start, VALUES)
-        comptime if Self.Tiles.QUANTIZED:
-            if self.args.granularity == Self.D:
-                # The values' scales go in with the weights (the row sums
-                # above are of the weights alone).
-                self.times_key_scales(VALUES, s, 1)
+        if Self.Tiles.scales_per_key(self.args.granularity):
+            # The values' scales go in with the weights (the row sums above
+            # are of the weights alone).
+            self.times_key_scales(VALUES, s, 1)
         var p = Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes](0)
         comptime for j in range(Self.WARP_KEYS // 16):
             for l in range(Self.lanes):

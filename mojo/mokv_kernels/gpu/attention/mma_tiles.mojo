@@ -209,6 +209,13 @@ struct MmaTiles[
             .unsafe_offset((self.stage(kv_start) * Self.ADDRESS_KINDS + kind) * BN)
         )
 
+    @staticmethod
+    def scales_per_key(granularity: Int) -> Bool:
+        """Whether the cache is 8-bit with one scale per head row (granules
+        of `granularity` elements): then its codes are widened as they are
+        and the products take their keys' scales (`key_scales`)."""
+        return Self.QUANTIZED and granularity == Self.D
+
     @always_inline
     def key_scales(self, kind: Int) -> F32Ptr:
         """An 8-bit cache with one scale per head row: the key (`kind` KEYS)
@@ -431,7 +438,7 @@ struct MmaTiles[
         take one multiplication per score instead of one per code; else
         times their scale (a 16-code chunk lies in one granule). A key
         without scales becomes zeros."""
-        if granularity == Self.D:
+        if Self.scales_per_key(granularity):
             self.convert_units[lanes, True](tid, kv_start, granularity)
         else:
             self.convert_units[lanes, False](tid, kv_start, granularity)
