@@ -226,17 +226,16 @@ struct EmulatedSteps(WarpSteps):
         pass
 
     def mma(mut self, call: Call) raises:
-        var a = call.read("a")
-        var b = call.read("b")
-        var c = call.read("c")
-        write_lane_values[DType.float32, 4](
-            call,
-            mma[WARP_LANES](
-                lane_values[DType.bfloat16, 8](a),
-                lane_values[DType.bfloat16, 4](b),
-                lane_values[DType.float32, 4](c),
-            ),
-        )
+        var a_bytes = call.read("a")
+        var b_bytes = call.read("b")
+        var c_bytes = call.read("c")
+        var a = lane_values[DType.bfloat16, 8](a_bytes)
+        var b = lane_values[DType.bfloat16, 4](b_bytes)
+        var c = lane_values[DType.float32, 4](c_bytes)
+        if call.int("float16") != 0:
+            write_lane_values[DType.float32, 4](call, mma[WARP_LANES, DType.float16](a, b, c))
+        else:
+            write_lane_values[DType.float32, 4](call, mma[WARP_LANES](a, b, c))
 
     def shuffle_xor(mut self, call: Call) raises:
         var values = call.read("values")

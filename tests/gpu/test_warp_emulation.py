@@ -101,17 +101,26 @@ def run_step(steps: Emulator, step: str, arrays: dict[str, np.ndarray], **meta: 
     return steps.run({"op": "warp", "step": step} | meta, arrays, "out")
 
 
+def _float16(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Random float16 values (in float32): their bits read as bfloat16 would
+    be other numbers altogether."""
+    return rng.standard_normal(shape).astype(np.float16).astype(np.float32)
+
+
+def _float16_bits(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint16)
+
+
+@pytest.mark.parametrize("float16", [False, True], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("seed", range(3))
-def test_mma_m16n8k16_matches_numpy(seed, steps):
+def test_mma_m16n8k16_matches_numpy(seed, float16, steps):
+    """bfloat16 operands, or float16 ones (carried in the same registers)."""
     rng = np.random.default_rng(seed)
-    a, b = _bf16(rng, (16, 16)), _bf16(rng, (16, 8))
+    values, bits = (_float16, _float16_bits) if float16 else (_bf16, bfloat16.to_bits)
+    a, b = values(rng, (16, 16)), values(rng, (16, 8))
     c = rng.standard_normal((16, 8), dtype=np.float32)
-    arrays = {
-        "a": bfloat16.to_bits(a_fragments(a)),
-        "b": bfloat16.to_bits(b_fragments(b)),
-        "c": c_fragments(c),
-    }
-    d = np.frombuffer(run_step(steps, "mma", arrays), np.float32).reshape(LANES, 4)
+    arrays = {"a": bits(a_fragments(a)), "b": bits(b_fragments(b)), "c": c_fragments(c)}
+    d = np.frombuffer(run_step(steps, "mma", arrays, float16=int(float16)), np.float32).reshape(LANES, 4)
     assert_product(d, a, b, c)
 
 

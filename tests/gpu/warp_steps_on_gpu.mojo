@@ -89,7 +89,8 @@ def _write_out[
     call.write("out", bytes)
 
 
-def _mma(ctx: DeviceContext, call: Call) raises:
+def _mma[dtype: DType](ctx: DeviceContext, call: Call) raises:
+    """The `mma` step with operands of `dtype` (bits in bfloat16 registers)."""
     var a_buffer = _input[DType.bfloat16](ctx, call, "a")
     var b_buffer = _input[DType.bfloat16](ctx, call, "b")
     var c_buffer = _input[DType.float32](ctx, call, "c")
@@ -101,7 +102,7 @@ def _mma(ctx: DeviceContext, call: Call) raises:
 
     def run() {var a, var b, var c, var d}:
         var lane = Int(thread_idx.x)
-        var result = mma[1](
+        var result = mma[1, dtype](
             Array[FragA, 1](fill=a.unsafe_load[width=8](8 * lane)),
             Array[FragB, 1](fill=b.unsafe_load[width=4](4 * lane)),
             Array[FragC, 1](fill=c.unsafe_load[width=4](4 * lane)),
@@ -210,7 +211,10 @@ struct GpuSteps(WarpSteps):
         self.ctx = DeviceContext()
 
     def mma(mut self, call: Call) raises:
-        _mma(self.ctx, call)
+        if call.int("float16") != 0:
+            _mma[DType.float16](self.ctx, call)
+        else:
+            _mma[DType.bfloat16](self.ctx, call)
 
     def shuffle_xor(mut self, call: Call) raises:
         _shuffle_xor(self.ctx, call)

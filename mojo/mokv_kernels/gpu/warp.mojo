@@ -11,7 +11,7 @@ the kernel's tile loops, paging, masking and online softmax run thread by
 thread on the CPU against the same fragment layouts the hardware uses
 (PTX ISA, "Matrix Fragments for mma.m16n8k16" and "ldmatrix"):
 
-- `mma` m16n8k16, bfloat16 A and B, float32 C and D. With `g = lane // 4`
+- `mma` m16n8k16, bfloat16 (or float16) A and B, float32 C and D. With `g = lane // 4`
   and `t = lane % 4`: A (16 x 16, row-major) is 8 values per lane, pairs
   (row g, cols 2t, 2t+1), (row g + 8, same cols), (row g, cols 2t + 8,
   2t + 9), (row g + 8, those); B (16 x 8, k x n) is 4 values, (rows 2t,
@@ -34,7 +34,7 @@ from max.gpu import syncwarp
 from max.gpu.compute.mma import ld_matrix as hw_ld_matrix
 from max.gpu.compute.mma import mma as hw_mma
 from max.gpu.primitives.warp import shuffle_xor as hw_shuffle_xor
-from std.memory import AddressSpace
+from std.memory import AddressSpace, bitcast
 from std.os import abort
 from std.sys.info import is_nvidia_gpu
 
@@ -45,7 +45,11 @@ comptime NOT_NVIDIA = "mma.sync and ldmatrix exist only on NVIDIA GPUs (Launcher
 comptime FragA = SIMD[DType.bfloat16, 8]
 """A thread's share of an m16n8k16 A operand (16 x 16 bfloat16)."""
 comptime FragB = SIMD[DType.bfloat16, 4]
-"""A thread's share of a B operand (16 x 8 bfloat16)."""
+"""A thread's share of a B operand (16 x 8 bfloat16). Float16 operands travel
+in the same registers, typed bfloat16 (their bits), to the one step that
+multiplies them (`mma`): per-lane arrays of float16 vectors cost the GPU
+build register moves and branches around every product that bfloat16 ones
+do not."""
 comptime FragC = SIMD[DType.float32, 4]
 """A thread's share of a C or D operand (16 x 8 float32)."""
 
@@ -94,22 +98,26 @@ def ld_matrix[
 
 @always_inline
 def mma[
-    lanes: Int
+    lanes: Int, dtype: DType = DType.bfloat16
 ](a: Array[FragA, lanes], b: Array[FragB, lanes], c: Array[FragC, lanes]) -> Array[FragC, lanes]:
-    """`mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`: D = A B + C,
-    products and sums in float32."""
+    """`mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32`: D =
+    A B + C, products and sums in float32, A and B values of `dtype`
+    (bfloat16, or float16 carried as bits in bfloat16 registers: `FragB`)."""
     check_lanes[lanes]()
+    comptime assert (
+        dtype == DType.bfloat16 or dtype == DType.float16
+    ), "tensor-core operands are bfloat16 or float16"
     var d = Array[FragC, lanes](fill=0)
     comptime if lanes == 1:
         comptime if is_nvidia_gpu():
             var result = FragC(0)
-            hw_mma(result, a[0], b[0], c[0])
+            hw_mma(result, bitcast[dtype, 8](a[0]), bitcast[dtype, 4](b[0]), c[0])
             d[0] = result
         else:
             abort(NOT_NVIDIA)
     else:
         d = rebind[Array[FragC, lanes]](
-            _emulated_mma(
+            _emulated_mma[dtype](
                 rebind[Array[FragA, WARP_LANES]](a),
                 rebind[Array[FragB, WARP_LANES]](b),
                 rebind[Array[FragC, WARP_LANES]](c),
@@ -136,9 +144,11 @@ def _emulated_ld_matrix[
 
 
 @no_inline
-def _emulated_mma(
-    a: Array[FragA, WARP_LANES], b: Array[FragB, WARP_LANES], c: Array[FragC, WARP_LANES]
-) -> Array[FragC, WARP_LANES]:
+def _emulated_mma[
+    dtype: DType
+](a: Array[FragA, WARP_LANES], b: Array[FragB, WARP_LANES], c: Array[FragC, WARP_LANES]) -> Array[
+    FragC, WARP_LANES
+]:
     """Every lane's `mma` result: each D element from the lanes and values
     that hold its row of A and its column of B."""
     var d = Array[FragC, WARP_LANES](fill=0)
@@ -155,8 +165,8 @@ def _emulated_mma(
                 var b_lane = 4 * col + (k % 8) // 2
                 var b_value = 2 * (k // 8) + k % 2
                 total += (
-                    a[a_lane][a_value].cast[DType.float32]()
-                    * b[b_lane][b_value].cast[DType.float32]()
+                    bitcast[dtype](a[a_lane][a_value]).cast[DType.float32]()
+                    * bitcast[dtype](b[b_lane][b_value]).cast[DType.float32]()
                 )
             d[l][e] = total
     return d^
