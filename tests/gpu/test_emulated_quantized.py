@@ -160,11 +160,17 @@ def test_growing_scale_block_requantizes_the_tokens_it_holds(fmt, emulator):
 
 
 def emulate_attention(
-    emulator: Emulator, case: tuple, multiprocessors: int, tensor_cores: bool, prefill_kernel: str = "mma"
+    emulator: Emulator,
+    case: tuple,
+    multiprocessors: int,
+    tensor_cores: bool,
+    prefill_kernel: str = "mma",
+    extremes: bool = False,
 ) -> QuantizedAttention:
     """Decode and prefill rows (`cpu.ROWS`, or their decode steps alone on a
     large device, so that the decode kernels and their splits run) over a
-    quantized cache made for `case`; `prefill_kernel` is `MOKV_PREFILL_KERNEL`."""
+    quantized cache made for `case`; `prefill_kernel` is `MOKV_PREFILL_KERNEL`.
+    `extremes`: queries and value scales as `cpu.make_extreme` makes them."""
     fmt, q_dtype, group, d, page, granules, per_block = case
     rng = np.random.default_rng(d + page + granules)
     rows = cpu.ROWS if multiprocessors == 1 else [(c, 1) for c, _ in cpu.ROWS]
@@ -172,6 +178,9 @@ def emulate_attention(
         rng, fmt, rows, 2, group, d, page, granules, per_block, q_dtype
     )
     scale = 1 / math.sqrt(d)
+    if extremes:
+        q = cpu.make_extreme(rng, cache, q, q_dtype)
+        scale /= cpu.EXTREME_QUERY_FACTOR
     arrays = {"cache_lengths": cached, "q": _rows(q, q_dtype), "row_offsets": offsets}
     meta = {
         "tokens": len(q),
@@ -199,21 +208,37 @@ def test_attention_reads_codes_with_their_scales(case, multiprocessors, emulator
 TENSOR_CORE_CASES = [
     ("float8_e4m3fn", DType.bfloat16, 4, 128, 128, 2, 1),
     ("int8", DType.bfloat16, 3, 64, 16, 4, 1),
-    ("int8", DType.bfloat16, 8, 128, 64, 1, 16),
-    ("float8_e4m3fn", DType.bfloat16, 1, 64, 32, 1, 8),
+    *cpu.PER_KEY_TENSOR_CORE_CASES,
 ]
 
 
 @pytest.mark.parametrize("multiprocessors", [1, H100_MULTIPROCESSORS], ids=["unsplit", "split"])
 @pytest.mark.parametrize("case", TENSOR_CORE_CASES, ids=lambda c: "-".join(str(x) for x in c))
-def test_tensor_cores_read_codes_widened_to_bfloat16(case, multiprocessors, emulator):
-    """The tensor-core kernels, which widen each tile's codes times their
-    scales to bfloat16 in shared memory (`QuantizedAttention.assert_close`)."""
+def test_tensor_cores_read_codes_widened_in_shared_memory(case, multiprocessors, emulator):
+    """The tensor-core kernels, which widen each tile's codes in shared
+    memory: times their scales to bfloat16, or with one scale per head row
+    as they are to float16 (`QuantizedAttention.assert_close`)."""
     emulate_attention(emulator, case, multiprocessors, tensor_cores=True).assert_close(tensor_cores=True)
+
+
+@pytest.mark.parametrize("multiprocessors", [1, H100_MULTIPROCESSORS], ids=["unsplit", "split"])
+@pytest.mark.parametrize("case", cpu.PER_KEY_TENSOR_CORE_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_float16_products_hold_any_query_and_value_scale(case, multiprocessors, emulator):
+    """One scale per head row: the tensor-core kernels multiply float16 codes
+    as they are, the queries scaled per row into float16's range and each
+    weight times its value scale relative to the largest such product
+    (`mma.MmaThread`); queries beyond float16's range and value scales over
+    nine decades, zeros among them, still give float64's attention."""
+    attention = emulate_attention(emulator, case, multiprocessors, tensor_cores=True, extremes=True)
+    assert np.abs(attention.q).max() > 65504, "queries beyond float16's range"
+    attention.assert_close(tensor_cores=True)
 
 
 @pytest.mark.parametrize("case", TENSOR_CORE_CASES, ids=lambda c: "-".join(str(x) for x in c))
 def test_warpgroup_prefill_reads_codes_widened_to_bfloat16(case, emulator):
     """`MOKV_PREFILL_KERNEL=wgmma`: the prefill rows' products as Hopper's
-    warpgroup MMA, over the same widened tiles."""
-    emulate_attention(emulator, case, 1, tensor_cores=True, prefill_kernel="wgmma").assert_close(tensor_cores=True)
+    warpgroup MMA, over tiles widened times their scales to bfloat16 (with
+    one scale per head row too)."""
+    emulate_attention(emulator, case, 1, tensor_cores=True, prefill_kernel="wgmma").assert_close(
+        tensor_cores=True, warpgroup=True
+    )

@@ -80,14 +80,18 @@ def test_store_and_gathers_match_the_numpy_model(fmt, dtype, gpu_quantized, gpu:
     )
 
 
-def run_attention(case: tuple, gpu_quantized, gpu: Device) -> QuantizedAttention:
-    """mokv's attention on the GPU over a quantized cache made for `case`."""
+def run_attention(case: tuple, gpu_quantized, gpu: Device, extremes: bool = False) -> QuantizedAttention:
+    """mokv's attention on the GPU over a quantized cache made for `case`
+    (`extremes`: queries and value scales as `cpu.make_extreme` makes them)."""
     fmt, q_dtype, group, d, page, granules, per_block = case
     rng = np.random.default_rng(d + page + granules)
     cache, cached, offsets, q, summary = cpu.quantized_batch(
         rng, fmt, cpu.ROWS, 2, group, d, page, granules, per_block, q_dtype
     )
     scale = 1 / math.sqrt(d)
+    if extremes:
+        q = cpu.make_extreme(rng, cache, q, q_dtype)
+        scale /= cpu.EXTREME_QUERY_FACTOR
     blocks, scales = (buffer.to(gpu) for buffer in cache.buffers())
     (out,) = gpu_quantized("attention", GRAPH_DTYPE[fmt], q_dtype).execute(
         blocks,
@@ -115,4 +119,15 @@ def test_attention_reads_codes_with_their_scales(case, gpu_quantized, gpu: Devic
 )
 def test_warpgroup_prefill_reads_codes(case, gpu_quantized, gpu: Device, monkeypatch):
     """The prefill rows on Hopper's warpgroup products (`MOKV_PREFILL_KERNEL=wgmma`)."""
-    on_warpgroup_prefill(monkeypatch, lambda: run_attention(case, gpu_quantized, gpu)).assert_close(tensor_cores=True)
+    on_warpgroup_prefill(monkeypatch, lambda: run_attention(case, gpu_quantized, gpu)).assert_close(
+        tensor_cores=True, warpgroup=True
+    )
+
+
+@pytest.mark.parametrize("extremes", [False, True], ids=["normal", "extremes"])
+@pytest.mark.parametrize("case", cpu.PER_KEY_TENSOR_CORE_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_float16_products_read_codes_as_they_are(case, extremes, gpu_quantized, gpu: Device):
+    """One scale per head row and bfloat16 queries: float16 products of the
+    codes as they are (float8 widened by the hardware's conversion), also
+    with queries beyond float16's range and value scales over nine decades."""
+    run_attention(case, gpu_quantized, gpu, extremes).assert_close(tensor_cores=True)

@@ -84,19 +84,19 @@ class QuantizedAttention:
         """`model`'s attention (float64) over `values` laid out as the cache's codes."""
         return model(values, 1, self.q, self.row_offsets, self.cache_lengths, self.cache.lookup_table, self.scale)
 
-    def assert_close(self, tensor_cores: bool) -> None:
+    def assert_close(self, tensor_cores: bool, warpgroup: bool = False) -> None:
         """Float64 attention over the numpy dequantization of the cache, within
         the CPU suite's tolerance; bfloat16 queries on tensor cores within
         the tolerance widened by twice the error of rounding the softmax
         weights (`p_rounded_attention`), against the dequantization rounded
         to bfloat16 (codes widened times their scales in shared memory), or
-        as it is with one scale per head row (codes widened exactly, each
-        score times its key's scale, each weight times its value's before
-        it is rounded)."""
+        as it is with one scale per head row on `mma.sync` (not `warpgroup`
+        products): codes widened exactly to float16, each score times its
+        key's scale, each weight times its value's before it is rounded."""
         on_tensor_cores = self.q_dtype == DType.bfloat16 and tensor_cores
         values = self.cache.dequantized()
-        per_key_scales = self.cache.scales.shape[-1] == 1
-        if on_tensor_cores and not per_key_scales:
+        exact_codes = self.cache.scales.shape[-1] == 1 and not warpgroup
+        if on_tensor_cores and not exact_codes:
             values = rounded_to_bfloat16(values)
         exact = self.reference(values)
         atol, rtol = cpu_attention.TOLERANCE[self.q_dtype]

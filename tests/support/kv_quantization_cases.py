@@ -109,6 +109,23 @@ def quantized_batch(rng, fmt, layout_rows, heads, group, d, page, granules, per_
     return cache, cached, offsets, q, summary
 
 
+EXTREME_QUERY_FACTOR = 1e6
+"""What `make_extreme` multiplies queries by: a softmax scale divided by it
+keeps the logits as they were."""
+
+
+def make_extreme(rng, cache: Cache, q: np.ndarray, q_dtype: DType) -> np.ndarray:
+    """The queries times `EXTREME_QUERY_FACTOR`, beyond float16's range, and
+    (in place) the cache's value scales log-uniform over 10^-6 .. 10^3, one
+    in ten 0 (a row of zeros): what the GPU's float16 products of an 8-bit
+    cache with one scale per head row must hold."""
+    values = cache.scales[:, 1]
+    values[...] = 10 ** rng.uniform(-6, 3, values.shape)
+    values[rng.random(values.shape) < 0.1] = 0
+    q = q * np.float32(EXTREME_QUERY_FACTOR)
+    return bfloat16.from_bits(bfloat16.to_bits(q)) if q_dtype == DType.bfloat16 else q
+
+
 # (format, q dtype, GQA group, head_dim, page, granules, tokens per scale)
 ATTENTION_CASES = [
     ("float8_e4m3fn", DType.float32, 3, 64, 16, 1, 1),
@@ -116,5 +133,10 @@ ATTENTION_CASES = [
     ("float8_e4m3fn", DType.bfloat16, 4, 128, 128, 2, 1),
     ("int8", DType.float32, 1, 128, 32, 4, 8),
     ("float8_e4m3fn", DType.float32, 8, 64, 64, 1, 16),
+]
+# One scale per head row and bfloat16 queries: the GPU's float16 products.
+PER_KEY_TENSOR_CORE_CASES = [
+    ("int8", DType.bfloat16, 8, 128, 64, 1, 16),
+    ("float8_e4m3fn", DType.bfloat16, 1, 64, 32, 1, 8),
 ]
 ROWS = [(0, 37), (211, 1), (130, 70), (1500, 1), (9, 0), (700, 1)]

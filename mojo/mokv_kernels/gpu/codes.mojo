@@ -25,16 +25,24 @@ def as_values[
 
 
 @always_inline
-def codes_as_bfloat16[
+def codes_as_float16[
     dtype: DType, width: Int
-](codes: SIMD[dtype, width]) -> SIMD[DType.bfloat16, width]:
-    """8-bit codes' values as bfloat16, exactly (every float8_e4m3fn and
-    int8 value has one), for a kernel that applies a key's one scale after
-    its products (`..attention.mma_tiles`)."""
-    comptime if dtype == DType.float8_e4m3fn and width % 2 == 0:
-        return e4m3_as_bfloat16[width](rebind[SIMD[DType.float8_e4m3fn, width]](codes))
+](codes: SIMD[dtype, width]) -> SIMD[DType.float16, width]:
+    """8-bit codes' values as float16, exactly (every float8_e4m3fn value,
+    448 the largest, and every int8 has one), for the kernels that multiply
+    codes as they are and apply each key's one scale after the products
+    (`..attention.mma`). A pair of float8 codes is one conversion
+    instruction from sm_89 on (`cvt.rn.f16x2.e4m3x2`, what the cast
+    emits); an int8 code plus 128 becomes the low byte of 1024's mantissa,
+    and 1152 comes off, two codes per instruction and no integer-to-float
+    conversion. The float8 NaN codes stay NaN: the store never writes them."""
+    comptime assert is_quantized[dtype](), "8-bit codes"
+    comptime if dtype == DType.float8_e4m3fn:
+        return codes.cast[DType.float16]()
     else:
-        return (widened(codes) * widened_unit[dtype]()).cast[DType.bfloat16]()
+        var biased = bitcast[DType.uint8, width](codes) ^ 0x80
+        var above = bitcast[DType.float16, width](biased.interleave(SIMD[DType.uint8, width](0x64)))
+        return above - 1152.0
 
 
 @always_inline
@@ -81,24 +89,6 @@ def e4m3_as_float16[
     var pairs = bitcast[DType.uint32, width // 2](spaced)
     # s eeee mmm 0000 0000 -> s 0 eeee mmm 000 0000 in each half.
     return bitcast[DType.float16, width]((pairs & 0x80008000) | ((pairs >> 1) & 0x3F803F80))
-
-
-@always_inline
-def e4m3_as_bfloat16[
-    width: Int
-](codes: SIMD[DType.float8_e4m3fn, width]) -> SIMD[DType.bfloat16, width]:
-    """Each code's value as bfloat16, exactly, in 32-bit words of two codes:
-    the code's exponent and mantissa bits under a bfloat16's sign (its value
-    times 2^-120, a subnormal for subnormal codes), then one bfloat16 product
-    by 2^120 per pair, which keeps subnormals. The two NaN codes come out as
-    1.875 and -1.875: the store never writes them. `width` even."""
-    comptime assert width % 2 == 0, "whole pairs of codes"
-    var spaced = SIMD[DType.uint8, width](0).interleave(bitcast[DType.uint8, width](codes))
-    var pairs = bitcast[DType.uint32, width // 2](spaced)
-    # s eeee mmm 0000 0000 -> s 000 0eee emmm 0000 in each half.
-    var scaled = bitcast[DType.bfloat16, width]((pairs & 0x80008000) | ((pairs >> 4) & 0x07F007F0))
-    comptime two_to_120 = bitcast[DType.bfloat16](UInt16((127 + 120) << 7))
-    return scaled * SIMD[DType.bfloat16, width](two_to_120)
 
 
 @always_inline

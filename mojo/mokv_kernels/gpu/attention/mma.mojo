@@ -1,5 +1,7 @@
 """Attention tiles on tensor cores, for bfloat16 caches and 8-bit caches (their
-codes widened to bfloat16 in shared memory, `mma_tiles`): Q Kᵀ and P V as
+codes widened in shared memory, `mma_tiles`: times their scales to bfloat16,
+or with one scale per head row, the default, as they are to float16 for
+float16 products, `scales_per_key` in `MmaThread`): Q Kᵀ and P V as
 `mma.sync` m16n8k16 products with float32 accumulation (`..warp`), or as
 Hopper's warpgroup products, in three kernels (`MmaKernel`) that differ in
 what their four warps split and how they multiply:
@@ -37,15 +39,15 @@ The context is walked in tiles of `BN` = 64 keys:
 - scores: query and K fragments from `ldmatrix` (the queries stay in
   shared memory, read again per tile: registers go to the outputs); scores
   are scaled by `scale * log2(e)` in float32, after the product, so the
-  queries stay exact (over an 8-bit cache with one scale per head row, by
-  that times each key's key scale: its codes are multiplied as they are);
+  queries stay exact (with `scales_per_key`, by that times the row's power
+  of two and each key's key scale);
 - online softmax in registers: each lane holds two rows' scores (`..warp`'s
   C layout; decode, with at most 8 rows, only the first), the quad of four
   lanes sharing a row combine maxima with two shuffles; sums stay per lane
   until the end; a row's outputs are rescaled only when its max moves;
-- values: the probabilities (times each key's value scale, over an 8-bit
-  cache with one per head row) are rounded to bfloat16 in registers and are
-  the next product's A operand as they are (a C fragment pair is an A
+- values: the probabilities (with `scales_per_key`, the weights: each times
+  its key's value scale) are rounded to bfloat16 (float16) in registers and
+  are the next product's A operand as they are (a C fragment pair is an A
   fragment), V fragments from the transposed `ldmatrix`.
 
 One barrier per tile: after it, this tile's copies have landed in every
@@ -67,6 +69,7 @@ fifth of the prefill's instructions). Under the emulator a program is a whole
 warp (`..warp`)."""
 
 from std.math import exp2
+from std.memory import bitcast
 from std.sys import bit_width_of
 
 from ...pointers import BF16Ptr, F32Ptr
@@ -104,14 +107,25 @@ comptime MMA_ROWS = 16
 """Rows of an m16n8k16 product's A: one warp's query rows."""
 
 
-struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup: Bool](
-    ThreadProgram
-):
+struct MmaThread[
+    cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup: Bool, scales_per_key: Bool
+](ThreadProgram):
     """One thread of a block on a GPU (`lanes` 1), one warp under the
     emulator (`lanes` 32). Shared memory: `MmaTiles`; a decode block's
     warps leave their states over its stages at the end. Registers: the
     warp's output accumulators `[16, D]` (C fragments), and per row the
-    running max and this lane's share of the running sum."""
+    running max and this lane's share of the running sum.
+
+    `scales_per_key` (an 8-bit cache with one scale per head row): the
+    products are float16, of the codes' own values and the queries scaled
+    per row (`MmaTiles`); each score is multiplied back by its row's power
+    of two and its key's key scale, and the online softmax runs over
+    log-weights, each score plus the base-2 log of its key's value scale:
+    the weights it rounds to float16 for P V are then each key's softmax
+    weight times its value scale, relative to the largest such product, so
+    float16's range holds them whatever the scales are, while the row sums
+    add each key's weight alone. On a float8 cache that widens a pair of
+    codes in one instruction, where bfloat16 took five."""
 
     comptime THREADS = BLOCK_THREADS * (2 if Self.warpgroup else 1)
     """Threads of a block: four warps, or on warpgroup products two
@@ -127,6 +141,8 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     """Output n-tiles (8 dims each)."""
     comptime NTILES = Self.WARP_KEYS // 8
     """Score n-tiles of a warp (8 keys each)."""
+    comptime PRODUCTS = DType.float16 if Self.scales_per_key else DType.bfloat16
+    """The tensor-core operands' type."""
     comptime ROW_HALVES = 1 if Self.decode else 2
     """The rows of a lane's values the softmax runs on (`..warp`'s C layout:
     row `g` in values 0 and 1, row `g + 8` in 2 and 3): a decode block has
@@ -148,7 +164,13 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     for an 8-bit decode, whose blocks wait on memory, so three tiles of
     codes are in flight (as many bytes as two bfloat16 tiles)."""
     comptime Tiles = MmaTiles[
-        Self.cache_t, Self.D, Self.ROWS, Self.THREADS, Self.STAGES, per_warp=Self.decode
+        Self.cache_t,
+        Self.D,
+        Self.ROWS,
+        Self.THREADS,
+        Self.STAGES,
+        per_warp=Self.decode,
+        scales_per_key=Self.scales_per_key,
     ]
     comptime AHEAD = Self.Tiles.TILES_AHEAD
     """Tiles whose copies start before the block multiplies its first."""
@@ -178,6 +200,10 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     var next_scores: Frags[DType.float32, 4, Self.NTILES, Self.lanes]
     """`PIPELINED`: the next tile's Q Kᵀ, in flight until this tile's
     values are multiplied."""
+    var score_scales: Frags[DType.float32, 4, 1, Self.lanes]
+    """`scales_per_key`: what each of a lane's scores is multiplied by
+    besides its key's scale: `scale * log2(e)` times its row's power of two
+    (`MmaTiles.row_scales`), read once the queries are loaded."""
 
     def __init__(
         out self,
@@ -194,6 +220,9 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
             WARPS * Self.STATE_FLOATS * 4 <= Self.Tiles.STAGES_BYTES
         ), "decode states fit the stages"
         comptime assert DECODE_ROWS <= 8, "a decode block's rows are each lane's first row"
+        comptime assert not (
+            Self.scales_per_key and Self.warpgroup
+        ), "float16 products are mma.sync's (warpgroup products take bfloat16 tiles)"
         self.args = args
         self.work = work
         self.tid = tid
@@ -203,6 +232,7 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
         self.row_sum = Frags[DType.float32, 1, 2, Self.lanes](0)
         self.pages = Array[Int32, Self.lanes](fill=-1)
         self.next_scores = Frags[DType.float32, 4, Self.NTILES, Self.lanes](0)
+        self.score_scales = Frags[DType.float32, 4, 1, Self.lanes](0)
         var visible = Frags[DType.int32, 2, 2, Self.lanes](0)
         var rows = work.rows(args.group)
         for l in range(Self.lanes):
@@ -265,6 +295,8 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
             )
             self.shared_writes_done()
         elif phase == START_FIRST:
+            comptime if Self.scales_per_key:
+                self.read_score_scales()
             comptime for t in range(Self.AHEAD):
                 if arg + t * BN < self.work.kv_end:
                     self.tiles.start_tile[Self.lanes](self.tid, arg + t * BN, self.args.granularity)
@@ -301,6 +333,17 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
                 self.write_rows()
         else:
             self.combine()
+
+    @always_inline
+    def read_score_scales(mut self):
+        """`score_scales` from the rows' powers of two (`scales_per_key`)."""
+        var row_scales = self.tiles.row_scales()
+        for l in range(Self.lanes):
+            var first = row_scales[unsafe_offset=Self.lane_row(self.tid, l, 0)]
+            var second = row_scales[unsafe_offset=Self.lane_row(self.tid, l, 1)]
+            self.score_scales[0, l] = (
+                SIMD[DType.float32, 4](first, first, second, second) * self.args.scale_log2
+            )
 
     @always_inline
     def wait_tile(self, kv_start: Int):
@@ -372,8 +415,8 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
             warpgroup_wait()
         else:
             self.warp_scores(self.tiles.queries(), self.tiles.tile(kv_start, KEYS), s)
-        if Self.Tiles.scales_per_key(self.args.granularity):
-            self.times_key_scales(KEYS, s, self.args.scale_log2)
+        comptime if Self.scales_per_key:
+            self.times_key_scales(s)
         else:
             self.times_scale(s)
         if not self.tile_fully_visible(kv_start):
@@ -388,20 +431,28 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
                 s[n, l] = s[n, l] * self.args.scale_log2
 
     @always_inline
-    def times_key_scales(
-        self, kind: Int, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes], factor: Float32
-    ):
-        """An 8-bit cache with one scale per head row: each score (or
-        softmax weight) times its key's key (`kind` KEYS) or value scale
-        (`MmaTiles.key_scales`) and `factor`. Lane l's values 2 h + e of
-        n-tile n are key `8 n + 2 (l % 4) + e` of the warp's keys, for
-        either row h."""
+    def times_key_scales(self, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]):
+        """`scales_per_key`: each score times its key's key scale and its
+        `score_scales`."""
+        var scales = self.key_pairs(KEYS)
+        for l in range(Self.lanes):
+            comptime for n in range(Self.NTILES):
+                var pair = scales[n, l]
+                s[n, l] = s[n, l] * pair.join(pair) * self.score_scales[0, l]
+
+    @always_inline
+    def key_pairs(self, kind: Int) -> Frags[DType.float32, 2, Self.NTILES, Self.lanes]:
+        """`scales_per_key`: each lane's keys' key scales (`kind` KEYS) or
+        value log-scales (`MmaTiles.key_scales`), a pair per score n-tile:
+        lane l's values 2 h + e of n-tile n are key `8 n + 2 (l % 4) + e`
+        of the warp's keys, for either row h."""
         var scales = self.tiles.key_scales(kind).unsafe_offset(self.warp_key())
+        var pairs = Frags[DType.float32, 2, Self.NTILES, Self.lanes](0)
         for l in range(Self.lanes):
             var column = 2 * (self.lane(l) % 4)
             comptime for n in range(Self.NTILES):
-                var pair = scales.unsafe_load[width=2, alignment=8](n * 8 + column) * factor
-                s[n, l] = s[n, l] * pair.join(pair)
+                pairs[n, l] = scales.unsafe_load[width=2, alignment=8](n * 8 + column)
+        return pairs^
 
     @always_inline
     def start_scores(mut self, kv_start: Int):
@@ -455,11 +506,11 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
                 var b = ld_matrix[4, False, Self.lanes](rows)
                 var b0 = Array[FragB, Self.lanes](fill=0)
                 var b1 = Array[FragB, Self.lanes](fill=0)
-                for l in range(Self.lanes):
+                comptime for l in range(Self.lanes):
                     b0[l] = b[l].slice[4, offset=0]()
                     b1[l] = b[l].slice[4, offset=4]()
-                s.set(2 * n2, mma[Self.lanes](a, b0, s.get(2 * n2)))
-                s.set(2 * n2 + 1, mma[Self.lanes](a, b1, s.get(2 * n2 + 1)))
+                s.set(2 * n2, mma[Self.lanes, Self.PRODUCTS](a, b0, s.get(2 * n2)))
+                s.set(2 * n2 + 1, mma[Self.lanes, Self.PRODUCTS](a, b1, s.get(2 * n2 + 1)))
 
     @always_inline
     def quad_combine[
@@ -480,11 +531,17 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     def compute_tile(mut self, kv_start: Int):
         """Scores, the online softmax and the values of the warp's keys."""
         var s = self.scores(kv_start)
+        var log_scales = Frags[DType.float32, 2, Self.NTILES, Self.lanes](0)
+        comptime if Self.scales_per_key:
+            log_scales = self.key_pairs(VALUES)
         comptime for h in range(Self.ROW_HALVES):
             var best = Array[Float32, Self.lanes](fill=NEG_INF)
             for l in range(Self.lanes):
                 comptime for n in range(Self.NTILES):
-                    best[l] = max(best[l], max(s[n, l][2 * h], s[n, l][2 * h + 1]))
+                    var logits = SIMD[DType.float32, 2](s[n, l][2 * h], s[n, l][2 * h + 1])
+                    comptime if Self.scales_per_key:
+                        logits += log_scales[n, l]
+                    best[l] = max(best[l], logits.reduce_max())
             best = self.quad_combine[True](best^)
             for l in range(Self.lanes):
                 var new_max = max(self.row_max[h, l][0], best[l])
@@ -495,8 +552,11 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
                     var c = s[n, l]
                     comptime for e in range(2):
                         var p = exp2(c[2 * h + e] - base)
-                        c[2 * h + e] = p
                         total += p
+                        comptime if Self.scales_per_key:
+                            # The weight P V takes: times the value scale.
+                            p = exp2(c[2 * h + e] + log_scales[n, l][e] - base)
+                        c[2 * h + e] = p
                     s[n, l] = c
                 self.row_sum[h, l] = self.row_sum[h, l] * alpha + total
                 if new_max != self.row_max[h, l][0]:
@@ -517,15 +577,11 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
                     c[3] = 0
                     s[n, l] = c
         var values = self.tiles.tile(kv_start, VALUES)
-        if Self.Tiles.scales_per_key(self.args.granularity):
-            # The values' scales go in with the weights (the row sums above
-            # are of the weights alone).
-            self.times_key_scales(VALUES, s, 1)
         var p = Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes](0)
         comptime for j in range(Self.WARP_KEYS // 16):
             for l in range(Self.lanes):
-                p[j, l] = (
-                    s[2 * j, l].cast[DType.bfloat16]().join(s[2 * j + 1, l].cast[DType.bfloat16]())
+                p[j, l] = bitcast[DType.bfloat16, 8](
+                    s[2 * j, l].cast[Self.PRODUCTS]().join(s[2 * j + 1, l].cast[Self.PRODUCTS]())
                 )
         comptime if Self.warpgroup:
             warpgroup_arrive()
@@ -550,11 +606,11 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
             var b = ld_matrix[4, True, Self.lanes](rows)
             var b0 = Array[FragB, Self.lanes](fill=0)
             var b1 = Array[FragB, Self.lanes](fill=0)
-            for l in range(Self.lanes):
+            comptime for l in range(Self.lanes):
                 b0[l] = b[l].slice[4, offset=0]()
                 b1[l] = b[l].slice[4, offset=4]()
-            self.o.set(2 * n2, mma[Self.lanes](a, b0, self.o.get(2 * n2)))
-            self.o.set(2 * n2 + 1, mma[Self.lanes](a, b1, self.o.get(2 * n2 + 1)))
+            self.o.set(2 * n2, mma[Self.lanes, Self.PRODUCTS](a, b0, self.o.get(2 * n2)))
+            self.o.set(2 * n2 + 1, mma[Self.lanes, Self.PRODUCTS](a, b1, self.o.get(2 * n2 + 1)))
 
     @always_inline
     def row_sums(self, h: Int) -> Array[Float32, Self.lanes]:
@@ -636,14 +692,22 @@ struct MmaThread[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
 
 
 @fieldwise_init
-struct MmaKernel[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup: Bool = False](
-    KernelT
-):
+struct MmaKernel[
+    cache_t: KVCacheT,
+    D: Int,
+    lanes: Int,
+    decode: Bool,
+    warpgroup: Bool = False,
+    scales_per_key: Bool = False,
+](KernelT):
     """Grid (query tiles * splits, KV heads, batch rows) of tensor-core
     prefill or decode blocks (a prefill's products per warp, or per
-    warpgroup where `warpgroup`)."""
+    warpgroup where `warpgroup`; float16 products over an 8-bit cache with
+    one scale per head row where `scales_per_key`, `MmaThread`)."""
 
-    comptime Program = MmaThread[Self.cache_t, Self.D, Self.lanes, Self.decode, Self.warpgroup]
+    comptime Program = MmaThread[
+        Self.cache_t, Self.D, Self.lanes, Self.decode, Self.warpgroup, Self.scales_per_key
+    ]
     comptime THREADS = Self.Program.THREADS
     comptime DECODE_BLOCKS = (
         4 if Self.D < 128
@@ -660,8 +724,12 @@ struct MmaKernel[cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup:
     one). Raise them only where `tools/check_gpu_build.sh --registers` shows
     no spills."""
     comptime LANES = Self.lanes
-    comptime NAME = "decode_mma" if Self.decode else (
-        "prefill_wgmma" if Self.warpgroup else "prefill_mma"
+    comptime NAME = (
+        "decode_mma_f16" if Self.scales_per_key else "decode_mma"
+    ) if Self.decode else (
+        "prefill_wgmma" if Self.warpgroup else (
+            "prefill_mma_f16" if Self.scales_per_key else "prefill_mma"
+        )
     )
     comptime HEAD_DIM = Self.D
     comptime ELEMENT_BITS = bit_width_of[Self.cache_t.dtype]()

@@ -24,20 +24,24 @@ the same path to tensor cores: each tile's codes `[BN, D]` and its keys'
 scales are copied as they are (`cp.async`, the scales 4 bytes at a time)
 into one of `stage_count` code stages, then every thread widens its chunks
 times their scales to bfloat16 into the one bfloat16 stage
-(`convert_tile`). A code stage is free again once converted, so all
+(`convert_tile`), or with one scale per head row (`scales_per_key`) the
+codes' own values as float16, the keys' scales apart for the products. A
+code stage is free again once converted, so all
 `stage_count` of them hold tiles in flight while one is multiplied: a tile
 of codes is half a bfloat16 tile's bytes, and the stages keep as many bytes
 in flight. No thread loads a scale from global memory while the block waits
 on it. Each key's key scales are looked up beside its row; its value
 scales lie a fixed distance from them, as its value row does from its key row."""
 
+from std.math import log2
+from std.memory import bitcast
 from std.sys import size_of
 
 from ...cache.traits import KVCacheT
 from ...kv_quantization import is_quantized
 from ...pointers import BF16Ptr, BytePtr, CachePtr, F32Ptr, ScalePtr
 
-from ..codes import as_values, codes_as_bfloat16, head_scales_in_page
+from ..codes import as_values, codes_as_float16, head_scales_in_page
 from ..copy import commit_copies, start_copy, zero_16
 from ..rows import row_in_table_page, table_page
 
@@ -53,16 +57,30 @@ comptime VALUES = 1
 comptime KEY_SCALES = 1
 """The address kind of a key's key scales beside its row (`addresses`, an
 8-bit cache only; its value scales are `scale_value_offset` further)."""
+comptime SMALLEST_VALUE_SCALE = Float32(2.0**-100)
+"""Value scales below it (a row of zeros has scale 0) count as it in their
+keys' log-weights (`MmaTiles.key_scales`): their values are that small."""
 
 
 @fieldwise_init
 struct MmaTiles[
-    cache_t: KVCacheT, D: Int, ROWS: Int, THREADS: Int, stage_count: Int, per_warp: Bool
+    cache_t: KVCacheT,
+    D: Int,
+    ROWS: Int,
+    THREADS: Int,
+    stage_count: Int,
+    per_warp: Bool,
+    scales_per_key: Bool,
 ](TrivialRegisterPassable):
     """The shared memory of a block of `THREADS` threads, from `smem`; tiles
     take the `stage_count` stages (an 8-bit cache: code stages) in turn from
     the block's first key `first_key`; each warp copies its own keys when
-    `per_warp` (see the module docstring)."""
+    `per_warp` (see the module docstring).
+
+    `scales_per_key`: an 8-bit cache with one scale per head row, whose
+    tiles hold float16 (its codes' own values: `convert_tile`) and its
+    queries float16 scaled by a power of two per row (`load_queries`), for
+    float16 products; otherwise every tile and the queries are bfloat16."""
 
     comptime QUANTIZED = is_quantized[Self.cache_t.dtype]()
     comptime TILES_AHEAD = Self.stage_count if Self.QUANTIZED else Self.stage_count - 1
@@ -98,8 +116,14 @@ struct MmaTiles[
     comptime KEY_SCALES_AT = (
         Self.ADDRESSES_AT * 2 + Self.stage_count * Self.ADDRESS_KINDS * BN * size_of[Int]()
     )
-    """Bytes to an 8-bit cache's per-key scales `[2, BN]` (`key_scales`)."""
-    comptime SHARED_BYTES = Self.KEY_SCALES_AT + (2 * BN * 4 if Self.QUANTIZED else 0)
+    """Bytes to the widened tile's keys' scales `[2, BN]` (`key_scales`)
+    where `scales_per_key`."""
+    comptime ROW_SCALES_AT = Self.KEY_SCALES_AT + 2 * BN * 4
+    """Bytes to the query rows' powers of two `[ROWS]` (`row_scales`) where
+    `scales_per_key`."""
+    comptime SHARED_BYTES = Self.ROW_SCALES_AT + Self.ROWS * 4 if Self.scales_per_key else (
+        Self.KEY_SCALES_AT
+    )
 
     var smem: BF16Ptr
     var first_key: Int
@@ -119,6 +143,9 @@ struct MmaTiles[
         comptime assert (
             Self.cache_t.dtype == DType.bfloat16 or Self.QUANTIZED
         ), "tensor-core tiles are bfloat16, stored so or as 8-bit codes"
+        comptime assert (
+            Self.QUANTIZED or not Self.scales_per_key
+        ), "scales per key are an 8-bit cache's"
         comptime assert Self.D % SWIZZLE_COLUMNS == 0, "tiles are whole swizzled column blocks"
         comptime assert (
             Self.STAGES_AT * 2 % SWIZZLE_ALIGNMENT == 0 and Self.TILE * 2 % SWIZZLE_ALIGNMENT == 0
@@ -209,23 +236,27 @@ struct MmaTiles[
             .unsafe_offset((self.stage(kv_start) * Self.ADDRESS_KINDS + kind) * BN)
         )
 
-    @staticmethod
-    def scales_per_key(granularity: Int) -> Bool:
-        """Whether the cache is 8-bit with one scale per head row (granules
-        of `granularity` elements): then its codes are widened as they are
-        and the products take their keys' scales (`key_scales`)."""
-        return Self.QUANTIZED and granularity == Self.D
-
     @always_inline
     def key_scales(self, kind: Int) -> F32Ptr:
-        """An 8-bit cache with one scale per head row: the key (`kind` KEYS)
-        or value scales of the widened tile's keys (`convert_tile`), which
-        the products are multiplied by."""
+        """`scales_per_key`: the widened tile's keys' key scales (`kind`
+        KEYS), which their scores are multiplied by, or the base-2 logs of
+        their value scales (VALUES; `SMALLEST_VALUE_SCALE` at least), which
+        their log-weights add (`convert_tile`)."""
         return (
             self.smem.unsafe_bitcast[UInt8]()
             .unsafe_offset(Self.KEY_SCALES_AT)
             .unsafe_bitcast[Float32]()
             .unsafe_offset(kind * BN)
+        )
+
+    @always_inline
+    def row_scales(self) -> F32Ptr:
+        """`scales_per_key`: each query row's power of two, by which the
+        row's float16 queries were divided (`load_queries`)."""
+        return (
+            self.smem.unsafe_bitcast[UInt8]()
+            .unsafe_offset(Self.ROW_SCALES_AT)
+            .unsafe_bitcast[Float32]()
         )
 
     @always_inline
@@ -239,7 +270,14 @@ struct MmaTiles[
         lanes: Int
     ](self, args: AttentionArgs[Self.cache_t, DType.bfloat16], work: BlockWork, tid: Int):
         """The block's query rows, swizzled (zero rows past the block's);
-        threads `tid ..< tid + lanes` take their share."""
+        threads `tid ..< tid + lanes` take their share. `scales_per_key`:
+        as float16, each row times a power of two that brings its largest
+        value into [2^14, 2^15) (the float16 range holds it, and every
+        bfloat16 within 2^-28 of it exactly), and that power's inverse in
+        `row_scales`."""
+        comptime if Self.scales_per_key:
+            self.load_float16_queries[lanes](args, work, tid)
+            return
         var rows = work.rows(args.group)
         for l in range(lanes):
             for u in range(tid + l, Self.ROWS * Self.CHUNKS, Self.THREADS):
@@ -253,6 +291,41 @@ struct MmaTiles[
                     )
                 else:
                     zero_16(to)
+
+    @always_inline
+    def load_float16_queries[
+        lanes: Int
+    ](self, args: AttentionArgs[Self.cache_t, DType.bfloat16], work: BlockWork, tid: Int):
+        """`load_queries` where `scales_per_key`: thread r takes row r whole,
+        reading it twice (for its largest value, then to convert it) so that
+        no register holds more than a chunk."""
+        var rows = work.rows(args.group)
+        for l in range(lanes):
+            var r = tid + l
+            if r >= Self.ROWS:
+                continue
+            var queries = rebind[BF16Ptr](args.q).unsafe_offset(
+                row_offset[Self.D](args, work, r) if r < rows else 0
+            )
+            var largest: Float32 = 0
+            if r < rows:
+                for c in range(Self.CHUNKS):
+                    var chunk = queries.unsafe_load[width=8, alignment=16](c * 8)
+                    largest = max(largest, abs(chunk.cast[DType.float32]()).reduce_max())
+            # 2^up for the largest's exponent e: up = 14 - e, so that 2^-up
+            # stays a normal float32.
+            var exponent = Int32(bitcast[DType.uint32](largest) >> 23) - 127
+            var up = min(14 - exponent, 126)
+            var times = bitcast[DType.float32](UInt32(up + 127) << 23)
+            for c in range(Self.CHUNKS):
+                var halves = SIMD[DType.float16, 8](0)
+                if r < rows:
+                    var chunk = queries.unsafe_load[width=8, alignment=16](c * 8)
+                    halves = (chunk.cast[DType.float32]() * times).cast[DType.float16]()
+                self.smem.unsafe_offset(Self.swizzled[Self.ROWS](r, c)).unsafe_store[alignment=16](
+                    0, bitcast[DType.bfloat16, 8](halves)
+                )
+            self.row_scales()[unsafe_offset=r] = bitcast[DType.float32](UInt32(127 - up) << 23)
 
     @always_inline
     def locate_rows[
@@ -402,16 +475,19 @@ struct MmaTiles[
         commit_copies()
 
     @always_inline
-    def start_scales(self, thread: Int, kv_start: Int, granules: Int):
+    def start_scales(self, thread: Int, kv_start: Int, var granules: Int):
         """An 8-bit cache: thread `thread`'s share of the tile's keys'
         scales (`granules` per key) into its code stage: the key or value
         scales of one key (with `per_warp`, of its warp's keys), 4 bytes a
         copy (scale rows are only 4-byte aligned); zeros for keys without
         scales. A thread takes whole keys, so no index divides by the
-        granule count, a runtime value."""
+        granule count, a runtime value (1 where `scales_per_key`, known
+        when compiled)."""
         comptime keys = Self.WARP_KEYS if Self.per_warp else BN
         comptime threads = WARP if Self.per_warp else Self.THREADS
         var first_key = thread // WARP * Self.WARP_KEYS if Self.per_warp else 0
+        comptime if Self.scales_per_key:
+            granules = 1
         for pair in range(thread % threads, 2 * keys, threads):
             var kind = pair // keys
             var key = first_key + pair % keys
@@ -430,22 +506,14 @@ struct MmaTiles[
     @always_inline
     def convert_tile[lanes: Int](self, tid: Int, kv_start: Int, granularity: Int):
         """An 8-bit cache: the codes of the tile at `kv_start`, once landed
-        with their scales, widened into the bfloat16 stage, each thread the
-        chunks it copied. With one scale per head row (`granularity` D, the
-        default) the codes are widened as they are, exactly
-        (`codes_as_bfloat16`),
-        and their keys' scales go to `key_scales` for the products, which
-        take one multiplication per score instead of one per code; else
-        times their scale (a 16-code chunk lies in one granule). A key
-        without scales becomes zeros."""
-        if Self.scales_per_key(granularity):
-            self.convert_units[lanes, True](tid, kv_start, granularity)
-        else:
-            self.convert_units[lanes, False](tid, kv_start, granularity)
-
-    @always_inline
-    def convert_units[lanes: Int, per_key: Bool](self, tid: Int, kv_start: Int, granularity: Int):
-        """`convert_tile`, with scales per key (`per_key`) or per granule."""
+        with their scales, widened into the one stage, each thread the
+        chunks it copied. `scales_per_key` (`granularity` D, the default):
+        the codes' own values as float16, exactly (`codes_as_float16`, one
+        instruction per pair of float8 codes), and their keys' scales to
+        `key_scales` for the products, which take one multiplication per
+        score instead of one per code; else bfloat16 of the codes times
+        their scale (a 16-code chunk lies in one granule). A key without
+        scales becomes zeros."""
         for l in range(lanes):
             comptime for kind in range(2):
                 var scales = self.scales(kv_start, kind)
@@ -458,12 +526,15 @@ struct MmaTiles[
                         width=Self.ELEMENTS_PER_COPY, alignment=16
                     ](0)
                     var values: SIMD[DType.bfloat16, Self.ELEMENTS_PER_COPY]
-                    comptime if per_key:
-                        values = codes_as_bfloat16(codes)
+                    comptime if Self.scales_per_key:
+                        values = bitcast[DType.bfloat16, Self.ELEMENTS_PER_COPY](
+                            codes_as_float16(codes)
+                        )
                         if first == 0:
-                            self.key_scales(kind)[unsafe_offset=key] = scales[
-                                unsafe_offset=key * Self.MAX_GRANULES
-                            ]
+                            var scale = scales[unsafe_offset=key * Self.MAX_GRANULES]
+                            comptime if kind == VALUES:
+                                scale = log2(max(scale, SMALLEST_VALUE_SCALE))
+                            self.key_scales(kind)[unsafe_offset=key] = scale
                     else:
                         var scale = scales[
                             unsafe_offset=key * Self.MAX_GRANULES + first // granularity

@@ -130,13 +130,13 @@ def _run[
     if plan.splits > 1:
         args.partials = launcher.scratch(plan.splits * args.total_tokens * args.n_q_heads * (D + 2))
     comptime if _on_tensor_cores[cache_t, q_dtype, D]():
-        var bf16_args = rebind[AttentionArgs[cache_t, DType.bfloat16]](args)
-        if mma and plan.decode:
-            launcher.launch(MmaDecode(bf16_args))
-        elif warpgroup:
-            launcher.launch(WgmmaPrefill(bf16_args))
-        elif mma:
-            launcher.launch(MmaPrefill(bf16_args))
+        if mma:
+            _launch_mma[D](
+                launcher,
+                rebind[AttentionArgs[cache_t, DType.bfloat16]](args),
+                plan.decode,
+                warpgroup,
+            )
     if not mma and plan.decode:
         launcher.launch(Decode(args))
     elif not mma:
@@ -150,6 +150,51 @@ def _run[
                     args.total_tokens,
                     args.n_q_heads,
                     plan.splits,
+                )
+            )
+        )
+
+
+def _launch_mma[
+    cache_t: KVCacheT, //, D: Int, L: Launcher
+](
+    mut launcher: L,
+    args: AttentionArgs[cache_t, DType.bfloat16],
+    decode: Bool,
+    warpgroup: Bool,
+) raises:
+    """The tensor-core kernel of the plan (`mma`): decode, or prefill on warp
+    or, where `warpgroup`, warpgroup products. An 8-bit cache with one
+    scale per head row takes float16 products of its codes as they are,
+    except on warpgroup products, which widen them to bfloat16."""
+    comptime if is_quantized[cache_t.dtype]():
+        if args.granularity == D and (decode or not warpgroup):
+            if decode:
+                launcher.launch(MmaKernel[cache_t, D, L.LANES, True, scales_per_key=True](args))
+            else:
+                launcher.launch(MmaKernel[cache_t, D, L.LANES, False, scales_per_key=True](args))
+            return
+    if decode:
+        launcher.launch(MmaKernel[cache_t, D, L.LANES, True](args))
+    elif warpgroup:
+        launcher.launch(MmaKernel[cache_t, D, L.LANES, False, True](args))
+    else:
+        launcher.launch(MmaKernel[cache_t, D, L.LANES, False](args))
+
+
+def _merge[
+    cache_t: KVCacheT, q_dtype: DType, //, D: Int, L: Launcher
+](mut launcher: L, args: AttentionArgs[cache_t, q_dtype], splits: Int) raises:
+    """The split-K merge of the partial outputs, when the context was split."""
+    if splits > 1:
+        launcher.launch(
+            MergeKernel[q_dtype, D](
+                MergeArgs[q_dtype](
+                    args.partials,
+                    args.out,
+                    args.total_tokens,
+                    args.n_q_heads,
+                    splits,
                 )
             )
         )
