@@ -28,16 +28,14 @@ behaviour or anything the hardware adds.
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, thread_idx
 from max.gpu.host import DeviceAttribute, DeviceBuffer, DeviceContext, Dim, FuncAttribute
-from max.gpu.memory import external_memory
-from std.memory import AddressSpace
 from std.sys._assembly import inlined_assembly
 from std.sys.info import is_amd_gpu, is_nvidia_gpu
 from std.utils.numerics import nan
 from std.utils.static_tuple import StaticTuple
 
 from ..pointers import F32Ptr
+from .copy import shared_memory
 from .warp import WARP_LANES
-from .warpgroup import SWIZZLE_ALIGNMENT
 
 
 comptime DEFAULT_SHARED_BYTES = 48 * 1024
@@ -140,14 +138,6 @@ struct GpuBlock[P: ThreadProgram](BlockExecutor):
         barrier()
 
 
-def _shared_memory() -> F32Ptr:
-    return (
-        external_memory[Float32, address_space=AddressSpace.SHARED, alignment=SWIZZLE_ALIGNMENT]()
-        .unsafe_address_space_cast[AddressSpace.GENERIC]()
-        .unsafe_origin_cast[MutUntrackedOrigin]()
-    )
-
-
 trait Launcher:
     """Where kernels run: a GPU stream (`GpuLauncher`) or the CPU emulator."""
 
@@ -235,7 +225,7 @@ struct GpuLauncher(Launcher):
                     "kernel ", K.NAME, " takes more shared memory than an AMD workgroup gets"
                 )
             var block = BlockId(Int(block_idx.x), Int(block_idx.y), Int(block_idx.z))
-            var threads = GpuBlock(kernel.program(block, Int(thread_idx.x), _shared_memory()))
+            var threads = GpuBlock(kernel.program(block, Int(thread_idx.x), shared_memory()))
             kernel.schedule(threads, block)
 
         self.ctx.enqueue_function(

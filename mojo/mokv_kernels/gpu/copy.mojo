@@ -5,27 +5,75 @@ its copies, commits them as a group, and later waits for all but its newest
 groups, computing meanwhile without holding registers for the data in
 flight."""
 
-from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_group
+from max.gpu.memory import async_copy_commit_group, async_copy_wait_group, external_memory
 from std.memory import AddressSpace
 from std.sys import size_of
+from std.sys._assembly import inlined_assembly
 from std.sys.info import is_nvidia_gpu
 
-from ..pointers import CachePtr
+from ..pointers import BytePtr, CachePtr, F32Ptr
+from .warpgroup import SWIZZLE_ALIGNMENT
 
 
 @always_inline
-def start_copy[bytes: Int, dtype: DType](source: CachePtr[dtype], dest: CachePtr[dtype]):
+def _dynamic_shared() -> Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]:
+    """The block's dynamic shared memory, in its own address space."""
+    return external_memory[
+        Float32, address_space=AddressSpace.SHARED, alignment=SWIZZLE_ALIGNMENT
+    ]().unsafe_origin_cast[MutUntrackedOrigin]()
+
+
+@always_inline
+def shared_memory() -> F32Ptr:
+    """The block's dynamic shared memory as a generic pointer, the one
+    kernels take (`..block`); `start_copy` addresses it by offsets."""
+    return _dynamic_shared().unsafe_address_space_cast[AddressSpace.GENERIC]()
+
+
+@fieldwise_init
+struct SharedMemory(TrivialRegisterPassable):
+    """The block's shared memory as `start_copy` takes it: the generic
+    pointer kernels read it through (`shared_memory`), and on NVIDIA its
+    own 32-bit address, found once per block."""
+
+    var generic: BytePtr
+    var address: UInt32
+
+    @staticmethod
+    @always_inline
+    def of(generic: BytePtr) -> Self:
+        """`generic`, the start of `shared_memory`, with its address."""
+        var address: UInt32 = 0
+        comptime if is_nvidia_gpu():
+            address = UInt32(Int(_dynamic_shared()))
+        return Self(generic, address)
+
+
+@always_inline
+def start_copy[
+    bytes: Int, dtype: DType
+](source: CachePtr[dtype], shared: SharedMemory, offset: Int):
     """Starts copying the `bytes` (4, 8 or 16) at `source` (global memory)
-    to `dest` (shared memory); both aligned to `bytes`."""
+    to `offset` bytes into the block's `shared` memory; both aligned to
+    `bytes`. On NVIDIA the copy addresses its destination as the shared
+    memory's own address plus `offset`: given a generic pointer (MAX's
+    `async_copy`), LLVM converts it from the shared address it had and
+    truncates it back, which ptxas kept on every copy of the tile loops
+    (the shared window read again and three more instructions)."""
     comptime assert bytes == 4 or bytes == 8 or bytes == 16, "cp.async copies 4, 8 or 16 bytes"
-    comptime width = bytes // size_of[Scalar[dtype]]()
     comptime if is_nvidia_gpu():
-        async_copy[bytes](
-            source.unsafe_address_space_cast[AddressSpace.GLOBAL](),
-            dest.unsafe_address_space_cast[AddressSpace.SHARED](),
-        )
+        # .cg (L2 only) takes 16 bytes; .ca the smaller copies.
+        comptime level = "cg" if bytes == 16 else "ca"
+        inlined_assembly[
+            "cp.async." + level + ".shared.global [$0], [$1], " + String(bytes) + ";",
+            NoneType,
+            constraints="r,l,~{memory}",
+        ](shared.address + UInt32(offset), source.unsafe_address_space_cast[AddressSpace.GLOBAL]())
     else:
-        dest.unsafe_store[alignment=bytes](0, source.unsafe_load[width=width, alignment=bytes](0))
+        comptime width = bytes // size_of[Scalar[dtype]]()
+        shared.generic.unsafe_offset(offset).unsafe_bitcast[Scalar[dtype]]().unsafe_store[
+            alignment=bytes
+        ](0, source.unsafe_load[width=width, alignment=bytes](0))
 
 
 @always_inline

@@ -42,7 +42,7 @@ from ...kv_quantization import is_quantized
 from ...pointers import BF16Ptr, BytePtr, CachePtr, F32Ptr, ScalePtr
 
 from ..codes import as_values, codes_as_float16, head_scales_in_page
-from ..copy import commit_copies, start_copy, zero_16
+from ..copy import SharedMemory, commit_copies, start_copy, zero_16
 from ..rows import row_in_table_page, table_page
 
 from ..warpgroup import SWIZZLE_ALIGNMENT, SWIZZLE_COLUMNS
@@ -126,6 +126,8 @@ struct MmaTiles[
     )
 
     var smem: BF16Ptr
+    var shared: SharedMemory
+    """`smem` for the copies (`..copy.start_copy`)."""
     var first_key: Int
     var value_offset: Int
     """Stored elements from a token's key row to its value row: the cache's
@@ -168,7 +170,11 @@ struct MmaTiles[
                     - Int(args.k_cache.scale_row(work.row, 0))
                 ) // size_of[Float32]()
         return Self(
-            shared.unsafe_bitcast[BFloat16](), work.kv_start, value_offset, scale_value_offset
+            shared.unsafe_bitcast[BFloat16](),
+            SharedMemory.of(shared.unsafe_bitcast[UInt8]()),
+            work.kv_start,
+            value_offset,
+            scale_value_offset,
         )
 
     @staticmethod
@@ -190,41 +196,44 @@ struct MmaTiles[
         return Int(UInt32(kv_start - self.first_key) // UInt32(BN) % UInt32(Self.stage_count))
 
     @always_inline
-    def tile(self, kv_start: Int, kind: Int) -> BF16Ptr:
-        """The bfloat16 K (`kind` KEYS) or V tile of the tile at `kv_start`
-        (the one bfloat16 stage for an 8-bit cache)."""
+    def at[T: AnyType](self, offset: Int) -> Pointer[T, MutUntrackedOrigin]:
+        """`offset` bytes into the block's shared memory."""
+        return self.smem.unsafe_bitcast[UInt8]().unsafe_offset(offset).unsafe_bitcast[T]()
+
+    @always_inline
+    def tile_offset(self, kv_start: Int, kind: Int) -> Int:
+        """Bytes to the bfloat16 K (`kind` KEYS) or V tile of the tile at
+        `kv_start` (the one bfloat16 stage for an 8-bit cache)."""
         var stage = 0 if Self.QUANTIZED else self.stage(kv_start)
-        return self.smem.unsafe_offset(Self.STAGES_AT + (stage * 2 + kind) * Self.TILE)
+        return 2 * (Self.STAGES_AT + (stage * 2 + kind) * Self.TILE)
 
     @always_inline
-    def code_stage(self, kv_start: Int) -> BytePtr:
-        """An 8-bit cache: the code stage of the tile at `kv_start`."""
-        return (
-            self.smem.unsafe_offset(Self.CODES_AT)
-            .unsafe_bitcast[UInt8]()
-            .unsafe_offset(self.stage(kv_start) * Self.CODE_STAGE)
-        )
+    def tile(self, kv_start: Int, kind: Int) -> BF16Ptr:
+        """The bfloat16 K (`kind` KEYS) or V tile of the tile at `kv_start`."""
+        return self.at[BFloat16](self.tile_offset(kv_start, kind))
 
     @always_inline
-    def codes(self, kv_start: Int, kind: Int) -> CachePtr[Self.cache_t.dtype]:
-        """An 8-bit cache: the K (`kind` KEYS) or V codes `[BN, D]` of the
-        tile at `kv_start`."""
+    def codes_offset(self, kv_start: Int, kind: Int) -> Int:
+        """An 8-bit cache: bytes to the K (`kind` KEYS) or V codes `[BN, D]`
+        of the tile at `kv_start`, in its code stage."""
+        return 2 * Self.CODES_AT + self.stage(kv_start) * Self.CODE_STAGE + kind * Self.TILE
+
+    @always_inline
+    def scales_offset(self, kv_start: Int, kind: Int) -> Int:
+        """An 8-bit cache: bytes to the K (`kind` KEYS) or V scales `[BN,
+        MAX_GRANULES]` of the keys of the tile at `kv_start`."""
         return (
-            self.code_stage(kv_start)
-            .unsafe_bitcast[Scalar[Self.cache_t.dtype]]()
-            .unsafe_offset(kind * Self.TILE)
+            2 * Self.CODES_AT
+            + self.stage(kv_start) * Self.CODE_STAGE
+            + 2 * Self.TILE
+            + kind * BN * Self.MAX_GRANULES * 4
         )
 
     @always_inline
     def scales(self, kv_start: Int, kind: Int) -> F32Ptr:
-        """An 8-bit cache: the K (`kind` KEYS) or V scales `[BN,
-        MAX_GRANULES]` of the keys of the tile at `kv_start`."""
-        return (
-            self.code_stage(kv_start)
-            .unsafe_offset(2 * Self.TILE)
-            .unsafe_bitcast[Float32]()
-            .unsafe_offset(kind * BN * Self.MAX_GRANULES)
-        )
+        """An 8-bit cache: the K (`kind` KEYS) or V scales of the tile at
+        `kv_start` (`scales_offset`)."""
+        return self.at[Float32](self.scales_offset(kv_start, kind))
 
     @always_inline
     def addresses(self, kv_start: Int, kind: Int = KEYS) -> Pointer[Int, MutUntrackedOrigin]:
@@ -437,17 +446,16 @@ struct MmaTiles[
         return unit * Self.ELEMENTS_PER_COPY % Self.D
 
     @always_inline
-    def copy_at(self, kv_start: Int, unit: Int, kind: Int) -> CachePtr[Self.cache_t.dtype]:
-        """Where copy `unit` of the tile's K (`kind` KEYS) or V lands: its
-        swizzled bfloat16 stage, or an 8-bit cache's codes `[BN, D]`."""
+    def copy_offset(self, kv_start: Int, unit: Int, kind: Int) -> Int:
+        """Bytes to where copy `unit` of the tile's K (`kind` KEYS) or V
+        lands: its swizzled bfloat16 stage, or an 8-bit cache's codes `[BN,
+        D]` (offsets, not pointers: `..copy.start_copy`)."""
         var key = Self.key_of(unit)
         var first = Self.first_of(unit)
         comptime if Self.QUANTIZED:
-            return self.codes(kv_start, kind).unsafe_offset(key * Self.D + first)
+            return self.codes_offset(kv_start, kind) + key * Self.D + first
         else:
-            return rebind[CachePtr[Self.cache_t.dtype]](
-                self.tile(kv_start, kind).unsafe_offset(Self.swizzled[BN](key, first // 8))
-            )
+            return self.tile_offset(kv_start, kind) + 2 * Self.swizzled[BN](key, first // 8)
 
     @always_inline
     def start_tile[lanes: Int](self, tid: Int, kv_start: Int, granularity: Int):
@@ -459,17 +467,19 @@ struct MmaTiles[
         for l in range(lanes):
             comptime for n in range(Self.COPIES):
                 var unit = Self.unit(tid + l, n)
-                var keys = self.copy_at(kv_start, unit, KEYS)
-                var values = self.copy_at(kv_start, unit, VALUES)
+                var keys = self.copy_offset(kv_start, unit, KEYS)
+                var values = self.copy_offset(kv_start, unit, VALUES)
                 var address = addresses[unsafe_offset=Self.key_of(unit)]
                 if address != 0:
                     var first = Self.first_of(unit)
                     var source = CachePtr[Self.cache_t.dtype](unsafe_from_address=address)
-                    start_copy[16](source.unsafe_offset(first), keys)
-                    start_copy[16](source.unsafe_offset(self.value_offset + first), values)
+                    start_copy[16](source.unsafe_offset(first), self.shared, keys)
+                    start_copy[16](
+                        source.unsafe_offset(self.value_offset + first), self.shared, values
+                    )
                 else:
-                    zero_16(keys)
-                    zero_16(values)
+                    zero_16(self.at[UInt8](keys))
+                    zero_16(self.at[UInt8](values))
             comptime if Self.QUANTIZED:
                 self.start_scales(tid + l, kv_start, Self.D // granularity)
         commit_copies()
@@ -491,17 +501,17 @@ struct MmaTiles[
         for pair in range(thread % threads, 2 * keys, threads):
             var kind = pair // keys
             var key = first_key + pair % keys
-            var dest = self.scales(kv_start, kind).unsafe_offset(key * Self.MAX_GRANULES)
+            var dest = self.scales_offset(kv_start, kind) + key * Self.MAX_GRANULES * 4
             var address = self.addresses(kv_start, KEY_SCALES)[unsafe_offset=key]
             if address != 0:
                 var source = ScalePtr(unsafe_from_address=address).unsafe_offset(
                     kind * self.scale_value_offset
                 )
                 for granule in range(granules):
-                    start_copy[4](source.unsafe_offset(granule), dest.unsafe_offset(granule))
+                    start_copy[4](source.unsafe_offset(granule), self.shared, dest + 4 * granule)
             else:
                 for granule in range(granules):
-                    dest[unsafe_offset=granule] = 0
+                    self.at[Float32](dest)[unsafe_offset=granule] = 0
 
     @always_inline
     def convert_tile[lanes: Int](self, tid: Int, kv_start: Int, granularity: Int):
@@ -522,9 +532,9 @@ struct MmaTiles[
                     var copy = Self.unit(tid + l, n)
                     var key = Self.key_of(copy)
                     var first = Self.first_of(copy)
-                    var codes = self.copy_at(kv_start, copy, kind).unsafe_load[
-                        width=Self.ELEMENTS_PER_COPY, alignment=16
-                    ](0)
+                    var codes = self.at[Scalar[Self.cache_t.dtype]](
+                        self.copy_offset(kv_start, copy, kind)
+                    ).unsafe_load[width=Self.ELEMENTS_PER_COPY, alignment=16](0)
                     var values: SIMD[DType.bfloat16, Self.ELEMENTS_PER_COPY]
                     comptime if Self.scales_per_key:
                         values = bitcast[DType.bfloat16, Self.ELEMENTS_PER_COPY](
