@@ -506,6 +506,8 @@ struct MmaThread[
                 var b = ld_matrix[4, False, Self.lanes](rows)
                 var b0 = Array[FragB, Self.lanes](fill=0)
                 var b1 = Array[FragB, Self.lanes](fill=0)
+                # Unrolled: a loop over one lane left moves and branches
+                # around every float16 product in ptxas's code.
                 comptime for l in range(Self.lanes):
                     b0[l] = b[l].slice[4, offset=0]()
                     b1[l] = b[l].slice[4, offset=4]()
@@ -606,7 +608,7 @@ struct MmaThread[
             var b = ld_matrix[4, True, Self.lanes](rows)
             var b0 = Array[FragB, Self.lanes](fill=0)
             var b1 = Array[FragB, Self.lanes](fill=0)
-            comptime for l in range(Self.lanes):
+            comptime for l in range(Self.lanes):  # unrolled, as in `warp_scores`
                 b0[l] = b[l].slice[4, offset=0]()
                 b1[l] = b[l].slice[4, offset=4]()
             self.o.set(2 * n2, mma[Self.lanes, Self.PRODUCTS](a, b0, self.o.get(2 * n2)))

@@ -39,7 +39,7 @@ from std.sys import size_of
 
 from ...cache.traits import KVCacheT
 from ...kv_quantization import is_quantized
-from ...pointers import BF16Ptr, BytePtr, CachePtr, F32Ptr, ScalePtr
+from ...pointers import BF16Ptr, CachePtr, F32Ptr, ScalePtr
 
 from ..codes import as_values, codes_as_float16, head_scales_in_page
 from ..copy import SharedMemory, commit_copies, start_copy, zero_16
@@ -251,22 +251,13 @@ struct MmaTiles[
         KEYS), which their scores are multiplied by, or the base-2 logs of
         their value scales (VALUES; `SMALLEST_VALUE_SCALE` at least), which
         their log-weights add (`convert_tile`)."""
-        return (
-            self.smem.unsafe_bitcast[UInt8]()
-            .unsafe_offset(Self.KEY_SCALES_AT)
-            .unsafe_bitcast[Float32]()
-            .unsafe_offset(kind * BN)
-        )
+        return self.at[Float32](Self.KEY_SCALES_AT + kind * BN * 4)
 
     @always_inline
     def row_scales(self) -> F32Ptr:
         """`scales_per_key`: each query row's power of two, by which the
         row's float16 queries were divided (`load_queries`)."""
-        return (
-            self.smem.unsafe_bitcast[UInt8]()
-            .unsafe_offset(Self.ROW_SCALES_AT)
-            .unsafe_bitcast[Float32]()
-        )
+        return self.at[Float32](Self.ROW_SCALES_AT)
 
     @always_inline
     def stages(self) -> F32Ptr:
