@@ -125,9 +125,9 @@ struct MmaTiles[
         Self.KEY_SCALES_AT
     )
 
-    var smem: BF16Ptr
     var shared: SharedMemory
-    """`smem` for the copies (`..copy.start_copy`)."""
+    """The block's shared memory (`smem`), as the copies take it too
+    (`..copy.start_copy`)."""
     var first_key: Int
     var value_offset: Int
     """Stored elements from a token's key row to its value row: the cache's
@@ -170,7 +170,6 @@ struct MmaTiles[
                     - Int(args.k_cache.scale_row(work.row, 0))
                 ) // size_of[Float32]()
         return Self(
-            shared.unsafe_bitcast[BFloat16](),
             SharedMemory.of(shared.unsafe_bitcast[UInt8]()),
             work.kv_start,
             value_offset,
@@ -186,7 +185,7 @@ struct MmaTiles[
 
     @always_inline
     def queries(self) -> BF16Ptr:
-        return self.smem
+        return self.smem()
 
     @always_inline
     def stage(self, kv_start: Int) -> Int:
@@ -196,9 +195,14 @@ struct MmaTiles[
         return Int(UInt32(kv_start - self.first_key) // UInt32(BN) % UInt32(Self.stage_count))
 
     @always_inline
+    def smem(self) -> BF16Ptr:
+        """The block's shared memory, in bfloat16 elements."""
+        return self.shared.generic.unsafe_bitcast[BFloat16]()
+
+    @always_inline
     def at[T: AnyType](self, offset: Int) -> Pointer[T, MutUntrackedOrigin]:
         """`offset` bytes into the block's shared memory."""
-        return self.smem.unsafe_bitcast[UInt8]().unsafe_offset(offset).unsafe_bitcast[T]()
+        return self.shared.generic.unsafe_offset(offset).unsafe_bitcast[T]()
 
     @always_inline
     def tile_offset(self, kv_start: Int, kind: Int) -> Int:
@@ -213,21 +217,21 @@ struct MmaTiles[
         return self.at[BFloat16](self.tile_offset(kv_start, kind))
 
     @always_inline
+    def code_stage_offset(self, kv_start: Int) -> Int:
+        """An 8-bit cache: bytes to the code stage of the tile at `kv_start`."""
+        return 2 * Self.CODES_AT + self.stage(kv_start) * Self.CODE_STAGE
+
+    @always_inline
     def codes_offset(self, kv_start: Int, kind: Int) -> Int:
         """An 8-bit cache: bytes to the K (`kind` KEYS) or V codes `[BN, D]`
         of the tile at `kv_start`, in its code stage."""
-        return 2 * Self.CODES_AT + self.stage(kv_start) * Self.CODE_STAGE + kind * Self.TILE
+        return self.code_stage_offset(kv_start) + kind * Self.TILE
 
     @always_inline
     def scales_offset(self, kv_start: Int, kind: Int) -> Int:
         """An 8-bit cache: bytes to the K (`kind` KEYS) or V scales `[BN,
         MAX_GRANULES]` of the keys of the tile at `kv_start`."""
-        return (
-            2 * Self.CODES_AT
-            + self.stage(kv_start) * Self.CODE_STAGE
-            + 2 * Self.TILE
-            + kind * BN * Self.MAX_GRANULES * 4
-        )
+        return self.code_stage_offset(kv_start) + 2 * Self.TILE + kind * BN * Self.MAX_GRANULES * 4
 
     @always_inline
     def scales(self, kv_start: Int, kind: Int) -> F32Ptr:
@@ -240,7 +244,8 @@ struct MmaTiles[
         """The key row addresses (`kind` KEYS), or an 8-bit cache's key
         scale rows' (KEY_SCALES), of the tile at `kv_start`."""
         return (
-            self.smem.unsafe_offset(Self.ADDRESSES_AT)
+            self.smem()
+            .unsafe_offset(Self.ADDRESSES_AT)
             .unsafe_bitcast[Int]()
             .unsafe_offset((self.stage(kv_start) * Self.ADDRESS_KINDS + kind) * BN)
         )
@@ -263,7 +268,7 @@ struct MmaTiles[
     def stages(self) -> F32Ptr:
         """The stages as float32 words, for what a block leaves there once
         its last tile is done."""
-        return self.smem.unsafe_offset(Self.STAGES_AT).unsafe_bitcast[Float32]()
+        return self.smem().unsafe_offset(Self.STAGES_AT).unsafe_bitcast[Float32]()
 
     @always_inline
     def load_queries[
@@ -283,7 +288,7 @@ struct MmaTiles[
             for u in range(tid + l, Self.ROWS * Self.CHUNKS, Self.THREADS):
                 var r = u // Self.CHUNKS
                 var c = u % Self.CHUNKS
-                var to = self.smem.unsafe_offset(Self.swizzled[Self.ROWS](r, c))
+                var to = self.smem().unsafe_offset(Self.swizzled[Self.ROWS](r, c))
                 if r < rows:
                     var offset = row_offset[Self.D](args, work, r) + c * 8
                     to.unsafe_store[alignment=16](
@@ -322,9 +327,9 @@ struct MmaTiles[
                 if r < rows:
                     var chunk = queries.unsafe_load[width=8, alignment=16](c * 8)
                     halves = (chunk.cast[DType.float32]() * times).cast[DType.float16]()
-                self.smem.unsafe_offset(Self.swizzled[Self.ROWS](r, c)).unsafe_store[alignment=16](
-                    0, bitcast[DType.bfloat16, 8](halves)
-                )
+                self.smem().unsafe_offset(Self.swizzled[Self.ROWS](r, c)).unsafe_store[
+                    alignment=16
+                ](0, bitcast[DType.bfloat16, 8](halves))
             self.row_scales()[unsafe_offset=r] = bitcast[DType.float32](UInt32(127 - up) << 23)
 
     @always_inline

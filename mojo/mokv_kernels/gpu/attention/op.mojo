@@ -182,24 +182,6 @@ def _launch_mma[
         launcher.launch(MmaKernel[cache_t, D, L.LANES, False](args))
 
 
-def _merge[
-    cache_t: KVCacheT, q_dtype: DType, //, D: Int, L: Launcher
-](mut launcher: L, args: AttentionArgs[cache_t, q_dtype], splits: Int) raises:
-    """The split-K merge of the partial outputs, when the context was split."""
-    if splits > 1:
-        launcher.launch(
-            MergeKernel[q_dtype, D](
-                MergeArgs[q_dtype](
-                    args.partials,
-                    args.out,
-                    args.total_tokens,
-                    args.n_q_heads,
-                    splits,
-                )
-            )
-        )
-
-
 def attention_gpu[
     collection_t: KVCollectionT, L: Launcher, q_dtype: DType
 ](
