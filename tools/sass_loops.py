@@ -98,7 +98,10 @@ def loops(sass: str) -> list[Loop]:
             body = [opcode(t) for a, t in instructions if start <= a <= address]
             skips = [(a, ops) for a, ops in forward if start <= a <= address and len(ops) >= 16]
             found.append(Loop(start, address, body, skips))
-    return found
+    # A branch back from a slow path placed after a loop (a shuffle's
+    # `BRA.DIV` fallback returning into the loop's body) spans from inside
+    # that loop to past its end: no loop of the program.
+    return [lp for lp in found if not any(other.start < lp.start <= other.end < lp.end for other in found)]
 
 
 def nvdisasm() -> str:
@@ -129,9 +132,7 @@ def main(argv: list[str]) -> int:
         seen.add(label)
         if wanted and not any(w in label for w in wanted):
             continue
-        # The tile loop carries the products; a branch back from a slow path
-        # placed after the loop (a shuffle's `BRA.DIV` fallback) looks like
-        # a loop of its own.
+        # The tile loop carries the products.
         largest = sorted(loops(kernel_sass(ptx)), key=lambda lp: (-lp.kinds()["mma"], -len(lp.opcodes)))[:2]
         for loop in largest:
             kinds = loop.kinds()

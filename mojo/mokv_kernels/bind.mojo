@@ -5,6 +5,7 @@ from extensibility import InputTensor, _MutableInputTensor
 
 from .cache.batch_summary import BatchSummary
 from .cache.collection import KVCacheCollection
+from .cache.divisor import Divisor
 from .cache.layout import CacheGeometry, ContinuousLayout, PagedLayout, ScaleTable
 from .cache.traits import KVCacheT, KVCollectionT
 from .kv_quantization import is_quantized
@@ -38,12 +39,22 @@ def bind_collection[
             t"lookup_table has {lookup_table.dim_size(0)} rows but"
             t" cache_lengths has {cache_lengths.dim_size(0)}"
         )
+    var page_len = blocks.dim_size(3)
+    var columns = 1
+    comptime if table_rank == 2:
+        columns = lookup_table.dim_size(1)
+    if page_len < 1 or columns * page_len >= 1 << 31:
+        raise Error(
+            t"a sequence of {columns} pages of {page_len} tokens: a sequence holds"
+            t" between 1 and 2^31 - 1 tokens"
+        )
     var base = blocks.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var geometry = CacheGeometry(
         base.unsafe_bitcast[UInt8](),
         blocks.dim_size(0),
         blocks.dim_size(2),
-        blocks.dim_size(3),
+        page_len,
+        Divisor.of(page_len),
         blocks.dim_size(4),
         blocks.dim_size(5),
         cache_lengths.dim_size(0),
@@ -93,8 +104,8 @@ def bind_scales[
             t" {blocks.dim_size(2)}, a divisor of {page_len}, {blocks.dim_size(4)}, a"
             t" divisor of {head_dim}]"
         )
-    return ScaleTable(
-        scales.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), page_len // rows, granules
+    return ScaleTable.of(
+        scales.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), page_len, rows, granules
     )
 
 

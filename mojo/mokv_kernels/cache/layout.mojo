@@ -4,6 +4,7 @@ and the two ways a batch row's tokens map onto pages (`PageLayout`:
 `PagedLayout`, `ContinuousLayout`)."""
 
 from ..pointers import BytePtr, ScalePtr, U32Ptr
+from .divisor import Divisor
 
 
 @fieldwise_init
@@ -12,17 +13,25 @@ struct ScaleTable(TrivialRegisterPassable):
 
     var scales: ScalePtr
     var tokens_per_scale: Int
+    var rows_per_page: Int
+    """Scale rows per page: `page_len // tokens_per_scale`."""
     var granules: Int
     """Scales per head row: each covers `head_dim // granules` elements."""
+    var scale_block: Divisor
+    """`tokens_per_scale`, to divide a token's place in its page by."""
+
+    @staticmethod
+    def of(scales: ScalePtr, page_len: Int, rows_per_page: Int, granules: Int) raises -> Self:
+        """The table of `rows_per_page` scale rows per page (a divisor of
+        `page_len`), `granules` scales per head row."""
+        var tokens_per_scale = page_len // rows_per_page
+        return Self(scales, tokens_per_scale, rows_per_page, granules, Divisor.of(tokens_per_scale))
 
     @staticmethod
     def empty(anywhere: ScalePtr) -> Self:
         """The table of an unquantized cache: no scales, so `anywhere` (a
         pointer is never null) is never read."""
-        return Self(anywhere, 1, 0)
-
-    def rows_per_page(self, page_len: Int) -> Int:
-        return Int(UInt32(page_len) // UInt32(self.tokens_per_scale))
+        return Self(anywhere, 1, 0, 0, Divisor.one())
 
 
 @fieldwise_init
@@ -34,6 +43,8 @@ struct CacheGeometry(TrivialRegisterPassable):
     var num_pages: Int
     var num_layers: Int
     var page_len: Int
+    var page_divisor: Divisor
+    """`page_len`, to divide a token's position by."""
     var n_kv_heads: Int
     var head_dim: Int
     var batch_size: Int
@@ -45,28 +56,40 @@ struct CacheGeometry(TrivialRegisterPassable):
         return self.n_kv_heads * self.head_dim
 
     def offset(self, page: Int, kv_idx: Int, layer: Int, tok_in_page: Int) -> Int:
-        """Element offset of one token row inside the page tensor."""
-        return (
-            ((page * 2 + kv_idx) * self.num_layers + layer) * self.page_len + tok_in_page
-        ) * self.row_elems()
+        """Element offset of one token row inside the page tensor: the
+        page's start, the layer's rows in it, the token's row. `page` and
+        `tok_in_page` are 32-bit (a page id, a place in a page), so a kernel
+        that locates every key multiplies each once, 32 by 64 bits, where
+        the nested form took four 64-bit products."""
+        var layer_rows = (kv_idx * self.num_layers + layer) * self.page_len
+        return Int(
+            UInt64(UInt32(page)) * UInt64(2 * self.num_layers * self.page_len * self.row_elems())
+            + UInt64(layer_rows * self.row_elems())
+            + UInt64(UInt32(tok_in_page)) * UInt64(self.row_elems())
+        )
 
     def scale_offset(self, page: Int, kv_idx: Int, layer: Int, tok_in_page: Int) -> Int:
-        """Element offset of one token's scales inside the scale table."""
-        var rows = self.scales.rows_per_page(self.page_len)
-        var row = ((page * 2 + kv_idx) * self.num_layers + layer) * rows + Int(
-            UInt32(tok_in_page) // UInt32(self.scales.tokens_per_scale)
+        """Element offset of one token's scales inside the scale table
+        (multiplied as `offset` is)."""
+        var rows = self.scales.rows_per_page
+        var row_scales = self.n_kv_heads * self.scales.granules
+        var layer_row = (kv_idx * self.num_layers + layer) * rows
+        var row = layer_row + self.scales.scale_block.quotient(tok_in_page)
+        return Int(
+            UInt64(UInt32(page)) * UInt64(2 * self.num_layers * rows * row_scales)
+            + UInt64(row * row_scales)
         )
-        return row * self.n_kv_heads * self.scales.granules
 
     def cache_length(self, bs: Int) -> Int:
         return Int(self.cache_lengths[unsafe_offset=bs])
 
 
 trait PageLayout(TrivialRegisterPassable):
-    """Where a batch row's tokens live in the page tensor. Token indices and
-    page sizes are below 2^32 (a lookup table's columns times its page
-    size), so divisions by a page or scale-block size are 32-bit: a 64-bit
-    division costs a GPU kernel three times the instructions, every key."""
+    """Where a batch row's tokens live in the page tensor. Token indices are
+    below 2^31 (a lookup table's columns times its page size, checked where
+    a collection is bound), so dividing by a page or scale-block size is a
+    `Divisor`'s multiply-high, not a division (a GPU kernel divides every
+    key of every tile)."""
 
     def page_index(self, geometry: CacheGeometry, bs: Int, tok_idx: Int) -> Int:
         """The page (a continuous-batching slot) holding token `tok_idx` of
@@ -95,11 +118,11 @@ struct PagedLayout(PageLayout):
     var max_pages_per_seq: Int
 
     def page_index(self, geometry: CacheGeometry, bs: Int, tok_idx: Int) -> Int:
-        var column = Int(UInt32(tok_idx) // UInt32(geometry.page_len))
+        var column = geometry.page_divisor.quotient(tok_idx)
         return Int(geometry.lookup_table[unsafe_offset=bs * self.max_pages_per_seq + column])
 
     def token_in_page(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
-        return Int(UInt32(tok_idx) % UInt32(geometry.page_len))
+        return geometry.page_divisor.remainder(tok_idx)
 
     def contiguous_tokens(self, geometry: CacheGeometry, tok_idx: Int) -> Int:
         return geometry.page_len - self.token_in_page(geometry, tok_idx)
