@@ -214,10 +214,13 @@ TENSOR_CORE_CASES = [
 
 @pytest.mark.parametrize("multiprocessors", [1, H100_MULTIPROCESSORS], ids=["unsplit", "split"])
 @pytest.mark.parametrize("case", TENSOR_CORE_CASES, ids=lambda c: "-".join(str(x) for x in c))
-def test_tensor_cores_read_codes_widened_in_shared_memory(case, multiprocessors, emulator):
-    """The tensor-core kernels, which widen each tile's codes in shared
-    memory: times their scales to bfloat16, or with one scale per head row
-    as they are to float16 (`QuantizedAttention.assert_close`)."""
+def test_tensor_cores_read_codes_with_their_scales(case, multiprocessors, emulator):
+    """The tensor-core kernels: prefill widens each tile's codes in shared
+    memory, times their scales to bfloat16, or with one scale per head row
+    as they are to float16; decode with one scale per head row widens each
+    warp's codes to float16 in registers as its products take them, the
+    queries' and outputs' columns permuted to match
+    (`QuantizedAttention.assert_close`)."""
     emulate_attention(emulator, case, multiprocessors, tensor_cores=True).assert_close(tensor_cores=True)
 
 

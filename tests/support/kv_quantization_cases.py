@@ -138,5 +138,6 @@ ATTENTION_CASES = [
 PER_KEY_TENSOR_CORE_CASES = [
     ("int8", DType.bfloat16, 8, 128, 64, 1, 16),
     ("float8_e4m3fn", DType.bfloat16, 1, 64, 32, 1, 8),
+    ("float8_e4m3fn", DType.bfloat16, 4, 128, 128, 1, 1),
 ]
 ROWS = [(0, 37), (211, 1), (130, 70), (1500, 1), (9, 0), (700, 1)]

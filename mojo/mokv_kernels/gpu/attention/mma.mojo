@@ -1,7 +1,8 @@
 """Attention tiles on tensor cores, for bfloat16 caches and 8-bit caches (their
 codes widened in shared memory, `mma_tiles`: times their scales to bfloat16,
 or with one scale per head row, the default, as they are to float16 for
-float16 products, `scales_per_key` in `MmaThread`): Q Kᵀ and P V as
+float16 products, `scales_per_key` in `MmaThread`, which decode widens in
+registers instead, `MmaTiles.IN_REGISTERS`): Q Kᵀ and P V as
 `mma.sync` m16n8k16 products with float32 accumulation (`..warp`), or as
 Hopper's warpgroup products, in three kernels (`MmaKernel`) that differ in
 what their four warps split and how they multiply:
@@ -33,7 +34,9 @@ The context is walked in tiles of `BN` = 64 keys:
   on warpgroup products over a bfloat16 cache: two tiles' copies beside
   the two tiles multiplied); an
   8-bit cache's codes and scales land in code stages (two, three for
-  decode), all of them in flight while the widened tile is multiplied; a
+  decode), all of them in flight while the widened tile is multiplied
+  (decode widening in registers reads its codes from their stage, so the
+  others are in flight); a
   key's page table entry is read one tile before its row is located, so
   the block never waits on that read (the copies wait on the address);
 - scores: query and K fragments from `ldmatrix` (the queries stay in
@@ -48,12 +51,22 @@ The context is walked in tiles of `BN` = 64 keys:
 - values: the probabilities (with `scales_per_key`, the weights: each times
   its key's value scale) are rounded to bfloat16 (float16) in registers and
   are the next product's A operand as they are (a C fragment pair is an A
-  fragment), V fragments from the transposed `ldmatrix`.
+  fragment), V fragments from the transposed `ldmatrix`;
+- decode over an 8-bit cache with one scale per head row (`IN_REGISTERS`):
+  K and V fragments are the codes themselves, loaded 16 bytes at a time
+  from their code stage and converted in registers (a pair of float8 codes
+  per instruction), with no widened tile in shared memory: a lane's four
+  codes of a k-step are four consecutive dims of its key, and the queries'
+  columns are stored in that order (`MmaTiles.query_dim`); a lane's value
+  fragment of an n-tile is one byte of each of four value rows, two rows'
+  pair of n-tiles one byte permute, and the outputs' columns come out in
+  that order (`MmaTiles.output_dim`), put back when a warp saves its
+  state.
 
 One barrier per tile: after it, this tile's copies have landed in every
 thread and every warp is done with the previous tile, whose stage the next
-tile's copies then overwrite (an 8-bit cache's tiles take a second one,
-after their codes are widened into the stage). One more after the first
+tile's copies then overwrite (an 8-bit cache's tiles widened in shared
+memory take a second one, after their codes are widened into the stage). One more after the first
 tiles' copies start: an 8-bit cache's first tile shares its address slot
 with the tile located next, so no thread may overwrite it while another
 still reads it. In decode these are warp barriers, not the block's: each
@@ -68,7 +81,7 @@ all (the eighth GPU run's profile found masking and its per-tile divisions a
 fifth of the prefill's instructions). Under the emulator a program is a whole
 warp (`..warp`)."""
 
-from std.math import exp2
+from std.math import exp2, log2
 from std.memory import bitcast
 from std.sys import bit_width_of
 
@@ -76,6 +89,7 @@ from ...pointers import BF16Ptr, F32Ptr
 from ...cache.traits import KVCacheT
 from ...kv_quantization import is_quantized
 from ..block import BlockExecutor, BlockId, KernelT, ThreadProgram
+from ..codes import codes_as_float16
 from ..copy import wait_copies
 from ..warp import FragA, FragB, Frags, ld_matrix, mma, shuffle_xor, warp_barrier
 from ..warpgroup import (
@@ -90,7 +104,7 @@ from ..warpgroup import (
     wgmma_ss,
 )
 from .config import BLOCK_THREADS, DECODE_ROWS, NEG_INF, WARP, WARPS
-from .mma_tiles import BN, KEYS, VALUES, MmaTiles
+from .mma_tiles import BN, KEYS, SMALLEST_VALUE_SCALE, VALUES, MmaTiles
 from .work import AttentionArgs, BlockWork, block_work, write_row_part
 
 # Phases of a block (`MmaThread.step`).
@@ -162,7 +176,9 @@ struct MmaThread[
     per multiprocessor): the tile whose values are multiplied, the next
     one whose keys are, and two tiles' copies in flight; three code stages
     for an 8-bit decode, whose blocks wait on memory, so three tiles of
-    codes are in flight (as many bytes as two bfloat16 tiles)."""
+    codes are in flight (as many bytes as two bfloat16 tiles), or two where
+    its codes are widened in registers (`MmaTiles.IN_REGISTERS`: the stage
+    read is busy), at three blocks per multiprocessor instead of two."""
     comptime Tiles = MmaTiles[
         Self.cache_t,
         Self.D,
@@ -353,9 +369,11 @@ struct MmaThread[
         previous tile's `COMPUTE_TILE`), one group each, as many as the
         block has after this one."""
         comptime in_flight = Self.AHEAD - 2 if Self.PIPELINED else Self.AHEAD - 1
-        var later = (self.work.kv_end - kv_start - 1) // BN
+        # 32-bit (kv_start < kv_end): a 64-bit signed division takes a
+        # dozen instructions more on every tile.
+        var later = UInt32(self.work.kv_end - kv_start - 1) // UInt32(BN)
         comptime for pending in reversed(range(1, in_flight + 1)):
-            if later >= pending:
+            if later >= UInt32(pending):
                 wait_copies[pending]()
                 return
         wait_copies[0]()
@@ -413,10 +431,12 @@ struct MmaThread[
         elif Self.warpgroup:
             self.group_scores(kv_start, s)
             warpgroup_wait()
+        elif Self.Tiles.IN_REGISTERS:
+            self.code_scores(kv_start, s)
         else:
             self.warp_scores(self.tiles.queries(), self.tiles.tile(kv_start, KEYS), s)
         comptime if Self.scales_per_key:
-            self.times_key_scales(s)
+            self.times_key_scales(kv_start, s)
         else:
             self.times_scale(s)
         if not self.tile_fully_visible(kv_start):
@@ -431,27 +451,38 @@ struct MmaThread[
                 s[n, l] = s[n, l] * self.args.scale_log2
 
     @always_inline
-    def times_key_scales(self, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]):
+    def times_key_scales(
+        self, kv_start: Int, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]
+    ):
         """`scales_per_key`: each score times its key's key scale and its
         `score_scales`."""
-        var scales = self.key_pairs(KEYS)
+        var scales = self.key_pairs[KEYS](kv_start)
         for l in range(Self.lanes):
             comptime for n in range(Self.NTILES):
                 var pair = scales[n, l]
                 s[n, l] = s[n, l] * pair.join(pair) * self.score_scales[0, l]
 
     @always_inline
-    def key_pairs(self, kind: Int) -> Frags[DType.float32, 2, Self.NTILES, Self.lanes]:
+    def key_pairs[
+        kind: Int
+    ](self, kv_start: Int) -> Frags[DType.float32, 2, Self.NTILES, Self.lanes]:
         """`scales_per_key`: each lane's keys' key scales (`kind` KEYS) or
         value log-scales (`MmaTiles.key_scales`), a pair per score n-tile:
         lane l's values 2 h + e of n-tile n are key `8 n + 2 (l % 4) + e`
-        of the warp's keys, for either row h."""
-        var scales = self.tiles.key_scales(kind).unsafe_offset(self.warp_key())
+        of the warp's keys, for either row h. `IN_REGISTERS`: from the code
+        stage of the tile at `kv_start`, logged here (a lane's four keys)."""
+        var scales = self.tiles.key_scales(kind)
+        comptime if Self.Tiles.IN_REGISTERS:
+            scales = self.tiles.scales(kv_start, kind)
+        scales = scales.unsafe_offset(self.warp_key())
         var pairs = Frags[DType.float32, 2, Self.NTILES, Self.lanes](0)
         for l in range(Self.lanes):
             var column = 2 * (self.lane(l) % 4)
             comptime for n in range(Self.NTILES):
-                pairs[n, l] = scales.unsafe_load[width=2, alignment=8](n * 8 + column)
+                var pair = scales.unsafe_load[width=2, alignment=8](n * 8 + column)
+                comptime if Self.Tiles.IN_REGISTERS and kind == VALUES:
+                    pair = log2(max(pair, SMALLEST_VALUE_SCALE))
+                pairs[n, l] = pair
         return pairs^
 
     @always_inline
@@ -480,6 +511,17 @@ struct MmaThread[
             )
 
     @always_inline
+    def query_fragment(self, queries: BF16Ptr, k: Int) -> Array[FragA, Self.lanes]:
+        """The A fragment of the warp's query rows for k-step `k` (`ldmatrix`)."""
+        var rows = Array[BF16Ptr, Self.lanes](fill=queries)
+        for l in range(Self.lanes):
+            var lane = self.lane(l)
+            rows[l] = queries.unsafe_offset(
+                Self.Tiles.swizzled[Self.ROWS](self.warp_row() + lane % 16, 2 * k + lane // 16)
+            )
+        return ld_matrix[4, False, Self.lanes](rows)
+
+    @always_inline
     def warp_scores(
         self,
         queries: BF16Ptr,
@@ -489,13 +531,8 @@ struct MmaThread[
         """Q Kᵀ of the warp's rows and keys as `mma.sync` products, query
         and key fragments from `ldmatrix`."""
         comptime for k in range(Self.KSTEPS):
-            var rows = Array[BF16Ptr, Self.lanes](fill=queries)
-            for l in range(Self.lanes):
-                var lane = self.lane(l)
-                rows[l] = queries.unsafe_offset(
-                    Self.Tiles.swizzled[Self.ROWS](self.warp_row() + lane % 16, 2 * k + lane // 16)
-                )
-            var a = ld_matrix[4, False, Self.lanes](rows)
+            var a = self.query_fragment(queries, k)
+            var rows = Array[BF16Ptr, Self.lanes](fill=keys)
             comptime for n2 in range(Self.NTILES // 2):
                 for l in range(Self.lanes):
                     var lane = self.lane(l)
@@ -513,6 +550,89 @@ struct MmaThread[
                     b1[l] = b[l].slice[4, offset=4]()
                 s.set(2 * n2, mma[Self.lanes, Self.PRODUCTS](a, b0, s.get(2 * n2)))
                 s.set(2 * n2 + 1, mma[Self.lanes, Self.PRODUCTS](a, b1, s.get(2 * n2 + 1)))
+
+    @staticmethod
+    @always_inline
+    def code_operand(codes: SIMD[DType.uint8, 4]) -> FragB:
+        """`IN_REGISTERS`: a B fragment of four codes' float16 values (bits
+        in bfloat16 registers, `..warp.FragB`)."""
+        return bitcast[DType.bfloat16, 4](
+            codes_as_float16[Self.cache_t.dtype, 4](bitcast[Self.cache_t.dtype, 4](codes))
+        )
+
+    @always_inline
+    def code_scores(self, kv_start: Int, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]):
+        """`IN_REGISTERS`: Q Kᵀ of the warp's rows and keys, query fragments
+        from `ldmatrix`, key fragments widened from the codes in registers:
+        lane (g, t) reads bytes `t D/4 ..< (t + 1) D/4` of key g of each
+        n-tile, four codes (a 32-bit word) per k-step, which `MmaTiles.
+        query_dim` orders the queries' columns for."""
+        comptime BYTES = Self.D // 4
+        var rows = Array[SIMD[DType.uint8, BYTES], Self.NTILES * Self.lanes](fill=0)
+        for l in range(Self.lanes):
+            var first = self.lane(l) % 4 * BYTES
+            comptime for n in range(Self.NTILES):
+                var key = self.warp_key() + 8 * n + self.lane(l) // 4
+                comptime if BYTES == 16:
+                    rows[n * Self.lanes + l] = rebind[SIMD[DType.uint8, BYTES]](
+                        self.tiles.codes[16](kv_start, KEYS, key, first)
+                    )
+                else:
+                    rows[n * Self.lanes + l] = rebind[SIMD[DType.uint8, BYTES]](
+                        self.tiles.codes[16](kv_start, KEYS, key, first).join(
+                            self.tiles.codes[16](kv_start, KEYS, key, first + 16)
+                        )
+                    )
+        comptime for k in range(Self.KSTEPS):
+            var a = self.query_fragment(self.tiles.queries(), k)
+            comptime for n in range(Self.NTILES):
+                var b = Array[FragB, Self.lanes](fill=0)
+                comptime for l in range(Self.lanes):  # unrolled, as in `warp_scores`
+                    b[l] = Self.code_operand(rows[n * Self.lanes + l].slice[4, offset=4 * k]())
+                s.set(n, mma[Self.lanes, Self.PRODUCTS](a, b, s.get(n)))
+
+    @always_inline
+    def code_values(mut self, a: Array[FragA, Self.lanes], kv_start: Int, j: Int):
+        """`IN_REGISTERS`: P V over keys 16 j .. of the warp's share, value
+        fragments widened from the codes in registers: lane (g, t) reads
+        bytes `g D/8 ..< (g + 1) D/8` of value rows 2t, 2t + 1, 2t + 8 and
+        2t + 9, and output n-tile n takes byte n of each (the outputs'
+        columns in `MmaTiles.output_dim`'s order)."""
+        comptime BYTES = Self.D // 8
+        var rows = Array[SIMD[DType.uint8, BYTES], 4 * Self.lanes](fill=0)
+        for l in range(Self.lanes):
+            var lane = self.lane(l)
+            comptime for r in range(4):
+                var key = self.warp_key() + 16 * j + 2 * (lane % 4) + r % 2 + r // 2 * 8
+                rows[r * Self.lanes + l] = self.tiles.codes[BYTES](
+                    kv_start, VALUES, key, lane // 4 * BYTES
+                )
+        # Two n-tiles at a time: a 32-bit word of two rows' bytes n and n + 1
+        # is one byte permute, and converts to those n-tiles' float16 pairs.
+        comptime for n in range(0, Self.DTILES, 2):
+            var b0 = Array[FragB, Self.lanes](fill=0)
+            var b1 = Array[FragB, Self.lanes](fill=0)
+            comptime for l in range(Self.lanes):
+                var first = Self.code_operand(
+                    SIMD[DType.uint8, 4](
+                        rows[l][n],
+                        rows[Self.lanes + l][n],
+                        rows[l][n + 1],
+                        rows[Self.lanes + l][n + 1],
+                    )
+                )
+                var second = Self.code_operand(
+                    SIMD[DType.uint8, 4](
+                        rows[2 * Self.lanes + l][n],
+                        rows[3 * Self.lanes + l][n],
+                        rows[2 * Self.lanes + l][n + 1],
+                        rows[3 * Self.lanes + l][n + 1],
+                    )
+                )
+                b0[l] = first.slice[2, offset=0]().join(second.slice[2, offset=0]())
+                b1[l] = first.slice[2, offset=2]().join(second.slice[2, offset=2]())
+            self.o.set(n, mma[Self.lanes, Self.PRODUCTS](a, b0, self.o.get(n)))
+            self.o.set(n + 1, mma[Self.lanes, Self.PRODUCTS](a, b1, self.o.get(n + 1)))
 
     @always_inline
     def quad_combine[
@@ -535,7 +655,7 @@ struct MmaThread[
         var s = self.scores(kv_start)
         var log_scales = Frags[DType.float32, 2, Self.NTILES, Self.lanes](0)
         comptime if Self.scales_per_key:
-            log_scales = self.key_pairs(VALUES)
+            log_scales = self.key_pairs[VALUES](kv_start)
         comptime for h in range(Self.ROW_HALVES):
             var best = Array[Float32, Self.lanes](fill=NEG_INF)
             for l in range(Self.lanes):
@@ -590,6 +710,9 @@ struct MmaThread[
             comptime for j in range(Self.WARP_KEYS // 16):
                 wgmma_rs[Self.D](p.get(j), mn_slice[BN](values, j), self.o)
             warpgroup_wait()
+        elif Self.Tiles.IN_REGISTERS:
+            comptime for j in range(Self.WARP_KEYS // 16):
+                self.code_values(p.get(j), kv_start, j)
         else:
             comptime for j in range(Self.WARP_KEYS // 16):
                 self.warp_values(p.get(j), values, j)
@@ -657,10 +780,16 @@ struct MmaThread[
                 var r = lane // 4 + 8 * h
                 comptime for n in range(Self.DTILES):
                     var acc = self.o[n, l]
-                    state.unsafe_store(
-                        r * Self.D + n * 8 + 2 * (lane % 4),
-                        SIMD[DType.float32, 2](acc[2 * h], acc[2 * h + 1]),
-                    )
+                    var column = n * 8 + 2 * (lane % 4)
+                    comptime if Self.Tiles.IN_REGISTERS:
+                        comptime for e in range(2):
+                            state[
+                                unsafe_offset=r * Self.D + Self.Tiles.output_dim(column + e)
+                            ] = acc[2 * h + e]
+                    else:
+                        state.unsafe_store(
+                            r * Self.D + column, SIMD[DType.float32, 2](acc[2 * h], acc[2 * h + 1])
+                        )
                 if lane % 4 == 0:
                     state[unsafe_offset=MMA_ROWS * Self.D + r] = self.row_max[h, l][0]
                     state[unsafe_offset=MMA_ROWS * Self.D + MMA_ROWS + r] = sums[l]
@@ -711,20 +840,18 @@ struct MmaKernel[
         Self.cache_t, Self.D, Self.lanes, Self.decode, Self.warpgroup, Self.scales_per_key
     ]
     comptime THREADS = Self.Program.THREADS
-    comptime DECODE_BLOCKS = (
-        4 if Self.D < 128
-        and not Self.Program.Tiles.QUANTIZED else (
-            3 if Self.D < 128 or not Self.Program.Tiles.QUANTIZED else 2
-        )
+    comptime DECODE_BLOCKS = 2 if Self.Program.Tiles.WIDENED and Self.D >= 128 else (
+        4 if Self.D < 128 and not Self.Program.Tiles.QUANTIZED else 3
     )
     comptime MIN_BLOCKS = 1 if Self.warpgroup else (Self.DECODE_BLOCKS if Self.decode else 2)
     """Blocks per multiprocessor the registers are sized for (a decode warp
     holds a quarter of a prefill warp's scores, and since its softmax runs
     on real rows only a bfloat16 decode at head_dim 64 fits four blocks'
-    registers; an 8-bit decode at head_dim 128 spilled within three
-    blocks'; a block of two warpgroups holds as many warps as two blocks of
-    one). Raise them only where `tools/check_gpu_build.sh --registers` shows
-    no spills."""
+    registers; an 8-bit decode that widens its tiles in shared memory at
+    head_dim 128 spilled within three blocks', one that widens its codes in
+    registers fits three (at head_dim 64 it spilled within four); a block
+    of two warpgroups holds as many warps as two blocks of one). Raise them
+    only where `tools/check_gpu_build.sh --registers` shows no spills."""
     comptime LANES = Self.lanes
     comptime NAME = (
         "decode_mma_f16" if Self.scales_per_key else "decode_mma"
@@ -784,7 +911,7 @@ struct MmaKernel[
             while kv < work.kv_end:
                 threads.each(WAIT_TILE, kv)
                 self.between_tiles(threads)
-                comptime if Self.Program.Tiles.QUANTIZED:
+                comptime if Self.Program.Tiles.WIDENED:
                     threads.each(CONVERT_TILE, kv)
                     self.between_tiles(threads)
                 threads.each(COMPUTE_TILE, kv)

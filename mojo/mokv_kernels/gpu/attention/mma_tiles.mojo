@@ -29,7 +29,10 @@ codes' own values as float16, the keys' scales apart for the products. A
 code stage is free again once converted, so all
 `stage_count` of them hold tiles in flight while one is multiplied: a tile
 of codes is half a bfloat16 tile's bytes, and the stages keep as many bytes
-in flight. No thread loads a scale from global memory while the block waits
+in flight. A decode with one scale per head row (`IN_REGISTERS`) has no
+bfloat16 stage: its warps read their codes from the code stage into
+registers (`codes`), so that stage is busy while its tile is multiplied.
+Code rows are XOR-swizzled in 16-byte chunks (`code_chunk`). No thread loads a scale from global memory while the block waits
 on it. Each key's key scales are looked up beside its row; its value
 scales lie a fixed distance from them, as its value row does from its key row."""
 
@@ -83,15 +86,25 @@ struct MmaTiles[
     float16 products; otherwise every tile and the queries are bfloat16."""
 
     comptime QUANTIZED = is_quantized[Self.cache_t.dtype]()
-    comptime TILES_AHEAD = Self.stage_count if Self.QUANTIZED else Self.stage_count - 1
+    comptime IN_REGISTERS = Self.scales_per_key and Self.per_warp
+    """A decode over an 8-bit cache with one scale per head row: each warp
+    widens its own keys' codes in registers as its products take them
+    (`code_fragments`, `MmaThread.code_scores`), so there is no bfloat16
+    stage, no widening pass through shared memory and no second barrier
+    per tile."""
+    comptime WIDENED = Self.QUANTIZED and not Self.IN_REGISTERS
+    """An 8-bit cache whose codes `convert_tile` widens into a stage."""
+    comptime TILES_AHEAD = Self.stage_count if Self.WIDENED else Self.stage_count - 1
     """Tiles whose copies are in flight while one is multiplied: every stage
     but the one being read, or every code stage (read before the products,
     by `convert_tile`)."""
-    comptime VALUE_STAGES = 1 if Self.QUANTIZED else Self.stage_count
+    comptime VALUE_STAGES = 0 if Self.IN_REGISTERS else (1 if Self.QUANTIZED else Self.stage_count)
     """Stages of bfloat16 K and V tiles."""
     comptime MAX_GRANULES = Self.D // QUANTIZED_CHUNK
     """Most scales per head row of an 8-bit cache (a granule is whole
     16-code chunks)."""
+    comptime KEY_SCALES = 1 if Self.scales_per_key else Self.MAX_GRANULES
+    """Scales a key takes in a code stage, for each of K and V."""
     comptime CHUNKS = Self.D // 8
     """16-byte chunks of a bfloat16 row."""
     comptime WARP_KEYS = BN // (Self.THREADS // WARP)
@@ -103,9 +116,9 @@ struct MmaTiles[
     comptime TILE = BN * Self.D
     comptime STAGES_AT = Self.ROWS * Self.D
     """Where the stages start, in bfloat16 elements."""
-    comptime CODE_STAGE = 2 * Self.TILE + 2 * BN * Self.MAX_GRANULES * 4 if Self.QUANTIZED else 0
-    """Bytes of an 8-bit cache's code stage: K and V codes `[BN, D]`, then
-    their keys' scales `[BN, MAX_GRANULES]` each."""
+    comptime CODE_STAGE = 2 * Self.TILE + 2 * BN * Self.KEY_SCALES * 4 if Self.QUANTIZED else 0
+    """Bytes of an 8-bit cache's code stage: K and V codes `[BN, D]`
+    (`code_chunk`), then their keys' scales `[BN, KEY_SCALES]` each."""
     comptime CODES_AT = Self.STAGES_AT + Self.VALUE_STAGES * 2 * Self.TILE
     """Where the code stages start, in bfloat16 elements."""
     comptime STAGES_BYTES = Self.VALUE_STAGES * 2 * Self.TILE * 2 + Self.stage_count * Self.CODE_STAGE
@@ -183,6 +196,36 @@ struct MmaTiles[
         comptime chunks = SWIZZLE_COLUMNS // 8
         return (chunk // chunks * rows + row) * SWIZZLE_COLUMNS + (chunk % chunks ^ row % 8) * 8
 
+    @staticmethod
+    def code_chunk(key: Int, chunk: Int) -> Int:
+        """Bytes from a code tile's start to 16-byte chunk `chunk` of row
+        `key`: rows back to back, each 128-byte line's chunks XOR-swizzled
+        by its first row (times the rows per line, `128 // D`), so that the
+        chunks the lanes of a quarter warp read (`MmaThread.code_scores`:
+        two neighbouring rows; `code_values`: every other row) lie in
+        distinct banks."""
+        var unit = key * (Self.D // 16) + chunk
+        return 16 * (unit ^ (unit // 8 * (128 // Self.D) % 8))
+
+    @staticmethod
+    def query_dim(column: Int) -> Int:
+        """`IN_REGISTERS`: the dim of the queries in column `column` of the
+        query tile. Lane t of a score product reads bytes `t * D / 4 ..` of
+        its key's row, four codes per k-step (`MmaThread.code_scores`), which
+        the product takes as k-columns 2t, 2t + 1, 2t + 8, 2t + 9: the
+        queries' columns are ordered alike, and a dot product does not
+        depend on the order of its terms."""
+        var k_step = column // 16
+        var k = column % 16
+        return k % 8 // 2 * (Self.D // 4) + 4 * k_step + k // 8 * 2 + k % 2
+
+    @staticmethod
+    def output_dim(column: Int) -> Int:
+        """`IN_REGISTERS`: the dim of the values (and outputs) in column
+        `column` of a value product: lane g reads bytes `g * D / 8 ..` of
+        each value row (`MmaThread.code_values`), one per n-tile."""
+        return column % 8 * (Self.D // 8) + column // 8
+
     @always_inline
     def queries(self) -> BF16Ptr:
         return self.smem()
@@ -224,14 +267,23 @@ struct MmaTiles[
     @always_inline
     def codes_offset(self, kv_start: Int, kind: Int) -> Int:
         """An 8-bit cache: bytes to the K (`kind` KEYS) or V codes `[BN, D]`
-        of the tile at `kv_start`, in its code stage."""
+        of the tile at `kv_start`, in its code stage (`code_chunk`)."""
         return self.code_stage_offset(kv_start) + kind * Self.TILE
+
+    @always_inline
+    def codes[
+        width: Int
+    ](self, kv_start: Int, kind: Int, key: Int, first: Int) -> SIMD[DType.uint8, width]:
+        """`IN_REGISTERS`: codes `first ..< first + width` (within one
+        16-byte chunk) of row `key` of the tile at `kv_start`, K or V."""
+        var at = self.codes_offset(kv_start, kind) + Self.code_chunk(key, first // 16) + first % 16
+        return self.at[UInt8](at).unsafe_load[width=width, alignment=width](0)
 
     @always_inline
     def scales_offset(self, kv_start: Int, kind: Int) -> Int:
         """An 8-bit cache: bytes to the K (`kind` KEYS) or V scales `[BN,
-        MAX_GRANULES]` of the keys of the tile at `kv_start`."""
-        return self.code_stage_offset(kv_start) + 2 * Self.TILE + kind * BN * Self.MAX_GRANULES * 4
+        KEY_SCALES]` of the keys of the tile at `kv_start`."""
+        return self.code_stage_offset(kv_start) + 2 * Self.TILE + kind * BN * Self.KEY_SCALES * 4
 
     @always_inline
     def scales(self, kv_start: Int, kind: Int) -> F32Ptr:
@@ -303,7 +355,8 @@ struct MmaTiles[
     ](self, args: AttentionArgs[Self.cache_t, DType.bfloat16], work: BlockWork, tid: Int):
         """`load_queries` where `scales_per_key`: thread r takes row r whole,
         reading it twice (for its largest value, then to convert it) so that
-        no register holds more than a chunk."""
+        no register holds more than a chunk; `IN_REGISTERS`, its columns in
+        `query_dim`'s order."""
         var rows = work.rows(args.group)
         for l in range(lanes):
             var r = tid + l
@@ -325,7 +378,15 @@ struct MmaTiles[
             for c in range(Self.CHUNKS):
                 var halves = SIMD[DType.float16, 8](0)
                 if r < rows:
-                    var chunk = queries.unsafe_load[width=8, alignment=16](c * 8)
+                    var chunk = SIMD[DType.bfloat16, 8](0)
+                    comptime if Self.IN_REGISTERS:
+                        comptime for pair in range(4):
+                            var dim = Self.query_dim(c * 8 + 2 * pair)
+                            var two = queries.unsafe_load[width=2, alignment=4](dim)
+                            chunk[2 * pair] = two[0]
+                            chunk[2 * pair + 1] = two[1]
+                    else:
+                        chunk = queries.unsafe_load[width=8, alignment=16](c * 8)
                     halves = (chunk.cast[DType.float32]() * times).cast[DType.float16]()
                 self.smem().unsafe_offset(Self.swizzled[Self.ROWS](r, c)).unsafe_store[
                     alignment=16
@@ -449,7 +510,7 @@ struct MmaTiles[
         var key = Self.key_of(unit)
         var first = Self.first_of(unit)
         comptime if Self.QUANTIZED:
-            return self.codes_offset(kv_start, kind) + key * Self.D + first
+            return self.codes_offset(kv_start, kind) + Self.code_chunk(key, first // 16)
         else:
             return self.tile_offset(kv_start, kind) + 2 * Self.swizzled[BN](key, first // 8)
 
@@ -497,7 +558,7 @@ struct MmaTiles[
         for pair in range(thread % threads, 2 * keys, threads):
             var kind = pair // keys
             var key = first_key + pair % keys
-            var dest = self.scales_offset(kv_start, kind) + key * Self.MAX_GRANULES * 4
+            var dest = self.scales_offset(kv_start, kind) + key * Self.KEY_SCALES * 4
             var address = self.addresses(kv_start, KEY_SCALES)[unsafe_offset=key]
             if address != 0:
                 var source = ScalePtr(unsafe_from_address=address).unsafe_offset(
@@ -537,13 +598,13 @@ struct MmaTiles[
                             codes_as_float16(codes)
                         )
                         if first == 0:
-                            var scale = scales[unsafe_offset=key * Self.MAX_GRANULES]
+                            var scale = scales[unsafe_offset=key]
                             comptime if kind == VALUES:
                                 scale = log2(max(scale, SMALLEST_VALUE_SCALE))
                             self.key_scales(kind)[unsafe_offset=key] = scale
                     else:
                         var scale = scales[
-                            unsafe_offset=key * Self.MAX_GRANULES + first // granularity
+                            unsafe_offset=key * Self.KEY_SCALES + first // granularity
                         ]
                         values = as_values(codes, scale).cast[DType.bfloat16]()
                     comptime for half in range(Self.ELEMENTS_PER_COPY // 8):
