@@ -119,6 +119,34 @@ def test_store_rejects_row_offsets_longer_than_batch(store_gather):
     np.testing.assert_array_equal(b.blocks, before)
 
 
+def test_sequences_of_2_31_tokens_are_refused(store_gather):
+    """The kernels divide positions by the page size as a multiply-high
+    (`cache.divisor.Divisor`), exact below 2^31: a lookup table whose rows
+    address 2^31 tokens or more is refused before anything is written, one
+    page's worth fewer is served."""
+    page = 2**14
+    rng = np.random.default_rng(31)
+    keys = rng.standard_normal((1, N_KV_HEADS, HEAD_DIM)).astype(np.float32)
+    for columns, refused in ((2**31 // page - 1, False), (2**31 // page, True)):
+        b = Batch(
+            blocks=np.zeros((1, 2, NUM_LAYERS, page, N_KV_HEADS, HEAD_DIM), np.float32),
+            cache_lengths=np.zeros(1, np.uint32),
+            lookup_table=np.zeros((1, columns), np.uint32),
+            row_offsets=np.array([0, 1], np.uint32),
+            keys=keys,
+            values=-keys,
+        )
+        at_zero = (np.zeros(1, np.uint32), np.zeros(1, np.uint32))
+        if refused:
+            with pytest.raises(ValueError, match=f"{columns} pages of {page} tokens"):
+                run(store_gather("paged", DType.float32), b, "paged", DType.float32, 1, *at_zero)
+            assert not b.blocks.any()
+        else:
+            stored = run(store_gather("paged", DType.float32), b, "paged", DType.float32, 1, *at_zero)
+            np.testing.assert_array_equal(stored[0], keys)
+            np.testing.assert_array_equal(stored[1], -keys)
+
+
 def test_first_store_into_a_freshly_allocated_cache_keeps_every_row(store_gather):
     """MAX fills `Buffer.zeros` asynchronously; a store right after allocation
     raced the fill (half of these rows read back as zeros) until
