@@ -699,23 +699,38 @@ struct MmaThread[
                     c[3] = 0
                     s[n, l] = c
         var values = self.tiles.tile(kv_start, VALUES)
-        var p = Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes](0)
-        comptime for j in range(Self.WARP_KEYS // 16):
-            for l in range(Self.lanes):
-                p[j, l] = bitcast[DType.bfloat16, 8](
-                    s[2 * j, l].cast[Self.PRODUCTS]().join(s[2 * j + 1, l].cast[Self.PRODUCTS]())
-                )
         comptime if Self.warpgroup:
+            # Rounded before the products start: conversions between them
+            # made ptxas serialize every `wgmma` of the kernel (C7520).
+            var p = Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes](0)
+            comptime for j in range(Self.WARP_KEYS // 16):
+                p.set(j, Self.weights(s, j))
             warpgroup_arrive()
             comptime for j in range(Self.WARP_KEYS // 16):
                 wgmma_rs[Self.D](p.get(j), mn_slice[BN](values, j), self.o)
             warpgroup_wait()
         elif Self.Tiles.IN_REGISTERS:
             comptime for j in range(Self.WARP_KEYS // 16):
-                self.code_values(p.get(j), kv_start, j)
+                self.code_values(Self.weights(s, j), kv_start, j)
         else:
             comptime for j in range(Self.WARP_KEYS // 16):
-                self.warp_values(p.get(j), values, j)
+                self.warp_values(Self.weights(s, j), values, j)
+
+    @staticmethod
+    @always_inline
+    def weights(
+        s: Frags[DType.float32, 4, Self.NTILES, Self.lanes], j: Int
+    ) -> Array[FragA, Self.lanes]:
+        """The A fragment of P V over keys 16 j ..: score n-tiles 2 j and
+        2 j + 1 rounded to the products' type (a C fragment pair is an A
+        fragment). Unrolled over the lanes: a runtime loop over one lane
+        left ptxas's code a loop of moves before every tile's P V."""
+        var a = Array[FragA, Self.lanes](fill=0)
+        comptime for l in range(Self.lanes):
+            a[l] = bitcast[DType.bfloat16, 8](
+                s[2 * j, l].cast[Self.PRODUCTS]().join(s[2 * j + 1, l].cast[Self.PRODUCTS]())
+            )
+        return a^
 
     @always_inline
     def warp_values(mut self, a: Array[FragA, Self.lanes], values: BF16Ptr, j: Int):
@@ -840,18 +855,20 @@ struct MmaKernel[
         Self.cache_t, Self.D, Self.lanes, Self.decode, Self.warpgroup, Self.scales_per_key
     ]
     comptime THREADS = Self.Program.THREADS
-    comptime DECODE_BLOCKS = 2 if Self.Program.Tiles.WIDENED and Self.D >= 128 else (
-        4 if Self.D < 128 and not Self.Program.Tiles.QUANTIZED else 3
-    )
+    comptime DECODE_BLOCKS = 2 if Self.D >= 128 and (
+        Self.Program.Tiles.WIDENED or Self.cache_t.dtype == DType.int8
+    ) else (4 if Self.D < 128 and not Self.Program.Tiles.QUANTIZED else 3)
     comptime MIN_BLOCKS = 1 if Self.warpgroup else (Self.DECODE_BLOCKS if Self.decode else 2)
     """Blocks per multiprocessor the registers are sized for (a decode warp
     holds a quarter of a prefill warp's scores, and since its softmax runs
     on real rows only a bfloat16 decode at head_dim 64 fits four blocks'
     registers; an 8-bit decode that widens its tiles in shared memory at
-    head_dim 128 spilled within three blocks', one that widens its codes in
-    registers fits three (at head_dim 64 it spilled within four); a block
-    of two warpgroups holds as many warps as two blocks of one). Raise them
-    only where `tools/check_gpu_build.sh --registers` shows no spills."""
+    head_dim 128 spilled within three blocks', one that widens float8 codes
+    in registers fits three (at head_dim 64 it spilled within four), int8
+    codes, whose widening takes a bias, a byte interleave and a
+    subtraction, spilled within three at head_dim 128; a block of two
+    warpgroups holds as many warps as two blocks of one). Raise them only
+    where `tools/check_gpu_build.sh --registers` shows no spills."""
     comptime LANES = Self.lanes
     comptime NAME = (
         "decode_mma_f16" if Self.scales_per_key else "decode_mma"
