@@ -66,7 +66,8 @@ The context is walked in tiles of `BN` = 64 keys:
 One barrier per tile: after it, this tile's copies have landed in every
 thread and every warp is done with the previous tile, whose stage the next
 tile's copies then overwrite (an 8-bit cache's tiles widened in shared
-memory take a second one, after their codes are widened into the stage). One more after the first
+memory take a second one, after their codes are widened into the stage).
+One more after the first
 tiles' copies start: an 8-bit cache's first tile shares its address slot
 with the tile located next, so no thread may overwrite it while another
 still reads it. In decode these are warp barriers, not the block's: each
@@ -178,7 +179,8 @@ struct MmaThread[
     for an 8-bit decode, whose blocks wait on memory, so three tiles of
     codes are in flight (as many bytes as two bfloat16 tiles), or two where
     its codes are widened in registers (`MmaTiles.IN_REGISTERS`: the stage
-    read is busy), at three blocks per multiprocessor instead of two."""
+    read is busy), at three blocks per multiprocessor instead of two for
+    float8 (`MmaKernel.MIN_BLOCKS`)."""
     comptime Tiles = MmaTiles[
         Self.cache_t,
         Self.D,
@@ -565,8 +567,8 @@ struct MmaThread[
         """`IN_REGISTERS`: Q Kᵀ of the warp's rows and keys, query fragments
         from `ldmatrix`, key fragments widened from the codes in registers:
         lane (g, t) reads bytes `t D/4 ..< (t + 1) D/4` of key g of each
-        n-tile, four codes (a 32-bit word) per k-step, which `MmaTiles.
-        query_dim` orders the queries' columns for."""
+        n-tile, four codes (a 32-bit word) per k-step, which
+        `MmaTiles.query_dim` orders the queries' columns for."""
         comptime BYTES = Self.D // 4
         var rows = Array[SIMD[DType.uint8, BYTES], Self.NTILES * Self.lanes](fill=0)
         for l in range(Self.lanes):

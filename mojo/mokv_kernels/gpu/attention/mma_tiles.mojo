@@ -32,8 +32,8 @@ of codes is half a bfloat16 tile's bytes, and the stages keep as many bytes
 in flight. A decode with one scale per head row (`IN_REGISTERS`) has no
 bfloat16 stage: its warps read their codes from the code stage into
 registers (`codes`), so that stage is busy while its tile is multiplied.
-Code rows are XOR-swizzled in 16-byte chunks (`code_chunk`). No thread loads a scale from global memory while the block waits
-on it. Each key's key scales are looked up beside its row; its value
+Code rows are XOR-swizzled in 16-byte chunks (`code_chunk`). No thread
+loads a scale from global memory while the block waits on it. Each key's key scales are looked up beside its row; its value
 scales lie a fixed distance from them, as its value row does from its key row."""
 
 from std.math import log2
@@ -89,7 +89,7 @@ struct MmaTiles[
     comptime IN_REGISTERS = Self.scales_per_key and Self.per_warp
     """A decode over an 8-bit cache with one scale per head row: each warp
     widens its own keys' codes in registers as its products take them
-    (`code_fragments`, `MmaThread.code_scores`), so there is no bfloat16
+    (`codes`, `MmaThread.code_scores`), so there is no bfloat16
     stage, no widening pass through shared memory and no second barrier
     per tile."""
     comptime WIDENED = Self.QUANTIZED and not Self.IN_REGISTERS
@@ -199,11 +199,11 @@ struct MmaTiles[
     @staticmethod
     def code_chunk(key: Int, chunk: Int) -> Int:
         """Bytes from a code tile's start to 16-byte chunk `chunk` of row
-        `key`: rows back to back, each 128-byte line's chunks XOR-swizzled
-        by its first row (times the rows per line, `128 // D`), so that the
-        chunks the lanes of a quarter warp read (`MmaThread.code_scores`:
-        two neighbouring rows; `code_values`: every other row) lie in
-        distinct banks."""
+        `key`: rows back to back (`128 // D` to a 128-byte line), the eight
+        chunks of each line XOR-swizzled by the line's first row modulo 8,
+        so that the chunks the lanes of a quarter warp read
+        (`MmaThread.code_scores`: two neighbouring rows; `code_values`:
+        every other row) lie in distinct banks."""
         var unit = key * (Self.D // 16) + chunk
         return 16 * (unit ^ (unit // 8 * (128 // Self.D) % 8))
 
