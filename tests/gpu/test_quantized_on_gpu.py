@@ -80,13 +80,18 @@ def test_store_and_gathers_match_the_numpy_model(fmt, dtype, gpu_quantized, gpu:
     )
 
 
-def run_attention(case: tuple, gpu_quantized, gpu: Device, extremes: bool = False) -> QuantizedAttention:
+def run_attention(
+    case: tuple, gpu_quantized, gpu: Device, extremes: bool = False, decode: bool = False
+) -> QuantizedAttention:
     """mokv's attention on the GPU over a quantized cache made for `case`
-    (`extremes`: queries and value scales as `cpu.make_extreme` makes them)."""
+    (`extremes`: queries and value scales as `cpu.make_extreme` makes them;
+    `decode`: one new token per row, so the decode kernels run, not the
+    prefill kernels that take a batch with longer chunks)."""
     fmt, q_dtype, group, d, page, granules, per_block = case
     rng = np.random.default_rng(d + page + granules)
+    rows = [(cached, 1) for cached, _ in cpu.ROWS] if decode else cpu.ROWS
     cache, cached, offsets, q, summary = cpu.quantized_batch(
-        rng, fmt, cpu.ROWS, 2, group, d, page, granules, per_block, q_dtype
+        rng, fmt, rows, 2, group, d, page, granules, per_block, q_dtype
     )
     scale = 1 / math.sqrt(d)
     if extremes:
@@ -124,10 +129,13 @@ def test_warpgroup_prefill_reads_codes(case, gpu_quantized, gpu: Device, monkeyp
     )
 
 
+@pytest.mark.parametrize("decode", [False, True], ids=["mixed", "decode"])
 @pytest.mark.parametrize("extremes", [False, True], ids=["normal", "extremes"])
 @pytest.mark.parametrize("case", cpu.PER_KEY_TENSOR_CORE_CASES, ids=lambda c: "-".join(str(x) for x in c))
-def test_float16_products_read_codes_as_they_are(case, extremes, gpu_quantized, gpu: Device):
+def test_float16_products_read_codes_as_they_are(case, extremes, decode, gpu_quantized, gpu: Device):
     """One scale per head row and bfloat16 queries: float16 products of the
     codes as they are (float8 widened by the hardware's conversion), also
-    with queries beyond float16's range and value scales over nine decades."""
-    run_attention(case, gpu_quantized, gpu, extremes).assert_close(tensor_cores=True)
+    with queries beyond float16's range and value scales over nine decades;
+    prefill widens a tile's codes in shared memory, decode (one new token
+    per row) each warp's codes in registers."""
+    run_attention(case, gpu_quantized, gpu, extremes, decode).assert_close(tensor_cores=True)
