@@ -113,10 +113,13 @@ def run_attention(
     return QuantizedAttention(cpu.to_numpy(out, q_dtype), cache, q, q_dtype, offsets, cached, scale)
 
 
+@pytest.mark.parametrize("decode", [False, True], ids=["mixed", "decode"])
 @pytest.mark.parametrize("case", cpu.ATTENTION_CASES, ids=lambda c: "-".join(str(x) for x in c))
-def test_attention_reads_codes_with_their_scales(case, gpu_quantized, gpu: Device):
-    # bfloat16 queries go to tensor cores on NVIDIA GPUs from sm_80, the GPUs this runs on.
-    run_attention(case, gpu_quantized, gpu).assert_close(tensor_cores=True)
+def test_attention_reads_codes_with_their_scales(case, decode, gpu_quantized, gpu: Device):
+    """A mixed batch (the prefill kernels) and its decode steps alone (the
+    decode kernels); bfloat16 queries go to tensor cores on NVIDIA GPUs from
+    sm_80, the GPUs this runs on."""
+    run_attention(case, gpu_quantized, gpu, decode=decode).assert_close(tensor_cores=True)
 
 
 @pytest.mark.parametrize(
