@@ -82,7 +82,7 @@ all (the eighth GPU run's profile found masking and its per-tile divisions a
 fifth of the prefill's instructions). Under the emulator a program is a whole
 warp (`..warp`)."""
 
-from std.math import exp2, log2
+from std.math import exp2
 from std.memory import bitcast
 from std.sys import bit_width_of
 
@@ -105,7 +105,7 @@ from ..warpgroup import (
     wgmma_ss,
 )
 from .config import BLOCK_THREADS, DECODE_ROWS, NEG_INF, WARP, WARPS
-from .mma_tiles import BN, KEYS, SMALLEST_VALUE_SCALE, VALUES, MmaTiles
+from .mma_tiles import BN, KEYS, VALUES, MmaTiles, value_log_scales
 from .work import AttentionArgs, BlockWork, block_work, write_row_part
 
 # Phases of a block (`MmaThread.step`).
@@ -471,19 +471,16 @@ struct MmaThread[
         """`scales_per_key`: each lane's keys' key scales (`kind` KEYS) or
         value log-scales (`MmaTiles.key_scales`), a pair per score n-tile:
         lane l's values 2 h + e of n-tile n are key `8 n + 2 (l % 4) + e`
-        of the warp's keys, for either row h. `IN_REGISTERS`: from the code
-        stage of the tile at `kv_start`, logged here (a lane's four keys)."""
-        var scales = self.tiles.key_scales(kind)
-        comptime if Self.Tiles.IN_REGISTERS:
-            scales = self.tiles.scales(kv_start, kind)
-        scales = scales.unsafe_offset(self.warp_key())
+        of the warp's keys, for either row h. `IN_REGISTERS`: value scales
+        logged here (a lane's four keys), as copied to the code stage."""
+        var scales = self.tiles.key_scales(kv_start, kind).unsafe_offset(self.warp_key())
         var pairs = Frags[DType.float32, 2, Self.NTILES, Self.lanes](0)
         for l in range(Self.lanes):
             var column = 2 * (self.lane(l) % 4)
             comptime for n in range(Self.NTILES):
                 var pair = scales.unsafe_load[width=2, alignment=8](n * 8 + column)
                 comptime if Self.Tiles.IN_REGISTERS and kind == VALUES:
-                    pair = log2(max(pair, SMALLEST_VALUE_SCALE))
+                    pair = value_log_scales[2](pair)
                 pairs[n, l] = pair
         return pairs^
 
@@ -700,8 +697,8 @@ struct MmaThread[
                     c[2] = 0
                     c[3] = 0
                     s[n, l] = c
-        var values = self.tiles.tile(kv_start, VALUES)
         comptime if Self.warpgroup:
+            var values = self.tiles.tile(kv_start, VALUES)
             # Rounded before the products start: conversions between them
             # made ptxas serialize every `wgmma` of the kernel (C7520).
             var p = Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes](0)
@@ -716,7 +713,7 @@ struct MmaThread[
                 self.code_values(Self.weights(s, j), kv_start, j)
         else:
             comptime for j in range(Self.WARP_KEYS // 16):
-                self.warp_values(Self.weights(s, j), values, j)
+                self.warp_values(Self.weights(s, j), kv_start, j)
 
     @staticmethod
     @always_inline
@@ -735,10 +732,11 @@ struct MmaThread[
         return a^
 
     @always_inline
-    def warp_values(mut self, a: Array[FragA, Self.lanes], values: BF16Ptr, j: Int):
+    def warp_values(mut self, a: Array[FragA, Self.lanes], kv_start: Int, j: Int):
         """P V of the warp's rows over keys 16 j .. of its share of the
         tile as `mma.sync` products, V fragments from the transposed
         `ldmatrix`."""
+        var values = self.tiles.tile(kv_start, VALUES)
         comptime for n2 in range(Self.DTILES // 2):
             var rows = Array[BF16Ptr, Self.lanes](fill=values)
             for l in range(Self.lanes):

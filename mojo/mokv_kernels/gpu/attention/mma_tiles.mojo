@@ -33,8 +33,9 @@ in flight. A decode with one scale per head row (`IN_REGISTERS`) has no
 bfloat16 stage: its warps read their codes from the code stage into
 registers (`codes`), so that stage is busy while its tile is multiplied.
 Code rows are XOR-swizzled in 16-byte chunks (`code_chunk`). No thread
-loads a scale from global memory while the block waits on it. Each key's key scales are looked up beside its row; its value
-scales lie a fixed distance from them, as its value row does from its key row."""
+loads a scale from global memory while the block waits on it. Each key's
+key scales are looked up beside its row; its value scales lie a fixed
+distance from them, as its value row does from its key row."""
 
 from std.math import log2
 from std.memory import bitcast
@@ -62,7 +63,14 @@ comptime KEY_SCALES = 1
 8-bit cache only; its value scales are `scale_value_offset` further)."""
 comptime SMALLEST_VALUE_SCALE = Float32(2.0**-100)
 """Value scales below it (a row of zeros has scale 0) count as it in their
-keys' log-weights (`MmaTiles.key_scales`): their values are that small."""
+keys' log-weights (`value_log_scales`): their values are that small."""
+
+
+@always_inline
+def value_log_scales[width: Int](scales: SIMD[DType.float32, width]) -> SIMD[DType.float32, width]:
+    """What a key's log-weight adds for its value scale (`scales_per_key`,
+    `..mma.MmaThread`): its base-2 log, `SMALLEST_VALUE_SCALE`'s at least."""
+    return log2(max(scales, SMALLEST_VALUE_SCALE))
 
 
 @fieldwise_init
@@ -130,8 +138,9 @@ struct MmaTiles[
         Self.ADDRESSES_AT * 2 + Self.stage_count * Self.ADDRESS_KINDS * BN * size_of[Int]()
     )
     """Bytes to the widened tile's keys' scales `[2, BN]` (`key_scales`)
-    where `scales_per_key`."""
-    comptime ROW_SCALES_AT = Self.KEY_SCALES_AT + 2 * BN * 4
+    where `scales_per_key` (none `IN_REGISTERS`, which reads them from the
+    code stage)."""
+    comptime ROW_SCALES_AT = Self.KEY_SCALES_AT + (0 if Self.IN_REGISTERS else 2 * BN * 4)
     """Bytes to the query rows' powers of two `[ROWS]` (`row_scales`) where
     `scales_per_key`."""
     comptime SHARED_BYTES = Self.ROW_SCALES_AT + Self.ROWS * 4 if Self.scales_per_key else (
@@ -303,11 +312,15 @@ struct MmaTiles[
         )
 
     @always_inline
-    def key_scales(self, kind: Int) -> F32Ptr:
-        """`scales_per_key`: the widened tile's keys' key scales (`kind`
-        KEYS), which their scores are multiplied by, or the base-2 logs of
-        their value scales (VALUES; `SMALLEST_VALUE_SCALE` at least), which
-        their log-weights add (`convert_tile`)."""
+    def key_scales(self, kv_start: Int, kind: Int) -> F32Ptr:
+        """`scales_per_key`: the keys' key scales (`kind` KEYS), which their
+        scores are multiplied by, or their value scales (VALUES), whose
+        `value_log_scales` their log-weights add, of the tile at `kv_start`:
+        as `convert_tile` leaves them for the widened tile (value scales
+        already logged), or `IN_REGISTERS` in the tile's code stage, as
+        copied (`scales`)."""
+        comptime if Self.IN_REGISTERS:
+            return self.scales(kv_start, kind)
         return self.at[Float32](Self.KEY_SCALES_AT + kind * BN * 4)
 
     @always_inline
@@ -600,8 +613,8 @@ struct MmaTiles[
                         if first == 0:
                             var scale = scales[unsafe_offset=key]
                             comptime if kind == VALUES:
-                                scale = log2(max(scale, SMALLEST_VALUE_SCALE))
-                            self.key_scales(kind)[unsafe_offset=key] = scale
+                                scale = value_log_scales[1](scale)
+                            self.key_scales(kv_start, kind)[unsafe_offset=key] = scale
                     else:
                         var scale = scales[
                             unsafe_offset=key * Self.KEY_SCALES + first // granularity
