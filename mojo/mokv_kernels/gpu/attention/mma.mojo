@@ -655,31 +655,38 @@ struct MmaThread[
         var log_scales = Frags[DType.float32, 2, Self.NTILES, Self.lanes](0)
         comptime if Self.scales_per_key:
             log_scales = self.key_pairs[VALUES](kv_start)
+        # A row's maxima and sums are reduced as trees (`reduce_max`,
+        # `reduce_add` of a lane's values at once): one running max or sum
+        # made a chain of 16 dependent instructions per row, each waiting
+        # on the last (the eighth run's profile: a third of the stalls
+        # waited on such fixed-latency dependencies).
         comptime for h in range(Self.ROW_HALVES):
             var best = Array[Float32, Self.lanes](fill=NEG_INF)
             for l in range(Self.lanes):
+                var logits = SIMD[DType.float32, 2 * Self.NTILES](0)
                 comptime for n in range(Self.NTILES):
-                    var logits = SIMD[DType.float32, 2](s[n, l][2 * h], s[n, l][2 * h + 1])
-                    comptime if Self.scales_per_key:
-                        logits += log_scales[n, l]
-                    best[l] = max(best[l], logits.reduce_max())
+                    comptime for e in range(2):
+                        logits[2 * n + e] = s[n, l][2 * h + e]
+                        comptime if Self.scales_per_key:
+                            logits[2 * n + e] += log_scales[n, l][e]
+                best[l] = logits.reduce_max()
             best = self.quad_combine[True](best^)
             for l in range(Self.lanes):
                 var new_max = max(self.row_max[h, l][0], best[l])
                 var base = new_max if new_max != NEG_INF else 0
                 var alpha = exp2(self.row_max[h, l][0] - base)
-                var total: Float32 = 0
+                var weights = SIMD[DType.float32, 2 * Self.NTILES](0)
                 comptime for n in range(Self.NTILES):
                     var c = s[n, l]
                     comptime for e in range(2):
                         var p = exp2(c[2 * h + e] - base)
-                        total += p
+                        weights[2 * n + e] = p
                         comptime if Self.scales_per_key:
                             # The weight P V takes: times the value scale.
                             p = exp2(c[2 * h + e] + log_scales[n, l][e] - base)
                         c[2 * h + e] = p
                     s[n, l] = c
-                self.row_sum[h, l] = self.row_sum[h, l] * alpha + total
+                self.row_sum[h, l] = self.row_sum[h, l] * alpha + weights.reduce_add()
                 if new_max != self.row_max[h, l][0]:
                     # Most tiles of a long context leave the max as it was:
                     # then the outputs keep their scale and cost nothing.
@@ -858,16 +865,24 @@ struct MmaKernel[
     comptime DECODE_BLOCKS = 2 if Self.D >= 128 and (
         Self.Program.Tiles.WIDENED or Self.cache_t.dtype == DType.int8
     ) else (4 if Self.D < 128 and not Self.Program.Tiles.QUANTIZED else 3)
-    comptime MIN_BLOCKS = 1 if Self.warpgroup else (Self.DECODE_BLOCKS if Self.decode else 2)
-    """Blocks per multiprocessor the registers are sized for (a decode warp
-    holds a quarter of a prefill warp's scores, and since its softmax runs
-    on real rows only a bfloat16 decode at head_dim 64 fits four blocks'
-    registers; an 8-bit decode that widens its tiles in shared memory at
-    head_dim 128 spilled within three blocks', one that widens float8 codes
-    in registers fits three (at head_dim 64 it spilled within four), int8
-    codes, whose widening takes a bias, a byte interleave and a
-    subtraction, spilled within three at head_dim 128; a block of two
-    warpgroups holds as many warps as two blocks of one). Raise them only
+    comptime PREFILL_BLOCKS = 3 if Self.D < 128 and not Self.scales_per_key else 2
+    comptime MIN_BLOCKS = 1 if Self.warpgroup else (
+        Self.DECODE_BLOCKS if Self.decode else Self.PREFILL_BLOCKS
+    )
+    """Blocks per multiprocessor the registers are sized for. A prefill at
+    head_dim 64 fits three blocks' registers (168 each) and shared memory:
+    twelve warps hide each other's latencies where eight did (the eighth
+    run's profile found two warps per scheduler, mostly waiting); its
+    float16 products of 8-bit codes spilled within three, and at head_dim
+    128 three blocks' queries and stages outgrow the shared memory. A
+    decode warp holds a quarter of a prefill warp's scores, and since its
+    softmax runs on real rows only a bfloat16 decode at head_dim 64 fits
+    four blocks' registers; an 8-bit decode that widens its tiles in shared
+    memory at head_dim 128 spilled within three blocks', one that widens
+    float8 codes in registers fits three (at head_dim 64 it spilled within
+    four), int8 codes, whose widening takes a bias, a byte interleave and a
+    subtraction, spilled within three at head_dim 128. A block of two
+    warpgroups holds as many warps as two blocks of one. Raise them only
     where `tools/check_gpu_build.sh --registers` shows no spills."""
     comptime LANES = Self.lanes
     comptime NAME = (
