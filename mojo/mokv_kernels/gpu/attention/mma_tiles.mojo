@@ -11,13 +11,14 @@ rows' addresses.
 
 K and V rows of a tile go through the page table row by row: one thread per
 key looks its row up once (`locate_rows`) and leaves the address in shared
-memory, then every thread copies 16-byte chunks (`start_tile`: thread t
-chunks t, t + THREADS, ..., so a warp reads whole rows) with `cp.async`
-(`..copy`), committed as one group per tile. With `per_warp` (decode, whose
-warps each read only their own `BN / WARPS` keys of a tile) each warp
-locates and copies its own keys' rows (lane t chunks t, t + 32, ... of
-them), so a warp needs only its own copies and a warp barrier, never the
-block's, between tiles.
+memory, then every thread copies 16-byte chunks with `cp.async` (`..copy`),
+committed as one group per tile: four neighbouring lanes share a key, each
+copy instruction of theirs 64 contiguous bytes of its row, so a thread
+reads the addresses of a few keys a tile (`copy_key`), not one per copy.
+With `per_warp` (decode, whose warps each read only their own `BN / WARPS`
+keys of a tile) each warp locates and copies its own keys' rows, so a warp
+needs only its own copies and a warp barrier, never the block's, between
+tiles.
 
 An 8-bit cache (`float8_e4m3fn` or `int8` codes with float32 scales) takes
 the same path to tensor cores: each tile's codes `[BN, D]` and its keys'
@@ -121,6 +122,18 @@ struct MmaTiles[
     """Stored elements (values or codes) in a 16-byte copy."""
     comptime COPIES = BN * Self.D // Self.ELEMENTS_PER_COPY // Self.THREADS
     """16-byte copies of each of a tile's K and V that one thread makes."""
+    comptime ROW_CHUNKS = Self.D // Self.ELEMENTS_PER_COPY
+    """16-byte copies of a stored K or V row."""
+    comptime LANES_PER_KEY = min(Self.ROW_CHUNKS, 8 if Self.QUANTIZED else 4)
+    """Neighbouring lanes that copy one key's row: 64 contiguous bytes of a
+    bfloat16 row per copy instruction (two whole 32-byte sectors), or an
+    8-bit cache's whole code row (128 bytes at head_dim 128: four lanes a
+    key made ptxas spill the float8 decode at three blocks per
+    multiprocessor and issue more instructions in the widening kernels)."""
+    comptime KEY_CHUNKS = Self.ROW_CHUNKS // Self.LANES_PER_KEY
+    """Copies of each of its keys' rows a thread makes."""
+    comptime THREAD_KEYS = Self.COPIES // Self.KEY_CHUNKS
+    """Keys of a tile whose rows one thread copies (`copy_key`)."""
     comptime TILE = BN * Self.D
     comptime STAGES_AT = Self.ROWS * Self.D
     """Where the stages start, in bfloat16 elements."""
@@ -176,6 +189,8 @@ struct MmaTiles[
         ), "every tile starts where the swizzle pattern does"
         comptime assert (
             Self.COPIES * Self.THREADS * Self.ELEMENTS_PER_COPY == BN * Self.D
+            and Self.THREAD_KEYS * Self.KEY_CHUNKS == Self.COPIES
+            and Self.THREAD_KEYS * (WARP // Self.LANES_PER_KEY) * (Self.THREADS // WARP) == BN
         ), "copy layout"
         comptime assert (
             Self.TILES_AHEAD >= 1
@@ -496,32 +511,35 @@ struct MmaTiles[
             return thread if thread < BN else -1
 
     @staticmethod
-    def unit(thread: Int, n: Int) -> Int:
-        """`thread`'s copy `n` (of `COPIES`) of a tile's K or V: 16-byte
-        chunks numbered row by row, thread t's `t + n * THREADS`, or with
-        `per_warp` the ones of its warp's keys, lane t's `t + n * WARP`."""
+    def copy_key(thread: Int, i: Int) -> Int:
+        """The key (row of the tile) of `thread`'s copies `i * KEY_CHUNKS ..<
+        (i + 1) * KEY_CHUNKS`: each group of `LANES_PER_KEY` lanes copies
+        one key's row at a time, so a thread looks up `THREAD_KEYS`
+        addresses a tile, not one per copy; with `per_warp`, keys of its
+        warp's share only."""
         comptime if Self.per_warp:
-            return thread // WARP * Self.COPIES * WARP + thread % WARP + n * WARP
+            comptime warp_at_once = WARP // Self.LANES_PER_KEY
+            return (
+                thread // WARP * Self.WARP_KEYS
+                + thread % WARP // Self.LANES_PER_KEY
+                + i * warp_at_once
+            )
         else:
-            return thread + n * Self.THREADS
+            return thread // Self.LANES_PER_KEY + i * (Self.THREADS // Self.LANES_PER_KEY)
 
     @staticmethod
-    def key_of(unit: Int) -> Int:
-        """The key (row of the tile) that copy `unit` reads."""
-        return unit * Self.ELEMENTS_PER_COPY // Self.D
-
-    @staticmethod
-    def first_of(unit: Int) -> Int:
-        """The first element of its row that copy `unit` reads."""
-        return unit * Self.ELEMENTS_PER_COPY % Self.D
+    def copy_first(thread: Int, j: Int) -> Int:
+        """The first element of its key's row that `thread`'s copy `j` (of
+        `KEY_CHUNKS`) of the row reads: the lanes of a key read neighbouring
+        16-byte chunks."""
+        return (thread % Self.LANES_PER_KEY + j * Self.LANES_PER_KEY) * Self.ELEMENTS_PER_COPY
 
     @always_inline
-    def copy_offset(self, kv_start: Int, unit: Int, kind: Int) -> Int:
-        """Bytes to where copy `unit` of the tile's K (`kind` KEYS) or V
-        lands: its swizzled bfloat16 stage, or an 8-bit cache's codes `[BN,
-        D]` (offsets, not pointers: `..copy.start_copy`)."""
-        var key = Self.key_of(unit)
-        var first = Self.first_of(unit)
+    def copy_offset(self, kv_start: Int, key: Int, first: Int, kind: Int) -> Int:
+        """Bytes to where the copy of row `key`'s elements `first ..` of the
+        tile's K (`kind` KEYS) or V lands: its swizzled bfloat16 stage, or
+        an 8-bit cache's codes `[BN, D]` (offsets, not pointers:
+        `..copy.start_copy`)."""
         comptime if Self.QUANTIZED:
             return self.codes_offset(kv_start, kind) + Self.code_chunk(key, first // 16)
         else:
@@ -535,21 +553,22 @@ struct MmaTiles[
         (zeros for keys without an address), as one committed group."""
         var addresses = self.addresses(kv_start)
         for l in range(lanes):
-            comptime for n in range(Self.COPIES):
-                var unit = Self.unit(tid + l, n)
-                var keys = self.copy_offset(kv_start, unit, KEYS)
-                var values = self.copy_offset(kv_start, unit, VALUES)
-                var address = addresses[unsafe_offset=Self.key_of(unit)]
-                if address != 0:
-                    var first = Self.first_of(unit)
-                    var source = CachePtr[Self.cache_t.dtype](unsafe_from_address=address)
-                    start_copy[16](source.unsafe_offset(first), self.shared, keys)
-                    start_copy[16](
-                        source.unsafe_offset(self.value_offset + first), self.shared, values
-                    )
-                else:
-                    zero_16(self.at[UInt8](keys))
-                    zero_16(self.at[UInt8](values))
+            comptime for i in range(Self.THREAD_KEYS):
+                var key = Self.copy_key(tid + l, i)
+                var address = addresses[unsafe_offset=key]
+                var source = CachePtr[Self.cache_t.dtype](unsafe_from_address=address)
+                comptime for j in range(Self.KEY_CHUNKS):
+                    var first = Self.copy_first(tid + l, j)
+                    var keys = self.copy_offset(kv_start, key, first, KEYS)
+                    var values = self.copy_offset(kv_start, key, first, VALUES)
+                    if address != 0:
+                        start_copy[16](source.unsafe_offset(first), self.shared, keys)
+                        start_copy[16](
+                            source.unsafe_offset(self.value_offset + first), self.shared, values
+                        )
+                    else:
+                        zero_16(self.at[UInt8](keys))
+                        zero_16(self.at[UInt8](values))
             comptime if Self.QUANTIZED:
                 self.start_scales(tid + l, kv_start, Self.D // granularity)
         commit_copies()
@@ -599,11 +618,10 @@ struct MmaTiles[
                 var scales = self.scales(kv_start, kind)
                 var tile = self.tile(kv_start, kind)
                 comptime for n in range(Self.COPIES):
-                    var copy = Self.unit(tid + l, n)
-                    var key = Self.key_of(copy)
-                    var first = Self.first_of(copy)
+                    var key = Self.copy_key(tid + l, n // Self.KEY_CHUNKS)
+                    var first = Self.copy_first(tid + l, n % Self.KEY_CHUNKS)
                     var codes = self.at[Scalar[Self.cache_t.dtype]](
-                        self.copy_offset(kv_start, copy, kind)
+                        self.copy_offset(kv_start, key, first, kind)
                     ).unsafe_load[width=Self.ELEMENTS_PER_COPY, alignment=16](0)
                     var values: SIMD[DType.bfloat16, Self.ELEMENTS_PER_COPY]
                     comptime if Self.scales_per_key:
