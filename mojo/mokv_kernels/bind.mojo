@@ -152,6 +152,15 @@ def check_layer(layer: Int, num_layers: Int) raises:
         raise Error(t"layer_idx {layer} out of range for {num_layers} layers")
 
 
+def check_scale(scale: Float32) raises:
+    """Attention's softmax scale is positive and finite: the GPU kernels
+    take a row's max of the products before scaling them, which only a
+    positive scale leaves the max of the scaled scores. The graph builder
+    checks a constant scale; a run-time input reaches only this check."""
+    if not (scale > 0 and scale < Float32.MAX):
+        raise Error(t"scale {scale} is not a positive finite number")
+
+
 def check_token_range[cache_t: KVCacheT](cache: cache_t, bs: Int, start: Int, end: Int) raises:
     """Raises unless `bs` is a row of the batch and tokens `start..end` of it
     map to valid pages."""

@@ -328,6 +328,17 @@ def test_rejects_heads_not_multiple_of_kv_heads(emulator):
         emulate_attention(emulator, b, 0, 0.125)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("nan"), float("inf")])
+def test_rejects_a_scale_that_is_not_positive_and_finite(scale, emulator):
+    """The kernels take a row's max of the products before scaling them
+    (the scale goes into each exponent's multiply-add), which holds only
+    for a positive scale; a graph can pass any scale at run time."""
+    rng = np.random.default_rng(2)
+    b = cpu_attention.make_batch(rng, "paged", DType.float32, [(5, 3)], 4, 2, 64, 16)
+    with pytest.raises(RuntimeError, match=r"scale \S+ is not a positive finite number"):
+        emulate_attention(emulator, b, 0, scale)
+
+
 def test_rejects_unsupported_head_dim(emulator):
     rng = np.random.default_rng(2)
     b = cpu_attention.make_batch(rng, "paged", DType.float32, [(5, 3)], 4, 2, 96, 16)

@@ -132,6 +132,16 @@ def test_rejects_heads_not_multiple_of_kv_heads(attention_graph):
         run_mokv(attention_graph("paged", DType.float32), b, 0, 0.125)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("nan")])
+def test_rejects_a_scale_that_is_not_positive_and_finite(scale, attention_graph):
+    """The scale is a run-time input of the graph: the op refuses what the
+    graph builder's check cannot see."""
+    rng = np.random.default_rng(2)
+    b = make_batch(rng, "paged", DType.float32, [(5, 3)], 4, 2, 64, 16)
+    with pytest.raises(ValueError, match=r"scale \S+ is not a positive finite number"):
+        run_mokv(attention_graph("paged", DType.float32), b, 0, scale)
+
+
 def test_rejects_offsets_that_disagree_with_q(attention_graph):
     rng = np.random.default_rng(3)
     b = make_batch(rng, "continuous", DType.float32, [(5, 3), (2, 2)], 4, 2, 64, 64)

@@ -13,6 +13,7 @@ from ..bind import (
     bind_summary,
     check_layer,
     check_row_offsets,
+    check_scale,
     check_token_range,
 )
 from ..cache.batch_summary import BatchSummary
@@ -78,6 +79,7 @@ def attention_over[
     merges the split ones."""
     var layer = Int(layer_idx)
     check_layer(layer, collection.num_layers())
+    check_scale(scale)
     var k_cache = collection.get_cache(layer, 0)
     var v_cache = collection.get_cache(layer, 1)
     var batch = k_cache.batch_size()

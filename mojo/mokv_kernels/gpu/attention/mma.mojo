@@ -40,10 +40,11 @@ The context is walked in tiles of `BN` = 64 keys:
   key's page table entry is read one tile before its row is located, so
   the block never waits on that read (the copies wait on the address);
 - scores: query and K fragments from `ldmatrix` (the queries stay in
-  shared memory, read again per tile: registers go to the outputs); scores
-  are scaled by `scale * log2(e)` in float32, after the product, so the
-  queries stay exact (with `scales_per_key`, by that times the row's power
-  of two and each key's key scale);
+  shared memory, read again per tile: registers go to the outputs); the
+  products are scaled by `scale * log2(e)` in float32 inside the softmax's
+  exponents (a row's max is taken before, one multiply-add per score), so
+  the queries stay exact (with `scales_per_key`, after the product, by that
+  times the row's power of two and each key's key scale);
 - online softmax in registers: each lane holds two rows' scores (`..warp`'s
   C layout; decode, with at most 8 rows, only the first), the quad of four
   lanes sharing a row combine maxima with two shuffles; sums stay per lane
@@ -421,13 +422,18 @@ struct MmaThread[
 
     @always_inline
     def scores(mut self, kv_start: Int) -> Frags[DType.float32, 4, Self.NTILES, Self.lanes]:
-        """The warp's 16 rows' base-2 logits against its keys of the tile,
-        -inf where masked. `PIPELINED`: the products started a tile ago
-        (`start_scores`), and the next tile's started in their place."""
+        """The warp's 16 rows' scores against its keys of the tile, -inf
+        where masked: their base-2 logits over `logit_scale`. `PIPELINED`:
+        the products started a tile ago (`start_scores`), and the next
+        tile's started in their place."""
         var s = Frags[DType.float32, 4, Self.NTILES, Self.lanes](0)
         comptime if Self.PIPELINED:
             # Landed: the last tile's wait for its values waited for these.
-            s = self.next_scores.copy()
+            # Scaled here, as they leave the registers the next products
+            # take (kept as they are, they would take a move each).
+            for l in range(Self.lanes):
+                comptime for n in range(Self.NTILES):
+                    s[n, l] = self.next_scores[n, l] * self.args.scale_log2
             if kv_start + BN < self.work.kv_end:
                 self.start_scores(kv_start + BN)
         elif Self.warpgroup:
@@ -439,18 +445,19 @@ struct MmaThread[
             self.warp_scores(self.tiles.queries(), self.tiles.tile(kv_start, KEYS), s)
         comptime if Self.scales_per_key:
             self.times_key_scales(kv_start, s)
-        else:
-            self.times_scale(s)
         if not self.tile_fully_visible(kv_start):
             self.mask(kv_start, s)
         return s^
 
     @always_inline
-    def times_scale(self, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]):
-        """The scores times `scale * log2(e)`."""
-        for l in range(Self.lanes):
-            comptime for n in range(Self.NTILES):
-                s[n, l] = s[n, l] * self.args.scale_log2
+    def logit_scale(self) -> Float32:
+        """What the scores are multiplied by to be base-2 logits: `scale *
+        log2(e)`, or 1 where `scores` scaled them: with `scales_per_key`,
+        whose scores took it with their key scales (`times_key_scales`),
+        and `PIPELINED`."""
+        comptime if Self.scales_per_key or Self.PIPELINED:
+            return 1
+        return self.args.scale_log2
 
     @always_inline
     def times_key_scales(
@@ -655,6 +662,10 @@ struct MmaThread[
         var log_scales = Frags[DType.float32, 2, Self.NTILES, Self.lanes](0)
         comptime if Self.scales_per_key:
             log_scales = self.key_pairs[VALUES](kv_start)
+        # The logits are the scores times `logit_scale`: a row's max times it
+        # (positive, `...bind.check_scale`) is the max of its logits, and
+        # each exponent's multiply-add takes it, no multiplication of its own.
+        var logit_scale = self.logit_scale()
         # A row's maxima and sums are reduced as trees (`reduce_max`,
         # `reduce_add` of a lane's values at once): one running max or sum
         # made a chain of 16 dependent instructions per row, each waiting
@@ -669,7 +680,7 @@ struct MmaThread[
                         logits[2 * n + e] = s[n, l][2 * h + e]
                         comptime if Self.scales_per_key:
                             logits[2 * n + e] += log_scales[n, l][e]
-                best[l] = logits.reduce_max()
+                best[l] = logits.reduce_max() * logit_scale
             best = self.quad_combine[True](best^)
             for l in range(Self.lanes):
                 var new_max = max(self.row_max[h, l][0], best[l])
@@ -679,7 +690,7 @@ struct MmaThread[
                 comptime for n in range(Self.NTILES):
                     var c = s[n, l]
                     comptime for e in range(2):
-                        var p = exp2(c[2 * h + e] - base)
+                        var p = exp2(c[2 * h + e] * logit_scale - base)
                         weights[2 * n + e] = p
                         comptime if Self.scales_per_key:
                             # The weight P V takes: times the value scale.

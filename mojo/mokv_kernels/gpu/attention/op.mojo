@@ -13,7 +13,7 @@ GPU run has measured it against the default (docs/gpu.md).
 
 from extensibility import InputTensor, OutputTensor
 
-from ...bind import check_layer
+from ...bind import check_layer, check_scale
 from ...cache.batch_summary import BatchSummary
 from ...cache.traits import KVCacheT, KVCollectionT
 from ...kv_quantization import is_quantized
@@ -205,6 +205,7 @@ def attention_gpu[
     ), "queries of an unquantized cache have its dtype"
     var layer = Int(layer_idx)
     check_layer(layer, collection.num_layers())
+    check_scale(scale)
     var k_cache = collection.get_cache(layer, 0)
     var batch = k_cache.batch_size()
     var n_kv = k_cache.num_heads()
