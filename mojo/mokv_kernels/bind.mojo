@@ -157,7 +157,7 @@ def check_scale(scale: Float32) raises:
     take a row's max of the products before scaling them, which only a
     positive scale leaves the max of the scaled scores. The graph builder
     checks a constant scale; a run-time input reaches only this check."""
-    if not (scale > 0 and scale < Float32.MAX):
+    if not (scale > 0 and scale <= Float32.MAX_FINITE):  # NaN compares false
         raise Error(t"scale {scale} is not a positive finite number")
 
 

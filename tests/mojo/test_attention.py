@@ -132,7 +132,7 @@ def test_rejects_heads_not_multiple_of_kv_heads(attention_graph):
         run_mokv(attention_graph("paged", DType.float32), b, 0, 0.125)
 
 
-@pytest.mark.parametrize("scale", [0.0, -0.125, float("nan")])
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("nan"), float("inf")])
 def test_rejects_a_scale_that_is_not_positive_and_finite(scale, attention_graph):
     """The scale is a run-time input of the graph: the op refuses what the
     graph builder's check cannot see."""

@@ -669,8 +669,8 @@ struct MmaThread[
         # A row's maxima and sums are reduced as trees (`reduce_max`,
         # `reduce_add` of a lane's values at once): one running max or sum
         # made a chain of 16 dependent instructions per row, each waiting
-        # on the last (the eighth run's profile: a third of the stalls
-        # waited on such fixed-latency dependencies).
+        # on the last (the eighth run's profile: a third of the cycles
+        # between a warp's instructions waited on such dependencies).
         comptime for h in range(Self.ROW_HALVES):
             var best = Array[Float32, Self.lanes](fill=NEG_INF)
             for l in range(Self.lanes):

@@ -12,9 +12,10 @@ rows' addresses.
 K and V rows of a tile go through the page table row by row: one thread per
 key looks its row up once (`locate_rows`) and leaves the address in shared
 memory, then every thread copies 16-byte chunks with `cp.async` (`..copy`),
-committed as one group per tile: four neighbouring lanes share a key, each
-copy instruction of theirs 64 contiguous bytes of its row, so a thread
-reads the addresses of a few keys a tile (`copy_key`), not one per copy.
+committed as one group per tile: a few neighbouring lanes share a key
+(`LANES_PER_KEY`: four take 64 contiguous bytes of a bfloat16 row per copy
+instruction), so a thread reads the addresses of a few keys a tile
+(`copy_key`), not one per copy.
 With `per_warp` (decode, whose warps each read only their own `BN / WARPS`
 keys of a tile) each warp locates and copies its own keys' rows, so a warp
 needs only its own copies and a warp barrier, never the block's, between
