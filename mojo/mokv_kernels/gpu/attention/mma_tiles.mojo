@@ -113,8 +113,9 @@ struct MmaTiles[
     comptime MAX_GRANULES = Self.D // QUANTIZED_CHUNK
     """Most scales per head row of an 8-bit cache (a granule is whole
     16-code chunks)."""
-    comptime KEY_SCALES = 1 if Self.scales_per_key else Self.MAX_GRANULES
-    """Scales a key takes in a code stage, for each of K and V."""
+    comptime STAGED_SCALES = 1 if Self.scales_per_key else Self.MAX_GRANULES
+    """Scales a key takes in a code stage, for each of K and V (not the
+    address kind `KEY_SCALES`)."""
     comptime CHUNKS = Self.D // 8
     """16-byte chunks of a bfloat16 row."""
     comptime WARP_KEYS = BN // (Self.THREADS // WARP)
@@ -138,9 +139,9 @@ struct MmaTiles[
     comptime TILE = BN * Self.D
     comptime STAGES_AT = Self.ROWS * Self.D
     """Where the stages start, in bfloat16 elements."""
-    comptime CODE_STAGE = 2 * Self.TILE + 2 * BN * Self.KEY_SCALES * 4 if Self.QUANTIZED else 0
+    comptime CODE_STAGE = 2 * Self.TILE + 2 * BN * Self.STAGED_SCALES * 4 if Self.QUANTIZED else 0
     """Bytes of an 8-bit cache's code stage: K and V codes `[BN, D]`
-    (`code_chunk`), then their keys' scales `[BN, KEY_SCALES]` each."""
+    (`code_chunk`), then their keys' scales `[BN, STAGED_SCALES]` each."""
     comptime CODES_AT = Self.STAGES_AT + Self.VALUE_STAGES * 2 * Self.TILE
     """Where the code stages start, in bfloat16 elements."""
     comptime STAGES_BYTES = Self.VALUE_STAGES * 2 * Self.TILE * 2 + Self.stage_count * Self.CODE_STAGE
@@ -301,14 +302,14 @@ struct MmaTiles[
     ](self, kv_start: Int, kind: Int, key: Int, first: Int) -> SIMD[DType.uint8, width]:
         """`IN_REGISTERS`: codes `first ..< first + width` (within one
         16-byte chunk) of row `key` of the tile at `kv_start`, K or V."""
-        var at = self.codes_offset(kv_start, kind) + Self.code_chunk(key, first // 16) + first % 16
+        var at = self.copy_offset(kv_start, key, first, kind) + first % 16
         return self.at[UInt8](at).unsafe_load[width=width, alignment=width](0)
 
     @always_inline
     def scales_offset(self, kv_start: Int, kind: Int) -> Int:
         """An 8-bit cache: bytes to the K (`kind` KEYS) or V scales `[BN,
-        KEY_SCALES]` of the keys of the tile at `kv_start`."""
-        return self.code_stage_offset(kv_start) + 2 * Self.TILE + kind * BN * Self.KEY_SCALES * 4
+        STAGED_SCALES]` of the keys of the tile at `kv_start`."""
+        return self.code_stage_offset(kv_start) + 2 * Self.TILE + kind * BN * Self.STAGED_SCALES * 4
 
     @always_inline
     def scales(self, kv_start: Int, kind: Int) -> F32Ptr:
@@ -591,7 +592,7 @@ struct MmaTiles[
         for pair in range(thread % threads, 2 * keys, threads):
             var kind = pair // keys
             var key = first_key + pair % keys
-            var dest = self.scales_offset(kv_start, kind) + key * Self.KEY_SCALES * 4
+            var dest = self.scales_offset(kv_start, kind) + key * Self.STAGED_SCALES * 4
             var address = self.addresses(kv_start, KEY_SCALES)[unsafe_offset=key]
             if address != 0:
                 var source = ScalePtr(unsafe_from_address=address).unsafe_offset(
@@ -636,7 +637,7 @@ struct MmaTiles[
                             self.key_scales(kv_start, kind)[unsafe_offset=key] = scale
                     else:
                         var scale = scales[
-                            unsafe_offset=key * Self.KEY_SCALES + first // granularity
+                            unsafe_offset=key * Self.STAGED_SCALES + first // granularity
                         ]
                         values = as_values(codes, scale).cast[DType.bfloat16]()
                     comptime for half in range(Self.ELEMENTS_PER_COPY // 8):
