@@ -1,7 +1,8 @@
 """Driving the GPU ops' kernels under the CPU emulator (`tests/gpu/emulator.mojo`).
 
 The emulator binary is built once per kernel-source revision into the cache
-directory (~1.5 min on 2 cores); so is, where there is a GPU, the binary that
+directory (about 4 minutes on 2 cores, by the first test worker that needs it;
+the other waits for it); so is, where there is a GPU, the binary that
 runs the same warp steps on it (`GPU_STEPS_SOURCE`). Each call writes its arrays as raw files,
 runs the binary on them and reads back what the op wrote: the kernels' own
 code, run thread by thread on the CPU, so their index arithmetic, masking,
@@ -11,9 +12,11 @@ without a GPU.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,25 +45,36 @@ def build_harness(source: Path = EMULATOR_SOURCE, accelerator: str | None = None
     out = precompiled_kernels_dir() / f"{source.stem}-{digest.hexdigest()[:16]}" / source.stem
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f"{out.name}.{os.getpid()}")
-    # os.environ: the environment this process started with (see mokv.kernels).
-    command = [
-        mojo_compiler(),
-        "build",
-        *target,
-        "-I",
-        str(sources.parent),
-        "-I",
-        str(HARNESS_DIR),
-        str(source),
-        "-o",
-        str(partial),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ), check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"building {source.name} failed:\n{result.stderr}")
-    os.replace(partial, out)  # atomic: a concurrent run never sees a half-written binary
+    # One harness build at a time, with a Mojo compile cache of its own, dropped after
+    # it: the suite's other worker waits for the binary instead of compiling the same
+    # sources beside it, and no MAX graph compiling in another process shares that
+    # cache (in CI a build among them failed with a bare "No such file or directory").
+    builds = precompiled_kernels_dir() / "harness-builds"
+    builds.mkdir(parents=True, exist_ok=True)
+    with open(builds / "lock", "w") as lock, tempfile.TemporaryDirectory(dir=builds) as own_cache:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_name(f"{out.name}.{os.getpid()}")
+        command = [
+            mojo_compiler(),
+            "build",
+            *target,
+            "-I",
+            str(sources.parent),
+            "-I",
+            str(HARNESS_DIR),
+            str(source),
+            "-o",
+            str(partial),
+        ]
+        # os.environ: the environment this process started with (see mokv.kernels).
+        env = dict(os.environ, MODULAR_CACHE_DIR=own_cache)
+        result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"building {source.name} failed ({' '.join(command)}):\n{result.stderr}")
+        os.replace(partial, out)  # atomic: a run that does not take the lock never sees half a binary
     return out
 
 
