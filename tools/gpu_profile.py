@@ -3,8 +3,8 @@ cases, each call twice, for a profiler to watch (`tools/gpu_proof.sh
 --profile` runs it under Nsight Compute): the first call of a case warms it
 up, the second is the one to read. No MAX kernel runs here, so every kernel
 the profiler sees is mokv's (attention, and the split-K merge where the plan
-splits the context). On a Hopper GPU a bfloat16 prefill case runs twice more
-with `MOKV_PREFILL_KERNEL=wgmma`, so both prefill kernels are in the report.
+splits the context). On a Hopper GPU a bfloat16 prefill case runs with
+`MOKV_PREFILL_KERNEL=mma`, then `=wgmma`, so both prefill kernels are in the report.
 
 Usage: python3 tools/gpu_profile.py [CASE ...]  (names as in the benchmark;
 default: the 32-sequence decode and the 2k prefill)."""

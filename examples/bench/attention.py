@@ -19,11 +19,12 @@ decoding for decode batches): longer contexts and larger batches, bfloat16 (and 
 rows). Every timed call ends with a device synchronize, so a row is the call's wall time,
 launch overhead included for both kernels. The memory yardstick is then a 1 GiB
 device-to-device copy: its traffic (read plus write) per second stands for the achievable HBM
-bandwidth, against which the KV read rate of decode is set. On a Hopper GPU the bfloat16
-prefill rows also time mokv with `MOKV_PREFILL_KERNEL=wgmma` (warpgroup products) in the same
-rounds, and every GPU row times mokv with its context cut into a fixed number of splits
-(`MOKV_ATTENTION_SPLITS`, `SPLIT_SWEEP`) beside the planner's choice, the data the planner is
-tuned from. Without a GPU it says so and exits. `docs/gpu/results/` keeps the GPU runs' tables.
+bandwidth, against which the KV read rate of decode is set. On a Hopper GPU, whose bfloat16
+prefill takes warpgroup products by default, the prefill rows also time mokv with
+`MOKV_PREFILL_KERNEL=mma` (`mma.sync` per warp) in the same rounds, and every GPU row times
+mokv with its context cut into a fixed number of splits (`MOKV_ATTENTION_SPLITS`,
+`SPLIT_SWEEP`) beside the planner's choice, the data the planner is tuned from. Without a
+GPU it says so and exits. `docs/gpu/results/` keeps the GPU runs' tables.
 """
 
 from __future__ import annotations
@@ -95,12 +96,13 @@ def has_warpgroup_mma(kernels: Kernels) -> bool:
 def run_case(case: Case, kernels: Kernels, copy: CopyProbe | GpuCopyProbe, budget_s: float) -> dict[str, Any]:
     """Times one case. A bfloat16 decode case on the CPU also times mokv on
     the same values stored as float32, in the same rounds, for the tokens/s
-    ratio; a bfloat16 prefill on a Hopper GPU also times mokv's warpgroup
-    prefill (`MOKV_PREFILL_KERNEL=wgmma`), and a GPU row mokv at each split
+    ratio; a bfloat16 prefill on a Hopper GPU also times mokv's prefill on
+    `mma.sync` (`MOKV_PREFILL_KERNEL=mma`; warpgroup products are its
+    default there), and a GPU row mokv at each split
     count of `SPLIT_SWEEP` the context allows (`splits_s`)."""
     scale = case.softmax_scale
     with_f32 = case.dtype == DType.bfloat16 and case.phase == "decode" and kernels.device.is_host
-    with_wgmma = case.dtype == DType.bfloat16 and case.phase == "prefill" and has_warpgroup_mma(kernels)
+    with_mma = case.dtype == DType.bfloat16 and case.phase == "prefill" and has_warpgroup_mma(kernels)
     sweep = [n for n in SPLIT_SWEEP if n <= max(1, case.context // MIN_SPLIT_TOKENS)]
     if kernels.device.is_host:
         sweep = []
@@ -119,8 +121,8 @@ def run_case(case: Case, kernels: Kernels, copy: CopyProbe | GpuCopyProbe, budge
         mokv_f32 = kernels.mokv_model(DType.float32)
         f32_args = data[DType.float32].mokv_args(scale)
         calls["mokv_float32"] = lambda: mokv_f32.execute(*f32_args)
-    if with_wgmma:
-        calls["mokv_wgmma"] = with_variable(PREFILL_KERNEL, "wgmma", calls["mokv"])
+    if with_mma:
+        calls["mokv_mma"] = with_variable(PREFILL_KERNEL, "mma", calls["mokv"])
     for n in sweep:
         calls[f"mokv_splits_{n}"] = with_variable(ATTENTION_SPLITS, str(n), calls["mokv"])
 
@@ -148,11 +150,11 @@ def run_case(case: Case, kernels: Kernels, copy: CopyProbe | GpuCopyProbe, budge
     if with_f32:
         row["mokv_float32_s"] = times["mokv_float32"]
         row["bf16_over_f32"] = times["mokv_float32"] / times["mokv"]
-    if with_wgmma:
-        wgmma_out = with_variable(PREFILL_KERNEL, "wgmma", lambda: mokv.execute(*mokv_args)[0])()
-        row["wgmma_s"] = times["mokv_wgmma"]
-        row["wgmma_speedup"] = times["max"] / times["mokv_wgmma"]
-        row["wgmma_max_abs_diff"] = float(np.abs(to_float(wgmma_out, case.dtype) - expected).max())
+    if with_mma:
+        mma_out = with_variable(PREFILL_KERNEL, "mma", lambda: mokv.execute(*mokv_args)[0])()
+        row["mma_s"] = times["mokv_mma"]
+        row["mma_speedup"] = times["max"] / times["mokv_mma"]
+        row["mma_max_abs_diff"] = float(np.abs(to_float(mma_out, case.dtype) - expected).max())
     if sweep:
         row["splits_s"] = {str(n): times[f"mokv_splits_{n}"] for n in sweep}
     return row
@@ -177,8 +179,8 @@ def gpu_summary(rows: list[dict[str, Any]]) -> list[str]:
         ),
         f"- prefill, speedup over MAX (target >= 0.8): {span([r['speedup'] for r in prefill])}",
         (
-            "- prefill with MOKV_PREFILL_KERNEL=wgmma (Hopper), speedup over MAX:"
-            f" {span([r['wgmma_speedup'] for r in prefill if 'wgmma_speedup' in r])}"
+            "- prefill with MOKV_PREFILL_KERNEL=mma (Hopper), speedup over MAX:"
+            f" {span([r['mma_speedup'] for r in prefill if 'mma_speedup' in r])}"
         ),
     ]
 
@@ -203,32 +205,32 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
-    """The summary and the table; the `wgmma` columns only where some row
-    timed the warpgroup prefill (Hopper)."""
-    with_wgmma = any("wgmma_s" in r for r in rows)
-    wgmma_header = " wgmma ms | wgmma speedup | wgmma max abs diff |" if with_wgmma else ""
+    """The summary and the table; the `mma.sync` columns only where some row
+    timed the prefill on `mma.sync` beside the default (Hopper)."""
+    with_mma = any("mma_s" in r for r in rows)
+    mma_header = " mma.sync ms | mma.sync speedup | mma.sync max abs diff |" if with_mma else ""
     lines = [
         header,
         "",
         *summary(rows),
         "",
         "| case | mokv ms | MAX ms | speedup | mokv KV GB/s | MAX KV GB/s | copy GB/s | tokens/s | bf16/f32"
-        " | max abs diff |" + wgmma_header,
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" * 3 if with_wgmma else ""),
+        " | max abs diff |" + mma_header,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" * 3 if with_mma else ""),
     ]
     for r in rows:
         ratio = f"{r['bf16_over_f32']:.2f}x" if "bf16_over_f32" in r else ""
-        wgmma = ""
-        if with_wgmma:
-            wgmma = (
-                f" {r['wgmma_s'] * 1e3:.3f} | {r['wgmma_speedup']:.2f}x | {r['wgmma_max_abs_diff']:.1e} |"
-                if "wgmma_s" in r
+        mma = ""
+        if with_mma:
+            mma = (
+                f" {r['mma_s'] * 1e3:.3f} | {r['mma_speedup']:.2f}x | {r['mma_max_abs_diff']:.1e} |"
+                if "mma_s" in r
                 else " | | |"
             )
         lines.append(
             f"| {r['case']} | {r['mokv_s'] * 1e3:.3f} | {r['max_s'] * 1e3:.3f} | {r['speedup']:.2f}x"
             f" | {r['kv_gbps']:.1f} | {r['max_kv_gbps']:.1f} | {r['copy_gbps']:.1f}"
-            f" | {r['tokens_per_s']:.0f} | {ratio} | {r['max_abs_diff']:.1e} |{wgmma}"
+            f" | {r['tokens_per_s']:.0f} | {ratio} | {r['max_abs_diff']:.1e} |{mma}"
         )
     return "\n".join(lines + split_sweep_table(rows)) + "\n"
 

@@ -40,16 +40,16 @@ def test_variable_is_set_for_the_call_and_restored(monkeypatch):
     assert os.environ[PREFILL_KERNEL] == "mma"
 
 
-def test_rows_with_and_without_the_warpgroup_prefill_fill_every_column():
+def test_rows_with_and_without_the_mma_sync_prefill_fill_every_column():
     row = ROW | {"case": "prefill-x", "phase": "prefill"}
-    hopper = row | {"case": "prefill-y", "wgmma_s": 1e-3, "wgmma_speedup": 1.0, "wgmma_max_abs_diff": 2e-3}
+    hopper = row | {"case": "prefill-y", "mma_s": 1e-3, "mma_speedup": 1.0, "mma_max_abs_diff": 2e-3}
     lines = to_markdown([row, hopper], "## header").splitlines()
     table = [line for line in lines if line.startswith("|")]
     assert len({line.count("|") for line in table}) == 1  # header, rule and rows alike
     assert table[-1].endswith("| 1.000 | 1.00x | 2.0e-03 |")
     assert "speedup over MAX: min 1.00, median 1.00, max 1.00 (1 case)" in "\n".join(lines)
     without = [line for line in to_markdown([row], "## header").splitlines() if line.startswith("|")]
-    assert "wgmma" not in without[0] and {line.count("|") for line in without} == {11}
+    assert "mma.sync" not in without[0] and {line.count("|") for line in without} == {11}
 
 
 def test_split_sweep_table_gives_each_count_over_the_planner():

@@ -4,7 +4,8 @@
 sizes, scalars) and the raw little-endian arrays `DIR/<name>.bin` written by
 `tests/gpu/emulation.py`, calls the op's GPU entry point (the very function
 the op calls on a GPU) with the emulator as launcher, and writes what the op
-wrote: `blocks_out.bin` for a store, `out.bin` for a gather or attention.
+wrote: `blocks_out.bin` for a store, `out.bin` for a gather or attention
+(and `launched.bin`, the names of the kernels it launched, a line each).
 A call naming a `format` (`float8_e4m3fn`, `int8`) runs on a paged quantized
 cache: its codes in `blocks.bin` (float8 as uint8 bits), its scales in
 `scales.bin`, queries and new rows in `dtype`; a store also writes
@@ -144,6 +145,7 @@ def _run_op[
             summary,
         )
         call.write("out", first)
+        call.write("launched", List[UInt8]("\n".join(emulator.launched).as_bytes()))
         _ = q_bytes^
     else:
         raise Error(t"unknown op {op}")

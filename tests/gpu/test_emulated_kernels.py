@@ -126,13 +126,13 @@ def emulate_attention(
     multiprocessors: int = 1,
     bounds: tuple[int, int] | None = None,
     tensor_cores: bool = True,
-    prefill_kernel: str = "mma",
+    prefill_kernel: str | None = "mma",
     splits: str | None = None,
 ) -> np.ndarray:
     """The emulated attention op's output (float32 values). `bounds` (most new
     tokens, longest context) default to the batch's own; `tensor_cores` says
     whether the emulated device has them; `prefill_kernel` is
-    `MOKV_PREFILL_KERNEL`, `splits` `MOKV_ATTENTION_SPLITS` (unset: None)."""
+    `MOKV_PREFILL_KERNEL`, `splits` `MOKV_ATTENTION_SPLITS` (both unset: None)."""
     new = np.diff(b.row_offsets.astype(np.int64))
     if bounds is None:
         bounds = (int(new.max()), int((b.cache_lengths + new).max()))
@@ -182,6 +182,28 @@ def test_warpgroup_prefill_matches_numpy(case, multiprocessors, emulator):
     b, layer, scale = mixed_case(case)
     out = emulate_attention(emulator, b, layer, scale, multiprocessors=multiprocessors, prefill_kernel="wgmma")
     assert_attention_close(out, b, layer, scale)
+
+
+@pytest.mark.parametrize(
+    ("prefill_kernel", "tensor_cores", "kernel"),
+    [
+        (None, True, "prefill_wgmma"),
+        ("mma", True, "prefill_mma"),
+        ("wgmma", True, "prefill_wgmma"),
+        (None, False, "prefill"),
+    ],
+    ids=["default-hopper", "mma", "wgmma", "default-no-tensor-cores"],
+)
+def test_prefill_kernel_choice(prefill_kernel, tensor_cores, kernel, emulator, monkeypatch):
+    """Unset, `MOKV_PREFILL_KERNEL` takes warpgroup products over a bfloat16
+    cache where the device has them (an H200 ran them 1.2x `mma.sync`,
+    docs/gpu.md), CUDA cores where it has no tensor cores; `mma` keeps
+    `mma.sync` on Hopper."""
+    monkeypatch.delenv("MOKV_PREFILL_KERNEL", raising=False)
+    b, layer, scale = mixed_case(BFLOAT16_CASES[0])
+    out = emulate_attention(emulator, b, layer, scale, tensor_cores=tensor_cores, prefill_kernel=prefill_kernel)
+    assert_attention_close(out, b, layer, scale)
+    assert emulator.launched == [kernel]
 
 
 @pytest.mark.parametrize(

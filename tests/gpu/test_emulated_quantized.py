@@ -44,10 +44,11 @@ def emulate(
     output: str,
     multiprocessors: int = 1,
     tensor_cores: bool = True,
+    prefill_kernel: str | None = "mma",
     **meta: object,
 ) -> bytes:
     """Runs `op` on `cache` (paged); `dtype` is the rows' and queries'."""
-    header = cache_meta(op, "paged", dtype.name, cache.codes, layer, multiprocessors, tensor_cores) | {
+    header = cache_meta(op, "paged", dtype.name, cache.codes, layer, multiprocessors, tensor_cores, prefill_kernel) | {
         "format": cache.fmt,
         "granules": cache.scales.shape[-1],
         "tokens_per_scale": cache.tokens_per_scale,
@@ -164,12 +165,13 @@ def emulate_attention(
     case: tuple,
     multiprocessors: int,
     tensor_cores: bool,
-    prefill_kernel: str = "mma",
+    prefill_kernel: str | None = "mma",
     extremes: bool = False,
 ) -> QuantizedAttention:
     """Decode and prefill rows (`cpu.ROWS`, or their decode steps alone on a
     large device, so that the decode kernels and their splits run) over a
-    quantized cache made for `case`; `prefill_kernel` is `MOKV_PREFILL_KERNEL`.
+    quantized cache made for `case`; `prefill_kernel` is `MOKV_PREFILL_KERNEL`
+    (None: unset).
     `extremes`: queries and value scales as `cpu.make_extreme` makes them."""
     fmt, q_dtype, group, d, page, granules, per_block = case
     rng = np.random.default_rng(d + page + granules)
@@ -189,9 +191,10 @@ def emulate_attention(
         "window": 0,
         "max_new_tokens": int(summary[0, 0]),
         "max_context": int(summary[0, 1]),
-        "prefill_kernel": prefill_kernel,
     }
-    raw = emulate(emulator, "attention", cache, q_dtype, 1, arrays, "out", multiprocessors, tensor_cores, **meta)
+    raw = emulate(
+        emulator, "attention", cache, q_dtype, 1, arrays, "out", multiprocessors, tensor_cores, prefill_kernel, **meta
+    )
     return QuantizedAttention(_values(raw, q_dtype, q.shape), cache, q, q_dtype, offsets, cached, scale)
 
 
@@ -235,6 +238,21 @@ def test_float16_products_hold_any_query_and_value_scale(case, multiprocessors, 
     attention = emulate_attention(emulator, case, multiprocessors, tensor_cores=True, extremes=True)
     assert np.abs(attention.q).max() > 65504, "queries beyond float16's range"
     attention.assert_close(tensor_cores=True)
+
+
+@pytest.mark.parametrize(
+    ("case", "kernel"),
+    [(TENSOR_CORE_CASES[0], "prefill_mma"), (cpu.PER_KEY_TENSOR_CORE_CASES[0], "prefill_mma_f16")],
+    ids=["scales-per-granule", "scale-per-row"],
+)
+def test_prefill_over_codes_keeps_warp_products_by_default(case, kernel, emulator, monkeypatch):
+    """`MOKV_PREFILL_KERNEL` unset on a device with warpgroup products: 8-bit
+    codes still take `mma.sync` (the warpgroup default is bfloat16's: no run
+    has timed the prefill over codes on either)."""
+    monkeypatch.delenv("MOKV_PREFILL_KERNEL", raising=False)
+    attention = emulate_attention(emulator, case, 1, tensor_cores=True, prefill_kernel=None)
+    attention.assert_close(tensor_cores=True)
+    assert emulator.launched == [kernel]
 
 
 @pytest.mark.parametrize("case", TENSOR_CORE_CASES, ids=lambda c: "-".join(str(x) for x in c))

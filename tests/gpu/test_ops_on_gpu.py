@@ -21,7 +21,7 @@ from tests.support import store_gather as cpu_rows
 from tests.support.attention_graph import build_attention_graph
 from tests.support.compile_once import compiled_per_key
 from tests.support.gpu import needs_gpu
-from tests.support.gpu_cases import assert_attention_close, mixed_case, on_warpgroup_prefill, window_case
+from tests.support.gpu_cases import assert_attention_close, mixed_case, on_prefill_kernel, window_case
 
 pytestmark = needs_gpu("the store, gather and attention ops against numpy and MAX's GPU attention")
 
@@ -133,21 +133,28 @@ def test_long_contexts(rows, dtype, gpu_attention, gpu: Device):
     assert_attention_close(out, b, 0, scale)
 
 
+# The tensor-core prefill on each of its products, whichever is the default
+# (`wgmma` on Hopper over bfloat16): `mma.sync` per warp, Hopper's warpgroup MMA.
+PREFILL_KERNELS = ["mma", "wgmma"]
+
+
+@pytest.mark.parametrize("prefill_kernel", PREFILL_KERNELS)
 @pytest.mark.parametrize("case", [c for c in cpu_attention.CASES if c[1] == DType.bfloat16], ids=cpu_attention.case_id)
-def test_warpgroup_prefill_matches_numpy(case, gpu_attention, gpu: Device, monkeypatch):
-    """The tensor-core prefill on Hopper's warpgroup products."""
+def test_prefill_kernel_matches_numpy(case, prefill_kernel, gpu_attention, gpu: Device, monkeypatch):
     b, layer, scale = mixed_case(case)
-    out = on_warpgroup_prefill(monkeypatch, lambda: run_on_gpu(gpu_attention(b.layout, b.dtype), b, gpu, layer, scale))
+    graph = gpu_attention(b.layout, b.dtype)
+    out = on_prefill_kernel(monkeypatch, prefill_kernel, lambda: run_on_gpu(graph, b, gpu, layer, scale))
     assert_attention_close(out, b, layer, scale)
 
 
-def test_warpgroup_prefill_of_a_long_chunk(gpu_attention, gpu: Device, monkeypatch):
+@pytest.mark.parametrize("prefill_kernel", PREFILL_KERNELS)
+def test_prefill_kernel_of_a_long_chunk(prefill_kernel, gpu_attention, gpu: Device, monkeypatch):
     """A 2k-token chunk over 6k cached tokens beside a 30k decode, Llama's heads, pages of 128."""
     rng = np.random.default_rng(43)
     b = cpu_attention.make_batch(rng, "paged", DType.bfloat16, [(6000, 2048), (30000, 1)], 32, 8, 128, 128)
     scale = 1 / math.sqrt(128)
     graph = gpu_attention("paged", DType.bfloat16)
-    out = on_warpgroup_prefill(monkeypatch, lambda: run_on_gpu(graph, b, gpu, 0, scale))
+    out = on_prefill_kernel(monkeypatch, prefill_kernel, lambda: run_on_gpu(graph, b, gpu, 0, scale))
     assert_attention_close(out, b, 0, scale)
 
 

@@ -21,7 +21,7 @@ from mokv_reference import quant as ref
 from tests.support import kv_quantization_cases as cpu
 from tests.support.compile_once import compiled_per_key
 from tests.support.gpu import needs_gpu
-from tests.support.gpu_cases import QuantizedAttention, on_warpgroup_prefill
+from tests.support.gpu_cases import QuantizedAttention, on_prefill_kernel
 from tests.support.quantized_graphs import GRAPH_DTYPE, build_attention, build_store_gather
 
 pytestmark = needs_gpu("the quantized cache's store, gathers and attention against the numpy model")
@@ -127,7 +127,7 @@ def test_attention_reads_codes_with_their_scales(case, decode, gpu_quantized, gp
 )
 def test_warpgroup_prefill_reads_codes(case, gpu_quantized, gpu: Device, monkeypatch):
     """The prefill rows on Hopper's warpgroup products (`MOKV_PREFILL_KERNEL=wgmma`)."""
-    on_warpgroup_prefill(monkeypatch, lambda: run_attention(case, gpu_quantized, gpu)).assert_close(
+    on_prefill_kernel(monkeypatch, "wgmma", lambda: run_attention(case, gpu_quantized, gpu)).assert_close(
         tensor_cores=True, warpgroup=True
     )
 

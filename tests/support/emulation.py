@@ -17,7 +17,7 @@ import hashlib
 import os
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -80,11 +80,13 @@ def build_harness(source: Path = EMULATOR_SOURCE, accelerator: str | None = None
 
 @dataclass
 class Emulator:
-    """Runs one op per call in a fresh directory under `workdir`."""
+    """Runs one op per call in a fresh directory under `workdir`; `launched`
+    names the kernels the last attention call launched (`KernelT.NAME`)."""
 
     binary: Path
     workdir: Path
     calls: int = 0
+    launched: list[str] = field(default_factory=list)
 
     def run(self, meta: dict[str, object], arrays: dict[str, np.ndarray], output: str) -> bytes:
         """Writes `meta.txt` and `<name>.bin` per array, runs the emulator and
@@ -99,6 +101,8 @@ class Emulator:
         result = subprocess.run([str(self.binary), str(call_dir)], capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"emulated {meta['op']} failed: {result.stdout}{result.stderr}")
+        launched = call_dir / "launched.bin"
+        self.launched = launched.read_text().split() if launched.exists() else []
         return (call_dir / f"{output}.bin").read_bytes()
 
 
@@ -110,14 +114,15 @@ def cache_meta(
     layer: int,
     multiprocessors: int = 1,
     tensor_cores: bool = True,
-    prefill_kernel: str = "mma",
+    prefill_kernel: str | None = "mma",
 ) -> dict:
     """The meta entries every call has: the op, the layout, the block tensor's
     shape, the emulated device (multiprocessors, whether it has tensor
     cores: without, the ops launch the kernels of GPUs that have none; with,
-    it has Hopper's warpgroup MMA too), and `MOKV_PREFILL_KERNEL`."""
+    it has Hopper's warpgroup MMA too), and `MOKV_PREFILL_KERNEL` (None:
+    unset, the op's default)."""
     num_blocks, _, num_layers, block_len, n_kv_heads, head_dim = blocks.shape
-    return {
+    meta = {
         "op": op,
         "layout": layout,
         "dtype": dtype,
@@ -129,8 +134,10 @@ def cache_meta(
         "layer": layer,
         "multiprocessors": multiprocessors,
         "tensor_cores": int(tensor_cores),
-        "prefill_kernel": prefill_kernel,
     }
+    if prefill_kernel is not None:
+        meta["prefill_kernel"] = prefill_kernel
+    return meta
 
 
 def float32_bits(value: float) -> int:

@@ -105,10 +105,10 @@ class QuantizedAttention:
         np.testing.assert_allclose(self.out, exact, atol=atol, rtol=rtol)
 
 
-def on_warpgroup_prefill(monkeypatch: pytest.MonkeyPatch, run):
-    """`run()` with `MOKV_PREFILL_KERNEL=wgmma`; skips where the GPU has no
-    warpgroup MMA (the op says so)."""
-    monkeypatch.setenv("MOKV_PREFILL_KERNEL", "wgmma")
+def on_prefill_kernel(monkeypatch: pytest.MonkeyPatch, kernel: str, run):
+    """`run()` with `MOKV_PREFILL_KERNEL=kernel` (`mma` or `wgmma`); skips
+    `wgmma` where the GPU has no warpgroup MMA (the op says so)."""
+    monkeypatch.setenv("MOKV_PREFILL_KERNEL", kernel)
     try:
         return run()
     except ValueError as error:

@@ -295,20 +295,24 @@ struct Emulator(Launcher):
     """Runs kernels on the CPU, block after block (see the module docstring).
     For tests: slow, and only as exact as the host's float32 arithmetic.
     `has_tensor_cores` false makes the ops pick the kernels they launch on
-    GPUs without `mma.sync` (or `wgmma`)."""
+    GPUs without `mma.sync` (or `wgmma`). `launched` names the kernels run
+    (`KernelT.NAME`), in order, so tests see which ones an op chose."""
 
     comptime LANES = WARP_LANES
 
     var scratch_buffers: List[List[Float32]]
     var num_multiprocessors: Int
     var has_tensor_cores: Bool
+    var launched: List[String]
 
     def __init__(out self, num_multiprocessors: Int, has_tensor_cores: Bool = True):
         self.scratch_buffers = List[List[Float32]]()
         self.num_multiprocessors = num_multiprocessors
         self.has_tensor_cores = has_tensor_cores
+        self.launched = List[String]()
 
     def launch[K: KernelT](mut self, kernel: K) raises:
+        self.launched.append(String(K.NAME))
         var grid = kernel.grid()
         var shared = List[Float32](length=max(K.SHARED_BYTES // 4, 1), fill=0)
         var shared_ptr = shared.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()

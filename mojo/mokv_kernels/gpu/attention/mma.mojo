@@ -15,8 +15,8 @@ what their four warps split and how they multiply:
   end the warps' states are combined through shared memory (a split-K of
   the tile across warps), so K and V are still read once per group, with
   no tensor-core work on rows that do not exist;
-- prefill on Hopper's warpgroup products (`warpgroup` True, chosen by
-  `MOKV_PREFILL_KERNEL=wgmma`, `op`): two warpgroups of four warps, 128
+- prefill on Hopper's warpgroup products (`warpgroup` True, the default
+  over a bfloat16 cache on Hopper, `op`): two warpgroups of four warps, 128
   query rows, the same tiles, masking and softmax as the prefill, but each
   product is one `wgmma` of a warpgroup (`..warpgroup`): Q Kᵀ with queries
   and keys read by the tensor cores from shared memory, P V with P from

@@ -3,10 +3,10 @@ grid from the batch summary (`plan`), and launches a decode or a prefill
 kernel (on tensor cores for bfloat16 where the device has them, `mma`), then
 the split-K merge when the context was split.
 
-The tensor-core prefill's products are `mma.sync` per warp unless the
-environment says `MOKV_PREFILL_KERNEL=wgmma`, which takes Hopper's warpgroup
-products (`..warpgroup`) instead: the choice stays with the user until a
-GPU run has measured it against the default (docs/gpu.md).
+The tensor-core prefill over a bfloat16 cache takes Hopper's warpgroup
+products (`..warpgroup`) where the device has them, `mma.sync` per warp
+elsewhere and over 8-bit codes; `MOKV_PREFILL_KERNEL=mma` or `=wgmma`
+overrides that (`_warpgroup_prefill` says why the default is what it is).
 `MOKV_ATTENTION_SPLITS=N` fixes how many splits a context is cut into
 (within the planner's bounds) instead of the planner's choice, for tuning:
 `mokv bench attention --device gpu` times decode at several."""
@@ -49,11 +49,18 @@ def _on_tensor_cores[cache_t: KVCacheT, q_dtype: DType, D: Int]() -> Bool:
 comptime PREFILL_KERNEL_VARIABLE = "MOKV_PREFILL_KERNEL"
 
 
-def _warpgroup_prefill[L: Launcher](launcher: L) raises -> Bool:
+def _warpgroup_prefill[L: Launcher](launcher: L, codes: Bool) raises -> Bool:
     """Whether the tensor-core prefill takes warpgroup products: what
-    `MOKV_PREFILL_KERNEL` says (`mma`, the default, or `wgmma`, which needs
-    a device that has them)."""
-    var kernel = getenv(PREFILL_KERNEL_VARIABLE, "mma")
+    `MOKV_PREFILL_KERNEL` says (`mma`, or `wgmma`, which needs a device that
+    has them); unset, on Hopper unless the cache holds 8-bit `codes`.
+
+    Over bfloat16 an H200 ran the warpgroup prefill 1.2x `mma.sync`'s speed
+    with the same outputs (docs/gpu.md, the ninth run); no run has timed
+    the prefill over codes, where `mma.sync` multiplies a row-scaled code
+    as it is in float16 and the warpgroup widens it to bfloat16 first."""
+    var kernel = getenv(PREFILL_KERNEL_VARIABLE, "")
+    if kernel == "":
+        return launcher.warpgroup_mma() and not codes
     if kernel == "mma":
         return False
     if kernel != "wgmma":
@@ -100,7 +107,7 @@ def _run[
     var mma = False
     var warpgroup = False
     comptime if _on_tensor_cores[cache_t, q_dtype, D]():
-        warpgroup = _warpgroup_prefill(launcher)
+        warpgroup = _warpgroup_prefill(launcher, is_quantized[cache_t.dtype]())
         mma = launcher.tensor_cores()
     var prefill_rows = _prefill_rows(D)
     var prefill = KernelFit(Prefill.MIN_BLOCKS, Prefill.BN)
