@@ -13,7 +13,7 @@ K and V rows of a tile go through the page table row by row: one thread per
 key looks its row up once (`locate_rows`) and leaves the address in shared
 memory, then every thread copies 16-byte chunks with `cp.async` (`..copy`),
 committed as one group per tile: a few neighbouring lanes share a key
-(`LANES_PER_KEY`: four take 64 contiguous bytes of a bfloat16 row per copy
+(`LANES_PER_KEY`: eight take a whole 128-byte line of a row per copy
 instruction), so a thread reads the addresses of a few keys a tile
 (`copy_key`), not one per copy.
 With `per_warp` (decode, whose warps each read only their own `BN / WARPS`
@@ -126,12 +126,14 @@ struct MmaTiles[
     """16-byte copies of each of a tile's K and V that one thread makes."""
     comptime ROW_CHUNKS = Self.D // Self.ELEMENTS_PER_COPY
     """16-byte copies of a stored K or V row."""
-    comptime LANES_PER_KEY = min(Self.ROW_CHUNKS, 8 if Self.QUANTIZED else 4)
-    """Neighbouring lanes that copy one key's row: 64 contiguous bytes of a
-    bfloat16 row per copy instruction (two whole 32-byte sectors), or an
-    8-bit cache's whole code row (128 bytes at head_dim 128: four lanes a
-    key made ptxas spill the float8 decode at three blocks per
-    multiprocessor and issue more instructions in the widening kernels)."""
+    comptime LANES_PER_KEY = min(Self.ROW_CHUNKS, 8)
+    """Neighbouring lanes that copy one key's row: 128 contiguous bytes per
+    copy instruction, a whole cache line (a bfloat16 row's half at head_dim
+    128, an 8-bit code row whole), so each copy instruction of a warp asks
+    L2 for four whole lines. Four lanes a key asked for eight half lines,
+    twice the requests for the same bytes, where the ninth run's profile
+    had the bfloat16 decode's L2 80% busy with DRAM at 67%; fewer lanes a
+    key also made ptxas spill the float8 decode at three blocks."""
     comptime KEY_CHUNKS = Self.ROW_CHUNKS // Self.LANES_PER_KEY
     """Copies of each of its keys' rows a thread makes."""
     comptime THREAD_KEYS = Self.COPIES // Self.KEY_CHUNKS
