@@ -81,7 +81,8 @@ def build_harness(source: Path = EMULATOR_SOURCE, accelerator: str | None = None
 @dataclass
 class Emulator:
     """Runs one op per call in a fresh directory under `workdir`; `launched`
-    names the kernels the last attention call launched (`KernelT.NAME`)."""
+    names the kernels the last call launched (`KernelT.NAME`; only attention
+    calls report them, others leave it empty)."""
 
     binary: Path
     workdir: Path
