@@ -15,29 +15,35 @@ from max.driver import Buffer, Device
 from max.dtype import DType
 
 
-def _one_round(calls: Mapping[str, Callable[[], Any]], times: dict[str, list[float]]) -> None:
-    """Runs each call once, in order, adding its seconds to `times`."""
-    for name, call in calls.items():
+def _one_round(calls: Mapping[str, Callable[[], Any]], times: dict[str, list[float]], first: int = 0) -> None:
+    """Runs each call once, in order from the `first`-th (then around), adding its seconds to
+    `times`. Rounds that start at each call in turn leave no call always first or always after
+    the same one: the tenth GPU run timed one and the same kernel 17% slower in the first place
+    of every round than in a later one (a 2k prefill, `docs/gpu.md`)."""
+    names = list(calls)
+    for name in names[first % len(names) :] + names[: first % len(names)]:
         started = time.perf_counter()
-        call()
+        calls[name]()
         times[name].append(time.perf_counter() - started)
 
 
 def time_rounds(calls: Mapping[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
     """Median seconds per call of each callable over exactly `rounds` rounds, the callables
-    taking turns (no warm-up: the caller has run each already)."""
+    taking turns, each round starting one call later (no warm-up: the caller has run each
+    already)."""
     times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        _one_round(calls, times)
+    for r in range(rounds):
+        _one_round(calls, times, r)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
 def time_alternately(
     calls: Mapping[str, Callable[[], Any]], min_runs: int, budget_s: float, max_runs: int = 50
 ) -> dict[str, float]:
-    """Median seconds per call of each callable, run in turn after one warm-up each, at least
-    `min_runs` rounds (3 when the warm-up alone outlasts `budget_s`: some reference kernels
-    take seconds per call) and until `budget_s` is spent, at most `max_runs` rounds."""
+    """Median seconds per call of each callable, run in turn (each round starting one call
+    later) after one warm-up each, at least `min_runs` rounds (3 when the warm-up alone
+    outlasts `budget_s`: some reference kernels take seconds per call) and until `budget_s`
+    is spent, at most `max_runs` rounds."""
     started = time.perf_counter()
     for call in calls.values():
         call()
@@ -47,7 +53,7 @@ def time_alternately(
     started = time.perf_counter()
     rounds = 0
     while rounds < min_runs or (time.perf_counter() - started < budget_s and rounds < max_runs):
-        _one_round(calls, times)
+        _one_round(calls, times, rounds)
         rounds += 1
     return {name: statistics.median(t) for name, t in times.items()}
 
