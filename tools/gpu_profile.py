@@ -6,8 +6,14 @@ the profiler sees is mokv's (attention, and the split-K merge where the plan
 splits the context). On a Hopper GPU a bfloat16 prefill case runs with
 `MOKV_PREFILL_KERNEL=mma`, then `=wgmma`, so both prefill kernels are in the report.
 
+A case named `NAME:FORMAT` is a KV-formats case (`--only-kv-formats`, say
+`decode-32x8x128-page128-b16-ctx8192:float8_e4m3fn`): that format's decode
+only, its cache filled by its own store first (the store's kernels run
+before the profiled decode calls, once).
+
 Usage: python3 tools/gpu_profile.py [CASE ...]  (names as in the benchmark;
-default: the 32-sequence decode and the 2k prefill)."""
+default: the 32-sequence decode, the 2k prefill and the float8 decode at
+batch 16 / 8k)."""
 
 from __future__ import annotations
 
@@ -20,11 +26,22 @@ from max.engine import InferenceSession
 from mokv_examples.bench.attention import PREFILL_KERNEL, has_warpgroup_mma, with_variable
 from mokv_examples.bench.attention_cases import gpu_quick_cases, make_inputs
 from mokv_examples.bench.attention_kernels import Kernels
+from mokv_examples.bench.kv_formats import FormatKernels, format_calls, format_cases
 
 DEFAULT_CASES = (
     "decode-bfloat16-32x8x128-page128-b32-ctx4096",
     "prefill-bfloat16-32x8x128-page128-b1-ctx2048-new2048",
+    "decode-32x8x128-page128-b16-ctx8192:float8_e4m3fn",
 )
+
+
+def profile_format_case(name: str, kv_format: str, kernels: Kernels, gpu: Accelerator) -> None:
+    """A KV-formats case's decode over `kv_format`'s cache, twice."""
+    cases = {case.name: case for case in format_cases(quick=True, gpu=True)}
+    decode = format_calls(cases[name], FormatKernels(kernels), (kv_format,))[kv_format].decode
+    for _ in range(2):
+        decode()
+    print(f"ran {name} over {kv_format} twice", flush=True)
 
 
 def main(names: list[str]) -> None:
@@ -32,6 +49,9 @@ def main(names: list[str]) -> None:
     kernels = Kernels(InferenceSession(devices=[CPU(), gpu]), device=gpu)
     cases = {case.name: case for case in gpu_quick_cases()}
     for name in names or DEFAULT_CASES:
+        if ":" in name:
+            profile_format_case(*name.split(":"), kernels, gpu)
+            continue
         case = cases[name]
         model = kernels.mokv_model(case.dtype)
         args = make_inputs(case, np.random.default_rng(0), (case.dtype,), gpu)[case.dtype].mokv_args(case.softmax_scale)

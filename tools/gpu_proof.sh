@@ -6,7 +6,9 @@
 # side by side where pytest-xdist is installed; the emulator tests need no GPU
 # and run in CI), each under its own time limit so that one slow step leaves
 # the other its share. Logs and results go to $OUT (or ./gpu-proof) as they
-# are made.
+# are made; at the end all but the markdown tables, tests.log and profile.log
+# go into $OUT/run.tar.gz (the device tool brings back at most 8 files: the
+# ninth and tenth runs lost their tests.log and profile.log to that limit).
 #
 # Usage (on the GPU machine, in the repository root):
 #   tools/gpu_proof.sh [--full] [--kv-formats] [--build] [--profile] [--tests-only]
@@ -92,6 +94,22 @@ install() {
     ln -sfn "$PWD/reference" "$SITE/mokv_reference"
 }
 
+pack() {  # the device tool brings back at most 8 files: the rest of $OUT goes into one archive
+    (
+        cd "$OUT" || exit
+        shopt -s nullglob
+        local rest=()
+        for entry in *; do
+            case $entry in
+                *.md | tests.log | profile.log | run.tar.gz) ;;
+                *) rest+=("$entry") ;;
+            esac
+        done
+        [ ${#rest[@]} -eq 0 ] || { tar czf run.tar.gz "${rest[@]}" && rm -rf "${rest[@]}"; }
+    )
+}
+trap pack EXIT
+
 step install 0 install || exit 1
 export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
@@ -152,7 +170,7 @@ for ((round = 2; round <= rounds; round++)); do
     compare_variants "-$round"
 done
 if $profile && ! $tests_only; then
-    step profile "${PROFILE_S:-240}" ncu --target-processes all --launch-count 16 \
+    step profile "${PROFILE_S:-240}" ncu --target-processes all --launch-count 24 \
         --section LaunchStats --section Occupancy --section SpeedOfLight --section SchedulerStats \
         --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         python3 tools/gpu_profile.py || status=1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,9 +174,20 @@ def _cache_buffers(shape: FormatShape, case: FormatCase, device: Device) -> list
     return [to_device(b, device) for b in buffers]
 
 
-def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -> list[dict[str, Any]]:
-    """One case in every format: fill each cache with the same keys and values
-    through its store, then time stores and decodes alternately."""
+@dataclass
+class FormatCalls:
+    """One format's calls on one case, each waiting for the device: a store of
+    the whole context, and a decode of one new token per sequence."""
+
+    store: Callable[[], Any]
+    decode: Callable[[], Any]
+    output: np.ndarray
+    """The decode's output as float32, taken once the cache was filled."""
+
+
+def format_calls(case: FormatCase, kernels: FormatKernels, formats: Sequence[str] = FORMATS) -> dict[str, FormatCalls]:
+    """Each format's cache filled with the same keys and values through its own
+    store, and its calls (`tools/gpu_profile.py` profiles a format's decode)."""
     hq, hkv, d = case.heads
     rng = np.random.default_rng(0)
     pages_per_seq = -(-case.context // case.page_size)
@@ -203,8 +215,8 @@ def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -
     ]
     decode_offsets = put(Buffer.from_numpy(np.arange(case.batch + 1, dtype=np.uint32)))
     softmax_scale = Buffer.from_numpy(np.array(1 / math.sqrt(d), np.float32))
-    calls, outputs = {}, {}
-    for kv_format in FORMATS:
+    calls = {}
+    for kv_format in formats:
         shape = kernels.shape(kv_format)
         store, decode = kernels[kv_format]
         pages, *scales = _cache_buffers(shape, case, device)
@@ -218,11 +230,23 @@ def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -
         ]
         q_rows = device_buffer(q, shape.rows, device)
         decode_args = [pages, *decode_tables, *scales, q_rows, decode_offsets, softmax_scale]
-        finished(lambda m=store, a=store_args: m.execute(*a))()
+        store_call = finished(lambda m=store, a=store_args: m.execute(*a))
+        store_call()
         # A copy: the output buffer is reused by later calls (to_numpy copies it off a GPU).
-        outputs[kv_format] = to_float(decode.execute(*decode_args)[0], shape.rows).copy()
-        calls[f"store-{kv_format}"] = finished(lambda m=store, a=store_args: m.execute(*a))
-        calls[kv_format] = finished(lambda m=decode, a=decode_args: m.execute(*a))
+        output = to_float(decode.execute(*decode_args)[0], shape.rows).copy()
+        calls[kv_format] = FormatCalls(store_call, finished(lambda m=decode, a=decode_args: m.execute(*a)), output)
+    return calls
+
+
+def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -> list[dict[str, Any]]:
+    """One case in every format (`format_calls`), stores and decodes timed
+    alternately."""
+    prepared = format_calls(case, kernels)
+    calls: dict[str, Callable[[], Any]] = {}
+    for kv_format, format_call in prepared.items():
+        calls[f"store-{kv_format}"] = format_call.store
+        calls[kv_format] = format_call.decode
+    outputs = {kv_format: format_call.output for kv_format, format_call in prepared.items()}
     times = time_alternately(calls, min_runs=5, budget_s=budget_s)
     rows = []
     for kv_format in FORMATS:
