@@ -106,7 +106,7 @@ from ..warpgroup import (
     wgmma_ss,
 )
 from .config import BLOCK_THREADS, DECODE_ROWS, NEG_INF, WARP, WARPS
-from .mma_tiles import BN, KEYS, VALUES, MmaTiles, value_log_scales
+from .mma_tiles import KEYS, TILE_KEYS, VALUES, MmaTiles, value_log_scales
 from .work import AttentionArgs, BlockWork, attention_grid, block_work, write_row_part
 
 # Phases of a block (`MmaThread.step`).
@@ -146,9 +146,11 @@ struct MmaThread[
     comptime THREADS = BLOCK_THREADS * (2 if Self.warpgroup else 1)
     """Threads of a block: four warps, or on warpgroup products two
     warpgroups, which share each K/V tile (half the tile reads per row)."""
+    comptime BN = TILE_KEYS
+    """Keys of a tile."""
     comptime ROWS = MMA_ROWS if Self.decode else Self.THREADS // WARP * MMA_ROWS
     """Query rows of a block: the most query heads per KV head it takes."""
-    comptime WARP_KEYS = Self.Tiles.WARP_KEYS if Self.decode else BN
+    comptime WARP_KEYS = Self.Tiles.WARP_KEYS if Self.decode else Self.BN
     """Keys of a tile one warp scores: in decode the ones it copies
     (`per_warp`), so it reads no other warp's."""
     comptime KSTEPS = Self.D // 16
@@ -190,6 +192,7 @@ struct MmaThread[
         Self.STAGES,
         per_warp=Self.decode,
         scales_per_key=Self.scales_per_key,
+        BN=Self.BN,
     ]
     comptime AHEAD = Self.Tiles.TILES_AHEAD
     """Tiles whose copies start before the block multiplies its first."""
@@ -307,27 +310,31 @@ struct MmaThread[
         if phase == LOAD_Q:
             self.tiles.load_queries[Self.lanes](self.args, self.work, self.tid)
             comptime for t in range(Self.AHEAD):
-                if arg + t * BN < self.work.kv_end:
-                    self.tiles.locate_rows[Self.lanes](self.args, self.work, self.tid, arg + t * BN)
+                if arg + t * Self.BN < self.work.kv_end:
+                    self.tiles.locate_rows[Self.lanes](
+                        self.args, self.work, self.tid, arg + t * Self.BN
+                    )
             self.pages = self.tiles.fetch_pages[Self.lanes](
-                self.args, self.work, self.tid, arg + Self.AHEAD * BN
+                self.args, self.work, self.tid, arg + Self.AHEAD * Self.BN
             )
             self.shared_writes_done()
         elif phase == START_FIRST:
             comptime if Self.scales_per_key:
                 self.read_score_scales()
             comptime for t in range(Self.AHEAD):
-                if arg + t * BN < self.work.kv_end:
-                    self.tiles.start_tile[Self.lanes](self.tid, arg + t * BN, self.args.granularity)
+                if arg + t * Self.BN < self.work.kv_end:
+                    self.tiles.start_tile[Self.lanes](
+                        self.tid, arg + t * Self.BN, self.args.granularity
+                    )
             self.shared_writes_done()
         elif phase == WAIT_TILE:
-            var located = arg + Self.AHEAD * BN
+            var located = arg + Self.AHEAD * Self.BN
             if located < self.work.kv_end:
                 self.tiles.locate_pages[Self.lanes](
                     self.args, self.work, self.tid, located, self.pages
                 )
                 self.pages = self.tiles.fetch_pages[Self.lanes](
-                    self.args, self.work, self.tid, located + BN
+                    self.args, self.work, self.tid, located + Self.BN
                 )
             self.wait_tile(arg)
             self.shared_writes_done()
@@ -335,9 +342,9 @@ struct MmaThread[
             self.tiles.convert_tile[Self.lanes](self.tid, arg, self.args.granularity)
             self.shared_writes_done()
         elif phase == COMPUTE_TILE:
-            if arg + Self.AHEAD * BN < self.work.kv_end:
+            if arg + Self.AHEAD * Self.BN < self.work.kv_end:
                 self.tiles.start_tile[Self.lanes](
-                    self.tid, arg + Self.AHEAD * BN, self.args.granularity
+                    self.tid, arg + Self.AHEAD * Self.BN, self.args.granularity
                 )
             self.compute_tile(arg)
         elif phase == FIRST_SCORES:
@@ -374,7 +381,7 @@ struct MmaThread[
         comptime in_flight = Self.AHEAD - 2 if Self.PIPELINED else Self.AHEAD - 1
         # 32-bit (kv_start < kv_end): a 64-bit signed division takes a
         # dozen instructions more on every tile.
-        var later = UInt32(self.work.kv_end - kv_start - 1) // UInt32(BN)
+        var later = UInt32(self.work.kv_end - kv_start - 1) // UInt32(Self.BN)
         comptime for pending in reversed(range(1, in_flight + 1)):
             if later >= UInt32(pending):
                 wait_copies[pending]()
@@ -399,7 +406,7 @@ struct MmaThread[
         """Whether every query row of the block sees every key of the tile
         at `kv_start` (then nothing needs masking)."""
         var first = Int32(kv_start)
-        return first >= self.unmasked[0] and first + BN - 1 <= self.unmasked[1]
+        return first >= self.unmasked[0] and first + Int32(Self.BN - 1) <= self.unmasked[1]
 
     @always_inline
     def mask(self, kv_start: Int, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]):
@@ -434,8 +441,8 @@ struct MmaThread[
             for l in range(Self.lanes):
                 comptime for n in range(Self.NTILES):
                     s[n, l] = self.next_scores[n, l] * self.args.scale_log2
-            if kv_start + BN < self.work.kv_end:
-                self.start_scores(kv_start + BN)
+            if kv_start + Self.BN < self.work.kv_end:
+                self.start_scores(kv_start + Self.BN)
         elif Self.warpgroup:
             self.group_scores(kv_start, s)
             warpgroup_wait()
@@ -511,7 +518,7 @@ struct MmaThread[
         comptime for k in range(Self.KSTEPS):
             wgmma_ss[Self.WARP_KEYS](
                 k_slice(queries, Self.ROWS, k, group_row),
-                k_slice(keys, BN, k),
+                k_slice(keys, Self.BN, k),
                 s,
                 self.warp() % WARPGROUP_WARPS,
             )
@@ -544,7 +551,7 @@ struct MmaThread[
                     var lane = self.lane(l)
                     var key = self.warp_key() + n2 * 16 + lane // 16 * 8 + lane % 8
                     rows[l] = keys.unsafe_offset(
-                        Self.Tiles.swizzled[BN](key, 2 * k + lane // 8 % 2)
+                        Self.Tiles.swizzled[Self.BN](key, 2 * k + lane // 8 % 2)
                     )
                 var b = ld_matrix[4, False, Self.lanes](rows)
                 var b0 = Array[FragB, Self.lanes](fill=0)
@@ -724,7 +731,7 @@ struct MmaThread[
                 p.set(j, Self.weights(s, j))
             warpgroup_arrive()
             comptime for j in range(Self.WARP_KEYS // 16):
-                wgmma_rs[Self.D](p.get(j), mn_slice[BN](values, j), self.o)
+                wgmma_rs[Self.D](p.get(j), mn_slice[Self.BN](values, j), self.o)
             warpgroup_wait()
         elif Self.Tiles.IN_REGISTERS:
             comptime for j in range(Self.WARP_KEYS // 16):
@@ -760,7 +767,9 @@ struct MmaThread[
             for l in range(Self.lanes):
                 var lane = self.lane(l)
                 var key = self.warp_key() + 16 * j + lane // 8 % 2 * 8 + lane % 8
-                rows[l] = values.unsafe_offset(Self.Tiles.swizzled[BN](key, 2 * n2 + lane // 16))
+                rows[l] = values.unsafe_offset(
+                    Self.Tiles.swizzled[Self.BN](key, 2 * n2 + lane // 16)
+                )
             var b = ld_matrix[4, True, Self.lanes](rows)
             var b0 = Array[FragB, Self.lanes](fill=0)
             var b1 = Array[FragB, Self.lanes](fill=0)
@@ -915,7 +924,7 @@ struct MmaKernel[
 
     @always_inline
     def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:
-        return Self.Program(self.args, block_work(self.args, block, BN), tid, shared)
+        return Self.Program(self.args, block_work(self.args, block, Self.Program.BN), tid, shared)
 
     @always_inline
     def between_tiles[E: BlockExecutor](self, mut threads: E):
@@ -926,7 +935,7 @@ struct MmaKernel[
 
     @always_inline
     def schedule[E: BlockExecutor](self, mut threads: E, block: BlockId):
-        var work = block_work(self.args, block, BN)
+        var work = block_work(self.args, block, Self.Program.BN)
         if work.empty():
             return
         threads.each(LOAD_Q, work.kv_start)
@@ -941,11 +950,11 @@ struct MmaKernel[
             threads.sync()
             threads.each(FIRST_SCORES, kv)
             while kv < work.kv_end:
-                if kv + BN < work.kv_end:
-                    threads.each(WAIT_TILE, kv + BN)
+                if kv + Self.Program.BN < work.kv_end:
+                    threads.each(WAIT_TILE, kv + Self.Program.BN)
                     threads.sync()
                 threads.each(COMPUTE_TILE, kv)
-                kv += BN
+                kv += Self.Program.BN
         else:
             while kv < work.kv_end:
                 threads.each(WAIT_TILE, kv)
@@ -954,7 +963,7 @@ struct MmaKernel[
                     threads.each(CONVERT_TILE, kv)
                     self.between_tiles(threads)
                 threads.each(COMPUTE_TILE, kv)
-                kv += BN
+                kv += Self.Program.BN
         comptime if Self.decode:
             threads.sync()
             threads.each(FINISH, 0)

@@ -56,8 +56,8 @@ from ..warpgroup import SWIZZLE_ALIGNMENT, SWIZZLE_COLUMNS
 from .config import QUANTIZED_CHUNK, WARP
 from .work import AttentionArgs, BlockWork, row_offset
 
-comptime BN = 64
-"""Keys per tile."""
+comptime TILE_KEYS = 64
+"""Keys per tile (`BN`) of every tensor-core kernel (`..mma.MmaThread.BN`)."""
 comptime KEYS = 0
 comptime VALUES = 1
 comptime KEY_SCALES = 1
@@ -84,6 +84,7 @@ struct MmaTiles[
     stage_count: Int,
     per_warp: Bool,
     scales_per_key: Bool,
+    BN: Int,
 ](TrivialRegisterPassable):
     """The shared memory of a block of `THREADS` threads, from `smem`; tiles
     take the `stage_count` stages (an 8-bit cache: code stages) in turn from
@@ -118,11 +119,11 @@ struct MmaTiles[
     address kind `KEY_SCALES`)."""
     comptime CHUNKS = Self.D // 8
     """16-byte chunks of a bfloat16 row."""
-    comptime WARP_KEYS = BN // (Self.THREADS // WARP)
+    comptime WARP_KEYS = Self.BN // (Self.THREADS // WARP)
     """Keys of a tile that each warp copies when `per_warp`."""
     comptime ELEMENTS_PER_COPY = 16 // size_of[Scalar[Self.cache_t.dtype]]()
     """Stored elements (values or codes) in a 16-byte copy."""
-    comptime COPIES = BN * Self.D // Self.ELEMENTS_PER_COPY // Self.THREADS
+    comptime COPIES = Self.BN * Self.D // Self.ELEMENTS_PER_COPY // Self.THREADS
     """16-byte copies of each of a tile's K and V that one thread makes."""
     comptime ROW_CHUNKS = Self.D // Self.ELEMENTS_PER_COPY
     """16-byte copies of a stored K or V row."""
@@ -138,10 +139,10 @@ struct MmaTiles[
     """Copies of each of its keys' rows a thread makes."""
     comptime THREAD_KEYS = Self.COPIES // Self.KEY_CHUNKS
     """Keys of a tile whose rows one thread copies (`copy_key`)."""
-    comptime TILE = BN * Self.D
+    comptime TILE = Self.BN * Self.D
     comptime STAGES_AT = Self.ROWS * Self.D
     """Where the stages start, in bfloat16 elements."""
-    comptime CODE_STAGE = 2 * Self.TILE + 2 * BN * Self.STAGED_SCALES * 4 if Self.QUANTIZED else 0
+    comptime CODE_STAGE = 2 * Self.TILE + 2 * Self.BN * Self.STAGED_SCALES * 4 if Self.QUANTIZED else 0
     """Bytes of an 8-bit cache's code stage: K and V codes `[BN, D]`
     (`code_chunk`), then their keys' scales `[BN, STAGED_SCALES]` each."""
     comptime CODES_AT = Self.STAGES_AT + Self.VALUE_STAGES * 2 * Self.TILE
@@ -152,12 +153,12 @@ struct MmaTiles[
     """Addresses per key: its row, and an 8-bit cache's key scales."""
     comptime ADDRESSES_AT = Self.STAGES_AT + Self.STAGES_BYTES // 2
     comptime KEY_SCALES_AT = (
-        Self.ADDRESSES_AT * 2 + Self.stage_count * Self.ADDRESS_KINDS * BN * size_of[Int]()
+        Self.ADDRESSES_AT * 2 + Self.stage_count * Self.ADDRESS_KINDS * Self.BN * size_of[Int]()
     )
     """Bytes to the widened tile's keys' scales `[2, BN]` (`key_scales`)
     where `scales_per_key` (none `IN_REGISTERS`, which reads them from the
     code stage)."""
-    comptime ROW_SCALES_AT = Self.KEY_SCALES_AT + (0 if Self.IN_REGISTERS else 2 * BN * 4)
+    comptime ROW_SCALES_AT = Self.KEY_SCALES_AT + (0 if Self.IN_REGISTERS else 2 * Self.BN * 4)
     """Bytes to the query rows' powers of two `[ROWS]` (`row_scales`) where
     `scales_per_key`."""
     comptime SHARED_BYTES = Self.ROW_SCALES_AT + Self.ROWS * 4 if Self.scales_per_key else (
@@ -192,9 +193,9 @@ struct MmaTiles[
             Self.STAGES_AT * 2 % SWIZZLE_ALIGNMENT == 0 and Self.TILE * 2 % SWIZZLE_ALIGNMENT == 0
         ), "every tile starts where the swizzle pattern does"
         comptime assert (
-            Self.COPIES * Self.THREADS * Self.ELEMENTS_PER_COPY == BN * Self.D
+            Self.COPIES * Self.THREADS * Self.ELEMENTS_PER_COPY == Self.BN * Self.D
             and Self.THREAD_KEYS * Self.KEY_CHUNKS == Self.COPIES
-            and Self.THREAD_KEYS * (WARP // Self.LANES_PER_KEY) * (Self.THREADS // WARP) == BN
+            and Self.THREAD_KEYS * (WARP // Self.LANES_PER_KEY) * (Self.THREADS // WARP) == Self.BN
         ), "copy layout"
         comptime assert (
             Self.TILES_AHEAD >= 1
@@ -263,7 +264,7 @@ struct MmaTiles[
         """The stage of the tile at `kv_start` (32-bit: a block's keys are
         far fewer than 2^32, and 64-bit division costs a dozen instructions
         more on every tile)."""
-        return Int(UInt32(kv_start - self.first_key) // UInt32(BN) % UInt32(Self.stage_count))
+        return Int(UInt32(kv_start - self.first_key) // UInt32(Self.BN) % UInt32(Self.stage_count))
 
     @always_inline
     def smem(self) -> BF16Ptr:
@@ -311,7 +312,11 @@ struct MmaTiles[
     def scales_offset(self, kv_start: Int, kind: Int) -> Int:
         """An 8-bit cache: bytes to the K (`kind` KEYS) or V scales `[BN,
         STAGED_SCALES]` of the keys of the tile at `kv_start`."""
-        return self.code_stage_offset(kv_start) + 2 * Self.TILE + kind * BN * Self.STAGED_SCALES * 4
+        return (
+            self.code_stage_offset(kv_start)
+            + 2 * Self.TILE
+            + kind * Self.BN * Self.STAGED_SCALES * 4
+        )
 
     @always_inline
     def scales(self, kv_start: Int, kind: Int) -> F32Ptr:
@@ -327,7 +332,7 @@ struct MmaTiles[
             self.smem()
             .unsafe_offset(Self.ADDRESSES_AT)
             .unsafe_bitcast[Int]()
-            .unsafe_offset((self.stage(kv_start) * Self.ADDRESS_KINDS + kind) * BN)
+            .unsafe_offset((self.stage(kv_start) * Self.ADDRESS_KINDS + kind) * Self.BN)
         )
 
     @always_inline
@@ -340,7 +345,7 @@ struct MmaTiles[
         copied (`scales`)."""
         comptime if Self.IN_REGISTERS:
             return self.scales(kv_start, kind)
-        return self.at[Float32](Self.KEY_SCALES_AT + kind * BN * 4)
+        return self.at[Float32](Self.KEY_SCALES_AT + kind * Self.BN * 4)
 
     @always_inline
     def row_scales(self) -> F32Ptr:
@@ -512,7 +517,7 @@ struct MmaTiles[
             var lane = thread % WARP
             return thread // WARP * Self.WARP_KEYS + lane if lane < Self.WARP_KEYS else -1
         else:
-            return thread if thread < BN else -1
+            return thread if thread < Self.BN else -1
 
     @staticmethod
     def copy_key(thread: Int, i: Int) -> Int:
@@ -547,7 +552,7 @@ struct MmaTiles[
         comptime if Self.QUANTIZED:
             return self.codes_offset(kv_start, kind) + Self.code_chunk(key, first // 16)
         else:
-            return self.tile_offset(kv_start, kind) + 2 * Self.swizzled[BN](key, first // 8)
+            return self.tile_offset(kv_start, kind) + 2 * Self.swizzled[Self.BN](key, first // 8)
 
     @always_inline
     def start_tile[lanes: Int](self, tid: Int, kv_start: Int, granularity: Int):
@@ -586,7 +591,7 @@ struct MmaTiles[
         scales. A thread takes whole keys, so no index divides by the
         granule count, a runtime value (1 where `scales_per_key`, known
         when compiled)."""
-        comptime keys = Self.WARP_KEYS if Self.per_warp else BN
+        comptime keys = Self.WARP_KEYS if Self.per_warp else Self.BN
         comptime threads = WARP if Self.per_warp else Self.THREADS
         var first_key = thread // WARP * Self.WARP_KEYS if Self.per_warp else 0
         comptime if Self.scales_per_key:
@@ -643,6 +648,6 @@ struct MmaTiles[
                         ]
                         values = as_values(codes, scale).cast[DType.bfloat16]()
                     comptime for half in range(Self.ELEMENTS_PER_COPY // 8):
-                        tile.unsafe_offset(Self.swizzled[BN](key, first // 8 + half)).unsafe_store[
-                            alignment=16
-                        ](0, values.slice[8, offset=half * 8]())
+                        tile.unsafe_offset(
+                            Self.swizzled[Self.BN](key, first // 8 + half)
+                        ).unsafe_store[alignment=16](0, values.slice[8, offset=half * 8]())

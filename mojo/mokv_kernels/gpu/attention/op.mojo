@@ -22,7 +22,6 @@ from ..block import Launcher
 from .config import LOG2E, QUANTIZED_CHUNK
 from .decode import DecodeKernel
 from .merge import MergeArgs, MergeKernel
-from .mma_tiles import BN
 from .plan import BatchBounds, KernelFit, plan_attention
 from .prefill import AttentionKernel
 from .mma import MmaKernel
@@ -111,15 +110,15 @@ def _run[
         mma = launcher.tensor_cores()
     var prefill_rows = _prefill_rows(D)
     var prefill = KernelFit(Prefill.MIN_BLOCKS, Prefill.BN)
-    var decode = KernelFit(MmaDecode.MIN_BLOCKS, BN) if mma else KernelFit(
+    var decode = KernelFit(MmaDecode.MIN_BLOCKS, MmaDecode.Program.BN) if mma else KernelFit(
         Decode.MIN_BLOCKS, Decode.Program.BN
     )
     if warpgroup:
         prefill_rows = WgmmaPrefill.Program.ROWS
-        prefill = KernelFit(WgmmaPrefill.MIN_BLOCKS, BN)
+        prefill = KernelFit(WgmmaPrefill.MIN_BLOCKS, WgmmaPrefill.Program.BN)
     elif mma:
         prefill_rows = MmaPrefill.Program.ROWS
-        prefill = KernelFit(MmaPrefill.MIN_BLOCKS, BN)
+        prefill = KernelFit(MmaPrefill.MIN_BLOCKS, MmaPrefill.Program.BN)
     var plan = plan_attention(
         args.k_cache.batch_size(),
         args.k_cache.num_heads(),
