@@ -35,8 +35,8 @@ The context is walked in tiles of `BN` = 64 keys:
   the two tiles multiplied); an
   8-bit cache's codes and scales land in code stages (two, three for
   decode), all of them in flight while the widened tile is multiplied
-  (decode widening in registers reads its codes from their stage, so the
-  others are in flight); a
+  (a decode widening in registers reads its codes from their stage: it
+  keeps four, so three are in flight); a
   key's page table entry is read one tile before its row is located, so
   the block never waits on that read (the copies wait on the address);
 - scores: query and K fragments from `ldmatrix` (the queries stay in
@@ -174,16 +174,22 @@ struct MmaThread[
     is not widened yet at that point: its one bfloat16 stage holds this
     tile."""
     comptime STAGES = 4 if Self.PIPELINED else (
-        3 if Self.decode and is_quantized[Self.cache_t.dtype]() else 2
+        (4 if Self.scales_per_key else 3) if Self.decode
+        and is_quantized[Self.cache_t.dtype]() else 2
     )
     """Shared-memory stages (`mma_tiles`): four when `PIPELINED` (one block
     per multiprocessor): the tile whose values are multiplied, the next
-    one whose keys are, and two tiles' copies in flight; three code stages
-    for an 8-bit decode, whose blocks wait on memory, so three tiles of
-    codes are in flight (as many bytes as two bfloat16 tiles), or two where
-    its codes are widened in registers (`MmaTiles.IN_REGISTERS`: the stage
-    read is busy), at three blocks per multiprocessor instead of two for
-    float8 (`MmaKernel.MIN_BLOCKS`)."""
+    one whose keys are, and two tiles' copies in flight; for an 8-bit
+    decode, whose blocks wait on memory, three code stages widened in
+    shared memory (three tiles of codes in flight, as many bytes as two
+    bfloat16 tiles), or four where its codes are widened in registers
+    (`MmaTiles.IN_REGISTERS`: the stage read is busy, three in flight).
+    The tenth GPU run timed that decode with three stages at the bfloat16
+    decode's tiles per second with half the bytes a tile, and the ninth
+    run's profile of the bfloat16 decode had its warps waiting on memory
+    (L1TEX) for 56% of their cycles; four stages still fit three float8
+    blocks per multiprocessor at head_dim 128 (74 KB each) and two int8
+    blocks (`MmaKernel.MIN_BLOCKS`)."""
     comptime Tiles = MmaTiles[
         Self.cache_t,
         Self.D,
