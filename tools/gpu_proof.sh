@@ -6,9 +6,9 @@
 # side by side where pytest-xdist is installed; the emulator tests need no GPU
 # and run in CI), each under its own time limit so that one slow step leaves
 # the other its share. Logs and results go to $OUT (or ./gpu-proof) as they
-# are made; at the end all but the markdown tables, tests.log and profile.log
-# go into $OUT/run.tar.gz (the device tool brings back at most 8 files: the
-# ninth and tenth runs lost their tests.log and profile.log to that limit).
+# are made; after each step all but the markdown tables, tests.log and
+# profile.log go into $OUT/run.tar (the device tool brings back at most 8
+# files: the ninth and tenth runs lost their tests.log and profile.log to it).
 #
 # Usage (on the GPU machine, in the repository root):
 #   tools/gpu_proof.sh [--full] [--kv-formats] [--build] [--profile] [--tests-only]
@@ -36,6 +36,8 @@
 # for one more run of the same benchmark (results in $OUT/compare-K), then the
 # TARGETs are put back. A FILE that is a directory replaces a TARGET
 # directory whole (tools/gpu_previous.sh prepares the previous kernels so).
+# COMPARE_STEP=formats: each variant runs the KV-formats step (--only-kv-formats,
+# FORMATS_S) instead of the benchmark.
 # ROUNDS=N (default 1) times the benchmark and the variants N times,
 # alternating (rounds after the first in $OUT/round-R/ and compare-K-R/), so
 # that drift of the machine shows as a difference between rounds rather than
@@ -73,6 +75,7 @@ step() {  # step NAME SECONDS COMMAND...: runs it (at most SECONDS if not 0), lo
     local status=$?
     tail -n 25 "$OUT/$name.log"
     echo "== $name: exit $status in $((SECONDS - start)) s"
+    [ "$(type -t pack)" = function ] && pack
     return $status
 }
 
@@ -94,18 +97,20 @@ install() {
     ln -sfn "$PWD/reference" "$SITE/mokv_reference"
 }
 
-pack() {  # the device tool brings back at most 8 files: the rest of $OUT goes into one archive
+pack() {  # the device tool brings back at most 8 files: all but the tables, tests.log
+    # and profile.log go into $OUT/run.tar, after every step (a call cut off at its limit
+    # brings back what the finished steps wrote)
     (
         cd "$OUT" || exit
         shopt -s nullglob
         local rest=()
         for entry in *; do
             case $entry in
-                *.md | tests.log | profile.log | run.tar.gz) ;;
+                *.md | tests.log | profile.log | run.tar) ;;
                 *) rest+=("$entry") ;;
             esac
         done
-        [ ${#rest[@]} -eq 0 ] || { tar czf run.tar.gz "${rest[@]}" && rm -rf "${rest[@]}"; }
+        [ ${#rest[@]} -eq 0 ] || { tar rf run.tar "${rest[@]}" && rm -rf "${rest[@]}"; }
     )
 }
 trap pack EXIT
@@ -142,22 +147,27 @@ compare_variants() {  # compare_variants SUFFIX: one benchmark per COMPARE varia
     local suffix=$1 k=0
     for variant in ${COMPARE:-}; do
         k=$((k + 1))
-        local dir="$OUT/compare-$k$suffix"
-        mkdir -p "$dir/kept"
+        local dir="$OUT/compare-$k$suffix" kept
+        kept=$(mktemp -d)  # outside $OUT, which each step packs away
+        mkdir -p "$dir"
         local swapped=() ok=true
         for pair in ${variant//,/ }; do
             local target=${pair%%=*} file=${pair#*=}
-            swap "$dir/kept/${#swapped[@]}" "$target" "$file" || { ok=false; status=1; break; }
+            swap "$kept/${#swapped[@]}" "$target" "$file" || { ok=false; status=1; break; }
             swapped+=("$target")
             echo "$file in place of $target" >> "$dir/what.txt"
         done
-        if $ok; then
+        if ! $ok; then
+            :
+        elif [ "${COMPARE_STEP:-bench}" = formats ]; then
+            step "compare-$k$suffix/formats" "${FORMATS_S:-150}" "${bench[@]}" --only-kv-formats --out "$dir" || status=1
+        else
             step "compare-$k$suffix/bench" "${BENCH_S:-180}" "${bench[@]}" --out "$dir" || status=1
         fi
         for i in "${!swapped[@]}"; do
-            restore "$dir/kept/$i" "${swapped[$i]}"
+            restore "$kept/$i" "${swapped[$i]}"
         done
-        rm -rf "$dir/kept"
+        rm -rf "$kept"
     done
 }
 
