@@ -35,7 +35,7 @@ DEFAULT_CASES = (
 )
 
 
-def profile_format_case(name: str, kv_format: str, kernels: Kernels, gpu: Accelerator) -> None:
+def profile_format_case(name: str, kv_format: str, kernels: Kernels) -> None:
     """A KV-formats case's decode over `kv_format`'s cache, twice."""
     cases = {case.name: case for case in format_cases(quick=True, gpu=True)}
     decode = format_calls(cases[name], FormatKernels(kernels), (kv_format,))[kv_format].decode
@@ -50,7 +50,7 @@ def main(names: list[str]) -> None:
     cases = {case.name: case for case in gpu_quick_cases()}
     for name in names or DEFAULT_CASES:
         if ":" in name:
-            profile_format_case(*name.split(":"), kernels, gpu)
+            profile_format_case(*name.split(":"), kernels)
             continue
         case = cases[name]
         model = kernels.mokv_model(case.dtype)

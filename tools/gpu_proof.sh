@@ -21,9 +21,10 @@
 #   --build: first compile every GPU kernel for the machine's architecture
 #            (tools/check_gpu_build.sh; CI already does it for sm_90).
 #   --profile: also, between the benchmark and the tests, Nsight Compute's
-#            report (occupancy, stall reasons, memory throughput) of mokv's
-#            kernels on a decode and a prefill case (tools/gpu_profile.py),
-#            PROFILE_S seconds at most (default 240; it took 54 s on the H200).
+#            report (occupancy, stall reasons and the instructions warps
+#            stall at, memory throughput) of mokv's kernels on a bfloat16
+#            decode, a prefill and a float8 decode (tools/gpu_profile.py),
+#            PROFILE_S seconds at most (default 240; it took 14-54 s on the H200).
 #   --tests-only: only the tests (with PYTEST_ARGS, say), for a second call
 #            on the warm machine after the first ran out of time.
 # TESTS_S and BENCH_S (seconds, default 330 and 180) bound the two steps;
@@ -182,7 +183,7 @@ done
 if $profile && ! $tests_only; then
     step profile "${PROFILE_S:-240}" ncu --target-processes all --launch-count 24 \
         --section LaunchStats --section Occupancy --section SpeedOfLight --section SchedulerStats \
-        --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SourceCounters \
         python3 tools/gpu_profile.py || status=1
 fi
 # The machine's own pytest plugins (jaxtyping, anyio, ...) stay out of it.
