@@ -31,7 +31,7 @@
 # PYTEST_ARGS goes to pytest, split as the shell splits words (quotes keep
 # an expression whole), e.g. "-k 'long_contexts or matches_max'".
 # COMPARE="TARGET=FILE[,TARGET=FILE...] ..." times other versions of source
-# files in the same call, right after the benchmark: for each variant (pairs
+# files in the same call, after the benchmark and the profile: for each variant (pairs
 # joined by commas change several files at once), each FILE (say an older
 # kernel, from `git show`, carried as an untracked file) replaces its TARGET
 # for one more run of the same benchmark (results in $OUT/compare-K), then the
@@ -172,6 +172,14 @@ compare_variants() {  # compare_variants SUFFIX: one benchmark per COMPARE varia
     done
 }
 
+# The profile before the variants: they recompile the kernels and may run
+# out of the call's time.
+if $profile && ! $tests_only; then
+    step profile "${PROFILE_S:-240}" ncu --target-processes all --launch-count 24 \
+        --section LaunchStats --section Occupancy --section SpeedOfLight --section SchedulerStats \
+        --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SourceCounters \
+        python3 tools/gpu_profile.py || status=1
+fi
 rounds=${ROUNDS:-1}
 $tests_only && rounds=0
 [ "$rounds" -ge 1 ] && compare_variants ""
@@ -180,12 +188,6 @@ for ((round = 2; round <= rounds; round++)); do
     step "round-$round/bench" "${BENCH_S:-180}" "${bench[@]}" --out "$OUT/round-$round" || status=1
     compare_variants "-$round"
 done
-if $profile && ! $tests_only; then
-    step profile "${PROFILE_S:-240}" ncu --target-processes all --launch-count 24 \
-        --section LaunchStats --section Occupancy --section SpeedOfLight --section SchedulerStats \
-        --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SourceCounters \
-        python3 tools/gpu_profile.py || status=1
-fi
 # The machine's own pytest plugins (jaxtyping, anyio, ...) stay out of it.
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 side_by_side=()
