@@ -115,6 +115,38 @@ def test_store_quantizes_each_granule_to_its_nearest_codes(fmt, granules, dtype,
     np.testing.assert_allclose(deq, expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("fmt", cpu.FORMATS)
+def test_prefill_fills_scale_blocks_of_several_tokens(fmt, head_dim, emulator):
+    """A prefill into scale blocks of 4 tokens (the store's sixteen lanes a
+    granule, one or two chunks a lane): each block's scale is its new
+    tokens' largest magnitude, and every code the nearest under it; the
+    values are the same in both caches, the keys' scale per block."""
+    rng = np.random.default_rng(head_dim)
+    heads, page, per_block = 2, 8, 4
+    cache = cpu.empty_cache(rng, fmt, 2, 2, page, heads, head_dim, 1, per_block)
+    new = np.array([9, 5])
+    offsets = np.concatenate([[0], np.cumsum(new)]).astype(np.uint32)
+    keys = (rng.standard_normal((new.sum(), heads, head_dim)) * rng.uniform(0.01, 100, (new.sum(), 1, 1))).astype(
+        np.float32
+    )
+    zero = np.zeros(2, np.uint32)
+    store(emulator, cache, DType.float32, 0, keys, keys, zero, offsets)
+
+    rows = np.repeat(np.arange(2), new).astype(np.uint32)
+    positions = np.concatenate([np.arange(n) for n in new]).astype(np.uint32)
+    _, codes, scales = gather(emulator, cache, DType.float32, 0, new.astype(np.uint32), rows, positions)
+    expected = np.empty_like(scales)
+    for start, n in zip(offsets[:-1], new, strict=True):
+        for block in range(0, n, per_block):
+            tokens = keys[start + block : start + min(block + per_block, n)]
+            expected[start + block : start + block + len(tokens), :, 0] = (
+                np.abs(tokens).max(axis=(0, 2)) / ref.CODE_MAX[fmt]
+            )
+    np.testing.assert_allclose(scales, expected, rtol=1e-6)
+    cpu.assert_nearest_codes(keys, codes, scales, fmt)
+
+
 @pytest.mark.parametrize("fmt", cpu.FORMATS)
 def test_store_saturates_and_maps_nan_to_zero(fmt, emulator):
     rng = np.random.default_rng(0)
