@@ -38,7 +38,10 @@ def build_harness(source: Path = EMULATOR_SOURCE, accelerator: str | None = None
     sources = kernel_source_dir()
     # Every harness source: the binaries share modules (call_files.mojo, warp_steps.mojo).
     harness = "".join(path.read_text() for path in sorted(HARNESS_DIR.glob("*.mojo")))
-    text = _source_digest(sources) + source.name + harness
+    # The compiler's path too: a binary finds Mojo's runtime libraries through the
+    # venv that built it, so one built from another checkout's venv sharing this cache
+    # fails to load once that venv is gone.
+    text = _source_digest(sources) + source.name + harness + str(mojo_compiler())
     digest = hashlib.sha256(text.encode())
     target = ["--target-accelerator", accelerator] if accelerator else []
     digest.update(" ".join(target).encode())
