@@ -87,8 +87,8 @@ struct MmaTiles[
     BN: Int,
 ](TrivialRegisterPassable):
     """The shared memory of a block of `THREADS` threads, from `smem`; tiles
-    take the `stage_count` stages (an 8-bit cache: code stages) in turn from
-    the block's first key `first_key`; each warp copies its own keys when
+    of `BN` keys take the `stage_count` stages (an 8-bit cache: code stages)
+    in turn from the block's first key `first_key`; each warp copies its own keys when
     `per_warp` (see the module docstring).
 
     `scales_per_key`: an 8-bit cache with one scale per head row, whose
