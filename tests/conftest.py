@@ -23,6 +23,16 @@ os.environ.setdefault(CACHE_ENV, str(REPO / ".cache"))
 keep_compiled_graphs_in_cache_dir()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """In the process that starts xdist's workers, before it starts them: import MAX's
+    own KV cache ops (the reference the GPU tests import), which MAX compiles into the
+    venv on first import. Two workers importing them at once in a fresh venv raced to
+    write that library, and one read it half written ("file too short": a clean
+    clone's `.ci/run`, 2026-11-28)."""
+    if not hasattr(config, "workerinput"):
+        import max._kv_cache_ops  # noqa: F401
+
+
 @pytest.fixture(scope="session")
 def session() -> InferenceSession:
     """The one CPU inference session every compiled test graph is loaded into."""
