@@ -5,6 +5,8 @@ checkout, as under make, so warm runs are fast however pytest is started."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,13 +26,14 @@ keep_compiled_graphs_in_cache_dir()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """In the process that starts xdist's workers, before it starts them: import MAX's
-    own KV cache ops (the reference the GPU tests import), which MAX compiles into the
-    venv on first import. Two workers importing them at once in a fresh venv raced to
-    write that library, and one read it half written ("file too short": a clean
-    clone's `.ci/run`, 2026-11-28)."""
-    if not hasattr(config, "workerinput"):
-        import max._kv_cache_ops  # noqa: F401
+    """Where xdist starts workers, before it starts them: MAX's own KV cache ops (the
+    reference the GPU tests import) imported once in a child process, which compiles
+    them into the venv on first import. Two workers importing them at once in a fresh
+    venv raced to write that library, and one read it half written ("file too short": a
+    clean clone's `.ci/run`, 2026-11-28). A child, because importing them here would
+    leave this process's environment such that the workers it starts lose the venv."""
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        subprocess.run([sys.executable, "-c", "import max._kv_cache_ops"], check=True)
 
 
 @pytest.fixture(scope="session")
