@@ -64,6 +64,24 @@ SITE=/tmp/mokv-site
 export MOKV_CACHE_DIR=/tmp/mokv-cache MODULAR_CACHE_DIR=/tmp/mokv-cache/modular PYTHONUNBUFFERED=1
 mkdir -p "$MOKV_CACHE_DIR/wheels" "$SITE"
 
+pack() {  # the device tool brings back at most 8 files: all but the tables, tests.log
+    # and profile.log go into $OUT/run.tar, after every step (a call cut off at its limit
+    # brings back what the finished steps wrote)
+    (
+        cd "$OUT" || exit
+        shopt -s nullglob
+        local rest=()
+        for entry in *; do
+            case $entry in
+                *.md | tests.log | profile.log | run.tar) ;;
+                *) rest+=("$entry") ;;
+            esac
+        done
+        [ ${#rest[@]} -eq 0 ] || { tar rf run.tar "${rest[@]}" && rm -rf "${rest[@]}"; }
+    )
+}
+trap pack EXIT
+
 step() {  # step NAME SECONDS COMMAND...: runs it (at most SECONDS if not 0), logs to $OUT/NAME.log
     local name=$1 limit=$2 start=$SECONDS
     shift 2
@@ -76,7 +94,7 @@ step() {  # step NAME SECONDS COMMAND...: runs it (at most SECONDS if not 0), lo
     local status=$?
     tail -n 25 "$OUT/$name.log"
     echo "== $name: exit $status in $((SECONDS - start)) s"
-    [ "$(type -t pack)" = function ] && pack
+    pack
     return $status
 }
 
@@ -98,23 +116,6 @@ install() {
     ln -sfn "$PWD/reference" "$SITE/mokv_reference"
 }
 
-pack() {  # the device tool brings back at most 8 files: all but the tables, tests.log
-    # and profile.log go into $OUT/run.tar, after every step (a call cut off at its limit
-    # brings back what the finished steps wrote)
-    (
-        cd "$OUT" || exit
-        shopt -s nullglob
-        local rest=()
-        for entry in *; do
-            case $entry in
-                *.md | tests.log | profile.log | run.tar) ;;
-                *) rest+=("$entry") ;;
-            esac
-        done
-        [ ${#rest[@]} -eq 0 ] || { tar rf run.tar "${rest[@]}" && rm -rf "${rest[@]}"; }
-    )
-}
-trap pack EXIT
 
 step install 0 install || exit 1
 export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH
@@ -158,11 +159,9 @@ compare_variants() {  # compare_variants SUFFIX: one benchmark per COMPARE varia
             swapped+=("$target")
             echo "$file in place of $target" >> "$dir/what.txt"
         done
-        if ! $ok; then
-            :
-        elif [ "${COMPARE_STEP:-bench}" = formats ]; then
+        if $ok && [ "${COMPARE_STEP:-bench}" = formats ]; then
             step "compare-$k$suffix/formats" "${FORMATS_S:-150}" "${bench[@]}" --only-kv-formats --out "$dir" || status=1
-        else
+        elif $ok; then
             step "compare-$k$suffix/bench" "${BENCH_S:-180}" "${bench[@]}" --out "$dir" || status=1
         fi
         for i in "${!swapped[@]}"; do
