@@ -93,6 +93,13 @@ def _requantize_granule[
 
 
 @always_inline
+def _granule_start(granule: Int, granules: Int, d: Int) -> Int:
+    """Where granule `granule` of a token's heads (`granules` a head row of
+    `d`) starts in the token's row."""
+    return granule // granules * d + granule % granules * (d // granules)
+
+
+@always_inline
 def quantize_scale_block[
     cache_t: KVCacheT, src_dtype: DType
 ](cache: cache_t, bs: Int, first_new: Int, end: Int, src: CachePtr[src_dtype], tid: Int,):
@@ -107,7 +114,7 @@ def quantize_scale_block[
     var block_start = first_new - first_new % table.tokens_per_scale
     var scales = cache.scale_row(bs, block_start)
     for granule in range(tid, cache.num_heads() * table.granules, ROW_THREADS):
-        var at = granule // table.granules * d + granule % table.granules * granularity
+        var at = _granule_start(granule, table.granules, d)
         var largest: Float32 = 0
         for t in range(end - first_new):
             largest = max(largest, _largest_finite(src.unsafe_offset(t * row + at), granularity))
@@ -161,7 +168,7 @@ def quantize_fresh_block[
             var slot = base + tid + l
             if slot < slots:
                 var granule = slot // GRANULE_LANES
-                var at = granule // table.granules * d + granule % table.granules * granularity
+                var at = _granule_start(granule, table.granules, d)
                 var most: Float32 = 0
                 for t in range(end - first_new):
                     for c in range(slot % GRANULE_LANES, chunks, GRANULE_LANES):
@@ -177,7 +184,7 @@ def quantize_fresh_block[
             var slot = base + tid + l
             if slot < slots:
                 var granule = slot // GRANULE_LANES
-                var at = granule // table.granules * d + granule % table.granules * granularity
+                var at = _granule_start(granule, table.granules, d)
                 var scale = largest[l] / code_max[dtype]()
                 if slot % GRANULE_LANES == 0:
                     scales[unsafe_offset=granule] = scale
