@@ -173,14 +173,21 @@ def test_mixed_batch_matches_numpy(case, multiprocessors, emulator):
 BFLOAT16_CASES = [c for c in cpu_attention.CASES if c[1] == DType.bfloat16]
 
 
+WARPGROUP_PREFILLS = ["wgmma", "wgmma_producer"]
+
+
+@pytest.mark.parametrize("prefill_kernel", WARPGROUP_PREFILLS)
 @pytest.mark.parametrize("multiprocessors", [1, H100_MULTIPROCESSORS], ids=["unsplit", "split"])
 @pytest.mark.parametrize("case", BFLOAT16_CASES, ids=cpu_attention.case_id)
-def test_warpgroup_prefill_matches_numpy(case, multiprocessors, emulator):
+def test_warpgroup_prefill_matches_numpy(case, multiprocessors, prefill_kernel, emulator):
     """`MOKV_PREFILL_KERNEL=wgmma`: the tensor-core prefill's products as
     Hopper's warpgroup MMA, its operands read from the swizzled tiles
-    through the PTX ISA's canonical layouts (`mokv_kernels.gpu.warpgroup`)."""
+    through the PTX ISA's canonical layouts (`mokv_kernels.gpu.warpgroup`);
+    `=wgmma_producer`, the same products fed by a producer warpgroup
+    through shared-memory barriers, whose emulated waits abort where a
+    phase they wait for is not complete (`mokv_kernels.gpu.mbarrier`)."""
     b, layer, scale = mixed_case(case)
-    out = emulate_attention(emulator, b, layer, scale, multiprocessors=multiprocessors, prefill_kernel="wgmma")
+    out = emulate_attention(emulator, b, layer, scale, multiprocessors=multiprocessors, prefill_kernel=prefill_kernel)
     assert_attention_close(out, b, layer, scale)
 
 
@@ -190,9 +197,10 @@ def test_warpgroup_prefill_matches_numpy(case, multiprocessors, emulator):
         (None, True, "prefill_wgmma"),
         ("mma", True, "prefill_mma"),
         ("wgmma", True, "prefill_wgmma"),
+        ("wgmma_producer", True, "prefill_wgmma_producer"),
         (None, False, "prefill"),
     ],
-    ids=["default-hopper", "mma", "wgmma", "default-no-tensor-cores"],
+    ids=["default-hopper", "mma", "wgmma", "wgmma-producer", "default-no-tensor-cores"],
 )
 def test_prefill_kernel_choice(prefill_kernel, tensor_cores, kernel, emulator, monkeypatch):
     """Unset, `MOKV_PREFILL_KERNEL` takes warpgroup products over a bfloat16
@@ -209,8 +217,9 @@ def test_prefill_kernel_choice(prefill_kernel, tensor_cores, kernel, emulator, m
 @pytest.mark.parametrize(
     ("prefill_kernel", "tensor_cores", "message"),
     [
-        ("tensor", True, "MOKV_PREFILL_KERNEL=tensor: expected mma or wgmma"),
+        ("tensor", True, "MOKV_PREFILL_KERNEL=tensor: expected mma, wgmma or wgmma_producer"),
         ("wgmma", False, "MOKV_PREFILL_KERNEL=wgmma: this device has no warpgroup MMA"),
+        ("wgmma_producer", False, "MOKV_PREFILL_KERNEL=wgmma_producer: this device has no warpgroup MMA"),
     ],
 )
 def test_prefill_kernel_choice_is_checked(prefill_kernel, tensor_cores, message, emulator):
@@ -299,7 +308,7 @@ def test_head_dim_256(emulator):
     cpu_attention.assert_close(out, cpu_attention.expected(b, 0, 1 / 16), DType.float32)
 
 
-@pytest.mark.parametrize("prefill_kernel", ["mma", "wgmma"])
+@pytest.mark.parametrize("prefill_kernel", ["mma", *WARPGROUP_PREFILLS])
 @pytest.mark.parametrize("window", [0, 100])
 def test_tensor_core_prefill_of_long_chunks(window, prefill_kernel, emulator):
     """Chunks of a few hundred tokens over cached prefixes, Llama's heads: the

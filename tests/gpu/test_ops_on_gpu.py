@@ -134,8 +134,9 @@ def test_long_contexts(rows, dtype, gpu_attention, gpu: Device):
 
 
 # The tensor-core prefill on each of its products, whichever is the default
-# (`wgmma` on Hopper over bfloat16): `mma.sync` per warp, Hopper's warpgroup MMA.
-PREFILL_KERNELS = ["mma", "wgmma"]
+# (`wgmma` on Hopper over bfloat16): `mma.sync` per warp, Hopper's warpgroup MMA,
+# and the warpgroup MMA fed by a producer warpgroup (`wgmma_producer`).
+PREFILL_KERNELS = ["mma", "wgmma", "wgmma_producer"]
 
 
 @pytest.mark.parametrize("prefill_kernel", PREFILL_KERNELS)

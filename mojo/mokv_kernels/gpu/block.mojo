@@ -21,6 +21,13 @@ That split lets one kernel body run two ways:
   shuffles) runs there warp by warp instead: one program per warp, holding
   every lane's registers (`KernelT.LANES`).
 
+Warps that do different work and hand it over through barriers of their own
+(`mbarrier`: a producer's copies, its consumers' products) mark each hand-off
+with `handoff`: nothing on a GPU, where each warp runs its own part of the
+schedule (`ONE_THREAD`, `thread`), and on the emulator a point where the
+phases queued so far run, so that the emulated barriers check that every
+wait finds its phase complete.
+
 The emulator is how the kernels' index arithmetic, masking, splitting and
 merging are tested on machines without a GPU; it cannot show timing, warp
 behaviour or anything the hardware adds.
@@ -30,6 +37,7 @@ from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, thread_i
 from max.gpu.host import DeviceAttribute, DeviceBuffer, DeviceContext, Dim, FuncAttribute
 from std.sys._assembly import inlined_assembly
 from std.sys.info import is_amd_gpu, is_nvidia_gpu
+from std.os import abort
 from std.utils.numerics import nan
 from std.utils.static_tuple import StaticTuple
 
@@ -67,6 +75,14 @@ trait ThreadProgram(Copyable, Deinitable):
 trait BlockExecutor:
     """Runs a block's phases on its threads."""
 
+    comptime ONE_THREAD: Bool
+    """Whether it runs one thread's program (a GPU thread, `thread` names
+    it), or every thread's of the block (the emulator)."""
+
+    def thread(self) -> Int:
+        """`ONE_THREAD`: the thread whose program it runs."""
+        ...
+
     def each(mut self, phase: Int, arg: Int):
         """Every thread runs `phase`."""
         ...
@@ -74,6 +90,13 @@ trait BlockExecutor:
     def sync(mut self):
         """Block barrier: every phase before it completes, in every thread,
         before any phase after it starts."""
+        ...
+
+    def handoff(mut self):
+        """Where warps that do different work pass it on through barriers of
+        their own (`..mbarrier`): nothing on a GPU, whose warps then run
+        apart; the emulator runs the phases queued so far, as at `sync`,
+        so each warp's waits find what the others did before it."""
         ...
 
 
@@ -125,11 +148,17 @@ struct GpuBlock[P: ThreadProgram](BlockExecutor):
     prefill's output accumulators) becomes a local-memory access.
     `tools/check_gpu_build.sh --registers` shows each kernel's stack."""
 
+    comptime ONE_THREAD = True
+
     var me: Self.P
 
     @always_inline
     def __init__(out self, var me: Self.P):
         self.me = me^
+
+    @always_inline
+    def thread(self) -> Int:
+        return Int(thread_idx.x)
 
     @always_inline
     def each(mut self, phase: Int, arg: Int):
@@ -138,6 +167,10 @@ struct GpuBlock[P: ThreadProgram](BlockExecutor):
     @always_inline
     def sync(mut self):
         barrier()
+
+    @always_inline
+    def handoff(mut self):
+        pass
 
 
 trait Launcher:
@@ -278,12 +311,18 @@ struct GpuLauncher(Launcher):
 struct EmulatedBlock[P: ThreadProgram](BlockExecutor):
     """Every thread of one block on the CPU (see the module docstring)."""
 
+    comptime ONE_THREAD = False
+
     var threads: List[Self.P]
     var pending: List[Tuple[Int, Int]]
 
     def __init__(out self, var threads: List[Self.P]):
         self.threads = threads^
         self.pending = List[Tuple[Int, Int]]()
+
+    def thread(self) -> Int:
+        abort("the emulator runs every thread of a block")
+        return -1
 
     def each(mut self, phase: Int, arg: Int):
         self.pending.append((phase, arg))
@@ -293,6 +332,9 @@ struct EmulatedBlock[P: ThreadProgram](BlockExecutor):
             for i in range(len(self.pending)):
                 self.threads[t].step(self.pending[i][0], self.pending[i][1])
         self.pending.clear()
+
+    def handoff(mut self):
+        self.sync()
 
 
 struct Emulator(Launcher):

@@ -41,6 +41,7 @@ from max.gpu.host.nvidia.tma import TensorMapSwizzle
 from max.gpu.memory import fence_async_view_proxy
 from std.memory import AddressSpace
 from std.os import abort
+from std.sys._assembly import inlined_assembly
 from std.sys.info import is_nvidia_gpu
 
 from ..pointers import BF16Ptr
@@ -264,3 +265,21 @@ def async_proxy_fence():
     after the next barrier."""
     comptime if is_nvidia_gpu["sm_90a"]():
         fence_async_view_proxy()
+
+
+@always_inline
+def set_warpgroup_registers[count: Int, increase: Bool]():
+    """`setmaxnreg`: every thread of this warpgroup holds `count` registers
+    from here on, more (`increase`) or fewer than it held, so that
+    warpgroups doing different work (a producer's copies, a consumer's
+    products) share the multiprocessor's registers unevenly. Every warp of
+    the warpgroup runs it; the emulator has no register limit."""
+    comptime assert count % 8 == 0 and 24 <= count <= 256, "setmaxnreg takes 24..256 in steps of 8"
+    comptime if is_nvidia_gpu["sm_90a"]():
+        comptime kind = "inc" if increase else "dec"
+        inlined_assembly[
+            "setmaxnreg." + kind + ".sync.aligned.u32 " + String(count) + ";",
+            NoneType,
+            constraints="~{memory}",
+            has_side_effect=True,
+        ]()

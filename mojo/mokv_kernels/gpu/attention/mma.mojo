@@ -24,7 +24,17 @@ what their four warps split and how they multiply:
   memory once per warpgroup, not once per warp, and copied in once per 128
   rows. Over a bfloat16 cache the next tile's Q Kᵀ is started before this
   tile's softmax (`PIPELINED`), so the tensor cores and the threads work
-  at once.
+  at once;
+- the same warpgroup prefill fed by a producer (`producer`, over a bfloat16
+  cache, `MOKV_PREFILL_KERNEL=wgmma_producer`, not yet timed on a GPU): a
+  third warpgroup looks the keys up and copies every tile, and hands each
+  stage to the two multiplying warpgroups through shared-memory barriers
+  (`..mbarrier`: full when its copies have landed, empty when both
+  warpgroups are done with it), so the consumers issue no copy and no
+  address arithmetic (549 instructions a tile at head_dim 128 where the
+  pipelined kernel issues 690) and wait at no block barrier between tiles:
+  each warpgroup runs as far ahead as its tiles have landed. `setmaxnreg`
+  moves registers from the producer (56 a thread) to the consumers (224).
 
 The context is walked in tiles of `BN` = 64 keys:
 
@@ -64,7 +74,7 @@ The context is walked in tiles of `BN` = 64 keys:
   that order (`MmaTiles.output_dim`), put back when a warp saves its
   state.
 
-One barrier per tile: after it, this tile's copies have landed in every
+One barrier per tile (none with `producer`, above): after it, this tile's copies have landed in every
 thread and every warp is done with the previous tile, whose stage the next
 tile's copies then overwrite (an 8-bit cache's tiles widened in shared
 memory take a second one, after their codes are widened into the stage).
@@ -92,12 +102,14 @@ from ...cache.traits import KVCacheT
 from ...kv_quantization import is_quantized
 from ..block import BlockExecutor, BlockId, KernelT, ThreadProgram
 from ..codes import codes_as_float16
-from ..copy import wait_copies
+from ..copy import commit_copies, wait_copies
+from ..mbarrier import BARRIER_BYTES, SharedBarrier
 from ..warp import FragA, FragB, Frags, ld_matrix, mma, shuffle_xor, warp_barrier
 from ..warpgroup import (
     WARPGROUP_ROWS,
     WARPGROUP_WARPS,
     async_proxy_fence,
+    set_warpgroup_registers,
     k_slice,
     mn_slice,
     warpgroup_arrive,
@@ -118,13 +130,36 @@ comptime FINISH = 4
 comptime COMBINE = 5
 comptime CONVERT_TILE = 6
 comptime FIRST_SCORES = 7
+comptime PRODUCE = 8
+
+# A stage's barriers (`MmaThread.barrier`).
+comptime FULL = 0
+comptime EMPTY = 1
+
+comptime PRODUCER_THREADS = WARPGROUP_WARPS * WARP
+"""`MmaThread.producer`: the producer warpgroup's threads."""
+
+comptime PRODUCER_LAG = 2
+"""`MmaThread.producer`: tiles the producer warp starts before it hands a
+tile over (waits for its copies and arrives on its full barrier): two
+groups of copies in flight. With four stages the tile it hands over while
+the consumers multiply tile t is t + 1, so a tile's copies have the time of
+a tile to land before the consumers need them, and the producer never waits
+for a stage the consumers still read (it starts tile t + 3 into tile
+t - 1's stage once they are done with it)."""
 
 comptime MMA_ROWS = 16
 """Rows of an m16n8k16 product's A: one warp's query rows."""
 
 
 struct MmaThread[
-    cache_t: KVCacheT, D: Int, lanes: Int, decode: Bool, warpgroup: Bool, scales_per_key: Bool
+    cache_t: KVCacheT,
+    D: Int,
+    lanes: Int,
+    decode: Bool,
+    warpgroup: Bool,
+    scales_per_key: Bool,
+    producer: Bool = False,
 ](ThreadProgram):
     """One thread of a block on a GPU (`lanes` 1), one warp under the
     emulator (`lanes` 32). Shared memory: `MmaTiles`; a decode block's
@@ -143,12 +178,23 @@ struct MmaThread[
     add each key's weight alone. On a float8 cache that widens a pair of
     codes in one instruction, where bfloat16 took five."""
 
-    comptime THREADS = BLOCK_THREADS * (2 if Self.warpgroup else 1)
-    """Threads of a block: four warps, or on warpgroup products two
-    warpgroups, which share each K/V tile (half the tile reads per row)."""
+    comptime CONSUMER_THREADS = BLOCK_THREADS * (2 if Self.warpgroup else 1)
+    """Threads of a block that multiply: four warps, or on warpgroup
+    products two warpgroups, which share each K/V tile (half the tile reads
+    per row)."""
+    comptime THREADS = Self.CONSUMER_THREADS + (PRODUCER_THREADS if Self.producer else 0)
+    """Threads of a block: with `producer`, a warpgroup more, which copies
+    (one warp more would cost as many registers: each of a multiprocessor's
+    four schedulers holds a quarter of its registers, and one of them would
+    take three warps)."""
+    comptime PRODUCER_REGISTERS = 56
+    """`producer`: registers a producer thread keeps (`setmaxnreg`)."""
+    comptime CONSUMER_REGISTERS = 224
+    """`producer`: registers a consumer thread takes: with a producer's 40,
+    a scheduler's three warps hold 504 registers a lane of its 512."""
     comptime BN = TILE_KEYS
     """Keys of a tile."""
-    comptime ROWS = MMA_ROWS if Self.decode else Self.THREADS // WARP * MMA_ROWS
+    comptime ROWS = MMA_ROWS if Self.decode else Self.CONSUMER_THREADS // WARP * MMA_ROWS
     """Query rows of a block: the most query heads per KV head it takes."""
     comptime WARP_KEYS = Self.Tiles.WARP_KEYS if Self.decode else Self.BN
     """Keys of a tile one warp scores: in decode the ones it copies
@@ -194,12 +240,32 @@ struct MmaThread[
         Self.cache_t,
         Self.D,
         Self.ROWS,
-        Self.THREADS,
+        Self.CONSUMER_THREADS,
         Self.STAGES,
         per_warp=Self.decode,
         scales_per_key=Self.scales_per_key,
         BN=Self.BN,
     ]
+    comptime ProducerTiles = MmaTiles[
+        Self.cache_t,
+        Self.D,
+        Self.ROWS,
+        PRODUCER_THREADS,
+        Self.STAGES,
+        per_warp=False,
+        scales_per_key=False,
+        BN=Self.BN,
+    ]
+    """`producer`: the same shared memory as `Tiles`, its copies shared out
+    among the producer warpgroup's threads."""
+    comptime BARRIERS_AT = (
+        Self.Tiles.SHARED_BYTES + BARRIER_BYTES - 1
+    ) // BARRIER_BYTES * BARRIER_BYTES
+    """`producer`: bytes to the stages' barriers, full then empty (`full`,
+    `empty`)."""
+    comptime SHARED_BYTES = Self.BARRIERS_AT + 2 * Self.STAGES * BARRIER_BYTES if Self.producer else (
+        Self.Tiles.SHARED_BYTES
+    )
     comptime AHEAD = Self.Tiles.TILES_AHEAD
     """Tiles whose copies start before the block multiplies its first."""
     comptime STATE_FLOATS = MMA_ROWS * Self.D + 2 * MMA_ROWS
@@ -251,6 +317,9 @@ struct MmaThread[
         comptime assert not (
             Self.scales_per_key and Self.warpgroup
         ), "float16 products are mma.sync's (warpgroup products take bfloat16 tiles)"
+        comptime assert (
+            Self.PIPELINED or not Self.producer
+        ), "a producer warp feeds the pipelined warpgroup prefill over bfloat16"
         self.args = args
         self.work = work
         self.tid = tid
@@ -312,7 +381,83 @@ struct MmaThread[
         return self.warp() * Self.WARP_KEYS if Self.decode else 0
 
     @always_inline
+    def is_producer(self) -> Bool:
+        """`producer`: whether this is the producer warp's program."""
+        return Self.producer and self.tid >= Self.CONSUMER_THREADS
+
+    @always_inline
+    def barrier(self, kind: Int, stage: Int) -> SharedBarrier:
+        """`producer`: stage `stage`'s barrier whose phase completes when its
+        tile's copies have landed (`kind` FULL) or when the consumers are
+        done with it (EMPTY)."""
+        return SharedBarrier(
+            self.tiles.shared, Self.BARRIERS_AT + (kind * Self.STAGES + stage) * BARRIER_BYTES
+        )
+
+    @always_inline
+    def use(self, kv_start: Int) -> Int:
+        """`producer`: how many tiles took the stage of the tile at
+        `kv_start` before it, whose parity names the phase of its barriers
+        that the tile is."""
+        return Int(UInt32(kv_start - self.work.kv_start) // UInt32(Self.BN * Self.STAGES))
+
+    @always_inline
+    def full(self, kv_start: Int) -> SharedBarrier:
+        return self.barrier(FULL, self.tiles.stage(kv_start))
+
+    @always_inline
+    def empty(self, kv_start: Int) -> SharedBarrier:
+        return self.barrier(EMPTY, self.tiles.stage(kv_start))
+
+    @always_inline
+    def producer_step(mut self, phase: Int, arg: Int):
+        """The producer warp's phases: it sets up the barriers, then copies
+        every tile (`produce`); it has no rows."""
+        if phase == LOAD_Q:
+            if self.tid == Self.CONSUMER_THREADS:
+                comptime for stage in range(Self.STAGES):
+                    self.barrier(FULL, stage).init(PRODUCER_THREADS)
+                    self.barrier(EMPTY, stage).init(Self.CONSUMER_THREADS)
+        elif phase == PRODUCE:
+            self.produce(arg)
+
+    @always_inline
+    def produce(mut self, kv_start: Int):
+        """Hands over the tile `PRODUCER_LAG` tiles before the one at
+        `kv_start` (its copies waited for, made visible to the products,
+        its full barrier arrived on), then starts copying the tile at
+        `kv_start` once the consumers are done with its stage's last tile.
+        Every call commits a group of copies, empty past the block's keys,
+        so the count of groups a wait leaves in flight is always the lag."""
+        var ready = kv_start - PRODUCER_LAG * Self.BN
+        if ready >= self.work.kv_start and ready < self.work.kv_end:
+            wait_copies[PRODUCER_LAG - 1]()
+            async_proxy_fence()
+            self.full(ready).arrive[Self.lanes]()
+        if kv_start < self.work.kv_end:
+            var use = self.use(kv_start)
+            if use > 0:
+                self.empty(kv_start).wait(use - 1)
+            Self.ProducerTiles(
+                self.tiles.shared,
+                self.tiles.first_key,
+                self.tiles.value_offset,
+                self.tiles.scale_value_offset,
+            ).start_tile_through_table[Self.lanes](
+                self.args, self.work, self.tid - Self.CONSUMER_THREADS, kv_start
+            )
+        commit_copies()
+
+    @always_inline
     def step(mut self, phase: Int, arg: Int):
+        comptime if Self.producer:
+            if self.is_producer():
+                self.producer_step(phase, arg)
+                return
+            if phase == LOAD_Q:
+                self.tiles.load_queries[Self.lanes](self.args, self.work, self.tid)
+                self.shared_writes_done()
+                return
         if phase == LOAD_Q:
             self.tiles.load_queries[Self.lanes](self.args, self.work, self.tid)
             comptime for t in range(Self.AHEAD):
@@ -348,16 +493,21 @@ struct MmaThread[
             self.tiles.convert_tile[Self.lanes](self.tid, arg, self.args.granularity)
             self.shared_writes_done()
         elif phase == COMPUTE_TILE:
-            if arg + Self.AHEAD * Self.BN < self.work.kv_end:
-                self.tiles.start_tile[Self.lanes](
-                    self.tid, arg + Self.AHEAD * Self.BN, self.args.granularity
-                )
+            comptime if not Self.producer:
+                if arg + Self.AHEAD * Self.BN < self.work.kv_end:
+                    self.tiles.start_tile[Self.lanes](
+                        self.tid, arg + Self.AHEAD * Self.BN, self.args.granularity
+                    )
             self.compute_tile(arg)
         elif phase == FIRST_SCORES:
+            comptime if Self.producer:
+                self.full(arg).wait(self.use(arg))
             # Waited for at once: products in flight across the branches of
             # the next tile's wait would make ptxas serialize them all (C7518).
             self.start_scores(arg)
             warpgroup_wait()
+        elif phase == PRODUCE:
+            pass
         elif phase == FINISH:
             comptime if Self.decode:
                 self.save_state()
@@ -448,6 +598,8 @@ struct MmaThread[
                 comptime for n in range(Self.NTILES):
                     s[n, l] = self.next_scores[n, l] * self.args.scale_log2
             if kv_start + Self.BN < self.work.kv_end:
+                comptime if Self.producer:
+                    self.full(kv_start + Self.BN).wait(self.use(kv_start + Self.BN))
                 self.start_scores(kv_start + Self.BN)
         elif Self.warpgroup:
             self.group_scores(kv_start, s)
@@ -739,6 +891,8 @@ struct MmaThread[
             comptime for j in range(Self.WARP_KEYS // 16):
                 wgmma_rs[Self.D](p.get(j), mn_slice[Self.BN](values, j), self.o)
             warpgroup_wait()
+            comptime if Self.producer:
+                self.empty(kv_start).arrive[Self.lanes]()
         elif Self.Tiles.IN_REGISTERS:
             comptime for j in range(Self.WARP_KEYS // 16):
                 self.code_values(Self.weights(s, j), kv_start, j)
@@ -878,6 +1032,7 @@ struct MmaKernel[
     decode: Bool,
     warpgroup: Bool = False,
     scales_per_key: Bool = False,
+    producer: Bool = False,
 ](KernelT):
     """Grid (query tiles * splits, KV heads, batch rows) of tensor-core
     prefill or decode blocks (a prefill's products per warp, or per
@@ -885,7 +1040,13 @@ struct MmaKernel[
     one scale per head row where `scales_per_key`, `MmaThread`)."""
 
     comptime Program = MmaThread[
-        Self.cache_t, Self.D, Self.lanes, Self.decode, Self.warpgroup, Self.scales_per_key
+        Self.cache_t,
+        Self.D,
+        Self.lanes,
+        Self.decode,
+        Self.warpgroup,
+        Self.scales_per_key,
+        Self.producer,
     ]
     comptime THREADS = Self.Program.THREADS
     comptime DECODE_BLOCKS = 2 if Self.D >= 128 and (
@@ -914,13 +1075,13 @@ struct MmaKernel[
     comptime NAME = (
         "decode_mma_f16" if Self.scales_per_key else "decode_mma"
     ) if Self.decode else (
-        "prefill_wgmma" if Self.warpgroup else (
+        ("prefill_wgmma_producer" if Self.producer else "prefill_wgmma") if Self.warpgroup else (
             "prefill_mma_f16" if Self.scales_per_key else "prefill_mma"
         )
     )
     comptime HEAD_DIM = Self.D
     comptime ELEMENT_BITS = bit_width_of[Self.cache_t.dtype]()
-    comptime SHARED_BYTES = Self.Program.Tiles.SHARED_BYTES
+    comptime SHARED_BYTES = Self.Program.SHARED_BYTES
     comptime TENSOR_CORES = True
 
     var args: AttentionArgs[Self.cache_t, DType.bfloat16]
@@ -940,9 +1101,63 @@ struct MmaKernel[
             threads.sync()
 
     @always_inline
+    def produced_schedule[E: BlockExecutor](self, mut threads: E, work: BlockWork):
+        """`producer`: after the queries and the barriers, the producer
+        warpgroup starts the first tiles, and from then on starts one tile
+        while the consumers multiply another, the two handing stages over
+        through their barriers, with no block barrier between tiles. On a
+        GPU each warpgroup takes its own part of the sequence, in a branch
+        of its own after `setmaxnreg`: ptxas sizes the registers of code
+        after it to its count only where no path joins the other role's
+        (with one loop of both roles' phases it kept the kernel's 168 and
+        spilled); the emulator runs the whole sequence."""
+        threads.each(LOAD_Q, work.kv_start)
+        threads.sync()
+        comptime if E.ONE_THREAD:
+            if threads.thread() >= Self.Program.CONSUMER_THREADS:
+                set_warpgroup_registers[Self.Program.PRODUCER_REGISTERS, increase=False]()
+                self.produced_tiles[produce=True, consume=False](threads, work)
+            else:
+                set_warpgroup_registers[Self.Program.CONSUMER_REGISTERS, increase=True]()
+                self.produced_tiles[produce=False, consume=True](threads, work)
+        else:
+            self.produced_tiles[produce=True, consume=True](threads, work)
+
+    @always_inline
+    def produced_tiles[
+        E: BlockExecutor, //, produce: Bool, consume: Bool
+    ](self, mut threads: E, work: BlockWork):
+        """The tiles' phases of `produced_schedule`, the producer's
+        (`produce`), the consumers' (`consume`) or, interleaved, both's:
+        the producer hands tile t + 1 over while starting tile t + 3 before
+        the consumers multiply tile t."""
+        comptime BN = Self.Program.BN
+        comptime if produce:
+            comptime for t in range(PRODUCER_LAG + 1):
+                threads.each(PRODUCE, work.kv_start + t * BN)
+        threads.handoff()
+        comptime if consume:
+            # A split may leave a block rows but no keys: then no tile comes.
+            if work.kv_start < work.kv_end:
+                threads.each(FIRST_SCORES, work.kv_start)
+        var kv = work.kv_start
+        while kv < work.kv_end:
+            comptime if produce:
+                threads.each(PRODUCE, kv + (PRODUCER_LAG + 1) * BN)
+            comptime if consume:
+                threads.each(COMPUTE_TILE, kv)
+            threads.handoff()
+            kv += BN
+        comptime if consume:
+            threads.each(FINISH, 0)
+
+    @always_inline
     def schedule[E: BlockExecutor](self, mut threads: E, block: BlockId):
         var work = block_work(self.args, block, Self.Program.BN)
         if work.empty():
+            return
+        comptime if Self.producer:
+            self.produced_schedule(threads, work)
             return
         threads.each(LOAD_Q, work.kv_start)
         threads.sync()

@@ -485,28 +485,36 @@ struct MmaTiles[
         of the tensor: a bad entry is never followed), and an 8-bit cache's
         address of its key scales there (its value scales are
         `scale_value_offset` further)."""
-        var head_offset = work.kv_head * Self.D
         for l in range(lanes):
             var j = Self.located_key(tid + l)
             if j >= 0:
                 var pos = kv_start + j
-                var row = row_in_table_page(args.k_cache, pages[l], pos)
-                var found = row != 0
-                var address = 0
-                if found:
-                    address = Int(
-                        CachePtr[Self.cache_t.dtype](unsafe_from_address=row).unsafe_offset(
-                            head_offset
-                        )
-                    )
+                var address = Self.key_row(args, work, pages[l], pos)
                 self.addresses(kv_start)[unsafe_offset=j] = address
                 comptime if Self.QUANTIZED:
                     var k_scales = 0
-                    if found:
+                    if address != 0:
                         k_scales = Int(
                             head_scales_in_page(args.k_cache, Int(pages[l]), pos, work.kv_head)
                         )
                     self.addresses(kv_start, KEY_SCALES)[unsafe_offset=j] = k_scales
+
+    @staticmethod
+    @always_inline
+    def key_row(
+        args: AttentionArgs[Self.cache_t, DType.bfloat16], work: BlockWork, page: Int32, pos: Int
+    ) -> Int:
+        """The address of key `pos`'s row in the block's KV head, in `page`
+        (its page table entry), or 0 where that is no page of the tensor: a
+        bad entry is never followed."""
+        var row = row_in_table_page(args.k_cache, page, pos)
+        if row == 0:
+            return 0
+        return Int(
+            CachePtr[Self.cache_t.dtype](unsafe_from_address=row).unsafe_offset(
+                work.kv_head * Self.D
+            )
+        )
 
     @staticmethod
     def located_key(thread: Int) -> Int:
@@ -564,23 +572,51 @@ struct MmaTiles[
         for l in range(lanes):
             comptime for i in range(Self.THREAD_KEYS):
                 var key = Self.copy_key(tid + l, i)
-                var address = addresses[unsafe_offset=key]
-                var source = CachePtr[Self.cache_t.dtype](unsafe_from_address=address)
-                comptime for j in range(Self.KEY_CHUNKS):
-                    var first = Self.copy_first(tid + l, j)
-                    var keys = self.copy_offset(kv_start, key, first, KEYS)
-                    var values = self.copy_offset(kv_start, key, first, VALUES)
-                    if address != 0:
-                        start_copy[16](source.unsafe_offset(first), self.shared, keys)
-                        start_copy[16](
-                            source.unsafe_offset(self.value_offset + first), self.shared, values
-                        )
-                    else:
-                        zero_16(self.at[UInt8](keys))
-                        zero_16(self.at[UInt8](values))
+                self.start_rows(tid + l, kv_start, key, addresses[unsafe_offset=key])
             comptime if Self.QUANTIZED:
                 self.start_scales(tid + l, kv_start, Self.D // granularity)
         commit_copies()
+
+    @always_inline
+    def start_rows(self, thread: Int, kv_start: Int, key: Int, address: Int):
+        """Starts `thread`'s copies of row `key` of the tile at `kv_start`,
+        K and V, from the key row at `address` (zeros where it is 0)."""
+        var source = CachePtr[Self.cache_t.dtype](unsafe_from_address=address)
+        comptime for j in range(Self.KEY_CHUNKS):
+            var first = Self.copy_first(thread, j)
+            var keys = self.copy_offset(kv_start, key, first, KEYS)
+            var values = self.copy_offset(kv_start, key, first, VALUES)
+            if address != 0:
+                start_copy[16](source.unsafe_offset(first), self.shared, keys)
+                start_copy[16](source.unsafe_offset(self.value_offset + first), self.shared, values)
+            else:
+                zero_16(self.at[UInt8](keys))
+                zero_16(self.at[UInt8](values))
+
+    @always_inline
+    def start_tile_through_table[
+        lanes: Int
+    ](
+        self,
+        args: AttentionArgs[Self.cache_t, DType.bfloat16],
+        work: BlockWork,
+        tid: Int,
+        kv_start: Int,
+    ):
+        """`start_tile` for threads that look their keys up themselves (a
+        producer warp, `..mma.MmaThread.producer`): each reads its keys'
+        page table entries and starts their rows' copies, with no address
+        in shared memory and no barrier between; the caller commits them.
+        A bfloat16 cache's."""
+        comptime assert not Self.QUANTIZED, "a producer warp copies bfloat16 rows"
+        for l in range(lanes):
+            comptime for i in range(Self.THREAD_KEYS):
+                var key = Self.copy_key(tid + l, i)
+                var pos = kv_start + key
+                var address = 0
+                if pos < work.kv_end:
+                    address = Self.key_row(args, work, table_page(args.k_cache, work.row, pos), pos)
+                self.start_rows(tid + l, kv_start, key, address)
 
     @always_inline
     def start_scales(self, thread: Int, kv_start: Int, var granules: Int):

@@ -6,7 +6,9 @@ the split-K merge when the context was split.
 The tensor-core prefill over a bfloat16 cache takes Hopper's warpgroup
 products (`..warpgroup`) where the device has them, `mma.sync` per warp
 elsewhere and over 8-bit codes; `MOKV_PREFILL_KERNEL=mma` or `=wgmma`
-overrides that (`_warpgroup_prefill` says why the default is what it is).
+overrides that (`_prefill_products` says why the default is what it is),
+and `=wgmma_producer` takes the warpgroup prefill whose copies one producer
+warp makes (`MmaThread.producer`), not yet the default: no GPU has timed it.
 `MOKV_ATTENTION_SPLITS=N` fixes how many splits a context is cut into
 (within the planner's bounds) instead of the planner's choice, for tuning:
 `mokv bench attention --device gpu` times decode at several."""
@@ -48,10 +50,19 @@ def _on_tensor_cores[cache_t: KVCacheT, q_dtype: DType, D: Int]() -> Bool:
 comptime PREFILL_KERNEL_VARIABLE = "MOKV_PREFILL_KERNEL"
 
 
-def _warpgroup_prefill[L: Launcher](launcher: L, codes: Bool) raises -> Bool:
-    """Whether the tensor-core prefill takes warpgroup products: what
-    `MOKV_PREFILL_KERNEL` says (`mma`, or `wgmma`, which needs a device that
-    has them); unset, on Hopper unless the cache holds 8-bit `codes`.
+# The products of the tensor-core prefill (`_prefill_products`).
+comptime WARP_PRODUCTS = 0
+comptime WARPGROUP_PRODUCTS = 1
+comptime PRODUCER_FED_PRODUCTS = 2
+"""Warpgroup products whose tiles a producer warp copies."""
+
+
+def _prefill_products[L: Launcher](launcher: L, codes: Bool) raises -> Int:
+    """Which products the tensor-core prefill takes: what
+    `MOKV_PREFILL_KERNEL` says (`mma`; `wgmma` or `wgmma_producer`, which
+    need a device with warpgroup products, and the latter a bfloat16
+    cache); unset, warpgroup products on Hopper unless the cache holds
+    8-bit `codes`.
 
     Over bfloat16 an H200 ran the warpgroup prefill 1.2x `mma.sync`'s speed
     with the same outputs (docs/gpu.md, the ninth run); no run has timed
@@ -59,17 +70,24 @@ def _warpgroup_prefill[L: Launcher](launcher: L, codes: Bool) raises -> Bool:
     as it is in float16 and the warpgroup widens it to bfloat16 first."""
     var kernel = getenv(PREFILL_KERNEL_VARIABLE, "")
     if kernel == "":
-        return launcher.warpgroup_mma() and not codes
+        return WARPGROUP_PRODUCTS if launcher.warpgroup_mma() and not codes else WARP_PRODUCTS
     if kernel == "mma":
-        return False
-    if kernel != "wgmma":
-        raise Error(t"{PREFILL_KERNEL_VARIABLE}={kernel}: expected mma or wgmma")
+        return WARP_PRODUCTS
+    if kernel != "wgmma" and kernel != "wgmma_producer":
+        raise Error(t"{PREFILL_KERNEL_VARIABLE}={kernel}: expected mma, wgmma or wgmma_producer")
     if not launcher.warpgroup_mma():
         raise Error(
-            t"{PREFILL_KERNEL_VARIABLE}=wgmma: this device has no warpgroup MMA"
+            t"{PREFILL_KERNEL_VARIABLE}={kernel}: this device has no warpgroup MMA"
             t" (NVIDIA Hopper, sm_90, only)"
         )
-    return True
+    if kernel == "wgmma":
+        return WARPGROUP_PRODUCTS
+    if codes:
+        raise Error(
+            t"{PREFILL_KERNEL_VARIABLE}={kernel}: its producer warp copies bfloat16 rows,"
+            t" and this cache holds 8-bit codes"
+        )
+    return PRODUCER_FED_PRODUCTS
 
 
 comptime SPLITS_VARIABLE = "MOKV_ATTENTION_SPLITS"
@@ -104,16 +122,17 @@ def _run[
         cache_t, q_dtype, D, _prefill_rows(D), 32 if D <= 128 else 16, 4 if D <= 128 else 2
     ]
     var mma = False
-    var warpgroup = False
+    var products = WARP_PRODUCTS
     comptime if _on_tensor_cores[cache_t, q_dtype, D]():
-        warpgroup = _warpgroup_prefill(launcher, is_quantized[cache_t.dtype]())
+        products = _prefill_products(launcher, is_quantized[cache_t.dtype]())
         mma = launcher.tensor_cores()
     var prefill_rows = _prefill_rows(D)
     var prefill = KernelFit(Prefill.MIN_BLOCKS, Prefill.BN)
     var decode = KernelFit(MmaDecode.MIN_BLOCKS, MmaDecode.Program.BN) if mma else KernelFit(
         Decode.MIN_BLOCKS, Decode.Program.BN
     )
-    if warpgroup:
+    if products != WARP_PRODUCTS:
+        # A producer warp's kernel has the same rows, tiles and blocks.
         prefill_rows = WgmmaPrefill.Program.ROWS
         prefill = KernelFit(WgmmaPrefill.MIN_BLOCKS, WgmmaPrefill.Program.BN)
     elif mma:
@@ -141,7 +160,7 @@ def _run[
                 launcher,
                 rebind[AttentionArgs[cache_t, DType.bfloat16]](args),
                 plan.decode,
-                warpgroup,
+                products,
             )
     if not mma and plan.decode:
         launcher.launch(Decode(args))
@@ -167,14 +186,14 @@ def _launch_mma[
     mut launcher: L,
     args: AttentionArgs[cache_t, DType.bfloat16],
     decode: Bool,
-    warpgroup: Bool,
+    products: Int,
 ) raises:
-    """The tensor-core kernel of the plan (`mma`): decode, or prefill on warp
-    or, where `warpgroup`, warpgroup products. An 8-bit cache with one
-    scale per head row takes float16 products of its codes as they are,
-    except on warpgroup products, which widen them to bfloat16."""
+    """The tensor-core kernel of the plan (`mma`): decode, or prefill on the
+    `products` `_prefill_products` chose. An 8-bit cache with one scale per
+    head row takes float16 products of its codes as they are, except on
+    warpgroup products, which widen them to bfloat16."""
     comptime if is_quantized[cache_t.dtype]():
-        if args.granularity == D and (decode or not warpgroup):
+        if args.granularity == D and (decode or products == WARP_PRODUCTS):
             if decode:
                 launcher.launch(MmaKernel[cache_t, D, L.LANES, True, scales_per_key=True](args))
             else:
@@ -182,8 +201,11 @@ def _launch_mma[
             return
     if decode:
         launcher.launch(MmaKernel[cache_t, D, L.LANES, True](args))
-    elif warpgroup:
+    elif products == WARPGROUP_PRODUCTS:
         launcher.launch(MmaKernel[cache_t, D, L.LANES, False, True](args))
+    elif products == PRODUCER_FED_PRODUCTS:
+        comptime if not is_quantized[cache_t.dtype]():
+            launcher.launch(MmaKernel[cache_t, D, L.LANES, False, True, producer=True](args))
     else:
         launcher.launch(MmaKernel[cache_t, D, L.LANES, False](args))
 

@@ -1,0 +1,103 @@
+"""Barriers in shared memory (`mbarrier`) between warps of a block that do
+different work: one side arrives when it has done its part of a phase, the
+other waits for that phase, and neither stops the rest of the block the way
+a block barrier does. A barrier counts its arrivals; when all it was
+initialised with have come, its phase completes and the next begins. A
+waiter names the phase by its parity (even or odd), as the hardware does: a
+wait returns once the phase of that parity before the current one is
+complete, so a wait for parity 1 on a fresh barrier returns at once (the
+phase before the first counts as complete), which is how a producer passes
+its first waits for free stages.
+
+On NVIDIA (sm_80 on) each barrier is the hardware's 8-byte object; arrive
+has release and the wait acquire semantics at the block's scope, so what a
+thread wrote to shared memory before arriving is seen by the threads whose
+wait returns. Under the CPU emulator (`..block`) a barrier is three words in
+the same place (arrivals pending, arrivals a phase, phases completed), and
+a wait whose phase is not complete aborts: the emulator runs a block's
+warps one after the other between hand-offs (`BlockExecutor.handoff`), so a
+wait that would block there is a protocol error a GPU would hang on."""
+
+from std.os import abort
+from std.sys.info import is_nvidia_gpu
+from std.sys._assembly import inlined_assembly
+
+from .copy import SharedMemory
+
+comptime BARRIER_BYTES = 16
+"""Bytes a barrier takes in shared memory: the hardware's 8 (8-byte
+aligned), or the emulator's three words."""
+
+
+@fieldwise_init
+struct SharedBarrier(TrivialRegisterPassable):
+    """The barrier `offset` bytes into the block's `shared` memory."""
+
+    var shared: SharedMemory
+    var offset: Int
+
+    @always_inline
+    def words(self) -> Pointer[UInt32, MutUntrackedOrigin]:
+        """Emulated: the barrier's words (pending, per phase, completed)."""
+        return self.shared.generic.unsafe_offset(self.offset).unsafe_bitcast[UInt32]()
+
+    @always_inline
+    def init(self, arrivals: Int):
+        """Starts the barrier's first phase, which completes after
+        `arrivals` arrivals. One thread initialises it, and a block barrier
+        separates that from any other use."""
+        comptime if is_nvidia_gpu():
+            inlined_assembly[
+                "mbarrier.init.shared::cta.b64 [$0], $1;",
+                NoneType,
+                constraints="r,r,~{memory}",
+                has_side_effect=True,
+            ](self.shared.address + UInt32(self.offset), UInt32(arrivals))
+        else:
+            var words = self.words()
+            words[unsafe_offset=0] = UInt32(arrivals)
+            words[unsafe_offset=1] = UInt32(arrivals)
+            words[unsafe_offset=2] = 0
+
+    @always_inline
+    def arrive[lanes: Int](self):
+        """Threads `lanes` (1 on a GPU, a warp's under the emulator) arrive
+        once each, their shared-memory writes before it released to the
+        waiters."""
+        comptime if is_nvidia_gpu():
+            comptime assert lanes == 1, "on a GPU a program is one thread"
+            inlined_assembly[
+                "mbarrier.arrive.shared::cta.b64 _, [$0];",
+                NoneType,
+                constraints="r,~{memory}",
+                has_side_effect=True,
+            ](self.shared.address + UInt32(self.offset))
+        else:
+            var words = self.words()
+            if words[unsafe_offset=0] < UInt32(lanes):
+                abort("mbarrier: more arrivals than its phase counts")
+            words[unsafe_offset=0] -= UInt32(lanes)
+            if words[unsafe_offset=0] == 0:
+                words[unsafe_offset=0] = words[unsafe_offset=1]
+                words[unsafe_offset=2] += 1
+
+    @always_inline
+    def wait(self, parity: Int):
+        """Returns once the phase of parity `parity` is complete (the
+        current phase's parity is then the other one)."""
+        comptime if is_nvidia_gpu():
+            while True:
+                var done = inlined_assembly[
+                    (
+                        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2;"
+                        " selp.u32 $0, 1, 0, p; }"
+                    ),
+                    UInt32,
+                    constraints="=r,r,r,~{memory}",
+                    has_side_effect=True,
+                ](self.shared.address + UInt32(self.offset), UInt32(parity & 1))
+                if done != 0:
+                    return
+        else:
+            if Int(self.words()[unsafe_offset=2] & 1) == parity & 1:
+                abort("mbarrier: waited for a phase that has not completed")
