@@ -21,7 +21,9 @@ launch overhead included for both kernels. The memory yardstick is then a 1 GiB
 device-to-device copy: its traffic (read plus write) per second stands for the achievable HBM
 bandwidth, against which the KV read rate of decode is set. On a Hopper GPU, whose bfloat16
 prefill takes warpgroup products by default, the prefill rows also time mokv with
-`MOKV_PREFILL_KERNEL=mma` (`mma.sync` per warp) in the same rounds, and every GPU row times
+`MOKV_PREFILL_KERNEL=mma` (`mma.sync` per warp) and `=wgmma_producer` (the warpgroup
+products fed by a producer warpgroup) in the same rounds (`PREFILL_VARIANTS`; `--prefill-variants`
+names fewer), and every GPU row times
 mokv with its context cut into a fixed number of splits (`MOKV_ATTENTION_SPLITS`,
 `SPLIT_SWEEP`) beside the planner's choice, the data the planner is tuned from. Without a
 GPU it says so and exits. `docs/gpu/results/` keeps the GPU runs' tables.
@@ -33,6 +35,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,21 +91,59 @@ def with_variable(name: str, value: str, call: Callable[[], Any]) -> Callable[[]
     return run
 
 
+@dataclass(frozen=True)
+class PrefillVariant:
+    """A prefill kernel a Hopper GPU's bfloat16 prefill rows also time,
+    beside the default (`MOKV_PREFILL_KERNEL=kernel`), as the row's
+    `{key}_s`, `{key}_speedup` and `{key}_max_abs_diff`."""
+
+    key: str
+    kernel: str
+    label: str
+
+
+PREFILL_VARIANTS = (
+    PrefillVariant("mma", "mma", "mma.sync"),
+    PrefillVariant("producer", "wgmma_producer", "producer-fed"),
+)
+
+
+def chosen_variants(names: str) -> tuple[PrefillVariant, ...]:
+    """The `PREFILL_VARIANTS` of a comma-separated list of their kernels
+    (`--prefill-variants`); an unknown one is refused by name."""
+    known = {v.kernel: v for v in PREFILL_VARIANTS}
+    chosen = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in known]
+    if unknown:
+        raise click.BadParameter(
+            f"{', '.join(unknown)}: expected some of {', '.join(known)}", param_hint="'--prefill-variants'"
+        )
+    return tuple(known[name] for name in chosen)
+
+
 def has_warpgroup_mma(kernels: Kernels) -> bool:
     """Whether the benchmark's device is a Hopper GPU (sm_90)."""
     return not kernels.device.is_host and accelerator_architecture_name().startswith("sm_90")
 
 
-def run_case(case: Case, kernels: Kernels, copy: CopyProbe | GpuCopyProbe, budget_s: float) -> dict[str, Any]:
+def run_case(
+    case: Case,
+    kernels: Kernels,
+    copy: CopyProbe | GpuCopyProbe,
+    budget_s: float,
+    prefill_variants: tuple[PrefillVariant, ...] = PREFILL_VARIANTS,
+) -> dict[str, Any]:
     """Times one case. A bfloat16 decode case on the CPU also times mokv on
     the same values stored as float32, in the same rounds, for the tokens/s
-    ratio; a bfloat16 prefill on a Hopper GPU also times mokv's prefill on
-    `mma.sync` (`MOKV_PREFILL_KERNEL=mma`; warpgroup products are its
-    default there), and a GPU row mokv at each split
+    ratio; a bfloat16 prefill on a Hopper GPU also times mokv's prefill
+    kernels of `prefill_variants` (warpgroup products are its default
+    there), and a GPU row mokv at each split
     count of `SPLIT_SWEEP` the context allows (`splits_s`)."""
     scale = case.softmax_scale
     with_f32 = case.dtype == DType.bfloat16 and case.phase == "decode" and kernels.device.is_host
-    with_mma = case.dtype == DType.bfloat16 and case.phase == "prefill" and has_warpgroup_mma(kernels)
+    variants = prefill_variants
+    if not (case.dtype == DType.bfloat16 and case.phase == "prefill" and has_warpgroup_mma(kernels)):
+        variants = ()
     sweep = [n for n in SPLIT_SWEEP if n <= max(1, case.context // MIN_SPLIT_TOKENS)]
     if kernels.device.is_host:
         sweep = []
@@ -121,8 +162,8 @@ def run_case(case: Case, kernels: Kernels, copy: CopyProbe | GpuCopyProbe, budge
         mokv_f32 = kernels.mokv_model(DType.float32)
         f32_args = data[DType.float32].mokv_args(scale)
         calls["mokv_float32"] = lambda: mokv_f32.execute(*f32_args)
-    if with_mma:
-        calls["mokv_mma"] = with_variable(PREFILL_KERNEL, "mma", calls["mokv"])
+    for v in variants:
+        calls[f"mokv_{v.key}"] = with_variable(PREFILL_KERNEL, v.kernel, calls["mokv"])
     for n in sweep:
         calls[f"mokv_splits_{n}"] = with_variable(ATTENTION_SPLITS, str(n), calls["mokv"])
 
@@ -150,11 +191,11 @@ def run_case(case: Case, kernels: Kernels, copy: CopyProbe | GpuCopyProbe, budge
     if with_f32:
         row["mokv_float32_s"] = times["mokv_float32"]
         row["bf16_over_f32"] = times["mokv_float32"] / times["mokv"]
-    if with_mma:
-        mma_out = with_variable(PREFILL_KERNEL, "mma", lambda: mokv.execute(*mokv_args)[0])()
-        row["mma_s"] = times["mokv_mma"]
-        row["mma_speedup"] = times["max"] / times["mokv_mma"]
-        row["mma_max_abs_diff"] = float(np.abs(to_float(mma_out, case.dtype) - expected).max())
+    for v in variants:
+        out = with_variable(PREFILL_KERNEL, v.kernel, lambda: mokv.execute(*mokv_args)[0])()
+        row[f"{v.key}_s"] = times[f"mokv_{v.key}"]
+        row[f"{v.key}_speedup"] = times["max"] / times[f"mokv_{v.key}"]
+        row[f"{v.key}_max_abs_diff"] = float(np.abs(to_float(out, case.dtype) - expected).max())
     if sweep:
         row["splits_s"] = {str(n): times[f"mokv_splits_{n}"] for n in sweep}
     return row
@@ -178,9 +219,10 @@ def gpu_summary(rows: list[dict[str, Any]]) -> list[str]:
             f" {span([r['kv_gbps'] / r['copy_gbps'] for r in bound])}"
         ),
         f"- prefill, speedup over MAX (target >= 0.8): {span([r['speedup'] for r in prefill])}",
-        (
-            "- prefill with MOKV_PREFILL_KERNEL=mma (Hopper), speedup over MAX:"
-            f" {span([r['mma_speedup'] for r in prefill if 'mma_speedup' in r])}"
+        *(
+            f"- prefill with MOKV_PREFILL_KERNEL={v.kernel} (Hopper), speedup over MAX:"
+            f" {span([r[f'{v.key}_speedup'] for r in prefill if f'{v.key}_speedup' in r])}"
+            for v in PREFILL_VARIANTS
         ),
     ]
 
@@ -205,32 +247,33 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
-    """The summary and the table; the `mma.sync` columns only where some row
-    timed the prefill on `mma.sync` beside the default (Hopper)."""
-    with_mma = any("mma_s" in r for r in rows)
-    mma_header = " mma.sync ms | mma.sync speedup | mma.sync max abs diff |" if with_mma else ""
+    """The summary and the table; a prefill variant's columns only where
+    some row timed it beside the default (Hopper)."""
+    variants = [v for v in PREFILL_VARIANTS if any(f"{v.key}_s" in r for r in rows)]
     lines = [
         header,
         "",
         *summary(rows),
         "",
         "| case | mokv ms | MAX ms | speedup | mokv KV GB/s | MAX KV GB/s | copy GB/s | tokens/s | bf16/f32"
-        " | max abs diff |" + mma_header,
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" * 3 if with_mma else ""),
+        " | max abs diff |"
+        + "".join(f" {v.label} ms | {v.label} speedup | {v.label} max abs diff |" for v in variants),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * 3 * len(variants),
     ]
     for r in rows:
         ratio = f"{r['bf16_over_f32']:.2f}x" if "bf16_over_f32" in r else ""
-        mma = ""
-        if with_mma:
-            mma = (
-                f" {r['mma_s'] * 1e3:.3f} | {r['mma_speedup']:.2f}x | {r['mma_max_abs_diff']:.1e} |"
-                if "mma_s" in r
+        timed = "".join(
+            (
+                f" {r[f'{v.key}_s'] * 1e3:.3f} | {r[f'{v.key}_speedup']:.2f}x | {r[f'{v.key}_max_abs_diff']:.1e} |"
+                if f"{v.key}_s" in r
                 else " | | |"
             )
+            for v in variants
+        )
         lines.append(
             f"| {r['case']} | {r['mokv_s'] * 1e3:.3f} | {r['max_s'] * 1e3:.3f} | {r['speedup']:.2f}x"
             f" | {r['kv_gbps']:.1f} | {r['max_kv_gbps']:.1f} | {r['copy_gbps']:.1f}"
-            f" | {r['tokens_per_s']:.0f} | {ratio} | {r['max_abs_diff']:.1e} |{mma}"
+            f" | {r['tokens_per_s']:.0f} | {ratio} | {r['max_abs_diff']:.1e} |{timed}"
         )
     return "\n".join(lines + split_sweep_table(rows)) + "\n"
 
@@ -277,11 +320,22 @@ def split_sweep_table(rows: list[dict[str, Any]]) -> list[str]:
     is_flag=True,
     help="Time only the KV formats, none of the cases against MAX's kernel (a GPU run gives each its own time limit).",
 )
+@click.option(
+    "--prefill-variants",
+    default=",".join(v.kernel for v in PREFILL_VARIANTS),
+    show_default=True,
+    envvar="MOKV_BENCH_PREFILL_VARIANTS",
+    help="The MOKV_PREFILL_KERNEL values a Hopper GPU's bfloat16 prefill rows also time beside the default, "
+    "comma-separated (empty: none); also read from MOKV_BENCH_PREFILL_VARIANTS.",
+)
 @out_dir_option("attention")
-def attention(quick: bool, device: str, kv_formats: bool | None, only_kv_formats: bool, out_dir: Path) -> None:
+def attention(
+    quick: bool, device: str, kv_formats: bool | None, only_kv_formats: bool, prefill_variants: str, out_dir: Path
+) -> None:
     """Paged flash attention: mokv's kernel against MAX's built-in, decode and prefill; KV formats side by side."""
     if only_kv_formats and kv_formats is False:
         raise click.UsageError("--only-kv-formats and --no-kv-formats exclude each other")
+    variants = chosen_variants(prefill_variants)
     reference("max_attention", MAX_KERNELS)  # before any compile: stop early where it is missing
     bfloat16_codec()
     copy: CopyProbe | GpuCopyProbe
@@ -308,7 +362,7 @@ def attention(quick: bool, device: str, kv_formats: bool | None, only_kv_formats
     rows = []
     for case in [] if only_kv_formats else cases:
         click.echo(f"{case.name} ...", err=True)
-        row = run_case(case, kernels, copy, budget_s=0.5 if quick else 1.5)
+        row = run_case(case, kernels, copy, budget_s=0.5 if quick else 1.5, prefill_variants=variants)
         rows.append(row)
         click.echo(
             f"  mokv {row['mokv_s'] * 1e3:.3f} ms, MAX {row['max_s'] * 1e3:.3f} ms, {row['speedup']:.2f}x,"

@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import os
 
+import click
 import pytest
 from click.testing import CliRunner
 
-from mokv_examples.bench.attention import PREFILL_KERNEL, SPLIT_SWEEP, attention, to_markdown, with_variable
+from mokv_examples.bench.attention import (
+    PREFILL_KERNEL,
+    SPLIT_SWEEP,
+    attention,
+    chosen_variants,
+    to_markdown,
+    with_variable,
+)
 
 ROW = {
     "device": "gpu",
@@ -40,14 +48,25 @@ def test_variable_is_set_for_the_call_and_restored(monkeypatch):
     assert os.environ[PREFILL_KERNEL] == "mma"
 
 
-def test_rows_with_and_without_the_mma_sync_prefill_fill_every_column():
+def test_rows_with_and_without_the_prefill_variants_fill_every_column():
     row = ROW | {"case": "prefill-x", "phase": "prefill"}
-    hopper = row | {"case": "prefill-y", "mma_s": 1e-3, "mma_speedup": 1.0, "mma_max_abs_diff": 2e-3}
+    hopper = row | {
+        "case": "prefill-y",
+        "mma_s": 1e-3,
+        "mma_speedup": 1.0,
+        "mma_max_abs_diff": 2e-3,
+        "producer_s": 5e-4,
+        "producer_speedup": 2.0,
+        "producer_max_abs_diff": 3e-3,
+    }
     lines = to_markdown([row, hopper], "## header").splitlines()
     table = [line for line in lines if line.startswith("|")]
     assert len({line.count("|") for line in table}) == 1  # header, rule and rows alike
-    assert table[-1].endswith("| 1.000 | 1.00x | 2.0e-03 |")
-    assert "speedup over MAX: min 1.00, median 1.00, max 1.00 (1 case)" in "\n".join(lines)
+    assert "| mma.sync ms |" in table[0] and "| producer-fed ms |" in table[0]
+    assert table[-1].endswith("| 1.000 | 1.00x | 2.0e-03 | 0.500 | 2.00x | 3.0e-03 |")
+    text = "\n".join(lines)
+    assert "MOKV_PREFILL_KERNEL=mma (Hopper), speedup over MAX: min 1.00, median 1.00, max 1.00 (1 case)" in text
+    assert "MOKV_PREFILL_KERNEL=wgmma_producer (Hopper), speedup over MAX: min 2.00, median 2.00, max 2.00" in text
     without = [line for line in to_markdown([row], "## header").splitlines() if line.startswith("|")]
     assert "mma.sync" not in without[0] and {line.count("|") for line in without} == {11}
 
@@ -67,3 +86,17 @@ def test_only_kv_formats_refuses_no_kv_formats():
     result = CliRunner().invoke(attention, ["--only-kv-formats", "--no-kv-formats"])
     assert result.exit_code == 2
     assert "--only-kv-formats and --no-kv-formats exclude each other" in result.output
+
+
+def test_prefill_variants_are_chosen_by_kernel_name():
+    assert [v.key for v in chosen_variants("wgmma_producer")] == ["producer"]
+    assert [v.key for v in chosen_variants(" mma , wgmma_producer ")] == ["mma", "producer"]
+    assert chosen_variants("") == ()
+    with pytest.raises(click.BadParameter, match="wgmma: expected some of mma, wgmma_producer"):
+        chosen_variants("mma,wgmma")
+
+
+def test_unknown_prefill_variant_is_refused_before_anything_compiles():
+    result = CliRunner().invoke(attention, ["--prefill-variants", "tensor"])
+    assert result.exit_code == 2
+    assert "tensor: expected some of mma, wgmma_producer" in result.output
