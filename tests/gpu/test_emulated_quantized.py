@@ -301,5 +301,5 @@ def test_producer_fed_prefill_refuses_codes(emulator):
     """`MOKV_PREFILL_KERNEL=wgmma_producer` over an 8-bit cache: refused by
     name (its producer warpgroup copies bfloat16 rows; no kernel widens
     codes there), not run as another kernel."""
-    with pytest.raises(RuntimeError, match="wgmma_producer: its producer warp copies bfloat16 rows"):
+    with pytest.raises(RuntimeError, match="wgmma_producer: its producer warpgroup copies bfloat16 rows"):
         emulate_attention(emulator, TENSOR_CORE_CASES[0], 1, tensor_cores=True, prefill_kernel="wgmma_producer")

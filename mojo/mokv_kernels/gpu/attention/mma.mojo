@@ -140,7 +140,7 @@ comptime PRODUCER_THREADS = WARPGROUP_WARPS * WARP
 """`MmaThread.producer`: the producer warpgroup's threads."""
 
 comptime PRODUCER_LAG = 2
-"""`MmaThread.producer`: tiles the producer warp starts before it hands a
+"""`MmaThread.producer`: tiles the producer warpgroup starts before it hands a
 tile over (waits for its copies and arrives on its full barrier): two
 groups of copies in flight. With four stages the tile it hands over while
 the consumers multiply tile t is t + 1, so a tile's copies have the time of
@@ -190,7 +190,7 @@ struct MmaThread[
     comptime PRODUCER_REGISTERS = 56
     """`producer`: registers a producer thread keeps (`setmaxnreg`)."""
     comptime CONSUMER_REGISTERS = 224
-    """`producer`: registers a consumer thread takes: with a producer's 40,
+    """`producer`: registers a consumer thread takes: with a producer's 56,
     a scheduler's three warps hold 504 registers a lane of its 512."""
     comptime BN = TILE_KEYS
     """Keys of a tile."""
@@ -319,7 +319,7 @@ struct MmaThread[
         ), "float16 products are mma.sync's (warpgroup products take bfloat16 tiles)"
         comptime assert (
             Self.PIPELINED or not Self.producer
-        ), "a producer warp feeds the pipelined warpgroup prefill over bfloat16"
+        ), "a producer warpgroup feeds the pipelined warpgroup prefill over bfloat16"
         self.args = args
         self.work = work
         self.tid = tid
@@ -382,7 +382,7 @@ struct MmaThread[
 
     @always_inline
     def is_producer(self) -> Bool:
-        """`producer`: whether this is the producer warp's program."""
+        """`producer`: whether this is a producer warpgroup thread's program."""
         return Self.producer and self.tid >= Self.CONSUMER_THREADS
 
     @always_inline
@@ -411,7 +411,7 @@ struct MmaThread[
 
     @always_inline
     def producer_step(mut self, phase: Int, arg: Int):
-        """The producer warp's phases: it sets up the barriers, then copies
+        """The producer warpgroup's phases: it sets up the barriers, then copies
         every tile (`produce`); it has no rows."""
         if phase == LOAD_Q:
             if self.tid == Self.CONSUMER_THREADS:

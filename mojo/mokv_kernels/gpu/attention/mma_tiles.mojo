@@ -604,11 +604,11 @@ struct MmaTiles[
         kv_start: Int,
     ):
         """`start_tile` for threads that look their keys up themselves (a
-        producer warp, `..mma.MmaThread.producer`): each reads its keys'
+        producer warpgroup, `..mma.MmaThread.producer`): each reads its keys'
         page table entries and starts their rows' copies, with no address
         in shared memory and no barrier between; the caller commits them.
         A bfloat16 cache's."""
-        comptime assert not Self.QUANTIZED, "a producer warp copies bfloat16 rows"
+        comptime assert not Self.QUANTIZED, "a producer warpgroup copies bfloat16 rows"
         for l in range(lanes):
             comptime for i in range(Self.THREAD_KEYS):
                 var key = Self.copy_key(tid + l, i)

@@ -54,7 +54,7 @@ comptime PREFILL_KERNEL_VARIABLE = "MOKV_PREFILL_KERNEL"
 comptime WARP_PRODUCTS = 0
 comptime WARPGROUP_PRODUCTS = 1
 comptime PRODUCER_FED_PRODUCTS = 2
-"""Warpgroup products whose tiles a producer warp copies."""
+"""Warpgroup products whose tiles a producer warpgroup copies."""
 
 
 def _prefill_products[L: Launcher](launcher: L, codes: Bool) raises -> Int:
@@ -84,7 +84,7 @@ def _prefill_products[L: Launcher](launcher: L, codes: Bool) raises -> Int:
         return WARPGROUP_PRODUCTS
     if codes:
         raise Error(
-            t"{PREFILL_KERNEL_VARIABLE}={kernel}: its producer warp copies bfloat16 rows,"
+            t"{PREFILL_KERNEL_VARIABLE}={kernel}: its producer warpgroup copies bfloat16 rows,"
             t" and this cache holds 8-bit codes"
         )
     return PRODUCER_FED_PRODUCTS
@@ -132,7 +132,7 @@ def _run[
         Decode.MIN_BLOCKS, Decode.Program.BN
     )
     if products != WARP_PRODUCTS:
-        # A producer warp's kernel has the same rows, tiles and blocks.
+        # The producer-fed kernel has the same rows, tiles and blocks.
         prefill_rows = WgmmaPrefill.Program.ROWS
         prefill = KernelFit(WgmmaPrefill.MIN_BLOCKS, WgmmaPrefill.Program.BN)
     elif mma:
