@@ -7,8 +7,9 @@ The tensor-core prefill over a bfloat16 cache takes Hopper's warpgroup
 products (`..warpgroup`) where the device has them, `mma.sync` per warp
 elsewhere and over 8-bit codes; `MOKV_PREFILL_KERNEL=mma` or `=wgmma`
 overrides that (`_prefill_products` says why the default is what it is),
-and `=wgmma_producer` takes the warpgroup prefill whose copies one producer
-warp makes (`MmaThread.producer`), not yet the default: no GPU has timed it.
+and `=wgmma_producer` takes the warpgroup prefill whose copies a producer
+warpgroup makes (`MmaThread.producer`), not yet the default: no GPU has
+timed it.
 `MOKV_ATTENTION_SPLITS=N` fixes how many splits a context is cut into
 (within the planner's bounds) instead of the planner's choice, for tuning:
 `mokv bench attention --device gpu` times decode at several."""
@@ -204,7 +205,7 @@ def _launch_mma[
     elif products == WARPGROUP_PRODUCTS:
         launcher.launch(MmaKernel[cache_t, D, L.LANES, False, True](args))
     elif products == PRODUCER_FED_PRODUCTS:
-        comptime if not is_quantized[cache_t.dtype]():
+        comptime if not is_quantized[cache_t.dtype]():  # codes: refused when chosen
             launcher.launch(MmaKernel[cache_t, D, L.LANES, False, True, producer=True](args))
     else:
         launcher.launch(MmaKernel[cache_t, D, L.LANES, False](args))
