@@ -32,6 +32,8 @@ from mokv_kernels.cache.batch_summary import BatchSummary
 from mokv_kernels.cache.traits import KVCollectionT
 from mokv_kernels.gpu.attention.op import attention_gpu
 from mokv_kernels.gpu.block import Emulator
+from mokv_kernels.gpu.copy import SharedMemory
+from mokv_kernels.gpu.mbarrier import BARRIER_BYTES, SharedBarrier
 from mokv_kernels.gpu.quantized import (
     gather_codes_gpu,
     gather_quantized_gpu,
@@ -292,6 +294,22 @@ struct EmulatedSteps(WarpSteps):
         write_lane_values[DType.float32, n // 2](call, out)
         _ = a_tile^
         _ = b_tile^
+
+    def mbarrier(mut self, call: Call) raises:
+        var smem = List[UInt8](length=BARRIER_BYTES, fill=0)
+        var phases = SharedBarrier(SharedMemory(smem.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), 0), 0)
+        phases.init(call.int("count"))
+        for _ in range(call.int("first")):
+            phases.arrive[1]()
+        for _ in range(call.int("second")):
+            phases.arrive[1]()
+        var out = Array[SIMD[DType.uint32, 2], WARP_LANES](
+            fill=SIMD[DType.uint32, 2](
+                UInt32(1 if phases.is_complete(0) else 0), UInt32(1 if phases.is_complete(1) else 0)
+            )
+        )
+        write_lane_values[DType.uint32, 2](call, out)
+        _ = smem^
 
 
 def main() raises:

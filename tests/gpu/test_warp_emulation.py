@@ -194,3 +194,26 @@ def test_wgmma_values_from_registers_and_shared_memory(step, steps):
     }
     d = _wgmma(steps, arrays, 128, a_shared=0, b_major=0, k_step=step, warp=0)
     assert_product(d, p, values[16 * step : 16 * step + 16], c)
+
+
+def completed_parities(count: int, arrivals: int) -> tuple[int, int]:
+    """The PTX ISA's rule for `mbarrier.test_wait.parity`: the phase of a
+    parity is complete unless it is the current phase (each phase takes
+    `count` arrivals; before the first completes, the phase before it, of
+    parity 1, counts as complete)."""
+    current = (arrivals // count) % 2
+    return tuple(int(parity != current) for parity in (0, 1))
+
+
+@pytest.mark.parametrize(
+    ("count", "first", "second"),
+    [(8, 5, 0), (8, 8, 0), (8, 8, 3), (8, 8, 8), (32, 32, 32)],
+    ids=["phase-0-pending", "phase-0-done", "phase-1-pending", "phase-1-done", "whole-warp-twice"],
+)
+def test_mbarrier_phase_parity(count, first, second, steps):
+    """`first` lanes arrive on a barrier of `count` arrivals, then `second`:
+    which phases every lane finds complete (`mokv_kernels.gpu.mbarrier`,
+    whose emulated waits the producer-fed prefill's tests rely on)."""
+    raw = run_step(steps, "mbarrier", {}, count=count, first=first, second=second)
+    found = np.frombuffer(raw, np.uint32).reshape(LANES, 2)
+    assert (found == np.array(completed_parities(count, first + second), np.uint32)).all()

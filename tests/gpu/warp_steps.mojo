@@ -30,6 +30,12 @@ trait WarpSteps:
     def wgmma[n: Int](mut self, call: Call) raises:
         ...
 
+    def mbarrier(mut self, call: Call) raises:
+        """A barrier of `count` arrivals: `first` lanes arrive, then
+        `second`; every lane writes whether the phases of parity 0 and 1
+        are complete (`uint32` 1 or 0 each)."""
+        ...
+
 
 def run_warp_step[S: WarpSteps](mut steps: S, call: Call) raises:
     """The step `call` names (`step`, with `count` and `transpose` for
@@ -49,6 +55,8 @@ def run_warp_step[S: WarpSteps](mut steps: S, call: Call) raises:
                     steps.ld_matrix[n, True](call)
                 else:
                     steps.ld_matrix[n, False](call)
+    elif step == "mbarrier":
+        steps.mbarrier(call)
     elif step == "wgmma":
         var n = call.int("n")
         if n == 64:

@@ -5,7 +5,7 @@ kernels do. `tests/gpu/test_warp_emulation.py` runs its cases both ways, so
 on a GPU the emulated steps are checked against the hardware itself, not
 only against the PTX ISA as read here.
 
-Steps `mma`, `ld_matrix` and `shuffle_xor` run on one warp; `wgmma` on a
+Steps `mma`, `ld_matrix`, `shuffle_xor` and `mbarrier` run on one warp; `wgmma` on a
 warpgroup of four, every warp given the same lanes' inputs, warp `warp`'s
 result written (on a GPU without warpgroup MMA the step aborts). Shared
 memory is loaded from the call's arrays by the threads, then fenced for the
@@ -19,6 +19,8 @@ from std.memory import AddressSpace
 from std.sys import argv, size_of
 
 from mokv_kernels.pointers import BF16Ptr, CachePtr
+from mokv_kernels.gpu.copy import SharedMemory, shared_memory
+from mokv_kernels.gpu.mbarrier import BARRIER_BYTES, SharedBarrier
 from mokv_kernels.gpu.warp import (
     WARP_LANES,
     FragA,
@@ -28,6 +30,7 @@ from mokv_kernels.gpu.warp import (
     ld_matrix,
     mma,
     shuffle_xor,
+    warp_barrier,
 )
 from mokv_kernels.gpu.warpgroup import (
     SWIZZLE_ALIGNMENT,
@@ -202,6 +205,33 @@ def _wgmma[n: Int](ctx: DeviceContext, call: Call) raises:
     _ = a_buffer^
 
 
+def _mbarrier(ctx: DeviceContext, call: Call) raises:
+    var out = ctx.enqueue_create_buffer[DType.uint32](2 * WARP_LANES)
+    var d = _ptr(out)
+    # Kernel arguments: fixed-width integers.
+    var count = Int32(call.int("count"))
+    var first = Int32(call.int("first"))
+    var second = Int32(call.int("second"))
+
+    def run() {var d, var count, var first, var second}:
+        var lane = Int(thread_idx.x)
+        var phases = SharedBarrier(SharedMemory.of(shared_memory().unsafe_bitcast[UInt8]()), 0)
+        if lane == 0:
+            phases.init(Int(count))
+        barrier()
+        if lane < Int(first):
+            phases.arrive[1]()
+        warp_barrier[1]()
+        if lane < Int(second):
+            phases.arrive[1]()
+        warp_barrier[1]()
+        d[unsafe_offset=2 * lane] = UInt32(1 if phases.is_complete(0) else 0)
+        d[unsafe_offset=2 * lane + 1] = UInt32(1 if phases.is_complete(1) else 0)
+
+    ctx.enqueue_function(run, grid_dim=1, block_dim=WARP_LANES, shared_mem_bytes=BARRIER_BYTES)
+    _write_out(ctx, call, out, 2 * WARP_LANES)
+
+
 struct GpuSteps(WarpSteps):
     """The `warp` op's steps on the device of `ctx`."""
 
@@ -224,6 +254,9 @@ struct GpuSteps(WarpSteps):
 
     def wgmma[n: Int](mut self, call: Call) raises:
         _wgmma[n](self.ctx, call)
+
+    def mbarrier(mut self, call: Call) raises:
+        _mbarrier(self.ctx, call)
 
 
 def main() raises:

@@ -82,6 +82,24 @@ struct SharedBarrier(TrivialRegisterPassable):
                 words[unsafe_offset=2] += 1
 
     @always_inline
+    def is_complete(self, parity: Int) -> Bool:
+        """Whether the phase of parity `parity` is complete, without waiting
+        (`mbarrier.test_wait.parity`)."""
+        comptime if is_nvidia_gpu():
+            var done = inlined_assembly[
+                (
+                    "{ .reg .pred p; mbarrier.test_wait.parity.shared::cta.b64 p, [$1], $2;"
+                    " selp.u32 $0, 1, 0, p; }"
+                ),
+                UInt32,
+                constraints="=r,r,r,~{memory}",
+                has_side_effect=True,
+            ](self.shared.address + UInt32(self.offset), UInt32(parity & 1))
+            return done != 0
+        else:
+            return Int(self.words()[unsafe_offset=2] & 1) != parity & 1
+
+    @always_inline
     def wait(self, parity: Int):
         """Returns once the phase of parity `parity` is complete (the
         current phase's parity is then the other one)."""
@@ -99,5 +117,5 @@ struct SharedBarrier(TrivialRegisterPassable):
                 if done != 0:
                     return
         else:
-            if Int(self.words()[unsafe_offset=2] & 1) == parity & 1:
+            if not self.is_complete(parity):
                 abort("mbarrier: waited for a phase that has not completed")
