@@ -297,7 +297,8 @@ struct EmulatedSteps(WarpSteps):
 
     def mbarrier(mut self, call: Call) raises:
         var smem = List[UInt8](length=BARRIER_BYTES, fill=0)
-        var phases = SharedBarrier(SharedMemory(smem.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), 0), 0)
+        var start = smem.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        var phases = SharedBarrier(SharedMemory(start, 0), 0)
         phases.init(call.int("count"))
         for _ in range(call.int("first")):
             phases.arrive[1]()

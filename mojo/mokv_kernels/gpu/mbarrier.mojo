@@ -82,20 +82,25 @@ struct SharedBarrier(TrivialRegisterPassable):
                 words[unsafe_offset=2] += 1
 
     @always_inline
+    def _probe[instruction: StaticString](self, parity: Int) -> Bool:
+        """NVIDIA: `mbarrier.<instruction>.parity` (`test_wait`, which
+        answers at once, or `try_wait`, which may first wait a while): whether
+        the phase of parity `parity` is complete."""
+        var done = inlined_assembly[
+            "{ .reg .pred p; mbarrier."
+            + instruction
+            + ".parity.shared::cta.b64 p, [$1], $2; selp.u32 $0, 1, 0, p; }",
+            UInt32,
+            constraints="=r,r,r,~{memory}",
+            has_side_effect=True,
+        ](self.shared.address + UInt32(self.offset), UInt32(parity & 1))
+        return done != 0
+
+    @always_inline
     def is_complete(self, parity: Int) -> Bool:
-        """Whether the phase of parity `parity` is complete, without waiting
-        (`mbarrier.test_wait.parity`)."""
+        """Whether the phase of parity `parity` is complete, without waiting."""
         comptime if is_nvidia_gpu():
-            var done = inlined_assembly[
-                (
-                    "{ .reg .pred p; mbarrier.test_wait.parity.shared::cta.b64 p, [$1], $2;"
-                    " selp.u32 $0, 1, 0, p; }"
-                ),
-                UInt32,
-                constraints="=r,r,r,~{memory}",
-                has_side_effect=True,
-            ](self.shared.address + UInt32(self.offset), UInt32(parity & 1))
-            return done != 0
+            return self._probe["test_wait"](parity)
         else:
             return Int(self.words()[unsafe_offset=2] & 1) != parity & 1
 
@@ -104,18 +109,8 @@ struct SharedBarrier(TrivialRegisterPassable):
         """Returns once the phase of parity `parity` is complete (the
         current phase's parity is then the other one)."""
         comptime if is_nvidia_gpu():
-            while True:
-                var done = inlined_assembly[
-                    (
-                        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2;"
-                        " selp.u32 $0, 1, 0, p; }"
-                    ),
-                    UInt32,
-                    constraints="=r,r,r,~{memory}",
-                    has_side_effect=True,
-                ](self.shared.address + UInt32(self.offset), UInt32(parity & 1))
-                if done != 0:
-                    return
+            while not self._probe["try_wait"](parity):
+                pass
         else:
             if not self.is_complete(parity):
                 abort("mbarrier: waited for a phase that has not completed")
