@@ -4,8 +4,8 @@ cases, each call twice, for a profiler to watch (`tools/gpu_proof.sh
 up, the second is the one to read. No MAX kernel runs here, so every kernel
 the profiler sees is mokv's (attention, and the split-K merge where the plan
 splits the context). On a Hopper GPU a bfloat16 prefill case runs with
-`MOKV_PREFILL_KERNEL=wgmma`, then `=wgmma_producer`, so both warpgroup prefill
-kernels are in the report (the ninth run's profile has `mma.sync`'s).
+`MOKV_PREFILL_KERNEL=wgmma`, then `=wgmma_producer` and `=wgmma_tma`, so the three
+warpgroup prefill kernels are in the report (the ninth run's profile has `mma.sync`'s).
 
 A case named `NAME:FORMAT` is a KV-formats case (`--only-kv-formats`, say
 `decode-32x8x128-page128-b16-ctx8192:float8_e4m3fn`): that format's decode
@@ -56,7 +56,11 @@ def main(names: list[str]) -> None:
         case = cases[name]
         model = kernels.mokv_model(case.dtype)
         args = make_inputs(case, np.random.default_rng(0), (case.dtype,), gpu)[case.dtype].mokv_args(case.softmax_scale)
-        kinds = ["wgmma", "wgmma_producer"] if case.phase == "prefill" and has_warpgroup_mma(kernels) else ["mma"]
+        kinds = (
+            ["wgmma", "wgmma_producer", "wgmma_tma"]
+            if case.phase == "prefill" and has_warpgroup_mma(kernels)
+            else ["mma"]
+        )
         for kind in kinds:
             call = with_variable(PREFILL_KERNEL, kind, lambda model=model, args=args: model.execute(*args))
             for _ in range(2):

@@ -21,7 +21,8 @@ there).
 `--check` fails (exit 1), naming the kernel, if any kernel spills, has a
 stack frame or local loads or stores, or, written for tensor cores, lacks
 `mma.sync`, `ldmatrix` or `cp.async` (a `wgmma` kernel: `wgmma.mma_async`,
-`cp.async`, and the proxy fence that lets its products see the copies), or
+`cp.async`, and the proxy fence that lets its products see the copies; one
+fed by tensor-map boxes, `cp.async.bulk.tensor` for `cp.async`), or
 if ptxas serializes a kernel's `wgmma` (its "Potential Performance Loss"
 notes, C7510-C7520: products in flight across a branch it cannot prove
 uniform, or registers touched before their wait), which would leave the
@@ -50,11 +51,12 @@ INSTRUCTIONS = {
     "fence": r"\bfence\.proxy\.async\b",
     "ldm": r"\bldmatrix\.",
     "cp.async": r"\bcp\.async\.c[ag]\.",
+    "tma": r"\bcp\.async\.bulk\.tensor\.",
     "local": r"\b(?:ld|st)\.local\.",
 }
-COUNTED = ("mma", "wgmma", "ldm", "cp.async", "local")
+COUNTED = ("mma", "wgmma", "ldm", "cp.async", "tma", "local")
 HEADER = ("regs", "spill", "stack", "bars", "smem KB", "blk/SM", "occ", "gfx942", *COUNTED)
-WIDTHS = (4, 5, 5, 4, 7, 6, 4, 6, 4, 5, 4, 8, 5)
+WIDTHS = (4, 5, 5, 4, 7, 6, 4, 6, 4, 5, 4, 8, 4, 5)
 SM90_REGISTERS = 65536
 SM90_SHARED = 228 * 1024
 SM90_BLOCK_RESERVED = 1024
@@ -103,6 +105,8 @@ class Kernel:
 
     def required(self) -> tuple[str, ...]:
         """The instructions a tensor-core kernel was written to use."""
+        if "wgmma_tma" in self.name:
+            return ("wgmma", "tma", "fence")
         if "wgmma" in self.name:
             return ("wgmma", "cp.async", "fence")
         return ("mma", "ldm", "cp.async")

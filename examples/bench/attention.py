@@ -21,9 +21,9 @@ launch overhead included for both kernels. The memory yardstick is then a 1 GiB
 device-to-device copy: its traffic (read plus write) per second stands for the achievable HBM
 bandwidth, against which the KV read rate of decode is set. On a Hopper GPU, whose bfloat16
 prefill takes warpgroup products by default, the prefill rows also time mokv with
-`MOKV_PREFILL_KERNEL=mma` (`mma.sync` per warp) and `=wgmma_producer` (the warpgroup
-products fed by a producer warpgroup) in the same rounds (`PREFILL_VARIANTS`; `--prefill-variants`
-names fewer), and every GPU row times
+`MOKV_PREFILL_KERNEL=mma` (`mma.sync` per warp), `=wgmma_producer` (the warpgroup
+products fed by a producer warpgroup) and `=wgmma_tma` (fed by tensor-map boxes) in the
+same rounds (`PREFILL_VARIANTS`; `--prefill-variants` names fewer), and every GPU row times
 mokv with its context cut into a fixed number of splits (`MOKV_ATTENTION_SPLITS`,
 `SPLIT_SWEEP`) beside the planner's choice, the data the planner is tuned from. Without a
 GPU it says so and exits. `docs/gpu/results/` keeps the GPU runs' tables.
@@ -105,6 +105,7 @@ class PrefillVariant:
 PREFILL_VARIANTS = (
     PrefillVariant("mma", "mma", "mma.sync"),
     PrefillVariant("producer", "wgmma_producer", "producer-fed"),
+    PrefillVariant("tma", "wgmma_tma", "TMA-fed"),
 )
 
 

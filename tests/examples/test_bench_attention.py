@@ -92,11 +92,12 @@ def test_prefill_variants_are_chosen_by_kernel_name():
     assert [v.key for v in chosen_variants("wgmma_producer")] == ["producer"]
     assert [v.key for v in chosen_variants(" mma , wgmma_producer ")] == ["mma", "producer"]
     assert chosen_variants("") == ()
-    with pytest.raises(click.BadParameter, match="wgmma: expected some of mma, wgmma_producer"):
+    assert [v.key for v in chosen_variants("wgmma_tma,mma")] == ["tma", "mma"]
+    with pytest.raises(click.BadParameter, match="wgmma: expected some of mma, wgmma_producer, wgmma_tma"):
         chosen_variants("mma,wgmma")
 
 
 def test_unknown_prefill_variant_is_refused_before_anything_compiles():
     result = CliRunner().invoke(attention, ["--prefill-variants", "tensor"])
     assert result.exit_code == 2
-    assert "tensor: expected some of mma, wgmma_producer" in result.output
+    assert "tensor: expected some of mma, wgmma_producer, wgmma_tma" in result.output

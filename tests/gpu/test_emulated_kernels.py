@@ -173,7 +173,7 @@ def test_mixed_batch_matches_numpy(case, multiprocessors, emulator):
 BFLOAT16_CASES = [c for c in cpu_attention.CASES if c[1] == DType.bfloat16]
 
 
-WARPGROUP_PREFILLS = ["wgmma", "wgmma_producer"]
+WARPGROUP_PREFILLS = ["wgmma", "wgmma_producer", "wgmma_tma"]
 
 
 @pytest.mark.parametrize("prefill_kernel", WARPGROUP_PREFILLS)
@@ -185,7 +185,11 @@ def test_warpgroup_prefill_matches_numpy(case, multiprocessors, prefill_kernel, 
     through the PTX ISA's canonical layouts (`mokv_kernels.gpu.warpgroup`);
     `=wgmma_producer`, the same products fed by a producer warpgroup
     through shared-memory barriers, whose emulated waits abort where a
-    phase they wait for is not complete (`mokv_kernels.gpu.mbarrier`)."""
+    phase they wait for is not complete (`mokv_kernels.gpu.mbarrier`);
+    `=wgmma_tma`, fed by tensor-map boxes that land swizzled by their
+    shared-memory address as the PTX ISA says (`mokv_kernels.gpu.tensor_map`):
+    page sizes 1 (a row box per key), 16 and 128 (chunk boxes, row boxes
+    past a block's last key) and a continuous-batching slot."""
     b, layer, scale = mixed_case(case)
     out = emulate_attention(emulator, b, layer, scale, multiprocessors=multiprocessors, prefill_kernel=prefill_kernel)
     assert_attention_close(out, b, layer, scale)
@@ -198,9 +202,10 @@ def test_warpgroup_prefill_matches_numpy(case, multiprocessors, prefill_kernel, 
         ("mma", True, "prefill_mma"),
         ("wgmma", True, "prefill_wgmma"),
         ("wgmma_producer", True, "prefill_wgmma_producer"),
+        ("wgmma_tma", True, "prefill_wgmma_tma"),
         (None, False, "prefill"),
     ],
-    ids=["default-hopper", "mma", "wgmma", "wgmma-producer", "default-no-tensor-cores"],
+    ids=["default-hopper", "mma", "wgmma", "wgmma-producer", "wgmma-tma", "default-no-tensor-cores"],
 )
 def test_prefill_kernel_choice(prefill_kernel, tensor_cores, kernel, emulator, monkeypatch):
     """Unset, `MOKV_PREFILL_KERNEL` takes warpgroup products over a bfloat16
@@ -217,9 +222,10 @@ def test_prefill_kernel_choice(prefill_kernel, tensor_cores, kernel, emulator, m
 @pytest.mark.parametrize(
     ("prefill_kernel", "tensor_cores", "message"),
     [
-        ("tensor", True, "MOKV_PREFILL_KERNEL=tensor: expected mma, wgmma or wgmma_producer"),
+        ("tensor", True, "MOKV_PREFILL_KERNEL=tensor: expected mma, wgmma, wgmma_producer or wgmma_tma"),
         ("wgmma", False, "MOKV_PREFILL_KERNEL=wgmma: this device has no warpgroup MMA"),
         ("wgmma_producer", False, "MOKV_PREFILL_KERNEL=wgmma_producer: this device has no warpgroup MMA"),
+        ("wgmma_tma", False, "MOKV_PREFILL_KERNEL=wgmma_tma: this device has no warpgroup MMA"),
     ],
 )
 def test_prefill_kernel_choice_is_checked(prefill_kernel, tensor_cores, message, emulator):

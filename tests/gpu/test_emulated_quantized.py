@@ -297,9 +297,10 @@ def test_warpgroup_prefill_reads_codes_widened_to_bfloat16(case, emulator):
     )
 
 
-def test_producer_fed_prefill_refuses_codes(emulator):
-    """`MOKV_PREFILL_KERNEL=wgmma_producer` over an 8-bit cache: refused by
-    name (its producer warpgroup copies bfloat16 rows; no kernel widens
-    codes there), not run as another kernel."""
-    with pytest.raises(RuntimeError, match="wgmma_producer: its producer warpgroup copies bfloat16 rows"):
-        emulate_attention(emulator, TENSOR_CORE_CASES[0], 1, tensor_cores=True, prefill_kernel="wgmma_producer")
+@pytest.mark.parametrize("prefill_kernel", ["wgmma_producer", "wgmma_tma"])
+def test_producer_fed_prefill_refuses_codes(prefill_kernel, emulator):
+    """`MOKV_PREFILL_KERNEL=wgmma_producer` (or `=wgmma_tma`) over an 8-bit
+    cache: refused by name (its producer copies bfloat16 rows; no kernel
+    widens codes there), not run as another kernel."""
+    with pytest.raises(RuntimeError, match=f"{prefill_kernel}: its producer warpgroup copies bfloat16 rows"):
+        emulate_attention(emulator, TENSOR_CORE_CASES[0], 1, tensor_cores=True, prefill_kernel=prefill_kernel)

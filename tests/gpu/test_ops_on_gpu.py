@@ -135,8 +135,10 @@ def test_long_contexts(rows, dtype, gpu_attention, gpu: Device):
 
 # The tensor-core prefill on each of its products, whichever is the default
 # (`wgmma` on Hopper over bfloat16): `mma.sync` per warp, Hopper's warpgroup MMA,
-# and the warpgroup MMA fed by a producer warpgroup (`wgmma_producer`).
-PREFILL_KERNELS = ["mma", "wgmma", "wgmma_producer"]
+# the warpgroup MMA fed by a producer warpgroup (`wgmma_producer`), and by tensor-map
+# boxes (`wgmma_tma`; the long chunk's pages of 128 take chunk boxes, the mixed cases'
+# pages of 1 a row box per key).
+PREFILL_KERNELS = ["mma", "wgmma", "wgmma_producer", "wgmma_tma"]
 
 
 @pytest.mark.parametrize("prefill_kernel", PREFILL_KERNELS)

@@ -56,6 +56,15 @@ struct KVCache[dtype_: DType, layout_t: PageLayout](KVCacheT):
     def scales(self) -> ScaleTable:
         return self.geometry.scales
 
+    def page_len(self) -> Int:
+        return self.geometry.page_len
+
+    def token_in_page(self, tok_idx: Int) -> Int:
+        return self.layout.token_in_page(self.geometry, tok_idx)
+
+    def page_stride(self) -> Int:
+        return self.geometry.page_elems()
+
     def contiguous_tokens(self, tok_idx: Int) -> Int:
         return self.layout.contiguous_tokens(self.geometry, tok_idx)
 

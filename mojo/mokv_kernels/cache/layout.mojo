@@ -55,6 +55,10 @@ struct CacheGeometry(TrivialRegisterPassable):
     def row_elems(self) -> Int:
         return self.n_kv_heads * self.head_dim
 
+    def page_elems(self) -> Int:
+        """Elements of a page: every layer's K and V rows."""
+        return 2 * self.num_layers * self.page_len * self.row_elems()
+
     def offset(self, page: Int, kv_idx: Int, layer: Int, tok_in_page: Int) -> Int:
         """Element offset of one token row inside the page tensor: the
         page's start, the layer's rows in it, the token's row. `page` and
@@ -63,7 +67,7 @@ struct CacheGeometry(TrivialRegisterPassable):
         the nested form took four 64-bit products."""
         var layer_rows = (kv_idx * self.num_layers + layer) * self.page_len
         return Int(
-            UInt64(UInt32(page)) * UInt64(2 * self.num_layers * self.page_len * self.row_elems())
+            UInt64(UInt32(page)) * UInt64(self.page_elems())
             + UInt64(layer_rows * self.row_elems())
             + UInt64(UInt32(tok_in_page)) * UInt64(self.row_elems())
         )

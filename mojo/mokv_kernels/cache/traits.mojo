@@ -44,6 +44,22 @@ trait KVCacheT(TrivialRegisterPassable):
         known: a kernel that checks the page first reads the table once."""
         ...
 
+    def page_len(self) -> Int:
+        """Token rows of a page (of a continuous-batching slot: the most
+        tokens a sequence holds)."""
+        ...
+
+    def token_in_page(self, tok_idx: Int) -> Int:
+        """The row of its page that holds token `tok_idx`."""
+        ...
+
+    def page_stride(self) -> Int:
+        """Stored elements from a row of one page to the same row of the
+        next page: with `row_in_page(0, 0)` and rows `num_heads() *
+        head_dim()` apart, where a copy engine finds every row (a tensor
+        map, `..gpu.tensor_map`)."""
+        ...
+
     def contiguous_tokens(self, tok_idx: Int) -> Int:
         """Token rows from `tok_idx` on that lie back to back in memory (to
         the end of its page or slot)."""

@@ -41,8 +41,10 @@ from std.os import abort
 from std.utils.numerics import nan
 from std.utils.static_tuple import StaticTuple
 
+from ..cache.traits import KVCacheT
 from ..pointers import F32Ptr
 from .copy import shared_memory
+from .tensor_map import MAP_ALIGNMENT, MAPS_BYTES, PageMaps, describe_pages
 from .warp import WARP_LANES
 
 
@@ -203,6 +205,15 @@ trait Launcher:
         Hopper GPUs (sm_90), and the emulator."""
         ...
 
+    def page_maps[
+        cache_t: KVCacheT
+    ](mut self, k_cache: cache_t, v_cache: cache_t) raises -> PageMaps:
+        """The tensor maps of one layer's bfloat16 cache (`..tensor_map`),
+        in device memory that lives as long as the launcher: on a GPU with
+        `warpgroup_mma` only; none under the emulator, whose boxes read the
+        cache itself."""
+        ...
+
 
 def _dim(n: Int) raises -> Int:
     if n <= 0 or n > 2**31 - 1:
@@ -307,6 +318,22 @@ struct GpuLauncher(Launcher):
         except:
             return False
 
+    def page_maps[
+        cache_t: KVCacheT
+    ](mut self, k_cache: cache_t, v_cache: cache_t) raises -> PageMaps:
+        var maps = describe_pages(self.ctx, k_cache, v_cache)
+        # Room to align: the allocator's alignment is not promised.
+        comptime floats = (MAPS_BYTES + MAP_ALIGNMENT) // 4
+        var buffer = self.ctx.enqueue_create_buffer[DType.float32](floats)
+        var skip = -Int(buffer.unsafe_ptr()) % MAP_ALIGNMENT // 4
+        # From pageable host memory: staged before the call returns.
+        self.ctx.enqueue_copy(
+            buffer.create_sub_buffer[DType.float32](skip, MAPS_BYTES // 4),
+            Pointer(to=maps).unsafe_bitcast[Float32](),
+        )
+        self.buffers.append(buffer^)
+        return PageMaps(Int(self.buffers[len(self.buffers) - 1].unsafe_ptr()) + 4 * skip)
+
 
 struct EmulatedBlock[P: ThreadProgram](BlockExecutor):
     """Every thread of one block on the CPU (see the module docstring)."""
@@ -392,3 +419,8 @@ struct Emulator(Launcher):
 
     def warpgroup_mma(self) -> Bool:
         return self.has_tensor_cores
+
+    def page_maps[
+        cache_t: KVCacheT
+    ](mut self, k_cache: cache_t, v_cache: cache_t) raises -> PageMaps:
+        return PageMaps.none()

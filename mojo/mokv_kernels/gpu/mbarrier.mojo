@@ -9,11 +9,18 @@ complete, so a wait for parity 1 on a fresh barrier returns at once (the
 phase before the first counts as complete), which is how a producer passes
 its first waits for free stages.
 
+A phase may also wait for bytes: a thread that arrives expecting `bytes`
+(`arrive_expecting`) adds them to the phase's transaction count, and the
+phase completes only once its arrivals have come and asynchronous copies
+that name the barrier (`..tensor_map`: Hopper's tensor-map copies) have
+landed that many bytes, each copy counting its own off as it lands.
+
 On NVIDIA (sm_80 on) each barrier is the hardware's 8-byte object; arrive
 has release and the wait acquire semantics at the block's scope, so what a
 thread wrote to shared memory before arriving is seen by the threads whose
-wait returns. Under the CPU emulator (`..block`) a barrier is three words in
-the same place (arrivals pending, arrivals a phase, phases completed), and
+wait returns. Under the CPU emulator (`..block`) a barrier is four words in
+the same place (arrivals pending, arrivals a phase, phases completed, bytes
+pending), and
 a wait whose phase is not complete aborts: the emulator runs a block's
 warps one after the other between hand-offs (`BlockExecutor.handoff`), so a
 wait that would block there is a protocol error a GPU would hang on."""
@@ -26,7 +33,7 @@ from .copy import SharedMemory
 
 comptime BARRIER_BYTES = 16
 """Bytes a barrier takes in shared memory: the hardware's 8 (8-byte
-aligned), or the emulator's three words."""
+aligned), or the emulator's four words."""
 
 
 @fieldwise_init
@@ -38,7 +45,8 @@ struct SharedBarrier(TrivialRegisterPassable):
 
     @always_inline
     def words(self) -> Pointer[UInt32, MutUntrackedOrigin]:
-        """Emulated: the barrier's words (pending, per phase, completed)."""
+        """Emulated: the barrier's words (arrivals pending, arrivals a phase,
+        phases completed, bytes pending)."""
         return self.shared.generic.unsafe_offset(self.offset).unsafe_bitcast[UInt32]()
 
     @always_inline
@@ -58,6 +66,20 @@ struct SharedBarrier(TrivialRegisterPassable):
             words[unsafe_offset=0] = UInt32(arrivals)
             words[unsafe_offset=1] = UInt32(arrivals)
             words[unsafe_offset=2] = 0
+            words[unsafe_offset=3] = 0
+
+    @always_inline
+    def fence_init(self):
+        """After `init`, before any copy engine uses the barrier: makes the
+        initialisation visible to the asynchronous proxy (tensor-map copies
+        complete their bytes on it). Once, by the initialising thread."""
+        comptime if is_nvidia_gpu():
+            inlined_assembly[
+                "fence.mbarrier_init.release.cluster;",
+                NoneType,
+                constraints="~{memory}",
+                has_side_effect=True,
+            ]()
 
     @always_inline
     def arrive[lanes: Int](self):
@@ -73,13 +95,48 @@ struct SharedBarrier(TrivialRegisterPassable):
                 has_side_effect=True,
             ](self.shared.address + UInt32(self.offset))
         else:
-            var words = self.words()
-            if words[unsafe_offset=0] < UInt32(lanes):
-                abort("mbarrier: more arrivals than its phase counts")
-            words[unsafe_offset=0] -= UInt32(lanes)
-            if words[unsafe_offset=0] == 0:
-                words[unsafe_offset=0] = words[unsafe_offset=1]
-                words[unsafe_offset=2] += 1
+            self._emulated_arrivals(lanes)
+
+    @always_inline
+    def arrive_expecting(self, bytes: Int):
+        """One thread arrives and adds `bytes` to the phase's transaction
+        count: the phase then also waits for copies naming this barrier to
+        land that many bytes (`..tensor_map.start_box`). Before the copies
+        it expects, so that no phase completes between them."""
+        comptime if is_nvidia_gpu():
+            inlined_assembly[
+                "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
+                NoneType,
+                constraints="r,r,~{memory}",
+                has_side_effect=True,
+            ](self.shared.address + UInt32(self.offset), UInt32(bytes))
+        else:
+            self.words()[unsafe_offset=3] += UInt32(bytes)
+            self._emulated_arrivals(1)
+
+    def complete_bytes(self, bytes: Int):
+        """Emulated: a copy naming the barrier landed `bytes` (on a GPU the
+        copy engine counts them itself)."""
+        var words = self.words()
+        if words[unsafe_offset=3] < UInt32(bytes):
+            abort("mbarrier: a copy landed more bytes than its phase expects")
+        words[unsafe_offset=3] -= UInt32(bytes)
+        self._emulated_complete()
+
+    def _emulated_arrivals(self, lanes: Int):
+        var words = self.words()
+        if words[unsafe_offset=0] < UInt32(lanes):
+            abort("mbarrier: more arrivals than its phase counts")
+        words[unsafe_offset=0] -= UInt32(lanes)
+        self._emulated_complete()
+
+    def _emulated_complete(self):
+        """Emulated: the phase completes once no arrival and no byte is
+        pending; the next one then expects the same arrivals."""
+        var words = self.words()
+        if words[unsafe_offset=0] == 0 and words[unsafe_offset=3] == 0:
+            words[unsafe_offset=0] = words[unsafe_offset=1]
+            words[unsafe_offset=2] += 1
 
     @always_inline
     def _probe[instruction: StaticString](self, parity: Int) -> Bool:

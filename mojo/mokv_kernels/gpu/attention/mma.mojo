@@ -34,7 +34,15 @@ what their four warps split and how they multiply:
   address arithmetic (549 instructions a tile at head_dim 128 where the
   pipelined kernel issues 690) and wait at no block barrier between tiles:
   each warpgroup runs as far ahead as its tiles have landed. `setmaxnreg`
-  moves registers from the producer (56 a thread) to the consumers (224).
+  moves registers from the producer (56 a thread) to the consumers (224);
+- the same with the producer's copies made by the tensor memory
+  accelerator (`boxes`, `MOKV_PREFILL_KERNEL=wgmma_tma`, not yet run on a
+  GPU): one warp of the producer warpgroup starts each tile as a few
+  tensor-map boxes (`..tensor_map`: 16 keys of one page, K or V, 64
+  columns; a row box each for keys that are not such a chunk, zeros past
+  the block's last key), and the copy engine completes the stage's full
+  barrier as the bytes land: no producer thread copies, waits for copies
+  or fences, and the producer runs as far ahead as the stages let it.
 
 The context is walked in tiles of `BN` = 64 keys:
 
@@ -104,8 +112,12 @@ from ..block import BlockExecutor, BlockId, KernelT, ThreadProgram
 from ..codes import codes_as_float16
 from ..copy import commit_copies, wait_copies
 from ..mbarrier import BARRIER_BYTES, SharedBarrier
+from ..rows import table_page
+from ..tensor_map import CHUNK_ROWS, start_box
 from ..warp import FragA, FragB, Frags, ld_matrix, mma, shuffle_xor, warp_barrier
 from ..warpgroup import (
+    SWIZZLE_BYTES,
+    SWIZZLE_COLUMNS,
     WARPGROUP_ROWS,
     WARPGROUP_WARPS,
     async_proxy_fence,
@@ -160,6 +172,7 @@ struct MmaThread[
     warpgroup: Bool,
     scales_per_key: Bool,
     producer: Bool = False,
+    boxes: Bool = False,
 ](ThreadProgram):
     """One thread of a block on a GPU (`lanes` 1), one warp under the
     emulator (`lanes` 32). Shared memory: `MmaTiles`; a decode block's
@@ -194,6 +207,8 @@ struct MmaThread[
     a scheduler's three warps hold 504 registers a lane of its 512."""
     comptime BN = TILE_KEYS
     """Keys of a tile."""
+    comptime TILE_BYTES = 2 * Self.BN * Self.D * 2
+    """`boxes`: bytes of a tile's K and V, what its full barrier expects."""
     comptime ROWS = MMA_ROWS if Self.decode else Self.CONSUMER_THREADS // WARP * MMA_ROWS
     """Query rows of a block: the most query heads per KV head it takes."""
     comptime WARP_KEYS = Self.Tiles.WARP_KEYS if Self.decode else Self.BN
@@ -320,6 +335,8 @@ struct MmaThread[
         comptime assert (
             Self.PIPELINED or not Self.producer
         ), "a producer warpgroup feeds the pipelined warpgroup prefill over bfloat16"
+        comptime assert Self.producer or not Self.boxes, "boxes are a producer's copies"
+        comptime assert Self.BN % CHUNK_ROWS == 0, "a tile is whole chunks of keys"
         self.args = args
         self.work = work
         self.tid = tid
@@ -416,10 +433,16 @@ struct MmaThread[
         if phase == LOAD_Q:
             if self.tid == Self.CONSUMER_THREADS:
                 comptime for stage in range(Self.STAGES):
-                    self.barrier(FULL, stage).init(PRODUCER_THREADS)
+                    # With boxes, one arrival expecting the tile's bytes.
+                    self.barrier(FULL, stage).init(1 if Self.boxes else PRODUCER_THREADS)
                     self.barrier(EMPTY, stage).init(Self.CONSUMER_THREADS)
+                comptime if Self.boxes:
+                    self.barrier(FULL, 0).fence_init()
         elif phase == PRODUCE:
-            self.produce(arg)
+            comptime if Self.boxes:
+                self.produce_boxes(arg)
+            else:
+                self.produce(arg)
 
     @always_inline
     def produce(mut self, kv_start: Int):
@@ -447,6 +470,70 @@ struct MmaThread[
                 self.args, self.work, self.tid - Self.CONSUMER_THREADS, kv_start
             )
         commit_copies()
+
+    @always_inline
+    def produce_boxes(mut self, kv_start: Int):
+        """`boxes`: the producer warpgroup's first warp starts the tile at
+        `kv_start` once the consumers are done with its stage's last tile:
+        lane 0 arrives on its full barrier expecting the tile's bytes, then
+        lane c < `BN / CHUNK_ROWS` starts the boxes of the tile's keys
+        `CHUNK_ROWS * c ..` (`start_chunk`). The copy engine completes the
+        phase as the last bytes land; the other producer warps copy
+        nothing."""
+        if kv_start >= self.work.kv_end or self.warp() != Self.CONSUMER_THREADS // WARP:
+            return
+        var use = self.use(kv_start)
+        if use > 0:
+            self.empty(kv_start).wait(use - 1)
+        var full = self.full(kv_start)
+        for l in range(Self.lanes):
+            var lane = self.lane(l)
+            if lane == 0:
+                full.arrive_expecting(Self.TILE_BYTES)
+            if lane < Self.BN // CHUNK_ROWS:
+                self.start_chunk(kv_start, lane * CHUNK_ROWS, full)
+
+    @always_inline
+    def start_chunk(self, kv_start: Int, key: Int, full: SharedBarrier):
+        """`boxes`: keys `key .. key + CHUNK_ROWS` of the tile at `kv_start`
+        as chunk boxes where they lie in one page before the block's last
+        key, else as a row box each, with page -1 (zeros) past that key."""
+        var first = kv_start + key
+        var cache = self.args.k_cache
+        var row = cache.token_in_page(first)
+        if first + CHUNK_ROWS <= self.work.kv_end and row + CHUNK_ROWS <= cache.page_len():
+            self.start_boxes[CHUNK_ROWS](
+                kv_start, key, row, table_page(cache, self.work.row, first), full
+            )
+            return
+        for r in range(CHUNK_ROWS):
+            var page: Int32 = -1
+            if first + r < self.work.kv_end:
+                page = table_page(cache, self.work.row, first + r)
+            self.start_boxes[1](kv_start, key + r, cache.token_in_page(first + r), page, full)
+
+    @always_inline
+    def start_boxes[
+        rows: Int
+    ](self, kv_start: Int, key: Int, row: Int, page: Int32, full: SharedBarrier):
+        """`boxes`: the K and V boxes of `rows` rows from row `row` of
+        `page`, every column block, into tile rows `key ..` of the tile at
+        `kv_start`."""
+        comptime for kind in range(2):
+            comptime for block in range(Self.D // SWIZZLE_COLUMNS):
+                start_box[rows](
+                    self.args.page_maps,
+                    self.args.k_cache if kind == KEYS else self.args.v_cache,
+                    self.tiles.shared,
+                    self.tiles.tile_offset(kv_start, kind)
+                    + (block * Self.BN + key) * SWIZZLE_BYTES,
+                    full,
+                    block * SWIZZLE_COLUMNS,
+                    self.work.kv_head,
+                    kind,
+                    row,
+                    page,
+                )
 
     @always_inline
     def step(mut self, phase: Int, arg: Int):
@@ -1033,6 +1120,7 @@ struct MmaKernel[
     warpgroup: Bool = False,
     scales_per_key: Bool = False,
     producer: Bool = False,
+    boxes: Bool = False,
 ](KernelT):
     """Grid (query tiles * splits, KV heads, batch rows) of tensor-core
     prefill or decode blocks (a prefill's products per warp, or per
@@ -1047,6 +1135,7 @@ struct MmaKernel[
         Self.warpgroup,
         Self.scales_per_key,
         Self.producer,
+        Self.boxes,
     ]
     comptime THREADS = Self.Program.THREADS
     comptime DECODE_BLOCKS = 2 if Self.D >= 128 and (
@@ -1075,9 +1164,11 @@ struct MmaKernel[
     comptime NAME = (
         "decode_mma_f16" if Self.scales_per_key else "decode_mma"
     ) if Self.decode else (
-        ("prefill_wgmma_producer" if Self.producer else "prefill_wgmma") if Self.warpgroup else (
-            "prefill_mma_f16" if Self.scales_per_key else "prefill_mma"
-        )
+        (
+            "prefill_wgmma_tma" if Self.boxes else (
+                "prefill_wgmma_producer" if Self.producer else "prefill_wgmma"
+            )
+        ) if Self.warpgroup else ("prefill_mma_f16" if Self.scales_per_key else "prefill_mma")
     )
     comptime HEAD_DIM = Self.D
     comptime ELEMENT_BITS = bit_width_of[Self.cache_t.dtype]()
@@ -1116,6 +1207,10 @@ struct MmaKernel[
         comptime if E.ONE_THREAD:
             if threads.thread() >= Self.Program.CONSUMER_THREADS:
                 set_warpgroup_registers[Self.Program.PRODUCER_REGISTERS, increase=False]()
+                comptime if Self.boxes:
+                    # One warp starts the boxes; the others have no part.
+                    if threads.thread() >= Self.Program.CONSUMER_THREADS + WARP:
+                        return
                 self.produced_tiles[produce=True, consume=False](threads, work)
             else:
                 set_warpgroup_registers[Self.Program.CONSUMER_REGISTERS, increase=True]()

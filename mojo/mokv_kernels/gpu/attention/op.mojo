@@ -7,9 +7,10 @@ The tensor-core prefill over a bfloat16 cache takes Hopper's warpgroup
 products (`..warpgroup`) where the device has them, `mma.sync` per warp
 elsewhere and over 8-bit codes; `MOKV_PREFILL_KERNEL=mma` or `=wgmma`
 overrides that (`_prefill_products` says why the default is what it is),
-and `=wgmma_producer` takes the warpgroup prefill whose copies a producer
-warpgroup makes (`MmaThread.producer`), not yet the default: no GPU has
-timed it.
+`=wgmma_producer` takes the warpgroup prefill whose copies a producer
+warpgroup makes (`MmaThread.producer`), and `=wgmma_tma` the one whose
+producer warp copies tensor-map boxes (`MmaThread.boxes`), neither the
+default: no GPU has timed them.
 `MOKV_ATTENTION_SPLITS=N` fixes how many splits a context is cut into
 (within the planner's bounds) instead of the planner's choice, for tuning:
 `mokv bench attention --device gpu` times decode at several."""
@@ -22,6 +23,7 @@ from ...cache.traits import KVCacheT, KVCollectionT
 from ...kv_quantization import is_quantized
 from std.os import getenv
 from ..block import Launcher
+from ..tensor_map import PageMaps
 from .config import LOG2E, QUANTIZED_CHUNK
 from .decode import DecodeKernel
 from .merge import MergeArgs, MergeKernel
@@ -56,13 +58,16 @@ comptime WARP_PRODUCTS = 0
 comptime WARPGROUP_PRODUCTS = 1
 comptime PRODUCER_FED_PRODUCTS = 2
 """Warpgroup products whose tiles a producer warpgroup copies."""
+comptime BOX_FED_PRODUCTS = 3
+"""Warpgroup products whose tiles a producer warp copies as tensor-map
+boxes (TMA)."""
 
 
 def _prefill_products[L: Launcher](launcher: L, codes: Bool) raises -> Int:
     """Which products the tensor-core prefill takes: what
-    `MOKV_PREFILL_KERNEL` says (`mma`; `wgmma` or `wgmma_producer`, which
-    need a device with warpgroup products, and the latter a bfloat16
-    cache); unset, warpgroup products on Hopper unless the cache holds
+    `MOKV_PREFILL_KERNEL` says (`mma`; `wgmma`, `wgmma_producer` or
+    `wgmma_tma`, which need a device with warpgroup products, and the last
+    two a bfloat16 cache); unset, warpgroup products on Hopper unless the cache holds
     8-bit `codes`.
 
     Over bfloat16 an H200 ran the warpgroup prefill 1.2x `mma.sync`'s speed
@@ -74,8 +79,10 @@ def _prefill_products[L: Launcher](launcher: L, codes: Bool) raises -> Int:
         return WARPGROUP_PRODUCTS if launcher.warpgroup_mma() and not codes else WARP_PRODUCTS
     if kernel == "mma":
         return WARP_PRODUCTS
-    if kernel != "wgmma" and kernel != "wgmma_producer":
-        raise Error(t"{PREFILL_KERNEL_VARIABLE}={kernel}: expected mma, wgmma or wgmma_producer")
+    if kernel != "wgmma" and kernel != "wgmma_producer" and kernel != "wgmma_tma":
+        raise Error(
+            t"{PREFILL_KERNEL_VARIABLE}={kernel}: expected mma, wgmma, wgmma_producer or wgmma_tma"
+        )
     if not launcher.warpgroup_mma():
         raise Error(
             t"{PREFILL_KERNEL_VARIABLE}={kernel}: this device has no warpgroup MMA"
@@ -88,7 +95,7 @@ def _prefill_products[L: Launcher](launcher: L, codes: Bool) raises -> Int:
             t"{PREFILL_KERNEL_VARIABLE}={kernel}: its producer warpgroup copies bfloat16 rows,"
             t" and this cache holds 8-bit codes"
         )
-    return PRODUCER_FED_PRODUCTS
+    return PRODUCER_FED_PRODUCTS if kernel == "wgmma_producer" else BOX_FED_PRODUCTS
 
 
 comptime SPLITS_VARIABLE = "MOKV_ATTENTION_SPLITS"
@@ -207,6 +214,13 @@ def _launch_mma[
     elif products == PRODUCER_FED_PRODUCTS:
         comptime if not is_quantized[cache_t.dtype]():  # codes: refused when chosen
             launcher.launch(MmaKernel[cache_t, D, L.LANES, False, True, producer=True](args))
+    elif products == BOX_FED_PRODUCTS:
+        comptime if not is_quantized[cache_t.dtype]():
+            var boxed = args
+            boxed.page_maps = launcher.page_maps(args.k_cache, args.v_cache)
+            launcher.launch(
+                MmaKernel[cache_t, D, L.LANES, False, True, producer=True, boxes=True](boxed)
+            )
     else:
         launcher.launch(MmaKernel[cache_t, D, L.LANES, False](args))
 
@@ -288,6 +302,7 @@ def attention_gpu[
         1,
         1,
         granularity,
+        PageMaps.none(),
     )
     if d == 64:
         _run[64](launcher, args, bounds)

@@ -14,6 +14,7 @@ from ...cache.traits import KVCacheT
 from ...pointers import CachePtr, F32Ptr, U32Ptr
 from ..block import BlockId
 from ..rows import cached_row
+from ..tensor_map import PageMaps
 from .config import BLOCK_THREADS
 
 
@@ -42,6 +43,9 @@ struct AttentionArgs[cache_t: KVCacheT, q_dtype: DType](TrivialRegisterPassable)
     var splits: Int
     var granularity: Int
     """Elements per scale of a quantized cache (`head_dim // granules`)."""
+    var page_maps: PageMaps
+    """The cache's tensor maps where a kernel copies its tiles as boxes
+    (`..tensor_map`; `MmaThread.boxes`), else none."""
 
     def visible_start(self, position: Int) -> Int:
         """First position the token at `position` attends to."""
