@@ -4,8 +4,9 @@ cases, each call twice, for a profiler to watch (`tools/gpu_proof.sh
 up, the second is the one to read. No MAX kernel runs here, so every kernel
 the profiler sees is mokv's (attention, and the split-K merge where the plan
 splits the context). On a Hopper GPU a bfloat16 prefill case runs with
-`MOKV_PREFILL_KERNEL=wgmma`, then `=wgmma_producer` and `=wgmma_tma`, so the three
-warpgroup prefill kernels are in the report (the ninth run's profile has `mma.sync`'s).
+`MOKV_PREFILL_KERNEL=wgmma`, then each warpgroup variant the benchmark times
+(`=wgmma_producer` and `=wgmma_tma`, or those `MOKV_BENCH_PREFILL_VARIANTS` names), so
+those warpgroup prefill kernels are in the report (the ninth run's profile has `mma.sync`'s).
 
 A case named `NAME:FORMAT` is a KV-formats case (`--only-kv-formats`, say
 `decode-32x8x128-page128-b16-ctx8192:float8_e4m3fn`): that format's decode
@@ -18,13 +19,20 @@ batch 16 / 8k)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
 from max.driver import CPU, Accelerator
 from max.engine import InferenceSession
 
-from mokv_examples.bench.attention import PREFILL_KERNEL, has_warpgroup_mma, with_variable
+from mokv_examples.bench.attention import (
+    PREFILL_KERNEL,
+    PREFILL_VARIANTS,
+    chosen_variants,
+    has_warpgroup_mma,
+    with_variable,
+)
 from mokv_examples.bench.attention_cases import gpu_quick_cases, make_inputs
 from mokv_examples.bench.attention_kernels import Kernels
 from mokv_examples.bench.kv_formats import FormatKernels, format_calls, format_cases
@@ -45,6 +53,15 @@ def profile_format_case(name: str, kv_format: str, kernels: Kernels) -> None:
     print(f"ran {name} over {kv_format} twice", flush=True)
 
 
+def warpgroup_variants() -> list[str]:
+    """The warpgroup prefill variants the benchmark times, as
+    `MOKV_BENCH_PREFILL_VARIANTS` names them (all, unset): a variant left
+    out of the benchmark (one that hung in the tests) stays out of the
+    profile too."""
+    names = os.environ.get("MOKV_BENCH_PREFILL_VARIANTS", ",".join(v.kernel for v in PREFILL_VARIANTS))
+    return [v.kernel for v in chosen_variants(names) if v.kernel != "mma"]
+
+
 def main(names: list[str]) -> None:
     gpu = Accelerator()
     kernels = Kernels(InferenceSession(devices=[CPU(), gpu]), device=gpu)
@@ -56,11 +73,7 @@ def main(names: list[str]) -> None:
         case = cases[name]
         model = kernels.mokv_model(case.dtype)
         args = make_inputs(case, np.random.default_rng(0), (case.dtype,), gpu)[case.dtype].mokv_args(case.softmax_scale)
-        kinds = (
-            ["wgmma", "wgmma_producer", "wgmma_tma"]
-            if case.phase == "prefill" and has_warpgroup_mma(kernels)
-            else ["mma"]
-        )
+        kinds = ["wgmma", *warpgroup_variants()] if case.phase == "prefill" and has_warpgroup_mma(kernels) else ["mma"]
         for kind in kinds:
             call = with_variable(PREFILL_KERNEL, kind, lambda model=model, args=args: model.execute(*args))
             for _ in range(2):
