@@ -34,6 +34,7 @@ from mokv_kernels.gpu.attention.op import attention_gpu
 from mokv_kernels.gpu.block import Emulator
 from mokv_kernels.gpu.copy import SharedMemory
 from mokv_kernels.gpu.mbarrier import BARRIER_BYTES, SharedBarrier
+from mokv_kernels.gpu.tensor_map import PageMaps
 from mokv_kernels.gpu.quantized import (
     gather_codes_gpu,
     gather_quantized_gpu,
@@ -45,7 +46,7 @@ from mokv_kernels.gpu.views import InputView, MutableView, OutputView, row_major
 from mokv_kernels.gpu.warp import WARP_LANES, FragA, Frags, ld_matrix, mma, shuffle_xor
 
 from call_files import Call, bytes_ptr, lane_values, write_lane_values
-from warp_steps import WarpSteps, run_warp_step, wgmma_product
+from warp_steps import WarpSteps, box_tensor, run_warp_step, start_boxes, wgmma_product
 
 
 def _vector(call: Call, mut bytes: List[UInt8], name: String) raises -> InputView[DType.uint32, 1]:
@@ -311,6 +312,28 @@ struct EmulatedSteps(WarpSteps):
         )
         write_lane_values[DType.uint32, 2](call, out)
         _ = smem^
+
+    def box(mut self, call: Call) raises:
+        var tensor = call.read("tensor")
+        var boxes = call.read("boxes")
+        var shared_bytes = call.int("shared_bytes")
+        var smem = List[UInt8](length=shared_bytes + BARRIER_BYTES, fill=0xFF)
+        var start = smem.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        var shared = SharedMemory(start, 0)
+        var landed = SharedBarrier(shared, shared_bytes)
+        landed.init(1)
+        var maps = PageMaps(0, box_tensor(call, Int(bytes_ptr[DType.bfloat16](tensor))))
+        start_boxes(maps, shared, landed, bytes_ptr[DType.int32](boxes), call.int("count"))
+        var out = List[UInt8](capacity=shared_bytes + 4)
+        for i in range(shared_bytes):
+            out.append(smem[i])
+        var done = UInt32(1 if landed.is_complete(0) else 0)
+        for i in range(4):
+            out.append(UInt8((done >> UInt32(8 * i)) & 0xFF))
+        call.write("out", out)
+        _ = smem^
+        _ = tensor^
+        _ = boxes^
 
 
 def main() raises:

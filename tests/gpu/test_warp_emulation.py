@@ -217,3 +217,71 @@ def test_mbarrier_phase_parity(count, first, second, steps):
     raw = run_step(steps, "mbarrier", {}, count=count, first=first, second=second)
     found = np.frombuffer(raw, np.uint32).reshape(LANES, 2)
     assert (found == np.array(completed_parities(count, first + second), np.uint32)).all()
+
+
+SWIZZLE_BYTES = 128
+CHUNK_ROWS = 16
+
+
+def landed_boxes(tensor: np.ndarray, boxes: np.ndarray, shared_bytes: int) -> np.ndarray:
+    """Shared memory (0xFF bytes first) after tensor-map boxes of the page
+    tensor `tensor` (`[pages, 2, page_len, heads, head_dim]` bfloat16 bits),
+    as the CUDA programming guide describes them: each box row is 64
+    elements of one head's row, zeros where the row is outside the tensor
+    (in any dimension), landed at `offset + 128 r` with its 16-byte chunks
+    swizzled by the destination's address bits (bits 4-6 XOR bits 7-9)."""
+    pages, _, page_len, heads, _ = tensor.shape
+    shared = np.full(shared_bytes, 0xFF, np.uint8)
+    for rows, offset, column, head, kind, row, page in boxes:
+        for r in range(rows):
+            inside = 0 <= page < pages and 0 <= row + r < page_len and 0 <= head < heads
+            values = tensor[page, kind, row + r, head, column : column + 64] if inside else np.zeros(64, np.uint16)
+            raw = values.astype("<u2").tobytes()
+            for chunk in range(SWIZZLE_BYTES // 16):
+                byte = offset + r * SWIZZLE_BYTES + 16 * chunk
+                at = byte ^ ((byte >> 7 & 7) << 4)
+                shared[at : at + 16] = np.frombuffer(raw[16 * chunk : 16 * chunk + 16], np.uint8)
+    return shared
+
+
+def test_tensor_map_boxes(steps):
+    """Boxes as the tensor-map-fed prefill starts them (`mokv_kernels.gpu.tensor_map`):
+    16 rows of a page at a tile's chunk, value rows of the second column block, one
+    row at a row whose swizzle phase is not 0, a row box of page -1 (zeros past a
+    block's last key), a chunk of a page past the tensor's last and one across a
+    page's end (zeros where outside); the barrier expecting their bytes completes
+    (on a GPU, a box whose bytes were not counted would leave it pending)."""
+    if steps.binary.stem == GPU_STEPS_SOURCE.stem and not accelerator_architecture_name().startswith("sm_90"):
+        pytest.skip(f"tensor-map copies are Hopper's (sm_90) here; this GPU is {accelerator_architecture_name()}")
+    pages, page_len, heads, head_dim = 3, 32, 2, 128
+    rng = np.random.default_rng(7)
+    tensor = bfloat16.to_bits(_bf16(rng, (pages, 2, page_len, heads, head_dim)))
+    boxes = np.array(
+        [
+            # rows, shared offset, column, head, K (0) or V (1), row, page
+            (CHUNK_ROWS, 2048, 64, 1, 1, 16, 2),
+            (1, 3 * SWIZZLE_BYTES, 0, 0, 0, 31, 0),
+            (1, 5 * SWIZZLE_BYTES, 64, 1, 0, 7, 1),
+            (1, 0, 0, 1, 1, 3, -1),
+            (CHUNK_ROWS, 4096, 0, 0, 0, 0, pages),
+            (CHUNK_ROWS, 6144, 64, 0, 1, 24, 1),
+        ],
+        np.int32,
+    )
+    shared_bytes = 8192
+    raw = run_step(
+        steps,
+        "box",
+        {"tensor": tensor, "boxes": boxes},
+        count=len(boxes),
+        pages=pages,
+        page_len=page_len,
+        heads=heads,
+        head_dim=head_dim,
+        shared_bytes=shared_bytes,
+    )
+    landed = np.frombuffer(raw, np.uint8)
+    assert np.frombuffer(landed[shared_bytes:].tobytes(), np.uint32)[0] == 1, (
+        "the boxes' bytes did not complete the phase"
+    )
+    np.testing.assert_array_equal(landed[:shared_bytes], landed_boxes(tensor, boxes, shared_bytes))

@@ -5,7 +5,7 @@ kernels do. `tests/gpu/test_warp_emulation.py` runs its cases both ways, so
 on a GPU the emulated steps are checked against the hardware itself, not
 only against the PTX ISA as read here.
 
-Steps `mma`, `ld_matrix`, `shuffle_xor` and `mbarrier` run on one warp; `wgmma` on a
+Steps `mma`, `ld_matrix`, `shuffle_xor`, `mbarrier` and `box` run on one warp; `wgmma` on a
 warpgroup of four, every warp given the same lanes' inputs, warp `warp`'s
 result written (on a GPU without warpgroup MMA the step aborts). Shared
 memory is loaded from the call's arrays by the threads, then fenced for the
@@ -20,6 +20,7 @@ from std.sys import argv, size_of
 
 from mokv_kernels.pointers import BF16Ptr, CachePtr
 from mokv_kernels.gpu.copy import SharedMemory, shared_memory
+from mokv_kernels.gpu.block import GpuLauncher
 from mokv_kernels.gpu.mbarrier import BARRIER_BYTES, SharedBarrier
 from mokv_kernels.gpu.warp import (
     WARP_LANES,
@@ -32,6 +33,7 @@ from mokv_kernels.gpu.warp import (
     shuffle_xor,
     warp_barrier,
 )
+from mokv_kernels.gpu.tensor_map import acquire_maps
 from mokv_kernels.gpu.warpgroup import (
     SWIZZLE_ALIGNMENT,
     async_proxy_fence,
@@ -40,7 +42,14 @@ from mokv_kernels.gpu.warpgroup import (
 )
 
 from call_files import Call
-from warp_steps import WGMMA_TILE_ROWS, WarpSteps, run_warp_step, wgmma_product
+from warp_steps import (
+    WGMMA_TILE_ROWS,
+    WarpSteps,
+    box_tensor,
+    run_warp_step,
+    start_boxes,
+    wgmma_product,
+)
 
 comptime TILE = WGMMA_TILE_ROWS * 128
 """Elements of each `[64, 128]` tile a `wgmma` step reads."""
@@ -232,6 +241,59 @@ def _mbarrier(ctx: DeviceContext, call: Call) raises:
     _write_out(ctx, call, out, 2 * WARP_LANES)
 
 
+comptime BOX_POLLS = 1 << 22
+"""`box`: how often a lane probes the barrier before it reports the phase
+incomplete (a box whose bytes are never counted would otherwise hang)."""
+
+
+def _box(ctx: DeviceContext, call: Call) raises:
+    var tensor_buffer = _input[DType.bfloat16](ctx, call, "tensor")
+    var boxes_buffer = _input[DType.int32](ctx, call, "boxes")
+    var shared_bytes = call.int("shared_bytes")
+    var launcher = GpuLauncher(ctx)
+    var maps = launcher.page_maps(box_tensor(call, Int(tensor_buffer.unsafe_ptr())))
+    var out = ctx.enqueue_create_buffer[DType.uint32](shared_bytes // 4 + 1)
+    var d = _ptr(out)
+    var boxes = _ptr(boxes_buffer)
+    # Kernel arguments: fixed-width integers.
+    var count = Int32(call.int("count"))
+    var words = Int32(shared_bytes // 4)
+
+    def run() {var d, var boxes, var count, var words, var maps}:
+        var lane = Int(thread_idx.x)
+        var shared = SharedMemory.of(shared_memory().unsafe_bitcast[UInt8]())
+        var landed = SharedBarrier(shared, 4 * Int(words))
+        var smem = shared.generic.unsafe_bitcast[UInt32]()
+        for i in range(lane, Int(words), WARP_LANES):
+            smem[unsafe_offset=i] = 0xFFFFFFFF
+        if lane == 0:
+            landed.init(1)
+            landed.fence_init()
+        async_proxy_fence()
+        barrier()
+        if lane == 0:
+            acquire_maps(maps)
+            start_boxes(maps, shared, landed, boxes, Int(count))
+        var done = False
+        for _ in range(BOX_POLLS):
+            if landed.is_complete(0):
+                done = True
+                break
+        barrier()
+        for i in range(lane, Int(words), WARP_LANES):
+            d[unsafe_offset=i] = smem[unsafe_offset=i]
+        if lane == 0:
+            d[unsafe_offset=Int(words)] = UInt32(1 if done else 0)
+
+    ctx.enqueue_function(
+        run, grid_dim=1, block_dim=WARP_LANES, shared_mem_bytes=shared_bytes + BARRIER_BYTES
+    )
+    _write_out(ctx, call, out, shared_bytes // 4 + 1)
+    _ = tensor_buffer^
+    _ = boxes_buffer^
+    _ = launcher^
+
+
 struct GpuSteps(WarpSteps):
     """The `warp` op's steps on the device of `ctx`."""
 
@@ -257,6 +319,9 @@ struct GpuSteps(WarpSteps):
 
     def mbarrier(mut self, call: Call) raises:
         _mbarrier(self.ctx, call)
+
+    def box(mut self, call: Call) raises:
+        _box(self.ctx, call)
 
 
 def main() raises:

@@ -41,10 +41,9 @@ from std.os import abort
 from std.utils.numerics import nan
 from std.utils.static_tuple import StaticTuple
 
-from ..cache.traits import KVCacheT
 from ..pointers import F32Ptr
 from .copy import shared_memory
-from .tensor_map import MAP_ALIGNMENT, MAPS_BYTES, PageMaps, describe_pages
+from .tensor_map import MAP_ALIGNMENT, MAPS_BYTES, PageMaps, PageTensor, describe_pages
 from .warp import WARP_LANES
 
 
@@ -205,13 +204,11 @@ trait Launcher:
         Hopper GPUs (sm_90), and the emulator."""
         ...
 
-    def page_maps[
-        cache_t: KVCacheT
-    ](mut self, k_cache: cache_t, v_cache: cache_t) raises -> PageMaps:
-        """The tensor maps of one layer's bfloat16 cache (`..tensor_map`),
-        in device memory that lives as long as the launcher: on a GPU with
+    def page_maps(mut self, tensor: PageTensor) raises -> PageMaps:
+        """The tensor maps of a page tensor (`..tensor_map`), in device
+        memory that lives as long as the launcher: on a GPU with
         `warpgroup_mma` only; none under the emulator, whose boxes read the
-        cache itself."""
+        tensor itself."""
         ...
 
 
@@ -318,10 +315,8 @@ struct GpuLauncher(Launcher):
         except:
             return False
 
-    def page_maps[
-        cache_t: KVCacheT
-    ](mut self, k_cache: cache_t, v_cache: cache_t) raises -> PageMaps:
-        var maps = describe_pages(self.ctx, k_cache, v_cache)
+    def page_maps(mut self, tensor: PageTensor) raises -> PageMaps:
+        var maps = describe_pages(self.ctx, tensor)
         # Room to align: the allocator's alignment is not promised.
         comptime floats = (MAPS_BYTES + MAP_ALIGNMENT) // 4
         var buffer = self.ctx.enqueue_create_buffer[DType.float32](floats)
@@ -332,7 +327,7 @@ struct GpuLauncher(Launcher):
             Pointer(to=maps).unsafe_bitcast[Float32](),
         )
         self.buffers.append(buffer^)
-        return PageMaps(Int(self.buffers[len(self.buffers) - 1].unsafe_ptr()) + 4 * skip)
+        return PageMaps(Int(self.buffers[len(self.buffers) - 1].unsafe_ptr()) + 4 * skip, tensor)
 
 
 struct EmulatedBlock[P: ThreadProgram](BlockExecutor):
@@ -420,7 +415,5 @@ struct Emulator(Launcher):
     def warpgroup_mma(self) -> Bool:
         return self.has_tensor_cores
 
-    def page_maps[
-        cache_t: KVCacheT
-    ](mut self, k_cache: cache_t, v_cache: cache_t) raises -> PageMaps:
-        return PageMaps.none()
+    def page_maps(mut self, tensor: PageTensor) raises -> PageMaps:
+        return PageMaps(0, tensor)

@@ -13,7 +13,10 @@ one head, `rows` rows of one page, K or V: it never crosses a page, and
 every element outside the tensor (rows past a page's end, a page index no
 page has: a bad table entry, or -1 for rows past a block's keys) lands as
 a zero. The maps of a cache (`PageMaps`): boxes of `CHUNK_ROWS` rows, for a
-tile's keys that lie in one page, and of one row, for the rest.
+tile's keys that lie in one page, and of one row, for the rest. The host
+builds them (`describe_pages`, through the driver) and copies them to device
+memory (`..block.Launcher.page_maps`), where a thread must acquire them
+(`acquire_maps`) before its first box.
 
 Under the CPU emulator a box is copied at once, row by row from the cache's
 own rows, into shared memory swizzled by the destination's offset bits as
@@ -30,6 +33,7 @@ from std.sys.info import is_gpu, is_nvidia_gpu
 from std.utils import IndexList
 
 from ..cache.traits import KVCacheT
+from ..pointers import BF16Ptr
 from .copy import SharedMemory, zero_16
 from .mbarrier import SharedBarrier
 from .warpgroup import SWIZZLE_BYTES, SWIZZLE_COLUMNS
@@ -46,73 +50,137 @@ comptime BOX_DIMS = 5
 
 
 @fieldwise_init
+struct PageTensor(TrivialRegisterPassable):
+    """One layer's bfloat16 page tensor as the copy engine sees it: from
+    the address `base` (row 0 of page 0's key rows), `pages` pages `page_stride`
+    elements apart, each `page_len` key rows of `heads * head_dim`, and
+    the value rows `value_offset` elements after the key rows."""
+
+    var base: Int
+    var pages: Int
+    var page_len: Int
+    var heads: Int
+    var head_dim: Int
+    var value_offset: Int
+    var page_stride: Int
+
+    @staticmethod
+    def of[cache_t: KVCacheT](k_cache: cache_t, v_cache: cache_t) -> Self:
+        """The page tensor of one layer's cache (`k_cache`, with `v_cache`
+        the same layer's values)."""
+        comptime assert cache_t.dtype == DType.bfloat16, "tensor maps copy bfloat16 rows"
+        var base = k_cache.row_in_page(0, 0)
+        return Self(
+            Int(base),
+            k_cache.num_pages(),
+            k_cache.page_len(),
+            k_cache.num_heads(),
+            k_cache.head_dim(),
+            (Int(v_cache.row_in_page(0, 0)) - Int(base)) // size_of[BFloat16](),
+            k_cache.page_stride(),
+        )
+
+    def holds(self, page: Int32, row: Int, head: Int) -> Bool:
+        """Whether row `row` of `page`, head `head`, is in the tensor."""
+        return (
+            page >= 0
+            and Int(page) < self.pages
+            and row >= 0
+            and row < self.page_len
+            and head >= 0
+            and head < self.heads
+        )
+
+    def row(self, kind: Int, page: Int32, row: Int, head: Int) -> BF16Ptr:
+        """Head `head` of key (`kind` 0) or value (1) row `row` of `page`."""
+        return BF16Ptr(unsafe_from_address=self.base).unsafe_offset(
+            Int(page) * self.page_stride
+            + kind * self.value_offset
+            + (row * self.heads + head) * self.head_dim
+        )
+
+
+@fieldwise_init
 struct PageMaps(TrivialRegisterPassable):
-    """Where a cache's tensor maps lie in device memory (`MAPS_BYTES`, chunk
-    boxes then row boxes), or 0 under the emulator, which needs none."""
+    """A cache's tensor maps: where they lie in device memory (`MAPS_BYTES`,
+    chunk boxes then row boxes), 0 under the emulator, which copies boxes
+    from `tensor` itself."""
 
     var address: Int
+    var tensor: PageTensor
 
     @staticmethod
     def none() -> Self:
-        return Self(0)
+        """No maps: for kernels that copy no boxes."""
+        return Self(0, PageTensor(0, 0, 0, 0, 0, 0, 0))
 
 
-def describe_pages[
-    cache_t: KVCacheT
-](ctx: DeviceContext, k_cache: cache_t, v_cache: cache_t) raises -> Array[TMADescriptor, 2]:
-    """The host's tensor maps of one layer's cache (`k_cache`, with
-    `v_cache` the same layer's values): chunk boxes, then row boxes. The
+def describe_pages(ctx: DeviceContext, tensor: PageTensor) raises -> Array[TMADescriptor, 2]:
+    """The host's tensor maps of `tensor`: chunk boxes, then row boxes. The
     driver refuses a tensor it cannot map (a base or stride that is no
     multiple of 16 bytes), and this raises its error."""
-    comptime assert cache_t.dtype == DType.bfloat16, "tensor maps copy bfloat16 rows"
-    var heads = k_cache.num_heads()
-    var d = k_cache.head_dim()
-    if d % SWIZZLE_COLUMNS != 0:
-        raise Error(t"head_dim {d}: boxes are whole {SWIZZLE_COLUMNS}-column blocks")
-    var base = k_cache.row_in_page(0, 0)
-    var value_offset = (Int(v_cache.row_in_page(0, 0)) - Int(base)) // size_of[BFloat16]()
-    if value_offset <= 0:
-        raise Error(t"the value rows lie {value_offset} elements from the key rows, expected after")
-    var pages = k_cache.num_pages()
-    var elements = max(pages, 1) * k_cache.page_stride()
-    var tensor = DeviceBuffer[DType.bfloat16](
-        ctx, base.unsafe_bitcast[BFloat16](), elements, owning=False
+    if tensor.head_dim % SWIZZLE_COLUMNS != 0:
+        raise Error(t"head_dim {tensor.head_dim}: boxes are whole {SWIZZLE_COLUMNS}-column blocks")
+    if tensor.value_offset <= 0:
+        raise Error(
+            t"the value rows lie {tensor.value_offset} elements from the key rows, expected after"
+        )
+    var pages = max(tensor.pages, 1)
+    var buffer = DeviceBuffer[DType.bfloat16](
+        ctx, BF16Ptr(unsafe_from_address=tensor.base), pages * tensor.page_stride, owning=False
     )
-    var shape = IndexList[BOX_DIMS](max(pages, 1), 2, k_cache.page_len(), heads, d)
-    var strides = IndexList[BOX_DIMS](k_cache.page_stride(), value_offset, heads * d, d, 1)
+    var shape = IndexList[BOX_DIMS](pages, 2, tensor.page_len, tensor.heads, tensor.head_dim)
+    var strides = IndexList[BOX_DIMS](
+        tensor.page_stride, tensor.value_offset, tensor.heads * tensor.head_dim, tensor.head_dim, 1
+    )
     comptime swizzled = TensorMapSwizzle.SWIZZLE_128B
     var maps: Array[TMADescriptor, 2] = [
         create_tma_descriptor[DType.bfloat16, BOX_DIMS, swizzled](
-            tensor, shape, strides, IndexList[BOX_DIMS](1, 1, CHUNK_ROWS, 1, SWIZZLE_COLUMNS)
+            buffer, shape, strides, IndexList[BOX_DIMS](1, 1, CHUNK_ROWS, 1, SWIZZLE_COLUMNS)
         ),
         create_tma_descriptor[DType.bfloat16, BOX_DIMS, swizzled](
-            tensor, shape, strides, IndexList[BOX_DIMS](1, 1, 1, 1, SWIZZLE_COLUMNS)
+            buffer, shape, strides, IndexList[BOX_DIMS](1, 1, 1, 1, SWIZZLE_COLUMNS)
         ),
     ]
     return maps^
 
 
 @always_inline
+def acquire_maps(maps: PageMaps):
+    """Before a thread's first box: the maps, written to device memory by a
+    host copy, acquired by the tensor-map proxy (`fence.proxy.tensormap`
+    at system scope, as CUDA's programming guide asks of a map copied so);
+    nothing under the emulator."""
+    comptime if is_nvidia_gpu():
+        comptime for map in range(MAPS_BYTES // MAP_BYTES):
+            inlined_assembly[
+                "fence.proxy.tensormap::generic.acquire.sys [$0], 128;",
+                NoneType,
+                constraints="l,~{memory}",
+                has_side_effect=True,
+            ](UInt64(maps.address + map * MAP_BYTES))
+
+
+@always_inline
 def start_box[
-    cache_t: KVCacheT, //, rows: Int
+    rows: Int
 ](
     maps: PageMaps,
-    cache: cache_t,
     shared: SharedMemory,
     offset: Int,
     barrier: SharedBarrier,
     column: Int,
     head: Int,
     kind: Int,
-    token: Int,
+    row: Int,
     page: Int32,
 ):
-    """Starts copying rows `token ..` of `page`, head `head`, columns
+    """Starts copying rows `row ..` of `page`, head `head`, columns
     `column ..` of the key (`kind` 0) or value (1) rows, `rows` of them
     (`CHUNK_ROWS` or 1), to `offset` bytes into shared memory (128-byte
     aligned, where the swizzle pattern's row is the box row's); the copy
     counts its `rows * SWIZZLE_BYTES` off `barrier`'s transaction count as
-    it lands. `cache` is the one of `kind` (read only by the emulator)."""
+    it lands, zeros outside the tensor included."""
     comptime assert rows == CHUNK_ROWS or rows == 1, "a map has boxes of CHUNK_ROWS rows or of one"
     comptime if is_nvidia_gpu():
         var map = maps.address + (0 if rows == CHUNK_ROWS else MAP_BYTES)
@@ -127,7 +195,7 @@ def start_box[
             UInt64(map),
             Int32(column),
             Int32(head),
-            Int32(token),
+            Int32(row),
             Int32(kind),
             page,
             barrier.shared.address + UInt32(barrier.offset),
@@ -135,42 +203,34 @@ def start_box[
     elif is_gpu():
         abort("tensor-map copies exist only on NVIDIA Hopper GPUs (Launcher.warpgroup_mma)")
     else:
-        _emulated_box[rows](cache, shared, offset, column, head, token, page)
+        _emulated_box[rows](maps.tensor, shared, offset, column, head, kind, row, page)
         barrier.complete_bytes(rows * SWIZZLE_BYTES)
 
 
 def _emulated_box[
-    cache_t: KVCacheT, //, rows: Int
+    rows: Int
 ](
-    cache: cache_t,
+    tensor: PageTensor,
     shared: SharedMemory,
     offset: Int,
     column: Int,
     head: Int,
-    token: Int,
+    kind: Int,
+    row: Int,
     page: Int32,
 ):
-    """The emulator's box: each row's 16-byte chunks from the cache's row,
-    or zeros outside the tensor, at the chunk the 128-byte swizzle puts
-    them (chunk bits 4-6 of the offset XOR its bits 7-9)."""
+    """The emulator's box: each row's 16-byte chunks from the tensor, or
+    zeros outside it, at the chunk the 128-byte swizzle puts them (chunk
+    bits 4-6 of the offset XOR its bits 7-9)."""
     for r in range(rows):
-        var row = token + r
-        var inside = (
-            page >= 0
-            and Int(page) < cache.num_pages()
-            and row >= 0
-            and row < cache.page_len()
-            and head < cache.num_heads()
-        )
+        var inside = tensor.holds(page, row + r, head)
         for chunk in range(SWIZZLE_BYTES // 16):
             var byte = offset + r * SWIZZLE_BYTES + chunk * 16
-            var dest = shared.generic.unsafe_offset(byte ^ (byte >> 7 & 7) << 4)
-            var target = dest.unsafe_bitcast[Scalar[cache_t.dtype]]()
+            var target = shared.generic.unsafe_offset(byte ^ (byte >> 7 & 7) << 4).unsafe_bitcast[
+                BFloat16
+            ]()
             if inside:
-                comptime width = 16 // size_of[Scalar[cache_t.dtype]]()
-                var source = cache.row_in_page(Int(page), row).unsafe_offset(
-                    head * cache.head_dim() + column + chunk * width
-                )
-                target.unsafe_store[alignment=16](0, source.unsafe_load[width=width](0))
+                var source = tensor.row(kind, page, row + r, head).unsafe_offset(column + 8 * chunk)
+                target.unsafe_store[alignment=16](0, source.unsafe_load[width=8](0))
             else:
                 zero_16(target)

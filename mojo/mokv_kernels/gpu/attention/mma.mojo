@@ -113,7 +113,7 @@ from ..codes import codes_as_float16
 from ..copy import commit_copies, wait_copies
 from ..mbarrier import BARRIER_BYTES, SharedBarrier
 from ..rows import table_page
-from ..tensor_map import CHUNK_ROWS, start_box
+from ..tensor_map import CHUNK_ROWS, acquire_maps, start_box
 from ..warp import FragA, FragB, Frags, ld_matrix, mma, shuffle_xor, warp_barrier
 from ..warpgroup import (
     SWIZZLE_BYTES,
@@ -438,6 +438,9 @@ struct MmaThread[
                     self.barrier(EMPTY, stage).init(Self.CONSUMER_THREADS)
                 comptime if Self.boxes:
                     self.barrier(FULL, 0).fence_init()
+            comptime if Self.boxes:
+                if self.warp() == Self.CONSUMER_THREADS // WARP:
+                    acquire_maps(self.args.page_maps)
         elif phase == PRODUCE:
             comptime if Self.boxes:
                 self.produce_boxes(arg)
@@ -523,7 +526,6 @@ struct MmaThread[
             comptime for block in range(Self.D // SWIZZLE_COLUMNS):
                 start_box[rows](
                     self.args.page_maps,
-                    self.args.k_cache if kind == KEYS else self.args.v_cache,
                     self.tiles.shared,
                     self.tiles.tile_offset(kv_start, kind)
                     + (block * Self.BN + key) * SWIZZLE_BYTES,

@@ -23,7 +23,7 @@ from ...cache.traits import KVCacheT, KVCollectionT
 from ...kv_quantization import is_quantized
 from std.os import getenv
 from ..block import Launcher
-from ..tensor_map import PageMaps
+from ..tensor_map import PageMaps, PageTensor
 from .config import LOG2E, QUANTIZED_CHUNK
 from .decode import DecodeKernel
 from .merge import MergeArgs, MergeKernel
@@ -217,7 +217,7 @@ def _launch_mma[
     elif products == BOX_FED_PRODUCTS:
         comptime if not is_quantized[cache_t.dtype]():
             var boxed = args
-            boxed.page_maps = launcher.page_maps(args.k_cache, args.v_cache)
+            boxed.page_maps = launcher.page_maps(PageTensor.of(args.k_cache, args.v_cache))
             launcher.launch(
                 MmaKernel[cache_t, D, L.LANES, False, True, producer=True, boxes=True](boxed)
             )
