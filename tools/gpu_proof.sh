@@ -197,8 +197,20 @@ step collect 120 python3 -m pytest tests/gpu --collect-only -q -p no:cacheprovid
 # The emulator's tests need no GPU (CI runs them) and would spend minutes building it here,
 # nor do the planner's and the code conversions' (host programs); the warp steps' tests run
 # here on the GPU only (`-k "not emulated"`: their hardware half).
-eval "pytest_args=(${PYTEST_ARGS:-})"
+# A `-k` in PYTEST_ARGS narrows that selection (pytest keeps only its last `-k`, so
+# the two are joined here: otherwise the emulated halves would build the emulator).
+eval "given=(${PYTEST_ARGS:-})"
+selection="not emulated"
+pytest_args=()
+for ((i = 0; i < ${#given[@]}; i++)); do
+    if [ "${given[i]}" = -k ] && [ $((i + 1)) -lt ${#given[@]} ]; then
+        selection="not emulated and (${given[i + 1]})"
+        i=$((i + 1))
+    else
+        pytest_args+=("${given[i]}")
+    fi
+done
 step tests "${TESTS_S:-330}" python3 -m pytest tests/gpu --ignore-glob "tests/gpu/test_emulated_*" \
     --ignore tests/gpu/test_attention_plan.py --ignore tests/gpu/test_code_conversions.py \
-    "${side_by_side[@]}" -v -rfEs --durations=15 -p no:cacheprovider -k "not emulated" "${pytest_args[@]}" || status=1
+    "${side_by_side[@]}" -v -rfEs --durations=15 -p no:cacheprovider -k "$selection" "${pytest_args[@]}" || status=1
 exit $status
