@@ -20,20 +20,31 @@ has release and the wait acquire semantics at the block's scope, so what a
 thread wrote to shared memory before arriving is seen by the threads whose
 wait returns. Under the CPU emulator (`..block`) a barrier is four words in
 the same place (arrivals pending, arrivals a phase, phases completed, bytes
-pending), and
-a wait whose phase is not complete aborts: the emulator runs a block's
-warps one after the other between hand-offs (`BlockExecutor.handoff`), so a
-wait that would block there is a protocol error a GPU would hang on."""
+pending) and the address of its copies pending (`pending_copy`), and a wait
+whose phase is not complete aborts: the emulator runs a block's warps one
+after the other between hand-offs (`BlockExecutor.handoff`), so a wait that
+would block there is a protocol error a GPU would hang on. An emulated copy
+naming the barrier lands only when a thread looks at the barrier (`wait`,
+`is_complete`): a thread that reads what the copy brings without waiting
+for it reads what was there before, as it could on a GPU, and the kernel's
+emulated tests fail."""
 
+from std.memory.alloc import unsafe_alloc
 from std.os import abort
-from std.sys.info import is_nvidia_gpu
+from std.sys.info import is_gpu, is_nvidia_gpu
 from std.sys._assembly import inlined_assembly
 
+from ..pointers import BytePtr
 from .copy import SharedMemory
 
-comptime BARRIER_BYTES = 16
+comptime BARRIER_BYTES = 24
 """Bytes a barrier takes in shared memory: the hardware's 8 (8-byte
-aligned), or the emulator's four words."""
+aligned), or the emulator's four words and a list's address."""
+comptime _PENDING = 16
+"""Emulated: bytes from a barrier to the address of its first pending copy."""
+comptime _COPY_HEADER = 4
+"""Emulated: words before a pending copy's bytes: the next copy's address,
+where the bytes land, how many, and one spare (the bytes 16-byte aligned)."""
 
 
 @fieldwise_init
@@ -67,6 +78,7 @@ struct SharedBarrier(TrivialRegisterPassable):
             words[unsafe_offset=1] = UInt32(arrivals)
             words[unsafe_offset=2] = 0
             words[unsafe_offset=3] = 0
+            self._first_pending()[] = 0
 
     @always_inline
     def fence_init(self):
@@ -114,14 +126,41 @@ struct SharedBarrier(TrivialRegisterPassable):
             self.words()[unsafe_offset=3] += UInt32(bytes)
             self._emulated_arrivals(1)
 
-    def complete_bytes(self, bytes: Int):
-        """Emulated: a copy naming the barrier landed `bytes` (on a GPU the
-        copy engine counts them itself)."""
-        var words = self.words()
-        if words[unsafe_offset=3] < UInt32(bytes):
-            abort("mbarrier: a copy landed more bytes than its phase expects")
-        words[unsafe_offset=3] -= UInt32(bytes)
-        self._emulated_complete()
+    def pending_copy(self, offset: Int, bytes: Int) -> BytePtr:
+        """Emulated: where a copy naming this barrier puts the `bytes` it
+        brings to `offset` bytes into shared memory; they land, and count
+        off the phase's bytes, when a thread next looks at the barrier (on
+        a GPU the copy engine lands and counts them itself)."""
+        comptime assert not is_gpu(), "the emulator's copies"
+        var copy = unsafe_alloc[Int](_COPY_HEADER + (bytes + 7) // 8)
+        copy[unsafe_offset=0] = self._first_pending()[]
+        copy[unsafe_offset=1] = offset
+        copy[unsafe_offset=2] = bytes
+        self._first_pending()[] = Int(copy)
+        return copy.unsafe_offset(_COPY_HEADER).unsafe_bitcast[UInt8]()
+
+    def _first_pending(self) -> Pointer[Int, MutUntrackedOrigin]:
+        return self.shared.generic.unsafe_offset(self.offset + _PENDING).unsafe_bitcast[Int]()
+
+    def _land(self):
+        """Emulated: every pending copy lands, its bytes counted off."""
+        comptime if not is_gpu():
+            var words = self.words()
+            while self._first_pending()[] != 0:
+                var copy = Pointer[Int, MutUntrackedOrigin](
+                    unsafe_from_address=self._first_pending()[]
+                )
+                self._first_pending()[] = copy[unsafe_offset=0]
+                var bytes = copy[unsafe_offset=2]
+                var data = copy.unsafe_offset(_COPY_HEADER).unsafe_bitcast[UInt8]()
+                var at = self.shared.generic.unsafe_offset(copy[unsafe_offset=1])
+                for i in range(bytes):
+                    at[unsafe_offset=i] = data[unsafe_offset=i]
+                copy.unsafe_free()
+                if words[unsafe_offset=3] < UInt32(bytes):
+                    abort("mbarrier: a copy landed more bytes than its phase expects")
+                words[unsafe_offset=3] -= UInt32(bytes)
+                self._emulated_complete()
 
     def _emulated_arrivals(self, lanes: Int):
         var words = self.words()
@@ -159,6 +198,7 @@ struct SharedBarrier(TrivialRegisterPassable):
         comptime if is_nvidia_gpu():
             return self._probe["test_wait"](parity)
         else:
+            self._land()
             return Int(self.words()[unsafe_offset=2] & 1) != parity & 1
 
     @always_inline

@@ -18,8 +18,9 @@ builds them (`describe_pages`, through the driver) and copies them to device
 memory (`..block.Launcher.page_maps`), where a thread must acquire them
 (`acquire_maps`) before its first box.
 
-Under the CPU emulator a box is copied at once, row by row from the cache's
-own rows, into shared memory swizzled by the destination's offset bits as
+Under the CPU emulator a box is copied row by row from the cache's own rows
+and lands when a thread next looks at its barrier (`..mbarrier`), swizzled
+by the destination's offset bits as
 the PTX ISA describes the 128-byte swizzle (16-byte chunk bits 4-6 XOR line
 bits 7-9), not by the kernels' own address function, so a kernel whose
 boxes and products disagree fails its emulated tests."""
@@ -33,7 +34,7 @@ from std.sys.info import is_gpu, is_nvidia_gpu
 from std.utils import IndexList
 
 from ..cache.traits import KVCacheT
-from ..pointers import BF16Ptr
+from ..pointers import BF16Ptr, BytePtr
 from .copy import SharedMemory, zero_16
 from .mbarrier import SharedBarrier
 from .warpgroup import SWIZZLE_BYTES, SWIZZLE_COLUMNS
@@ -203,15 +204,15 @@ def start_box[
     elif is_gpu():
         abort("tensor-map copies exist only on NVIDIA Hopper GPUs (Launcher.warpgroup_mma)")
     else:
-        _emulated_box[rows](maps.tensor, shared, offset, column, head, kind, row, page)
-        barrier.complete_bytes(rows * SWIZZLE_BYTES)
+        var data = barrier.pending_copy(offset, rows * SWIZZLE_BYTES)
+        _emulated_box[rows](maps.tensor, data, offset, column, head, kind, row, page)
 
 
 def _emulated_box[
     rows: Int
 ](
     tensor: PageTensor,
-    shared: SharedMemory,
+    data: BytePtr,
     offset: Int,
     column: Int,
     head: Int,
@@ -219,14 +220,16 @@ def _emulated_box[
     row: Int,
     page: Int32,
 ):
-    """The emulator's box: each row's 16-byte chunks from the tensor, or
-    zeros outside it, at the chunk the 128-byte swizzle puts them (chunk
-    bits 4-6 of the offset XOR its bits 7-9)."""
+    """The emulator's box, as it will land at `offset` bytes into shared
+    memory (`data`, the barrier's pending copy): each row's 16-byte chunks
+    from the tensor, or zeros outside it, at the chunk the 128-byte swizzle
+    puts them (chunk bits 4-6 of the destination XOR its bits 7-9, which
+    keeps each row in its own 128-byte line)."""
     for r in range(rows):
         var inside = tensor.holds(page, row + r, head)
         for chunk in range(SWIZZLE_BYTES // 16):
             var byte = offset + r * SWIZZLE_BYTES + chunk * 16
-            var target = shared.generic.unsafe_offset(byte ^ (byte >> 7 & 7) << 4).unsafe_bitcast[
+            var target = data.unsafe_offset((byte ^ (byte >> 7 & 7) << 4) - offset).unsafe_bitcast[
                 BFloat16
             ]()
             if inside:
