@@ -27,8 +27,9 @@ from max.driver import CPU, Accelerator
 from max.engine import InferenceSession
 
 from mokv_examples.bench.attention import (
+    ALL_PREFILL_VARIANTS,
     PREFILL_KERNEL,
-    PREFILL_VARIANTS,
+    PREFILL_VARIANTS_VARIABLE,
     chosen_variants,
     has_warpgroup_mma,
     with_variable,
@@ -58,7 +59,7 @@ def warpgroup_variants() -> list[str]:
     `MOKV_BENCH_PREFILL_VARIANTS` names them (all, unset): a variant left
     out of the benchmark (one that hung in the tests) stays out of the
     profile too."""
-    names = os.environ.get("MOKV_BENCH_PREFILL_VARIANTS", ",".join(v.kernel for v in PREFILL_VARIANTS))
+    names = os.environ.get(PREFILL_VARIANTS_VARIABLE, ALL_PREFILL_VARIANTS)
     return [v.kernel for v in chosen_variants(names) if v.kernel != "mma"]
 
 

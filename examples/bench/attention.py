@@ -107,6 +107,10 @@ PREFILL_VARIANTS = (
     PrefillVariant("producer", "wgmma_producer", "producer-fed"),
     PrefillVariant("tma", "wgmma_tma", "TMA-fed"),
 )
+ALL_PREFILL_VARIANTS = ",".join(v.kernel for v in PREFILL_VARIANTS)
+"""`--prefill-variants` unset: every variant."""
+PREFILL_VARIANTS_VARIABLE = "MOKV_BENCH_PREFILL_VARIANTS"
+"""Where `--prefill-variants` is also read from (and `tools/gpu_profile.py`'s list)."""
 
 
 def chosen_variants(names: str) -> tuple[PrefillVariant, ...]:
@@ -323,11 +327,11 @@ def split_sweep_table(rows: list[dict[str, Any]]) -> list[str]:
 )
 @click.option(
     "--prefill-variants",
-    default=",".join(v.kernel for v in PREFILL_VARIANTS),
+    default=ALL_PREFILL_VARIANTS,
     show_default=True,
-    envvar="MOKV_BENCH_PREFILL_VARIANTS",
+    envvar=PREFILL_VARIANTS_VARIABLE,
     help="The MOKV_PREFILL_KERNEL values a Hopper GPU's bfloat16 prefill rows also time beside the default, "
-    "comma-separated (empty: none); also read from MOKV_BENCH_PREFILL_VARIANTS.",
+    f"comma-separated (empty: none); also read from {PREFILL_VARIANTS_VARIABLE}.",
 )
 @out_dir_option("attention")
 def attention(
