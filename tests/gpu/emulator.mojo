@@ -323,7 +323,7 @@ struct EmulatedSteps(WarpSteps):
         var landed = SharedBarrier(shared, shared_bytes)
         landed.init(1)
         var maps = PageMaps(0, box_tensor(call, Int(bytes_ptr[DType.bfloat16](tensor))))
-        start_boxes(maps, shared, landed, bytes_ptr[DType.int32](boxes), call.int("count"))
+        start_boxes(maps, landed, bytes_ptr[DType.int32](boxes), call.int("count"))
         # Looking at the barrier lands the boxes (`mokv_kernels.gpu.mbarrier`).
         var done = UInt32(1 if landed.is_complete(0) else 0)
         var out = List[UInt8](capacity=shared_bytes + 4)

@@ -4,7 +4,6 @@ the GPU (`warp_steps_on_gpu.mojo`, a program per thread) runs it, and the
 warpgroup product a `wgmma` call describes."""
 
 from mokv_kernels.pointers import BF16Ptr
-from mokv_kernels.gpu.copy import SharedMemory
 from mokv_kernels.gpu.mbarrier import SharedBarrier
 from mokv_kernels.gpu.tensor_map import CHUNK_ROWS, SWIZZLE_BYTES, PageMaps, PageTensor, start_box
 from mokv_kernels.gpu.warp import FragA, Frags
@@ -133,7 +132,6 @@ def box_tensor(call: Call, base: Int) raises -> PageTensor:
 @always_inline
 def start_boxes(
     maps: PageMaps,
-    shared: SharedMemory,
     barrier: SharedBarrier,
     boxes: Pointer[Int32, MutUntrackedOrigin],
     count: Int,
@@ -153,6 +151,6 @@ def start_boxes(
         var row = Int(box[unsafe_offset=5])
         var page = box[unsafe_offset=6]
         if box[unsafe_offset=0] == CHUNK_ROWS:
-            start_box[CHUNK_ROWS](maps, shared, offset, barrier, column, head, kind, row, page)
+            start_box[CHUNK_ROWS](maps, offset, barrier, column, head, kind, row, page)
         else:
-            start_box[1](maps, shared, offset, barrier, column, head, kind, row, page)
+            start_box[1](maps, offset, barrier, column, head, kind, row, page)

@@ -273,7 +273,7 @@ def _box(ctx: DeviceContext, call: Call) raises:
         barrier()
         if lane == 0:
             acquire_maps(maps)
-            start_boxes(maps, shared, landed, boxes, Int(count))
+            start_boxes(maps, landed, boxes, Int(count))
         var done = False
         for _ in range(BOX_POLLS):
             if landed.is_complete(0):

@@ -318,16 +318,17 @@ struct GpuLauncher(Launcher):
     def page_maps(mut self, tensor: PageTensor) raises -> PageMaps:
         var maps = describe_pages(self.ctx, tensor)
         # Room to align: the allocator's alignment is not promised.
-        comptime floats = (MAPS_BYTES + MAP_ALIGNMENT) // 4
-        var buffer = self.ctx.enqueue_create_buffer[DType.float32](floats)
-        var skip = -Int(buffer.unsafe_ptr()) % MAP_ALIGNMENT // 4
-        # From pageable host memory: staged before the call returns.
+        var start = self.scratch((MAPS_BYTES + MAP_ALIGNMENT) // 4)
+        var skip = -Int(start) % MAP_ALIGNMENT // 4
+        # Into the buffer `scratch` kept last; from pageable host memory,
+        # staged before the call returns.
         self.ctx.enqueue_copy(
-            buffer.create_sub_buffer[DType.float32](skip, MAPS_BYTES // 4),
+            self.buffers[len(self.buffers) - 1].create_sub_buffer[DType.float32](
+                skip, MAPS_BYTES // 4
+            ),
             Pointer(to=maps).unsafe_bitcast[Float32](),
         )
-        self.buffers.append(buffer^)
-        return PageMaps(Int(self.buffers[len(self.buffers) - 1].unsafe_ptr()) + 4 * skip, tensor)
+        return PageMaps(Int(start) + 4 * skip, tensor)
 
 
 struct EmulatedBlock[P: ThreadProgram](BlockExecutor):

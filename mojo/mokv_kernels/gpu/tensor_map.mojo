@@ -20,10 +20,10 @@ memory (`..block.Launcher.page_maps`), where a thread must acquire them
 
 Under the CPU emulator a box is copied row by row from the cache's own rows
 and lands when a thread next looks at its barrier (`..mbarrier`), swizzled
-by the destination's offset bits as
-the PTX ISA describes the 128-byte swizzle (16-byte chunk bits 4-6 XOR line
-bits 7-9), not by the kernels' own address function, so a kernel whose
-boxes and products disagree fails its emulated tests."""
+by the destination's offset bits as the PTX ISA describes the 128-byte
+swizzle (16-byte chunk bits 4-6 XOR line bits 7-9), not by the kernels' own
+address function, so a kernel whose boxes and products disagree fails its
+emulated tests."""
 
 from max.gpu.host import DeviceBuffer, DeviceContext
 from max.gpu.host.nvidia.tma import TMADescriptor, TensorMapSwizzle, create_tma_descriptor
@@ -35,7 +35,7 @@ from std.utils import IndexList
 
 from ..cache.traits import KVCacheT
 from ..pointers import BF16Ptr, BytePtr
-from .copy import SharedMemory, zero_16
+from .copy import zero_16
 from .mbarrier import SharedBarrier
 from .warpgroup import SWIZZLE_BYTES, SWIZZLE_COLUMNS
 
@@ -167,7 +167,6 @@ def start_box[
     rows: Int
 ](
     maps: PageMaps,
-    shared: SharedMemory,
     offset: Int,
     barrier: SharedBarrier,
     column: Int,
@@ -178,8 +177,9 @@ def start_box[
 ):
     """Starts copying rows `row ..` of `page`, head `head`, columns
     `column ..` of the key (`kind` 0) or value (1) rows, `rows` of them
-    (`CHUNK_ROWS` or 1), to `offset` bytes into shared memory (128-byte
-    aligned, where the swizzle pattern's row is the box row's); the copy
+    (`CHUNK_ROWS` or 1), to `offset` bytes into the shared memory that
+    holds `barrier` (128-byte aligned, where the swizzle pattern's row is
+    the box row's); the copy
     counts its `rows * SWIZZLE_BYTES` off `barrier`'s transaction count as
     it lands, zeros outside the tensor included."""
     comptime assert rows == CHUNK_ROWS or rows == 1, "a map has boxes of CHUNK_ROWS rows or of one"
@@ -192,7 +192,7 @@ def start_box[
             constraints="r,l,r,r,r,r,r,r,~{memory}",
             has_side_effect=True,
         ](
-            shared.address + UInt32(offset),
+            barrier.shared.address + UInt32(offset),
             UInt64(map),
             Int32(column),
             Int32(head),

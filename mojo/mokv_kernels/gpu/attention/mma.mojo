@@ -489,46 +489,48 @@ struct MmaThread[
         if use > 0:
             self.empty(kv_start).wait(use - 1)
         var full = self.full(kv_start)
+        var keys_at = self.tiles.tile_offset(kv_start, KEYS)
         for l in range(Self.lanes):
             var lane = self.lane(l)
             if lane == 0:
                 full.arrive_expecting(Self.TILE_BYTES)
             if lane < Self.BN // CHUNK_ROWS:
-                self.start_chunk(kv_start, lane * CHUNK_ROWS, full)
+                self.start_chunk(kv_start, lane * CHUNK_ROWS, keys_at, full)
 
     @always_inline
-    def start_chunk(self, kv_start: Int, key: Int, full: SharedBarrier):
-        """`boxes`: keys `key .. key + CHUNK_ROWS` of the tile at `kv_start`
-        as chunk boxes where they lie in one page before the block's last
-        key, else as a row box each, with page -1 (zeros) past that key."""
-        var first = kv_start + key
+    def start_chunk(self, kv_start: Int, tile_row: Int, keys_at: Int, full: SharedBarrier):
+        """`boxes`: keys `tile_row .. tile_row + CHUNK_ROWS` of the tile at
+        `kv_start`, whose K tile is `keys_at` bytes into shared memory, as
+        chunk boxes where they lie in one page before the block's last key,
+        else as a row box each, with page -1 (zeros) past that key."""
         var cache = self.args.k_cache
+        var first = kv_start + tile_row
         var row = cache.token_in_page(first)
         if first + CHUNK_ROWS <= self.work.kv_end and row + CHUNK_ROWS <= cache.page_len():
             self.start_boxes[CHUNK_ROWS](
-                kv_start, key, row, table_page(cache, self.work.row, first), full
+                keys_at, tile_row, row, table_page(cache, self.work.row, first), full
             )
             return
         for r in range(CHUNK_ROWS):
             var page: Int32 = -1
             if first + r < self.work.kv_end:
                 page = table_page(cache, self.work.row, first + r)
-            self.start_boxes[1](kv_start, key + r, cache.token_in_page(first + r), page, full)
+            self.start_boxes[1](keys_at, tile_row + r, cache.token_in_page(first + r), page, full)
 
     @always_inline
     def start_boxes[
         rows: Int
-    ](self, kv_start: Int, key: Int, row: Int, page: Int32, full: SharedBarrier):
+    ](self, keys_at: Int, tile_row: Int, row: Int, page: Int32, full: SharedBarrier):
         """`boxes`: the K and V boxes of `rows` rows from row `row` of
-        `page`, every column block, into tile rows `key ..` of the tile at
-        `kv_start`."""
+        `page`, every column block, into rows `tile_row ..` of the K tile
+        `keys_at` bytes into shared memory and of its V tile."""
         comptime for kind in range(2):
             comptime for block in range(Self.D // SWIZZLE_COLUMNS):
                 start_box[rows](
                     self.args.page_maps,
-                    self.tiles.shared,
-                    self.tiles.tile_offset(kv_start, kind)
-                    + (block * Self.BN + key) * SWIZZLE_BYTES,
+                    keys_at
+                    + kind * Self.Tiles.TILE * 2
+                    + (block * Self.BN + tile_row) * SWIZZLE_BYTES,
                     full,
                     block * SWIZZLE_COLUMNS,
                     self.work.kv_head,
