@@ -250,12 +250,28 @@ def warpgroup_arrive():
 
 
 @always_inline
+def warpgroup_commit():
+    """`wgmma.commit_group`: the products issued since the last commit are
+    one group, which `warpgroup_wait_groups` counts (none: an empty group)."""
+    comptime if is_nvidia_gpu["sm_90a"]():
+        wgmma_commit_group_sync()
+
+
+@always_inline
+def warpgroup_wait_groups[pending: Int]():
+    """Waits until at most the `pending` newest committed groups are in
+    flight: the older groups' results may be read after it, and their
+    operands written. The emulator's products are done as they are issued."""
+    comptime if is_nvidia_gpu["sm_90a"]():
+        wgmma_wait_group_sync[pending]()
+
+
+@always_inline
 def warpgroup_wait():
     """Commits the products issued since the last wait and waits for them:
     their results may be read after it."""
-    comptime if is_nvidia_gpu["sm_90a"]():
-        wgmma_commit_group_sync()
-        wgmma_wait_group_sync()
+    warpgroup_commit()
+    warpgroup_wait_groups[0]()
 
 
 @always_inline

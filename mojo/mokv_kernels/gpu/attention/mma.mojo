@@ -31,10 +31,14 @@ what their four warps split and how they multiply:
   stage to the two multiplying warpgroups through shared-memory barriers
   (`..mbarrier`: full when its copies have landed, empty when both
   warpgroups are done with it), so the consumers issue no copy and no
-  address arithmetic (549 instructions a tile at head_dim 128 where the
+  address arithmetic (520 instructions a tile at head_dim 128 where the
   pipelined kernel issues 690) and wait at no block barrier between tiles:
   each warpgroup runs as far ahead as its tiles have landed. `setmaxnreg`
-  moves registers from the producer (56 a thread) to the consumers (224);
+  moves registers from the producer (56 a thread) to the consumers (224).
+  The consumers keep FlashAttention-3's order within a warpgroup
+  (`produced_tile`): a tile's Q Kᵀ and the last tile's P V are issued
+  together and the tile's softmax runs while that P V does, so only one
+  tile's scores are ever live;
 - the same with the producer's copies made by the tensor memory
   accelerator (`boxes`, `MOKV_PREFILL_KERNEL=wgmma_tma`, not yet run on a
   GPU): one warp of the producer warpgroup starts each tile as a few
@@ -42,9 +46,11 @@ what their four warps split and how they multiply:
   columns; a row box each for keys that are not such a chunk, zeros past
   the block's last key), and the copy engine completes the stage's full
   barrier as the bytes land: no producer thread copies, waits for copies
-  or fences, and the producer runs as far ahead as the stages let it.
+  or fences, and the producer runs as far ahead as the stages let it. Its
+  tiles are 128 keys (`MmaThread.BN`), in 232 registers a consumer thread:
+  822 instructions a tile at head_dim 128, 411 per 64 keys.
 
-The context is walked in tiles of `BN` = 64 keys:
+The context is walked in tiles of `BN` = 64 keys (128 with `boxes`):
 
 - copies: K and V rows of a tile go through the page table row by row, in
   16-byte `cp.async` chunks into swizzled shared memory (`mma_tiles`); two
@@ -125,7 +131,9 @@ from ..warpgroup import (
     k_slice,
     mn_slice,
     warpgroup_arrive,
+    warpgroup_commit,
     warpgroup_wait,
+    warpgroup_wait_groups,
     wgmma_rs,
     wgmma_ss,
 )
@@ -152,13 +160,13 @@ comptime PRODUCER_THREADS = WARPGROUP_WARPS * WARP
 """`MmaThread.producer`: the producer warpgroup's threads."""
 
 comptime PRODUCER_LAG = 2
-"""`MmaThread.producer`: tiles the producer warpgroup starts before it hands a
-tile over (waits for its copies and arrives on its full barrier): two
-groups of copies in flight. With four stages the tile it hands over while
-the consumers multiply tile t is t + 1, so a tile's copies have the time of
-a tile to land before the consumers need them, and the producer never waits
-for a stage the consumers still read (it starts tile t + 3 into tile
-t - 1's stage once they are done with it)."""
+"""`MmaThread.producer` without `boxes`: tiles the producer warpgroup starts
+before it hands a tile over (waits for its copies and arrives on its full
+barrier): two groups of copies in flight. With four stages it hands tile
+t over as it starts tile t + 2 into the stage of tile t - 2, which the
+consumers release once tile t - 1's scores are multiplied beside tile
+t - 2's values (`MmaThread.produced_tile`): a tile's copies have the time
+of a tile to land before the consumers need them."""
 
 comptime MMA_ROWS = 16
 """Rows of an m16n8k16 product's A: one warp's query rows."""
@@ -200,13 +208,21 @@ struct MmaThread[
     (one warp more would cost as many registers: each of a multiprocessor's
     four schedulers holds a quarter of its registers, and one of them would
     take three warps)."""
-    comptime PRODUCER_REGISTERS = 56
-    """`producer`: registers a producer thread keeps (`setmaxnreg`)."""
-    comptime CONSUMER_REGISTERS = 224
-    """`producer`: registers a consumer thread takes: with a producer's 56,
-    a scheduler's three warps hold 504 registers a lane of its 512."""
-    comptime BN = TILE_KEYS
-    """Keys of a tile."""
+    comptime PRODUCER_REGISTERS = 48 if Self.boxes else 56
+    """`producer`: registers a producer thread keeps (`setmaxnreg`): 56
+    for `cp.async` copies (40 spilled), 48 for boxes (32 and 40 spilled)."""
+    comptime CONSUMER_REGISTERS = 232 if Self.boxes else 224
+    """`producer`: registers a consumer thread takes: with a producer's 56
+    (48), a scheduler's three warps hold 504 (512) registers a lane of its
+    512."""
+    comptime BN = 2 * TILE_KEYS if Self.boxes else TILE_KEYS
+    """Keys of a tile: 128 with `boxes`, whose consumers hold one tile's
+    scores at a time (`produced_tile`) in 232 registers and whose producer
+    addresses no copies, so a tile's fixed costs (the barrier waits, the
+    products' latencies, each row's max and factor) come once per 128 keys
+    (at 240 registers with 128-key tiles and both tiles' scores live, as
+    the pipelined kernel keeps them, the consumers spilled 240 bytes);
+    64 for the rest."""
     comptime TILE_BYTES = 2 * Self.BN * Self.D * 2
     """`boxes`: bytes of a tile's K and V, what its full barrier expects."""
     comptime ROWS = MMA_ROWS if Self.decode else Self.CONSUMER_THREADS // WARP * MMA_ROWS
@@ -234,13 +250,15 @@ struct MmaThread[
     took turns, each idle while the other ran). An 8-bit cache's next tile
     is not widened yet at that point: its one bfloat16 stage holds this
     tile."""
-    comptime STAGES = 4 if Self.PIPELINED else (
+    comptime STAGES = (3 if Self.boxes and Self.D >= 128 else 4) if Self.PIPELINED else (
         (4 if Self.scales_per_key else 3) if Self.decode
         and is_quantized[Self.cache_t.dtype]() else 2
     )
     """Shared-memory stages (`mma_tiles`): four when `PIPELINED` (one block
     per multiprocessor): the tile whose values are multiplied, the next
-    one whose keys are, and two tiles' copies in flight; for an 8-bit
+    one whose keys are, and two tiles' copies in flight (three for 128-key
+    tiles at head_dim 128, 224 KB of the 227 a block may take: one tile's
+    boxes in flight); for an 8-bit
     decode, whose blocks wait on memory, three code stages widened in
     shared memory (three tiles of codes in flight, as many bytes as two
     bfloat16 tiles), or four where its codes are widened in registers
@@ -260,6 +278,7 @@ struct MmaThread[
         per_warp=Self.decode,
         scales_per_key=Self.scales_per_key,
         BN=Self.BN,
+        located=not Self.boxes,
     ]
     comptime ProducerTiles = MmaTiles[
         Self.cache_t,
@@ -309,6 +328,9 @@ struct MmaThread[
     var next_scores: Frags[DType.float32, 4, Self.NTILES, Self.lanes]
     """`PIPELINED`: the next tile's Q Kᵀ, in flight until this tile's
     values are multiplied."""
+    var last_weights: Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes]
+    """`producer`: the last tile's weights, rounded: the A operand of its
+    P V, which the next tile issues beside its own Q Kᵀ (`produced_tile`)."""
     var score_scales: Frags[DType.float32, 4, 1, Self.lanes]
     """`scales_per_key`: what each of a lane's scores is multiplied by
     besides its key's scale: `scale * log2(e)` times its row's power of two
@@ -336,6 +358,9 @@ struct MmaThread[
             Self.PIPELINED or not Self.producer
         ), "a producer warpgroup feeds the pipelined warpgroup prefill over bfloat16"
         comptime assert Self.producer or not Self.boxes, "boxes are a producer's copies"
+        comptime assert (
+            Self.boxes or not Self.producer or Self.STAGES - 2 >= PRODUCER_LAG
+        ), "the producer's last calls hand the block's last tile over"
         comptime assert Self.BN % CHUNK_ROWS == 0, "a tile is whole chunks of keys"
         self.args = args
         self.work = work
@@ -346,6 +371,7 @@ struct MmaThread[
         self.row_sum = Frags[DType.float32, 1, 2, Self.lanes](0)
         self.pages = Array[Int32, Self.lanes](fill=-1)
         self.next_scores = Frags[DType.float32, 4, Self.NTILES, Self.lanes](0)
+        self.last_weights = Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes](0)
         self.score_scales = Frags[DType.float32, 4, 1, Self.lanes](0)
         var visible = Frags[DType.int32, 2, 2, Self.lanes](0)
         var rows = work.rows(args.group)
@@ -584,22 +610,31 @@ struct MmaThread[
             self.tiles.convert_tile[Self.lanes](self.tid, arg, self.args.granularity)
             self.shared_writes_done()
         elif phase == COMPUTE_TILE:
-            comptime if not Self.producer:
+            comptime if Self.producer:
+                self.produced_tile[first=False](arg)
+            else:
                 if arg + Self.AHEAD * Self.BN < self.work.kv_end:
                     self.tiles.start_tile[Self.lanes](
                         self.tid, arg + Self.AHEAD * Self.BN, self.args.granularity
                     )
-            self.compute_tile(arg)
+                self.compute_tile(arg)
         elif phase == FIRST_SCORES:
             comptime if Self.producer:
-                self.full(arg).wait(self.use(arg))
-            # Waited for at once: products in flight across the branches of
-            # the next tile's wait would make ptxas serialize them all (C7518).
-            self.start_scores(arg)
-            warpgroup_wait()
+                self.produced_tile[first=True](arg)
+            else:
+                # Waited for at once: products in flight across the branches
+                # of the next tile's wait would make ptxas serialize them all
+                # (C7518).
+                self.start_scores(arg)
+                warpgroup_wait()
         elif phase == PRODUCE:
             pass
         elif phase == FINISH:
+            comptime if Self.producer:
+                # The block's last tile's P V (`arg`: that tile), if it had one.
+                if self.work.kv_start < self.work.kv_end:
+                    self.group_values(arg)
+                    warpgroup_wait()
             comptime if Self.decode:
                 self.save_state()
             else:
@@ -689,8 +724,6 @@ struct MmaThread[
                 comptime for n in range(Self.NTILES):
                     s[n, l] = self.next_scores[n, l] * self.args.scale_log2
             if kv_start + Self.BN < self.work.kv_end:
-                comptime if Self.producer:
-                    self.full(kv_start + Self.BN).wait(self.use(kv_start + Self.BN))
                 self.start_scores(kv_start + Self.BN)
         elif Self.warpgroup:
             self.group_scores(kv_start, s)
@@ -710,8 +743,9 @@ struct MmaThread[
         """What the scores are multiplied by to be base-2 logits: `scale *
         log2(e)`, or 1 where `scores` scaled them: with `scales_per_key`,
         whose scores took it with their key scales (`times_key_scales`),
-        and `PIPELINED`."""
-        comptime if Self.scales_per_key or Self.PIPELINED:
+        and `PIPELINED` without `producer`, whose scores took it as they
+        left the registers of the next products (`scores`)."""
+        comptime if Self.scales_per_key or (Self.PIPELINED and not Self.producer):
             return 1
         return self.args.scale_log2
 
@@ -915,6 +949,90 @@ struct MmaThread[
     def compute_tile(mut self, kv_start: Int):
         """Scores, the online softmax and the values of the warp's keys."""
         var s = self.scores(kv_start)
+        _ = self.softmax[deferred=False](kv_start, s)
+        comptime if Self.warpgroup:
+            var values = self.tiles.tile(kv_start, VALUES)
+            # Rounded before the products start: conversions between them
+            # made ptxas serialize every `wgmma` of the kernel (C7520).
+            var p = Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes](0)
+            comptime for j in range(Self.WARP_KEYS // 16):
+                p.set(j, Self.weights(s, j))
+            warpgroup_arrive()
+            comptime for j in range(Self.WARP_KEYS // 16):
+                wgmma_rs[Self.D](p.get(j), mn_slice[Self.BN](values, j), self.o)
+            warpgroup_wait()
+        elif Self.Tiles.IN_REGISTERS:
+            comptime for j in range(Self.WARP_KEYS // 16):
+                self.code_values(Self.weights(s, j), kv_start, j)
+        else:
+            comptime for j in range(Self.WARP_KEYS // 16):
+                self.warp_values(Self.weights(s, j), kv_start, j)
+
+    @always_inline
+    def produced_tile[first: Bool](mut self, kv_start: Int):
+        """`producer`: the tile at `kv_start` once it has landed, in
+        FlashAttention-3's order within a warpgroup: its Q Kᵀ and the last
+        tile's P V (`last_weights`; none for the block's `first`) issued
+        together, this tile's softmax while that P V runs, then the outputs
+        rescaled, the last tile's stage released, and this tile's weights
+        kept for the next. The tensor cores multiply while the threads
+        exponentiate, as with `start_scores`, but one tile's scores are live
+        where two were: room for the outputs, the scores and the weights of
+        longer tiles."""
+        self.full(kv_start).wait(self.use(kv_start))
+        var s = Frags[DType.float32, 4, Self.NTILES, Self.lanes](0)
+        self.group_scores(kv_start, s)
+        warpgroup_commit()
+        comptime if first:
+            warpgroup_wait_groups[0]()
+        else:
+            self.group_values(kv_start - Self.BN)
+            warpgroup_commit()
+            warpgroup_wait_groups[1]()
+        if not self.tile_fully_visible(kv_start):
+            self.mask(kv_start, s)
+        var factors = self.softmax[deferred=True](kv_start, s)
+        comptime if not first:
+            warpgroup_wait_groups[0]()
+            self.empty(kv_start - Self.BN).arrive[Self.lanes]()
+            for l in range(Self.lanes):
+                comptime for h in range(Self.ROW_HALVES):
+                    var alpha = factors[h, l][0]
+                    if alpha != 1:
+                        self.rescale(h, l, alpha)
+        comptime for j in range(Self.WARP_KEYS // 16):
+            self.last_weights.set(j, Self.weights(s, j))
+
+    @always_inline
+    def group_values(mut self, kv_start: Int):
+        """`producer`: starts the warpgroup's P V of the tile at `kv_start`
+        from `last_weights`, into the outputs, without waiting for it."""
+        var values = self.tiles.tile(kv_start, VALUES)
+        warpgroup_arrive()
+        comptime for j in range(Self.WARP_KEYS // 16):
+            wgmma_rs[Self.D](self.last_weights.get(j), mn_slice[Self.BN](values, j), self.o)
+
+    @always_inline
+    def rescale(mut self, h: Int, l: Int, alpha: Float32):
+        """Lane `l`'s row `h` outputs times `alpha` (its softmax's factor)."""
+        comptime for n in range(Self.DTILES):
+            var acc = self.o[n, l]
+            acc[2 * h] *= alpha
+            acc[2 * h + 1] *= alpha
+            self.o[n, l] = acc
+
+    @always_inline
+    def softmax[
+        deferred: Bool
+    ](mut self, kv_start: Int, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]) -> Frags[
+        DType.float32, 1, 2, Self.lanes
+    ]:
+        """The online softmax of the tile at `kv_start` over its scores `s`
+        (-inf where masked): each row's max and sum moved on, `s` made the
+        weights. Each row's factor (1 where its max stayed) is returned;
+        the outputs are rescaled by it here, or where `deferred` by the
+        caller, once products still adding to them have landed."""
+        var factors = Frags[DType.float32, 1, 2, Self.lanes](1)
         var log_scales = Frags[DType.float32, 2, Self.NTILES, Self.lanes](0)
         comptime if Self.scales_per_key:
             log_scales = self.key_pairs[VALUES](kv_start)
@@ -954,14 +1072,13 @@ struct MmaThread[
                         c[2 * h + e] = p
                     s[n, l] = c
                 self.row_sum[h, l] = self.row_sum[h, l] * alpha + weights.reduce_add()
-                if new_max != self.row_max[h, l][0]:
-                    # Most tiles of a long context leave the max as it was:
-                    # then the outputs keep their scale and cost nothing.
-                    comptime for n in range(Self.DTILES):
-                        var acc = self.o[n, l]
-                        acc[2 * h] *= alpha
-                        acc[2 * h + 1] *= alpha
-                        self.o[n, l] = acc
+                factors[h, l] = alpha
+                comptime if not deferred:
+                    if new_max != self.row_max[h, l][0]:
+                        # Most tiles of a long context leave the max as it
+                        # was: then the outputs keep their scale and cost
+                        # nothing.
+                        self.rescale(h, l, alpha)
                 self.row_max[h, l] = new_max
         comptime if Self.ROW_HALVES == 1:
             # Padding rows weigh nothing (their outputs are never read).
@@ -971,25 +1088,7 @@ struct MmaThread[
                     c[2] = 0
                     c[3] = 0
                     s[n, l] = c
-        comptime if Self.warpgroup:
-            var values = self.tiles.tile(kv_start, VALUES)
-            # Rounded before the products start: conversions between them
-            # made ptxas serialize every `wgmma` of the kernel (C7520).
-            var p = Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes](0)
-            comptime for j in range(Self.WARP_KEYS // 16):
-                p.set(j, Self.weights(s, j))
-            warpgroup_arrive()
-            comptime for j in range(Self.WARP_KEYS // 16):
-                wgmma_rs[Self.D](p.get(j), mn_slice[Self.BN](values, j), self.o)
-            warpgroup_wait()
-            comptime if Self.producer:
-                self.empty(kv_start).arrive[Self.lanes]()
-        elif Self.Tiles.IN_REGISTERS:
-            comptime for j in range(Self.WARP_KEYS // 16):
-                self.code_values(Self.weights(s, j), kv_start, j)
-        else:
-            comptime for j in range(Self.WARP_KEYS // 16):
-                self.warp_values(Self.weights(s, j), kv_start, j)
+        return factors^
 
     @staticmethod
     @always_inline
@@ -1227,28 +1326,31 @@ struct MmaKernel[
         E: BlockExecutor, //, produce: Bool, consume: Bool
     ](self, mut threads: E, work: BlockWork):
         """The tiles' phases of `produced_schedule`, the producer's
-        (`produce`), the consumers' (`consume`) or, interleaved, both's:
-        the producer hands tile t + 1 over while starting tile t + 3 before
-        the consumers multiply tile t."""
+        (`produce`), the consumers' (`consume`) or, interleaved, both's
+        (the emulator's order): the producer starts tile t + `AHEAD` - 1
+        before the consumers multiply tile t (its last tile's P V with it),
+        into the stage of tile t - 2, released as tile t - 1 was multiplied.
+        On a GPU each side runs as far ahead as the barriers let it."""
         comptime BN = Self.Program.BN
+        comptime AHEAD = Self.Program.STAGES - 1
         comptime if produce:
-            comptime for t in range(PRODUCER_LAG + 1):
+            comptime for t in range(AHEAD):
                 threads.each(PRODUCE, work.kv_start + t * BN)
         threads.handoff()
         comptime if consume:
             # A split may leave a block rows but no keys: then no tile comes.
             if work.kv_start < work.kv_end:
                 threads.each(FIRST_SCORES, work.kv_start)
-        var kv = work.kv_start
+        var kv = work.kv_start + BN
         while kv < work.kv_end:
             comptime if produce:
-                threads.each(PRODUCE, kv + (PRODUCER_LAG + 1) * BN)
+                threads.each(PRODUCE, kv + (AHEAD - 1) * BN)
             comptime if consume:
                 threads.each(COMPUTE_TILE, kv)
             threads.handoff()
             kv += BN
         comptime if consume:
-            threads.each(FINISH, 0)
+            threads.each(FINISH, kv - BN)
 
     @always_inline
     def schedule[E: BlockExecutor](self, mut threads: E, block: BlockId):

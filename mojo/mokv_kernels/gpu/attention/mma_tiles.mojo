@@ -85,11 +85,14 @@ struct MmaTiles[
     per_warp: Bool,
     scales_per_key: Bool,
     BN: Int,
+    located: Bool = True,
 ](TrivialRegisterPassable):
     """The shared memory of a block of `THREADS` threads, from `smem`; tiles
     of `BN` keys take the `stage_count` stages (an 8-bit cache: code stages)
     in turn from the block's first key `first_key`; each warp copies its own keys when
-    `per_warp` (see the module docstring).
+    `per_warp` (see the module docstring). `located`: the threads locate
+    each key's row into shared memory for their `cp.async` copies
+    (`addresses`); tensor-map boxes look their pages up themselves.
 
     `scales_per_key`: an 8-bit cache with one scale per head row, whose
     tiles hold float16 (its codes' own values: `convert_tile`) and its
@@ -149,8 +152,9 @@ struct MmaTiles[
     """Where the code stages start, in bfloat16 elements."""
     comptime STAGES_BYTES = Self.VALUE_STAGES * 2 * Self.TILE * 2 + Self.stage_count * Self.CODE_STAGE
     """Bytes of all stages, which a block may reuse once its tiles are done."""
-    comptime ADDRESS_KINDS = 2 if Self.QUANTIZED else 1
-    """Addresses per key: its row, and an 8-bit cache's key scales."""
+    comptime ADDRESS_KINDS = 0 if not Self.located else (2 if Self.QUANTIZED else 1)
+    """Addresses per key: its row, and an 8-bit cache's key scales (none
+    unless `located`)."""
     comptime ADDRESSES_AT = Self.STAGES_AT + Self.STAGES_BYTES // 2
     comptime KEY_SCALES_AT = (
         Self.ADDRESSES_AT * 2 + Self.stage_count * Self.ADDRESS_KINDS * Self.BN * size_of[Int]()

@@ -125,6 +125,7 @@ def _run[
     comptime MmaPrefill = MmaKernel[cache_t, D, L.LANES, False]
     comptime MmaDecode = MmaKernel[cache_t, D, L.LANES, True]
     comptime WgmmaPrefill = MmaKernel[cache_t, D, L.LANES, False, True]
+    comptime BoxedPrefill = MmaKernel[cache_t, D, L.LANES, False, True, producer=True, boxes=True]
     comptime Decode = DecodeKernel[cache_t, q_dtype, D]
     comptime Prefill = AttentionKernel[
         cache_t, q_dtype, D, _prefill_rows(D), 32 if D <= 128 else 16, 4 if D <= 128 else 2
@@ -140,9 +141,12 @@ def _run[
         Decode.MIN_BLOCKS, Decode.Program.BN
     )
     if products != WARP_PRODUCTS:
-        # The producer-fed kernel has the same rows, tiles and blocks.
+        # The producer-fed kernels have the same rows and blocks; the
+        # box-fed one's tiles are longer.
         prefill_rows = WgmmaPrefill.Program.ROWS
         prefill = KernelFit(WgmmaPrefill.MIN_BLOCKS, WgmmaPrefill.Program.BN)
+        if products == BOX_FED_PRODUCTS:
+            prefill = KernelFit(BoxedPrefill.MIN_BLOCKS, BoxedPrefill.Program.BN)
     elif mma:
         prefill_rows = MmaPrefill.Program.ROWS
         prefill = KernelFit(MmaPrefill.MIN_BLOCKS, MmaPrefill.Program.BN)
