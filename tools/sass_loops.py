@@ -18,8 +18,9 @@ global loads and stores, conversions).
 Needs ptxas and nvdisasm: `NVDISASM=path`, or on PATH (PyPI's
 `nvidia-cuda-nvdisasm` wheel carries one under nvidia/cu13/bin).
 
-With `--skips`, each kernel's tile loop (the loop with the most products,
-else the largest) is followed by the forward
+With `--skips`, each kernel's tile loop (`tile_loop_first`: the loop with
+the most products that holds no other such loop, else the largest) is
+followed by the forward
 branches inside it that skip 16 instructions or more, with what they skip
 (the tensor-core loops' masking, taken only on tiles some row does not see
 whole; their rescaling of the outputs, only when a row's max moves): a pass
@@ -104,6 +105,22 @@ def loops(sass: str) -> list[Loop]:
     return [lp for lp in found if not any(other.start < lp.start <= other.end < lp.end for other in found)]
 
 
+def tile_loop_first(found: list[Loop]) -> list[Loop]:
+    """The loops, the tile loop first: the one with the most products among
+    those holding no other loop with products (a producer-fed kernel's
+    barrier waits branch back around its whole consumer part, a loop that
+    holds the tile loop and the first and last tiles' products), then by
+    products and size."""
+
+    def holds_products_loop(outer: Loop) -> bool:
+        return any(
+            inner is not outer and outer.start <= inner.start and inner.end <= outer.end and inner.kinds()["mma"]
+            for inner in found
+        )
+
+    return sorted(found, key=lambda lp: (holds_products_loop(lp), -lp.kinds()["mma"], -len(lp.opcodes)))
+
+
 def nvdisasm() -> str:
     return os.environ.get("NVDISASM", "nvdisasm")
 
@@ -132,8 +149,7 @@ def main(argv: list[str]) -> int:
         seen.add(label)
         if wanted and not any(w in label for w in wanted):
             continue
-        # The tile loop carries the products.
-        largest = sorted(loops(kernel_sass(ptx)), key=lambda lp: (-lp.kinds()["mma"], -len(lp.opcodes)))[:2]
+        largest = tile_loop_first(loops(kernel_sass(ptx)))[:2]
         for loop in largest:
             kinds = loop.kinds()
             cells = " ".join(f"{kinds[k]:>5}" for k in (*KINDS, "other"))
