@@ -38,7 +38,8 @@ what their four warps split and how they multiply:
   The consumers keep FlashAttention-3's order within a warpgroup
   (`produced_tile`): a tile's Q Kᵀ and the last tile's P V are issued
   together and the tile's softmax runs while that P V does, so only one
-  tile's scores are ever live;
+  tile's scores are ever live; and its two warpgroups take turns issuing
+  them (`take_turn`, FlashAttention-3's ping-pong);
 - the same with the producer's copies made by the tensor memory
   accelerator (`boxes`, `MOKV_PREFILL_KERNEL=wgmma_tma`, not yet run on a
   GPU): one warp of the producer warpgroup starts each tile as a few
@@ -48,8 +49,8 @@ what their four warps split and how they multiply:
   barrier as the bytes land: no producer thread copies, waits for copies
   or fences, and the producer runs as far ahead as the stages let it. Its
   tiles are 128 keys (`MmaThread.BN`), in 232 registers a consumer thread:
-  497 instructions a tile at head_dim 128 that needs no masking and moves
-  no row's max, 249 per 64 keys (the pipelined kernel's: 494).
+  515 instructions a tile at head_dim 128 that needs no masking and moves
+  no row's max, 258 per 64 keys (the pipelined kernel's: 494).
 
 The context is walked in tiles of `BN` = 64 keys (128 with `boxes`):
 
@@ -153,9 +154,10 @@ comptime CONVERT_TILE = 6
 comptime FIRST_SCORES = 7
 comptime PRODUCE = 8
 
-# A stage's barriers (`MmaThread.barrier`).
+# A stage's barriers (`MmaThread.barrier`), and a consumer warpgroup's turn.
 comptime FULL = 0
 comptime EMPTY = 1
+comptime TURN = 2
 
 comptime PRODUCER_THREADS = WARPGROUP_WARPS * WARP
 """`MmaThread.producer`: the producer warpgroup's threads."""
@@ -297,10 +299,10 @@ struct MmaThread[
         Self.Tiles.SHARED_BYTES + BARRIER_BYTES - 1
     ) // BARRIER_BYTES * BARRIER_BYTES
     """`producer`: bytes to the stages' barriers, full then empty (`full`,
-    `empty`)."""
-    comptime SHARED_BYTES = Self.BARRIERS_AT + 2 * Self.STAGES * BARRIER_BYTES if Self.producer else (
-        Self.Tiles.SHARED_BYTES
-    )
+    `empty`), then the consumer warpgroups' turns (`take_turn`)."""
+    comptime SHARED_BYTES = Self.BARRIERS_AT + (
+        2 * Self.STAGES + 2
+    ) * BARRIER_BYTES if Self.producer else (Self.Tiles.SHARED_BYTES)
     comptime AHEAD = Self.Tiles.TILES_AHEAD
     """Tiles whose copies start before the block multiplies its first."""
     comptime STATE_FLOATS = MMA_ROWS * Self.D + 2 * MMA_ROWS
@@ -433,7 +435,8 @@ struct MmaThread[
     def barrier(self, kind: Int, stage: Int) -> SharedBarrier:
         """`producer`: stage `stage`'s barrier whose phase completes when its
         tile's copies have landed (`kind` FULL) or when the consumers are
-        done with it (EMPTY)."""
+        done with it (EMPTY); or (TURN) consumer warpgroup `stage`'s turn
+        to issue products, a phase each time the other warpgroup has."""
         return SharedBarrier(
             self.tiles.shared, Self.BARRIERS_AT + (kind * Self.STAGES + stage) * BARRIER_BYTES
         )
@@ -463,6 +466,8 @@ struct MmaThread[
                     # With boxes, one arrival expecting the tile's bytes.
                     self.barrier(FULL, stage).init(1 if Self.boxes else PRODUCER_THREADS)
                     self.barrier(EMPTY, stage).init(Self.CONSUMER_THREADS)
+                comptime for group in range(2):
+                    self.barrier(TURN, group).init(Self.CONSUMER_THREADS // 2)
                 comptime if Self.boxes:
                     self.barrier(FULL, 0).fence_init()
             comptime if Self.boxes:
@@ -981,14 +986,17 @@ struct MmaThread[
         where two were: room for the outputs, the scores and the weights of
         longer tiles."""
         self.full(kv_start).wait(self.use(kv_start))
+        self.take_turn(kv_start)
         var s = Frags[DType.float32, 4, Self.NTILES, Self.lanes](0)
         self.group_scores(kv_start, s)
         warpgroup_commit()
         comptime if first:
+            self.pass_turn()
             warpgroup_wait_groups[0]()
         else:
             self.group_values(kv_start - Self.BN)
             warpgroup_commit()
+            self.pass_turn()
             warpgroup_wait_groups[1]()
         if not self.tile_fully_visible(kv_start):
             self.mask(kv_start, s)
@@ -1003,6 +1011,30 @@ struct MmaThread[
                         self.rescale(h, l, alpha)
         comptime for j in range(Self.WARP_KEYS // 16):
             self.last_weights.set(j, Self.weights(s, j))
+
+    @always_inline
+    def take_turn(self, kv_start: Int):
+        """`producer`: waits for this warpgroup's turn to issue the products
+        of the tile at `kv_start`: the second warpgroup's n-th once the first
+        has issued its (n - 1)-th tile's, the first's once the second has
+        issued the same tile's (FlashAttention-3's ping-pong: each
+        warpgroup's products run while the other exponentiates, where two
+        warpgroups issuing at once would take turns on the tensor cores
+        tile by tile anyway, their softmaxes idling them together). The
+        second leads because the emulator runs a block's warps last first."""
+        var tile = Int(UInt32(kv_start - self.work.kv_start) // UInt32(Self.BN))
+        var group = self.warp() // WARPGROUP_WARPS
+        if group == 1:
+            if tile > 0:
+                self.barrier(TURN, 1).wait(tile - 1)
+        else:
+            self.barrier(TURN, 0).wait(tile)
+
+    @always_inline
+    def pass_turn(self):
+        """`producer`: after issuing a tile's products, the other consumer
+        warpgroup's turn (`take_turn`)."""
+        self.barrier(TURN, 1 - self.warp() // WARPGROUP_WARPS).arrive[Self.lanes]()
 
     @always_inline
     def group_values(mut self, kv_start: Int):
@@ -1342,6 +1374,8 @@ struct MmaKernel[
             # A split may leave a block rows but no keys: then no tile comes.
             if work.kv_start < work.kv_end:
                 threads.each(FIRST_SCORES, work.kv_start)
+        # Each warpgroup takes its turn at every tile (`take_turn`).
+        threads.handoff()
         var kv = work.kv_start + BN
         while kv < work.kv_end:
             comptime if produce:
