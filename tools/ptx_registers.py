@@ -26,7 +26,11 @@ fed by tensor-map boxes, `cp.async.bulk.tensor` for `cp.async`), or
 if ptxas serializes a kernel's `wgmma` (its "Potential Performance Loss"
 notes, C7510-C7520: products in flight across a branch it cannot prove
 uniform, or registers touched before their wait), which would leave the
-products to run one at a time while the kernel is still correct.
+products to run one at a time while the kernel is still correct, or if a
+producer-fed kernel's `setmaxnreg` asks more registers for its consumer
+warpgroups than its producer warpgroup releases from ptxas's launch count
+(`Kernel.register_shortfall`: the block's pool holds only what was
+released, so the consumers would wait for them forever).
 
 Usage: python3 tools/ptx_registers.py [--check] BINARY [PTXAS]"""
 
@@ -82,6 +86,19 @@ class Kernel:
     counts: dict[str, int]
     serialized: list[str]
     """ptxas's notes that it serialized the kernel's `wgmma` (their codes)."""
+    register_targets: dict[str, int]
+    """`setmaxnreg`'s per-thread counts, by `inc` and `dec` (none: absent)."""
+
+    def register_shortfall(self) -> int:
+        """Registers a thread the warpgroups that take (`setmaxnreg.inc`)
+        ask beyond what the one that releases (`dec`, a producer) gives the
+        block's pool: `inc` waits until the pool holds them, and it holds
+        only what `dec` released, so more than 0 hangs the block."""
+        if not self.register_targets:
+            return 0
+        taking = self.threads // 128 - 1
+        asked = taking * (self.register_targets.get("inc", self.registers) - self.registers)
+        return asked - (self.registers - self.register_targets.get("dec", self.registers))
 
     def blocks_per_multiprocessor(self) -> int:
         """Resident blocks on sm_90, from registers, shared memory and threads."""
@@ -99,6 +116,11 @@ class Kernel:
             found.append(f"{self.spill_bytes} bytes spilled, {self.stack} of stack, {local} local accesses")
         if self.serialized:
             found.append(f"wgmma serialized by ptxas ({', '.join(self.serialized)})")
+        if self.register_shortfall() > 0:
+            found.append(
+                f"setmaxnreg asks {self.register_shortfall()} registers a thread more than the"
+                f" producer releases from the launch's {self.registers} (the block would hang)"
+            )
         if self.tensor_cores:
             found += [f"no {key}" for key in self.required() if not self.counts[key]]
         return found
@@ -157,6 +179,9 @@ def kernel(ptx: str, ptxas: str) -> Kernel:
         tensor_cores=tensor_cores == "1",
         counts={key: len(re.findall(pattern, ptx)) for key, pattern in INSTRUCTIONS.items()},
         serialized=re.findall(r"\((C75\d\d)\) Potential Performance Loss: wgmma", info),
+        register_targets={
+            kind: int(count) for kind, count in re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32 (\d+)", ptx)
+        },
     )
 
 

@@ -48,9 +48,7 @@ what their four warps split and how they multiply:
   the block's last key), and the copy engine completes the stage's full
   barrier as the bytes land: no producer thread copies, waits for copies
   or fences, and the producer runs as far ahead as the stages let it. Its
-  tiles are 128 keys (`MmaThread.BN`), in 232 registers a consumer thread:
-  515 instructions a tile at head_dim 128 that needs no masking and moves
-  no row's max, 258 per 64 keys (the pipelined kernel's: 494).
+  tiles are 128 keys at head_dim 64 (`MmaThread.BN`).
 
 The context is walked in tiles of `BN` = 64 keys (128 with `boxes`):
 
@@ -211,21 +209,24 @@ struct MmaThread[
     (one warp more would cost as many registers: each of a multiprocessor's
     four schedulers holds a quarter of its registers, and one of them would
     take three warps)."""
-    comptime PRODUCER_REGISTERS = 48 if Self.boxes else 56
-    """`producer`: registers a producer thread keeps (`setmaxnreg`): 56
-    for `cp.async` copies (40 spilled), 48 for boxes (32 and 40 spilled)."""
-    comptime CONSUMER_REGISTERS = 232 if Self.boxes else 224
-    """`producer`: registers a consumer thread takes: with a producer's 56
-    (48), a scheduler's three warps hold 504 (512) registers a lane of its
-    512."""
-    comptime BN = 2 * TILE_KEYS if Self.boxes else TILE_KEYS
-    """Keys of a tile: 128 with `boxes`, whose consumers hold one tile's
-    scores at a time (`produced_tile`) in 232 registers and whose producer
+    comptime PRODUCER_REGISTERS = 56
+    """`producer`: registers a producer thread keeps (`setmaxnreg`; 40
+    spilled)."""
+    comptime CONSUMER_REGISTERS = 224
+    """`producer`: registers a consumer thread takes. `setmaxnreg.inc`
+    waits until the block's pool holds them, and the pool holds only what
+    `setmaxnreg.dec` released: the producer's 168 - 56 a thread are the
+    consumers' 2 * (224 - 168), no more (232 would need a producer of 40,
+    whose setup values spilled at head_dim 128)."""
+    comptime BN = 2 * TILE_KEYS if Self.boxes and Self.D < 128 else TILE_KEYS
+    """Keys of a tile: 128 with `boxes` at head_dim 64, whose consumers
+    hold one tile's scores at a time (`produced_tile`) and whose producer
     addresses no copies, so a tile's fixed costs (the barrier waits, the
-    products' latencies, each row's max and factor) come once per 128 keys
-    (at 240 registers with 128-key tiles and both tiles' scores live, as
-    the pipelined kernel keeps them, the consumers spilled 240 bytes);
-    64 for the rest."""
+    products' latencies, each row's max and factor) come once per 128 keys;
+    64 for the rest. At head_dim 128, 128-key tiles spilled 12 bytes of
+    the consumers within 224 registers (none within 232, which the
+    producer cannot spare, `CONSUMER_REGISTERS`; 240 bytes within 240 with
+    both tiles' scores live, as the pipelined kernel keeps them)."""
     comptime TILE_BYTES = 2 * Self.BN * Self.D * 2
     """`boxes`: bytes of a tile's K and V, what its full barrier expects."""
     comptime ROWS = MMA_ROWS if Self.decode else Self.CONSUMER_THREADS // WARP * MMA_ROWS
@@ -253,15 +254,13 @@ struct MmaThread[
     took turns, each idle while the other ran). An 8-bit cache's next tile
     is not widened yet at that point: its one bfloat16 stage holds this
     tile."""
-    comptime STAGES = (3 if Self.boxes and Self.D >= 128 else 4) if Self.PIPELINED else (
+    comptime STAGES = 4 if Self.PIPELINED else (
         (4 if Self.scales_per_key else 3) if Self.decode
         and is_quantized[Self.cache_t.dtype]() else 2
     )
     """Shared-memory stages (`mma_tiles`): four when `PIPELINED` (one block
     per multiprocessor): the tile whose values are multiplied, the next
-    one whose keys are, and two tiles' copies in flight (three for 128-key
-    tiles at head_dim 128, 224 KB of the 227 a block may take: one tile's
-    boxes in flight); for an 8-bit
+    one whose keys are, and two tiles' copies in flight; for an 8-bit
     decode, whose blocks wait on memory, three code stages widened in
     shared memory (three tiles of codes in flight, as many bytes as two
     bfloat16 tiles), or four where its codes are widened in registers
