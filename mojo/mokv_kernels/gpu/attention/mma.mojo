@@ -638,7 +638,8 @@ struct MmaThread[
             comptime if Self.producer:
                 # The block's last tile's P V (`arg`: that tile), if it had one.
                 if self.work.kv_start < self.work.kv_end:
-                    self.group_values(arg)
+                    var weights = self.last_weights.copy()
+                    self.group_values(weights, arg)
                     warpgroup_wait()
             comptime if Self.decode:
                 self.save_state()
@@ -956,15 +957,9 @@ struct MmaThread[
         var s = self.scores(kv_start)
         _ = self.softmax[deferred=False](kv_start, s)
         comptime if Self.warpgroup:
-            var values = self.tiles.tile(kv_start, VALUES)
             # Rounded before the products start: conversions between them
             # made ptxas serialize every `wgmma` of the kernel (C7520).
-            var p = Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes](0)
-            comptime for j in range(Self.WARP_KEYS // 16):
-                p.set(j, Self.weights(s, j))
-            warpgroup_arrive()
-            comptime for j in range(Self.WARP_KEYS // 16):
-                wgmma_rs[Self.D](p.get(j), mn_slice[Self.BN](values, j), self.o)
+            self.group_values(Self.group_weights(s), kv_start)
             warpgroup_wait()
         elif Self.Tiles.IN_REGISTERS:
             comptime for j in range(Self.WARP_KEYS // 16):
@@ -993,7 +988,8 @@ struct MmaThread[
             self.pass_turn()
             warpgroup_wait_groups[0]()
         else:
-            self.group_values(kv_start - Self.BN)
+            var weights = self.last_weights.copy()
+            self.group_values(weights, kv_start - Self.BN)
             warpgroup_commit()
             self.pass_turn()
             warpgroup_wait_groups[1]()
@@ -1008,8 +1004,7 @@ struct MmaThread[
                     var alpha = factors[h, l][0]
                     if alpha != 1:
                         self.rescale(h, l, alpha)
-        comptime for j in range(Self.WARP_KEYS // 16):
-            self.last_weights.set(j, Self.weights(s, j))
+        self.last_weights = Self.group_weights(s)
 
     @always_inline
     def take_turn(self, kv_start: Int):
@@ -1035,14 +1030,29 @@ struct MmaThread[
         warpgroup's turn (`take_turn`)."""
         self.barrier(TURN, 1 - self.warp() // WARPGROUP_WARPS).arrive[Self.lanes]()
 
+    @staticmethod
     @always_inline
-    def group_values(mut self, kv_start: Int):
-        """`producer`: starts the warpgroup's P V of the tile at `kv_start`
-        from `last_weights`, into the outputs, without waiting for it."""
+    def group_weights(
+        s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]
+    ) -> Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes]:
+        """`warpgroup`: the A operands of a tile's P V, every k-step's
+        (`weights`)."""
+        var p = Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes](0)
+        comptime for j in range(Self.WARP_KEYS // 16):
+            p.set(j, Self.weights(s, j))
+        return p^
+
+    @always_inline
+    def group_values(
+        mut self, p: Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes], kv_start: Int
+    ):
+        """`warpgroup`: starts the warpgroup's P V of the tile at `kv_start`
+        from its weights `p` (`group_weights`), into the outputs, without
+        waiting for it."""
         var values = self.tiles.tile(kv_start, VALUES)
         warpgroup_arrive()
         comptime for j in range(Self.WARP_KEYS // 16):
-            wgmma_rs[Self.D](self.last_weights.get(j), mn_slice[Self.BN](values, j), self.o)
+            wgmma_rs[Self.D](p.get(j), mn_slice[Self.BN](values, j), self.o)
 
     @always_inline
     def rescale(mut self, h: Int, l: Int, alpha: Float32):

@@ -142,11 +142,11 @@ def _run[
     )
     if products != WARP_PRODUCTS:
         # The producer-fed kernels have the same rows and blocks; the
-        # box-fed one's tiles are longer.
+        # box-fed one's tiles are longer at head_dim 64.
         prefill_rows = WgmmaPrefill.Program.ROWS
-        prefill = KernelFit(WgmmaPrefill.MIN_BLOCKS, WgmmaPrefill.Program.BN)
-        if products == BOX_FED_PRODUCTS:
-            prefill = KernelFit(BoxedPrefill.MIN_BLOCKS, BoxedPrefill.Program.BN)
+        prefill = KernelFit(BoxedPrefill.MIN_BLOCKS, BoxedPrefill.Program.BN) if (
+            products == BOX_FED_PRODUCTS
+        ) else KernelFit(WgmmaPrefill.MIN_BLOCKS, WgmmaPrefill.Program.BN)
     elif mma:
         prefill_rows = MmaPrefill.Program.ROWS
         prefill = KernelFit(MmaPrefill.MIN_BLOCKS, MmaPrefill.Program.BN)
