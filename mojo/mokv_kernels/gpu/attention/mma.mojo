@@ -48,7 +48,7 @@ what their four warps split and how they multiply:
   the block's last key), and the copy engine completes the stage's full
   barrier as the bytes land: no producer thread copies, waits for copies
   or fences, and the producer runs as far ahead as the stages let it. Its
-  tiles are 128 keys at head_dim 64 (`MmaThread.BN`).
+  tiles are 128 keys (`MmaThread.BN`), three stages of them at head_dim 128.
 
 The context is walked in tiles of `BN` = 64 keys (128 with `boxes`):
 
@@ -218,15 +218,14 @@ struct MmaThread[
     `setmaxnreg.dec` released: the producer's 168 - 56 a thread are the
     consumers' 2 * (224 - 168), no more (232 would need a producer of 40,
     whose setup values spilled at head_dim 128)."""
-    comptime BN = 2 * TILE_KEYS if Self.boxes and Self.D < 128 else TILE_KEYS
-    """Keys of a tile: 128 with `boxes` at head_dim 64, whose consumers
-    hold one tile's scores at a time (`produced_tile`) and whose producer
-    addresses no copies, so a tile's fixed costs (the barrier waits, the
-    products' latencies, each row's max and factor) come once per 128 keys;
-    64 for the rest. At head_dim 128, 128-key tiles spilled 12 bytes of
-    the consumers within 224 registers (none within 232, which the
-    producer cannot spare, `CONSUMER_REGISTERS`; 240 bytes within 240 with
-    both tiles' scores live, as the pipelined kernel keeps them)."""
+    comptime BN = 2 * TILE_KEYS if Self.boxes else TILE_KEYS
+    """Keys of a tile: 128 with `boxes`, whose consumers hold one tile's
+    scores at a time (`produced_tile`) and whose producer addresses no
+    copies, so a tile's fixed costs (the barrier waits, the products'
+    latencies, each row's max and factor) come once per 128 keys, and the
+    keys' operand of Q Kᵀ is 128 wide where the queries' is 64; 64 for the
+    rest (the pipelined kernel, which keeps two tiles' scores live, spilled
+    240 bytes within 240 registers on 128-key tiles)."""
     comptime TILE_BYTES = 2 * Self.BN * Self.D * 2
     """`boxes`: bytes of a tile's K and V, what its full barrier expects."""
     comptime ROWS = MMA_ROWS if Self.decode else Self.CONSUMER_THREADS // WARP * MMA_ROWS
@@ -254,13 +253,15 @@ struct MmaThread[
     took turns, each idle while the other ran). An 8-bit cache's next tile
     is not widened yet at that point: its one bfloat16 stage holds this
     tile."""
-    comptime STAGES = 4 if Self.PIPELINED else (
+    comptime STAGES = (3 if Self.boxes and Self.D >= 128 else 4) if Self.PIPELINED else (
         (4 if Self.scales_per_key else 3) if Self.decode
         and is_quantized[Self.cache_t.dtype]() else 2
     )
     """Shared-memory stages (`mma_tiles`): four when `PIPELINED` (one block
     per multiprocessor): the tile whose values are multiplied, the next
-    one whose keys are, and two tiles' copies in flight; for an 8-bit
+    one whose keys are, and two tiles' copies in flight (three of the
+    `boxes` kernel's 128-key tiles at head_dim 128, 224 KB with the
+    queries: one tile's boxes in flight, as many bytes as two); for an 8-bit
     decode, whose blocks wait on memory, three code stages widened in
     shared memory (three tiles of codes in flight, as many bytes as two
     bfloat16 tiles), or four where its codes are widened in registers
@@ -703,7 +704,9 @@ struct MmaThread[
         Lane l's value e of score n-tile n is key `8 n + e` from the lane's
         first column."""
         for l in range(Self.lanes):
-            var column = Int32(kv_start + self.warp_key() + 2 * (self.lane(l) % 4))
+            # Unsigned: a signed remainder takes sign corrections, and
+            # their 64-bit lane spilled the TMA-fed prefill at head_dim 128.
+            var column = Int32(kv_start + self.warp_key()) + Int32(UInt32(self.lane(l)) % 4) * 2
             comptime for h in range(Self.ROW_HALVES):
                 var first = self.visible[h, l][0] - column
                 var last = self.visible[h, l][1] - column

@@ -142,7 +142,7 @@ def _run[
     )
     if products != WARP_PRODUCTS:
         # The producer-fed kernels have the same rows and blocks; the
-        # box-fed one's tiles are longer at head_dim 64.
+        # box-fed one's tiles are longer.
         prefill_rows = WgmmaPrefill.Program.ROWS
         prefill = KernelFit(BoxedPrefill.MIN_BLOCKS, BoxedPrefill.Program.BN) if (
             products == BOX_FED_PRODUCTS
