@@ -29,9 +29,9 @@ what their four warps split and how they multiply:
   cache, `MOKV_PREFILL_KERNEL=wgmma_producer`, not yet timed on a GPU): a
   third warpgroup looks the keys up and copies every tile, and hands each
   stage to the two multiplying warpgroups through shared-memory barriers
-  (`..mbarrier`: full when its copies have landed, empty when both
+  (`..producer`: full when its copies have landed, empty when both
   warpgroups are done with it), so the consumers issue no copy and no
-  address arithmetic (520 instructions a tile at head_dim 128 where the
+  address arithmetic (538 instructions a tile at head_dim 128 where the
   pipelined kernel issues 690) and wait at no block barrier between tiles:
   each warpgroup runs as far ahead as its tiles have landed. `setmaxnreg`
   moves registers from the producer (56 a thread) to the consumers (224).
@@ -116,14 +116,10 @@ from ...cache.traits import KVCacheT
 from ...kv_quantization import is_quantized
 from ..block import BlockExecutor, BlockId, KernelT, ThreadProgram
 from ..codes import codes_as_float16
-from ..copy import commit_copies, wait_copies
-from ..mbarrier import BARRIER_BYTES, SharedBarrier
-from ..rows import table_page
-from ..tensor_map import CHUNK_ROWS, acquire_maps, start_box
+from ..copy import wait_copies
+from ..mbarrier import BARRIER_BYTES
 from ..warp import FragA, FragB, Frags, ld_matrix, mma, shuffle_xor, warp_barrier
 from ..warpgroup import (
-    SWIZZLE_BYTES,
-    SWIZZLE_COLUMNS,
     WARPGROUP_ROWS,
     WARPGROUP_WARPS,
     async_proxy_fence,
@@ -139,6 +135,13 @@ from ..warpgroup import (
 )
 from .config import BLOCK_THREADS, DECODE_ROWS, NEG_INF, WARP, WARPS
 from .mma_tiles import KEYS, TILE_KEYS, VALUES, MmaTiles, value_log_scales
+from .producer import (
+    CONSUMER_REGISTERS,
+    PRODUCER_REGISTERS,
+    PRODUCER_THREADS,
+    StageRing,
+    TileProducer,
+)
 from .work import AttentionArgs, BlockWork, attention_grid, block_work, write_row_part
 
 # Phases of a block (`MmaThread.step`).
@@ -151,23 +154,6 @@ comptime COMBINE = 5
 comptime CONVERT_TILE = 6
 comptime FIRST_SCORES = 7
 comptime PRODUCE = 8
-
-# A stage's barriers (`MmaThread.barrier`), and a consumer warpgroup's turn.
-comptime FULL = 0
-comptime EMPTY = 1
-comptime TURN = 2
-
-comptime PRODUCER_THREADS = WARPGROUP_WARPS * WARP
-"""`MmaThread.producer`: the producer warpgroup's threads."""
-
-comptime PRODUCER_LAG = 2
-"""`MmaThread.producer` without `boxes`: tiles the producer warpgroup starts
-before it hands a tile over (waits for its copies and arrives on its full
-barrier): two groups of copies in flight. With four stages it hands tile
-t over as it starts tile t + 2 into the stage of tile t - 2, which the
-consumers release once tile t - 1's scores are multiplied beside tile
-t - 2's values (`MmaThread.produced_tile`): a tile's copies have the time
-of a tile to land before the consumers need them."""
 
 comptime MMA_ROWS = 16
 """Rows of an m16n8k16 product's A: one warp's query rows."""
@@ -209,15 +195,6 @@ struct MmaThread[
     (one warp more would cost as many registers: each of a multiprocessor's
     four schedulers holds a quarter of its registers, and one of them would
     take three warps)."""
-    comptime PRODUCER_REGISTERS = 56
-    """`producer`: registers a producer thread keeps (`setmaxnreg`; 40
-    spilled)."""
-    comptime CONSUMER_REGISTERS = 224
-    """`producer`: registers a consumer thread takes. `setmaxnreg.inc`
-    waits until the block's pool holds them, and the pool holds only what
-    `setmaxnreg.dec` released: the producer's 168 - 56 a thread are the
-    consumers' 2 * (224 - 168), no more (232 would need a producer of 40,
-    whose setup values spilled at head_dim 128)."""
     comptime BN = 2 * TILE_KEYS if Self.boxes else TILE_KEYS
     """Keys of a tile: 128 with `boxes`, whose consumers hold one tile's
     scores at a time (`produced_tile`) and whose producer addresses no
@@ -226,8 +203,6 @@ struct MmaThread[
     keys' operand of Q Kᵀ is 128 wide where the queries' is 64; 64 for the
     rest (the pipelined kernel, which keeps two tiles' scores live, spilled
     240 bytes within 240 registers on 128-key tiles)."""
-    comptime TILE_BYTES = 2 * Self.BN * Self.D * 2
-    """`boxes`: bytes of a tile's K and V, what its full barrier expects."""
     comptime ROWS = MMA_ROWS if Self.decode else Self.CONSUMER_THREADS // WARP * MMA_ROWS
     """Query rows of a block: the most query heads per KV head it takes."""
     comptime WARP_KEYS = Self.Tiles.WARP_KEYS if Self.decode else Self.BN
@@ -283,26 +258,24 @@ struct MmaThread[
         BN=Self.BN,
         located=not Self.boxes,
     ]
-    comptime ProducerTiles = MmaTiles[
-        Self.cache_t,
-        Self.D,
-        Self.ROWS,
-        PRODUCER_THREADS,
-        Self.STAGES,
-        per_warp=False,
-        scales_per_key=False,
-        BN=Self.BN,
-    ]
-    """`producer`: the same shared memory as `Tiles`, its copies shared out
-    among the producer warpgroup's threads."""
     comptime BARRIERS_AT = (
         Self.Tiles.SHARED_BYTES + BARRIER_BYTES - 1
     ) // BARRIER_BYTES * BARRIER_BYTES
-    """`producer`: bytes to the stages' barriers, full then empty (`full`,
-    `empty`), then the consumer warpgroups' turns (`take_turn`)."""
-    comptime SHARED_BYTES = Self.BARRIERS_AT + (
-        2 * Self.STAGES + 2
-    ) * BARRIER_BYTES if Self.producer else (Self.Tiles.SHARED_BYTES)
+    """`producer`: bytes to the ring's barriers (`..producer.StageRing`)."""
+    comptime Ring = StageRing[Self.STAGES, Self.BN, Self.BARRIERS_AT]
+    comptime Producer = TileProducer[
+        Self.cache_t,
+        Self.D,
+        Self.ROWS,
+        Self.STAGES,
+        Self.BN,
+        Self.boxes,
+        Self.lanes,
+        Self.BARRIERS_AT,
+    ]
+    comptime SHARED_BYTES = Self.BARRIERS_AT + Self.Ring.BYTES if Self.producer else (
+        Self.Tiles.SHARED_BYTES
+    )
     comptime AHEAD = Self.Tiles.TILES_AHEAD
     """Tiles whose copies start before the block multiplies its first."""
     comptime STATE_FLOATS = MMA_ROWS * Self.D + 2 * MMA_ROWS
@@ -361,10 +334,6 @@ struct MmaThread[
             Self.PIPELINED or not Self.producer
         ), "a producer warpgroup feeds the pipelined warpgroup prefill over bfloat16"
         comptime assert Self.producer or not Self.boxes, "boxes are a producer's copies"
-        comptime assert (
-            Self.boxes or not Self.producer or Self.STAGES - 2 >= PRODUCER_LAG
-        ), "the producer's last calls hand the block's last tile over"
-        comptime assert Self.BN % CHUNK_ROWS == 0, "a tile is whole chunks of keys"
         self.args = args
         self.work = work
         self.tid = tid
@@ -432,150 +401,34 @@ struct MmaThread[
         return Self.producer and self.tid >= Self.CONSUMER_THREADS
 
     @always_inline
-    def barrier(self, kind: Int, stage: Int) -> SharedBarrier:
-        """`producer`: stage `stage`'s barrier whose phase completes when its
-        tile's copies have landed (`kind` FULL) or when the consumers are
-        done with it (EMPTY); or (TURN) consumer warpgroup `stage`'s turn
-        to issue products, a phase each time the other warpgroup has."""
-        return SharedBarrier(
-            self.tiles.shared, Self.BARRIERS_AT + (kind * Self.STAGES + stage) * BARRIER_BYTES
-        )
+    def ring(self) -> Self.Ring:
+        """`producer`: the barriers of the block's stages."""
+        return Self.Ring(self.tiles.shared, self.tiles.first_key)
 
     @always_inline
-    def use(self, kv_start: Int) -> Int:
-        """`producer`: how many tiles took the stage of the tile at
-        `kv_start` before it, whose parity names the phase of its barriers
-        that the tile is."""
-        return Int(UInt32(kv_start - self.work.kv_start) // UInt32(Self.BN * Self.STAGES))
-
-    @always_inline
-    def full(self, kv_start: Int) -> SharedBarrier:
-        return self.barrier(FULL, self.tiles.stage(kv_start))
-
-    @always_inline
-    def empty(self, kv_start: Int) -> SharedBarrier:
-        return self.barrier(EMPTY, self.tiles.stage(kv_start))
-
-    @always_inline
-    def producer_step(mut self, phase: Int, arg: Int):
-        """The producer warpgroup's phases: it sets up the barriers, then copies
-        every tile (`produce`); it has no rows."""
-        if phase == LOAD_Q:
-            if self.tid == Self.CONSUMER_THREADS:
-                comptime for stage in range(Self.STAGES):
-                    # With boxes, one arrival expecting the tile's bytes.
-                    self.barrier(FULL, stage).init(1 if Self.boxes else PRODUCER_THREADS)
-                    self.barrier(EMPTY, stage).init(Self.CONSUMER_THREADS)
-                comptime for group in range(2):
-                    self.barrier(TURN, group).init(Self.CONSUMER_THREADS // 2)
-                comptime if Self.boxes:
-                    self.barrier(FULL, 0).fence_init()
-            comptime if Self.boxes:
-                if self.warp() == Self.CONSUMER_THREADS // WARP:
-                    acquire_maps(self.args.page_maps)
-        elif phase == PRODUCE:
-            comptime if Self.boxes:
-                self.produce_boxes(arg)
-            else:
-                self.produce(arg)
-
-    @always_inline
-    def produce(mut self, kv_start: Int):
-        """Hands over the tile `PRODUCER_LAG` tiles before the one at
-        `kv_start` (its copies waited for, made visible to the products,
-        its full barrier arrived on), then starts copying the tile at
-        `kv_start` once the consumers are done with its stage's last tile.
-        Every call commits a group of copies, empty past the block's keys,
-        so the count of groups a wait leaves in flight is always the lag."""
-        var ready = kv_start - PRODUCER_LAG * Self.BN
-        if ready >= self.work.kv_start and ready < self.work.kv_end:
-            wait_copies[PRODUCER_LAG - 1]()
-            async_proxy_fence()
-            self.full(ready).arrive[Self.lanes]()
-        if kv_start < self.work.kv_end:
-            var use = self.use(kv_start)
-            if use > 0:
-                self.empty(kv_start).wait(use - 1)
-            Self.ProducerTiles(
+    def producer_thread(self) -> Self.Producer:
+        """`producer`: this producer warpgroup thread's program."""
+        return Self.Producer(
+            self.args,
+            self.work,
+            self.tid - Self.CONSUMER_THREADS,
+            Self.Producer.Tiles(
                 self.tiles.shared,
                 self.tiles.first_key,
                 self.tiles.value_offset,
                 self.tiles.scale_value_offset,
-            ).start_tile_through_table[Self.lanes](
-                self.args, self.work, self.tid - Self.CONSUMER_THREADS, kv_start
-            )
-        commit_copies()
-
-    @always_inline
-    def produce_boxes(mut self, kv_start: Int):
-        """`boxes`: the producer warpgroup's first warp starts the tile at
-        `kv_start` once the consumers are done with its stage's last tile:
-        lane 0 arrives on its full barrier expecting the tile's bytes, then
-        lane c < `BN / CHUNK_ROWS` starts the boxes of the tile's keys
-        `CHUNK_ROWS * c ..` (`start_chunk`). The copy engine completes the
-        phase as the last bytes land; the other producer warps copy
-        nothing."""
-        if kv_start >= self.work.kv_end or self.warp() != Self.CONSUMER_THREADS // WARP:
-            return
-        var use = self.use(kv_start)
-        if use > 0:
-            self.empty(kv_start).wait(use - 1)
-        var full = self.full(kv_start)
-        var keys_at = self.tiles.tile_offset(kv_start, KEYS)
-        for l in range(Self.lanes):
-            var lane = self.lane(l)
-            if lane == 0:
-                full.arrive_expecting(Self.TILE_BYTES)
-            if lane < Self.BN // CHUNK_ROWS:
-                self.start_chunk(kv_start, lane * CHUNK_ROWS, keys_at, full)
-
-    @always_inline
-    def start_chunk(self, kv_start: Int, tile_row: Int, keys_at: Int, full: SharedBarrier):
-        """`boxes`: keys `tile_row .. tile_row + CHUNK_ROWS` of the tile at
-        `kv_start`, whose K tile is `keys_at` bytes into shared memory, as
-        chunk boxes where they lie in one page before the block's last key,
-        else as a row box each, with page -1 (zeros) past that key."""
-        var cache = self.args.k_cache
-        var first = kv_start + tile_row
-        var row = cache.token_in_page(first)
-        if first + CHUNK_ROWS <= self.work.kv_end and row + CHUNK_ROWS <= cache.page_len():
-            self.start_boxes[CHUNK_ROWS](
-                keys_at, tile_row, row, table_page(cache, self.work.row, first), full
-            )
-            return
-        for r in range(CHUNK_ROWS):
-            var page: Int32 = -1
-            if first + r < self.work.kv_end:
-                page = table_page(cache, self.work.row, first + r)
-            self.start_boxes[1](keys_at, tile_row + r, cache.token_in_page(first + r), page, full)
-
-    @always_inline
-    def start_boxes[
-        rows: Int
-    ](self, keys_at: Int, tile_row: Int, row: Int, page: Int32, full: SharedBarrier):
-        """`boxes`: the K and V boxes of `rows` rows from row `row` of
-        `page`, every column block, into rows `tile_row ..` of the K tile
-        `keys_at` bytes into shared memory and of its V tile."""
-        comptime for kind in range(2):
-            comptime for block in range(Self.D // SWIZZLE_COLUMNS):
-                start_box[rows](
-                    self.args.page_maps,
-                    keys_at
-                    + kind * Self.Tiles.TILE * 2
-                    + (block * Self.BN + tile_row) * SWIZZLE_BYTES,
-                    full,
-                    block * SWIZZLE_COLUMNS,
-                    self.work.kv_head,
-                    kind,
-                    row,
-                    page,
-                )
+            ),
+            self.ring(),
+        )
 
     @always_inline
     def step(mut self, phase: Int, arg: Int):
         comptime if Self.producer:
             if self.is_producer():
-                self.producer_step(phase, arg)
+                if phase == LOAD_Q:
+                    self.producer_thread().setup[Self.CONSUMER_THREADS]()
+                elif phase == PRODUCE:
+                    self.producer_thread().produce(arg)
                 return
             if phase == LOAD_Q:
                 self.tiles.load_queries[Self.lanes](self.args, self.work, self.tid)
@@ -982,7 +835,8 @@ struct MmaThread[
         exponentiate, as with `start_scores`, but one tile's scores are live
         where two were: room for the outputs, the scores and the weights of
         longer tiles."""
-        self.full(kv_start).wait(self.use(kv_start))
+        var ring = self.ring()
+        ring.full(kv_start).wait(ring.use(kv_start))
         self.take_turn(kv_start)
         var s = Frags[DType.float32, 4, Self.NTILES, Self.lanes](0)
         self.group_scores(kv_start, s)
@@ -1001,7 +855,7 @@ struct MmaThread[
         var factors = self.softmax[deferred=True](kv_start, s)
         comptime if not first:
             warpgroup_wait_groups[0]()
-            self.empty(kv_start - Self.BN).arrive[Self.lanes]()
+            ring.empty(kv_start - Self.BN).arrive[Self.lanes]()
             for l in range(Self.lanes):
                 comptime for h in range(Self.ROW_HALVES):
                     var alpha = factors[h, l][0]
@@ -1023,15 +877,15 @@ struct MmaThread[
         var group = self.warp() // WARPGROUP_WARPS
         if group == 1:
             if tile > 0:
-                self.barrier(TURN, 1).wait(tile - 1)
+                self.ring().turn(1).wait(tile - 1)
         else:
-            self.barrier(TURN, 0).wait(tile)
+            self.ring().turn(0).wait(tile)
 
     @always_inline
     def pass_turn(self):
         """`producer`: after issuing a tile's products, the other consumer
         warpgroup's turn (`take_turn`)."""
-        self.barrier(TURN, 1 - self.warp() // WARPGROUP_WARPS).arrive[Self.lanes]()
+        self.ring().turn(1 - self.warp() // WARPGROUP_WARPS).arrive[Self.lanes]()
 
     @staticmethod
     @always_inline
@@ -1354,14 +1208,14 @@ struct MmaKernel[
         threads.sync()
         comptime if E.ONE_THREAD:
             if threads.thread() >= Self.Program.CONSUMER_THREADS:
-                set_warpgroup_registers[Self.Program.PRODUCER_REGISTERS, increase=False]()
+                set_warpgroup_registers[PRODUCER_REGISTERS, increase=False]()
                 comptime if Self.boxes:
                     # One warp starts the boxes; the others have no part.
                     if threads.thread() >= Self.Program.CONSUMER_THREADS + WARP:
                         return
                 self.produced_tiles[produce=True, consume=False](threads, work)
             else:
-                set_warpgroup_registers[Self.Program.CONSUMER_REGISTERS, increase=True]()
+                set_warpgroup_registers[CONSUMER_REGISTERS, increase=True]()
                 self.produced_tiles[produce=False, consume=True](threads, work)
         else:
             self.produced_tiles[produce=True, consume=True](threads, work)

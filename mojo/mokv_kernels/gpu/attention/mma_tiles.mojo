@@ -75,6 +75,15 @@ def value_log_scales[width: Int](scales: SIMD[DType.float32, width]) -> SIMD[DTy
     return log2(max(scales, SMALLEST_VALUE_SCALE))
 
 
+@always_inline
+def ring_stage[BN: Int, stages: Int](first_key: Int, kv_start: Int) -> Int:
+    """The stage of the tile at `kv_start` when tiles of `BN` keys from
+    `first_key` take `stages` stages in turn (32-bit: a block's keys are far
+    fewer than 2^32, and 64-bit division costs a dozen instructions more on
+    every tile)."""
+    return Int(UInt32(kv_start - first_key) // UInt32(BN) % UInt32(stages))
+
+
 @fieldwise_init
 struct MmaTiles[
     cache_t: KVCacheT,
@@ -265,10 +274,8 @@ struct MmaTiles[
 
     @always_inline
     def stage(self, kv_start: Int) -> Int:
-        """The stage of the tile at `kv_start` (32-bit: a block's keys are
-        far fewer than 2^32, and 64-bit division costs a dozen instructions
-        more on every tile)."""
-        return Int(UInt32(kv_start - self.first_key) // UInt32(Self.BN) % UInt32(Self.stage_count))
+        """The stage of the tile at `kv_start`."""
+        return ring_stage[Self.BN, Self.stage_count](self.first_key, kv_start)
 
     @always_inline
     def smem(self) -> BF16Ptr:
