@@ -60,6 +60,20 @@ def check_lanes[lanes: Int]():
 
 
 @always_inline
+def each_lane[body_t: def(Int) -> None, //, lanes: Int](body: body_t):
+    """Runs `body` for every lane of a program. On a GPU (one lane) it is
+    the body once, with no loop: a loop over one lane left ptxas's code
+    moves and branches around the products. Emulated, it is a loop: 32
+    unrolled copies of every step made the emulator's build minutes longer."""
+    check_lanes[lanes]()
+    comptime if lanes == 1:
+        body(0)
+    else:
+        for l in range(lanes):
+            body(l)
+
+
+@always_inline
 def warp_barrier[lanes: Int]():
     """`bar.warp.sync` (`__syncwarp`): the lanes' shared-memory writes before
     it are seen by every lane after it. Under the emulator a program is the

@@ -118,7 +118,7 @@ from ..block import BlockExecutor, BlockId, KernelT, ThreadProgram
 from ..codes import codes_as_float16
 from ..copy import wait_copies
 from ..mbarrier import BARRIER_BYTES
-from ..warp import FragA, FragB, Frags, ld_matrix, mma, shuffle_xor, warp_barrier
+from ..warp import FragA, FragB, Frags, each_lane, ld_matrix, mma, shuffle_xor, warp_barrier
 from ..warpgroup import (
     WARPGROUP_ROWS,
     WARPGROUP_WARPS,
@@ -701,13 +701,25 @@ struct MmaThread[
                 var b = ld_matrix[4, False, Self.lanes](rows)
                 var b0 = Array[FragB, Self.lanes](fill=0)
                 var b1 = Array[FragB, Self.lanes](fill=0)
-                # Unrolled: a loop over one lane left moves and branches
-                # around every float16 product in ptxas's code.
-                comptime for l in range(Self.lanes):
-                    b0[l] = b[l].slice[4, offset=0]()
-                    b1[l] = b[l].slice[4, offset=4]()
+                Self.split_operands(b, b0, b1)
                 s.set(2 * n2, mma[Self.lanes, Self.PRODUCTS](a, b0, s.get(2 * n2)))
                 s.set(2 * n2 + 1, mma[Self.lanes, Self.PRODUCTS](a, b1, s.get(2 * n2 + 1)))
+
+    @staticmethod
+    @always_inline
+    def split_operands(
+        b: Array[SIMD[DType.bfloat16, 8], Self.lanes],
+        mut first: Array[FragB, Self.lanes],
+        mut second: Array[FragB, Self.lanes],
+    ):
+        """The two B fragments of an `ldmatrix` of four matrices: its first
+        and last two matrices, two n-tiles' (or k-halves') operands."""
+
+        def halves(l: Int) {mut first, mut second, imm b}:
+            first[l] = b[l].slice[4, offset=0]()
+            second[l] = b[l].slice[4, offset=4]()
+
+        each_lane[Self.lanes](halves)
 
     @staticmethod
     @always_inline
@@ -745,8 +757,11 @@ struct MmaThread[
             var a = self.query_fragment(self.tiles.queries(), k)
             comptime for n in range(Self.NTILES):
                 var b = Array[FragB, Self.lanes](fill=0)
-                comptime for l in range(Self.lanes):  # unrolled, as in `warp_scores`
+
+                def widen(l: Int) {mut b, imm rows}:
                     b[l] = Self.code_operand(rows[n * Self.lanes + l].slice[4, offset=4 * k]())
+
+                each_lane[Self.lanes](widen)
                 s.set(n, mma[Self.lanes, Self.PRODUCTS](a, b, s.get(n)))
 
     @always_inline
@@ -770,7 +785,8 @@ struct MmaThread[
         comptime for n in range(0, Self.DTILES, 2):
             var b0 = Array[FragB, Self.lanes](fill=0)
             var b1 = Array[FragB, Self.lanes](fill=0)
-            comptime for l in range(Self.lanes):
+
+            def widen(l: Int) {mut b0, mut b1, imm rows}:
                 var first = Self.code_operand(
                     SIMD[DType.uint8, 4](
                         rows[l][n],
@@ -789,6 +805,8 @@ struct MmaThread[
                 )
                 b0[l] = first.slice[2, offset=0]().join(second.slice[2, offset=0]())
                 b1[l] = first.slice[2, offset=2]().join(second.slice[2, offset=2]())
+
+            each_lane[Self.lanes](widen)
             self.o.set(n, mma[Self.lanes, Self.PRODUCTS](a, b0, self.o.get(n)))
             self.o.set(n + 1, mma[Self.lanes, Self.PRODUCTS](a, b1, self.o.get(n + 1)))
 
@@ -996,13 +1014,15 @@ struct MmaThread[
     ) -> Array[FragA, Self.lanes]:
         """The A fragment of P V over keys 16 j ..: score n-tiles 2 j and
         2 j + 1 rounded to the products' type (a C fragment pair is an A
-        fragment). Unrolled over the lanes: a runtime loop over one lane
-        left ptxas's code a loop of moves before every tile's P V."""
+        fragment)."""
         var a = Array[FragA, Self.lanes](fill=0)
-        comptime for l in range(Self.lanes):
+
+        def rounded(l: Int) {mut a, imm s, var j}:
             a[l] = bitcast[DType.bfloat16, 8](
                 s[2 * j, l].cast[Self.PRODUCTS]().join(s[2 * j + 1, l].cast[Self.PRODUCTS]())
             )
+
+        each_lane[Self.lanes](rounded)
         return a^
 
     @always_inline
@@ -1022,9 +1042,7 @@ struct MmaThread[
             var b = ld_matrix[4, True, Self.lanes](rows)
             var b0 = Array[FragB, Self.lanes](fill=0)
             var b1 = Array[FragB, Self.lanes](fill=0)
-            comptime for l in range(Self.lanes):  # unrolled, as in `warp_scores`
-                b0[l] = b[l].slice[4, offset=0]()
-                b1[l] = b[l].slice[4, offset=4]()
+            Self.split_operands(b, b0, b1)
             self.o.set(2 * n2, mma[Self.lanes, Self.PRODUCTS](a, b0, self.o.get(2 * n2)))
             self.o.set(2 * n2 + 1, mma[Self.lanes, Self.PRODUCTS](a, b1, self.o.get(2 * n2 + 1)))
 
