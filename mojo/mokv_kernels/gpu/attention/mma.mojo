@@ -418,7 +418,6 @@ struct MmaThread[
                 self.tiles.value_offset,
                 self.tiles.scale_value_offset,
             ),
-            self.ring(),
         )
 
     @always_inline

@@ -145,11 +145,15 @@ struct TileProducer[
     var work: BlockWork
     var tid: Int
     var tiles: Self.Tiles
-    var ring: Self.Ring
 
     @always_inline
     def lane(self, l: Int) -> Int:
         return self.tid % WARP + l
+
+    @always_inline
+    def ring(self) -> Self.Ring:
+        """The barriers of the stages the tiles take."""
+        return Self.Ring(self.tiles.shared, self.tiles.first_key)
 
     @always_inline
     def setup[consumer_threads: Int](self):
@@ -157,7 +161,7 @@ struct TileProducer[
         arrival, which expects the tile's bytes), and the tensor maps the
         boxes read."""
         if self.tid == 0:
-            self.ring.init[1 if Self.boxes else PRODUCER_THREADS, consumer_threads, Self.boxes]()
+            self.ring().init[1 if Self.boxes else PRODUCER_THREADS, consumer_threads, Self.boxes]()
         comptime if Self.boxes:
             if self.tid < WARP:
                 acquire_maps(self.args.page_maps)
@@ -187,11 +191,11 @@ struct TileProducer[
         if ready >= self.work.kv_start and ready < self.work.kv_end:
             wait_copies[PRODUCER_LAG - 1]()
             async_proxy_fence()
-            self.ring.full(ready).arrive[Self.lanes]()
+            self.ring().full(ready).arrive[Self.lanes]()
         if kv_start < self.work.kv_end:
-            var use = self.ring.use(kv_start)
+            var use = self.ring().use(kv_start)
             if use > 0:
-                self.ring.empty(kv_start).wait(use - 1)
+                self.ring().empty(kv_start).wait(use - 1)
             self.tiles.start_tile_through_table[Self.lanes](
                 self.args, self.work, self.tid, kv_start
             )
@@ -208,10 +212,10 @@ struct TileProducer[
         comptime assert Self.BN % CHUNK_ROWS == 0, "a tile is whole chunks of keys"
         if kv_start >= self.work.kv_end or self.tid >= WARP:
             return
-        var use = self.ring.use(kv_start)
+        var use = self.ring().use(kv_start)
         if use > 0:
-            self.ring.empty(kv_start).wait(use - 1)
-        var full = self.ring.full(kv_start)
+            self.ring().empty(kv_start).wait(use - 1)
+        var full = self.ring().full(kv_start)
         var keys_at = self.tiles.tile_offset(kv_start, KEYS)
         for l in range(Self.lanes):
             var lane = self.lane(l)
