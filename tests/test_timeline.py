@@ -44,9 +44,8 @@ def test_a_run_records_each_phase_and_the_report_sums_them(tmp_path):
 
 
 def test_a_compile_is_recorded_with_its_graphs_names(tmp_path, monkeypatch):
-    monkeypatch.setenv(timeline.TIMELINE_VARIABLE, str(tmp_path))
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
-    monkeypatch.setattr(timeline, "_sink", None)
+    recorder = timeline.Recorder(tmp_path)
 
     class Module:
         def top_level_graph_names(self):
@@ -56,9 +55,8 @@ def test_a_compile_is_recorded_with_its_graphs_names(tmp_path, monkeypatch):
         time.sleep(0.2)
         return "compiled"
 
-    timed = timeline._timed_compiles(compile_slowly)
-    assert timed(None, Module()) == "compiled"
-    timeline._sink.close()
+    assert timeline.timed_compiles(compile_slowly, recorder)(None, Module()) == "compiled"
+    recorder.close()
     (entry,) = [json.loads(line) for line in (tmp_path / "main.jsonl").read_text().splitlines()]
     assert entry["graph"] == "encoder,decoder" and 0.2 <= entry["seconds"] < 5
     _, (graph,) = timeline.read_timeline(tmp_path)

@@ -33,20 +33,32 @@ import pytest
 TIMELINE_VARIABLE = "MOKV_TIMELINE"
 """The folder the records go to; without it the plugin records nothing."""
 
-_sink: IO[str] | None = None
-
 
 def _worker() -> str:
     return os.environ.get("PYTEST_XDIST_WORKER", "main")
 
 
-def _record(entry: dict[str, Any]) -> None:
-    global _sink
-    if _sink is None:
-        folder = Path(os.environ[TIMELINE_VARIABLE])
-        folder.mkdir(parents=True, exist_ok=True)
-        _sink = (folder / f"{_worker()}.jsonl").open("a", buffering=1)
-    _sink.write(json.dumps({"worker": _worker(), **entry}) + "\n")
+class Recorder:
+    """Appends records to `<folder>/<worker>.jsonl`, opening it on the first."""
+
+    def __init__(self, folder: Path) -> None:
+        self.worker = _worker()
+        self.path = folder / f"{self.worker}.jsonl"
+        self._sink: IO[str] | None = None
+
+    def record(self, entry: dict[str, Any]) -> None:
+        if self._sink is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._sink = self.path.open("a", buffering=1)
+        self._sink.write(json.dumps({"worker": self.worker, **entry}) + "\n")
+
+    def close(self) -> None:
+        if self._sink is not None:
+            self._sink.close()
+
+
+_recorder: Recorder | None = None
+"""This process's recorder, when a timeline folder is set."""
 
 
 def _graph_names(model: object) -> str:
@@ -56,13 +68,15 @@ def _graph_names(model: object) -> str:
     return str(getattr(model, "name", model))
 
 
-def _timed_compiles(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
+def timed_compiles(compile_fn: Callable[..., Any], recorder: Recorder) -> Callable[..., Any]:
+    """`compile_fn` (an `InferenceSession` method) recording each call's model and time."""
+
     def compile_and_record(self: object, model: object, *args: Any, **kwargs: Any) -> Any:
         start = time.time()
         try:
             return compile_fn(self, model, *args, **kwargs)
         finally:
-            _record({"graph": _graph_names(model), "start": start, "seconds": time.time() - start})
+            recorder.record({"graph": _graph_names(model), "start": start, "seconds": time.time() - start})
 
     compile_and_record.__wrapped__ = compile_fn  # type: ignore[attr-defined]
     return compile_and_record
@@ -70,19 +84,26 @@ def _timed_compiles(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Times MAX's compiles in this process, when a timeline folder is set."""
+    global _recorder
     if TIMELINE_VARIABLE not in os.environ:
         return
     from max.engine import InferenceSession
 
+    _recorder = Recorder(Path(os.environ[TIMELINE_VARIABLE]))
     if not hasattr(InferenceSession.compile_reusing_mefs, "__wrapped__"):
-        InferenceSession.compile_reusing_mefs = _timed_compiles(InferenceSession.compile_reusing_mefs)
+        InferenceSession.compile_reusing_mefs = timed_compiles(InferenceSession.compile_reusing_mefs, _recorder)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _recorder is not None:
+        _recorder.close()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     yield
-    if TIMELINE_VARIABLE in os.environ:
-        _record({"test": item.nodeid, "phase": call.when, "start": call.start, "seconds": call.duration})
+    if _recorder is not None:
+        _recorder.record({"test": item.nodeid, "phase": call.when, "start": call.start, "seconds": call.duration})
 
 
 # ---------------------------------------------------------------- the report
