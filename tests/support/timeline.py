@@ -1,7 +1,7 @@
 """Where the suite's time goes: a pytest plugin that records every test phase and every
 graph compile, per xdist worker, and a report of them.
 
-CI's budget is spent mostly on compiling graphs (each distinct graph costs MAX about 20 s
+CI's budget is spent mostly on compiling graphs (each distinct graph costs MAX about 23 s
 before its kernels, and SmolLM2's 2-3 minutes on two cores), so `--durations` alone does not
 say which fixture compiled what. Record, then report::
 
