@@ -12,13 +12,15 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 from max.driver import CPU
+from max.dtype import DType
 from max.engine import InferenceSession
 
 from mokv.kernels import kernel_package
 from mokv.paths import CACHE_ENV, keep_compiled_graphs_in_cache_dir
 from tests.support import property_stats
 from tests.support.attention_graph import build_attention_graph
-from tests.support.compile_once import compiled_per_key
+from tests.support.compile_once import compiled_together
+from tests.support.store_gather import build_store_gather_graph
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault(CACHE_ENV, str(REPO / ".cache"))
@@ -48,10 +50,29 @@ def kernels() -> Path:
     return kernel_package()
 
 
+LAYOUT_DTYPE_KEYS = [(layout, dtype) for layout in ("paged", "continuous") for dtype in (DType.float32, DType.bfloat16)]
+"""The (layout, dtype) of each graph in the attention and store/gather families."""
+
+
 @pytest.fixture(scope="session")
 def attention_graph(session: InferenceSession, kernels: Path):
-    """`get(layout, dtype)`: the attention graph, compiled once per session on first use."""
-    return compiled_per_key(session, lambda layout, dtype: build_attention_graph(layout, dtype, kernels))
+    """`get(layout, dtype)`: the attention graph; the family compiled together on first use."""
+    return compiled_together(
+        session,
+        lambda layout, dtype, group: build_attention_graph(layout, dtype, kernels, group=group),
+        LAYOUT_DTYPE_KEYS,
+    )
+
+
+@pytest.fixture(scope="session")
+def store_gather(session: InferenceSession, kernels: Path):
+    """`get(layout, dtype)`: the store-then-gather graph; the family compiled together on
+    first use (the store/gather and tier tests share it)."""
+    return compiled_together(
+        session,
+        lambda layout, dtype, group: build_store_gather_graph(layout, dtype, kernels, group=group),
+        LAYOUT_DTYPE_KEYS,
+    )
 
 
 # Property tests (hypothesis): a bounded profile for CI and a long one for soaking,

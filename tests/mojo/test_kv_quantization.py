@@ -26,11 +26,11 @@ import pytest
 from max.driver import Buffer
 from max.dtype import DType
 
-from mokv.graph import hadamard
+from mokv.graph import GraphGroup, hadamard
 from mokv_reference import cache as layout
 from mokv_reference import quant as ref
 from mokv_reference.attention import attention as reference_attention
-from tests.support.compile_once import compiled_per_key
+from tests.support.compile_once import compiled_together
 from tests.support.kv_quantization_cases import (
     ATTENTION_CASES,
     FORMATS,
@@ -45,20 +45,37 @@ from tests.support.kv_quantization_cases import (
 )
 from tests.support.quantized_graphs import GRAPH_DTYPE, NUM_LAYERS, build_attention, build_store_gather
 
+QUANTIZED_GRAPHS = [
+    *(("store_gather", GRAPH_DTYPE[fmt], DType.float32, "paged") for fmt in FORMATS),
+    *(("attention", GRAPH_DTYPE[fmt], DType.float32, layout) for fmt in FORMATS for layout in ("paged", "continuous")),
+    ("attention", GRAPH_DTYPE["float8_e4m3fn"], DType.bfloat16, "paged"),
+]
+"""(graph, graph dtype, model dtype, layout) of every graph these tests run."""
+
 
 @pytest.fixture(scope="session")
-def quantized_store_gather(session, kernels):
-    """`get(graph dtype, model dtype)`: the store/gather graph, compiled once."""
-    return compiled_per_key(session, lambda graph_dtype, dtype: build_store_gather(graph_dtype, dtype, kernels))
+def quantized_graphs(session, kernels):
+    """`get(graph, graph dtype, model dtype, layout)`: a `QUANTIZED_GRAPHS` graph; the
+    family compiled together on first use."""
+
+    def build(graph: str, graph_dtype: DType, dtype: DType, layout: str, group: GraphGroup):
+        if graph == "store_gather":
+            return build_store_gather(graph_dtype, dtype, kernels, group=group)
+        return build_attention(graph_dtype, dtype, kernels, layout, group=group)
+
+    return compiled_together(session, build, QUANTIZED_GRAPHS)
 
 
 @pytest.fixture(scope="session")
-def quantized_attention(session, kernels):
-    """`get(graph dtype, model dtype, layout="paged")`: the attention graph, compiled once."""
-    get = compiled_per_key(
-        session, lambda graph_dtype, dtype, layout: build_attention(graph_dtype, dtype, kernels, layout)
-    )
-    return lambda graph_dtype, dtype, layout="paged": get(graph_dtype, dtype, layout)
+def quantized_store_gather(quantized_graphs):
+    """`get(graph dtype, model dtype)`: the paged store/gather graph."""
+    return lambda graph_dtype, dtype: quantized_graphs("store_gather", graph_dtype, dtype, "paged")
+
+
+@pytest.fixture(scope="session")
+def quantized_attention(quantized_graphs):
+    """`get(graph dtype, model dtype, layout="paged")`: the attention graph."""
+    return lambda graph_dtype, dtype, layout="paged": quantized_graphs("attention", graph_dtype, dtype, layout)
 
 
 def _gathered(cache: Cache, store_gather, keys, values, cache_lengths, offsets, layer, rows, positions):

@@ -3,17 +3,13 @@ batches over random non-contiguous page tables, for both layouts and dtypes."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from max.driver import CPU, Buffer
 from max.dtype import DType
-from max.engine import InferenceSession
 
 from mokv import KVCacheBuffer, KVCacheParams
 from mokv_reference import cache as ref
-from tests.support.compile_once import compiled_per_key
 from tests.support.store_gather import (
     CASES,
     CPU_REF,
@@ -21,18 +17,11 @@ from tests.support.store_gather import (
     N_KV_HEADS,
     NUM_LAYERS,
     Batch,
-    build_store_gather_graph,
     random_batch,
     run,
     u32,
     written_positions,
 )
-
-
-@pytest.fixture(scope="session")
-def store_gather(session: InferenceSession, kernels: Path):
-    """`get(layout, dtype)`: the store/gather graph, compiled once per session on first use."""
-    return compiled_per_key(session, lambda layout, dtype: build_store_gather_graph(layout, dtype, kernels))
 
 
 @pytest.mark.parametrize(("layout", "dtype", "block_len"), CASES)

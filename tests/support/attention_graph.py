@@ -12,9 +12,11 @@ from max.graph import DeviceRef, Graph, TensorType
 
 from mokv.graph import (
     ContinuousCacheValues,
+    GraphGroup,
     PagedCacheValues,
     attention,
     continuous_input_types,
+    new_graph,
     paged_input_types,
 )
 
@@ -33,9 +35,12 @@ class SymbolicShape:
     head_dim: int | str = "head_dim"
 
 
-def build_attention_graph(layout: str, dtype: DType, kernels: Path, device: DeviceRef = CPU_REF) -> Graph:
+def build_attention_graph(
+    layout: str, dtype: DType, kernels: Path, device: DeviceRef = CPU_REF, group: GraphGroup | None = None
+) -> Graph:
     """`(cache..., q, input_row_offsets, layer, scale, window) -> attention`,
-    the cache, q and offsets on `device`, the scalars on the host."""
+    the cache, q and offsets on `device`, the scalars on the host (in `group`
+    when given)."""
     shape = SymbolicShape(dtype)
     if layout == "paged":
         cache_types = paged_input_types(shape, device=device)
@@ -50,7 +55,7 @@ def build_attention_graph(layout: str, dtype: DType, kernels: Path, device: Devi
         TensorType(DType.uint32, [], CPU_REF),
     ]
     name = f"attention_{layout}_{dtype}" + ("" if device == CPU_REF else f"_{device.device_type}")
-    with Graph(name, input_types=inputs, custom_extensions=[kernels]) as g:
+    with new_graph(name, inputs, [kernels], group) as g:
         values = PagedCacheValues if layout == "paged" else ContinuousCacheValues
         cache = values.from_inputs(g.inputs[:4])
         q, offsets, layer, scale, window = (v.tensor for v in g.inputs[4:])

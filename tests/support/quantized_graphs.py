@@ -8,6 +8,8 @@ from pathlib import Path
 from max.dtype import DType
 from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
 
+from mokv.graph import GraphGroup, new_graph
+
 CPU_REF = DeviceRef.CPU()
 NUM_LAYERS = 2
 GRAPH_DTYPE = {"float8_e4m3fn": DType.uint8, "int8": DType.int8}
@@ -34,10 +36,12 @@ def _u32(value: int):
     return ops.constant(value, DType.uint32, device=CPU_REF)
 
 
-def build_store_gather(graph_dtype: DType, dtype: DType, kernels: Path, device: DeviceRef = CPU_REF) -> Graph:
+def build_store_gather(
+    graph_dtype: DType, dtype: DType, kernels: Path, device: DeviceRef = CPU_REF, group: GraphGroup | None = None
+) -> Graph:
     """Stores new K/V of a runtime layer, then gathers the requested key rows
     both dequantized and as codes with their scales, on `device` (the layer
-    index on the host)."""
+    index on the host; in `group` when given)."""
     rows = TensorType(dtype, ["tokens", "heads", "head_dim"], device)
     index = TensorType(DType.uint32, ["n"], device)
     inputs = [
@@ -50,7 +54,7 @@ def build_store_gather(graph_dtype: DType, dtype: DType, kernels: Path, device: 
         index,
     ]
     name = _name(f"quantized_store_gather_{graph_dtype}_{dtype}", device)
-    with Graph(name, input_types=inputs, custom_extensions=[kernels]) as g:
+    with new_graph(name, inputs, [kernels], group) as g:
         cache = [g.inputs[0].buffer, g.inputs[1].buffer, g.inputs[2].tensor, g.inputs[3].tensor]
         keys, values, offsets, layer, batch_rows, positions = (v.tensor for v in g.inputs[4:])
         ops.inplace_custom("mokv.store_kv.quantized", device=device, values=[*cache, keys, values, offsets, layer])
@@ -75,11 +79,16 @@ def build_store_gather(graph_dtype: DType, dtype: DType, kernels: Path, device: 
 
 
 def build_attention(
-    graph_dtype: DType, dtype: DType, kernels: Path, layout: str = "paged", device: DeviceRef = CPU_REF
+    graph_dtype: DType,
+    dtype: DType,
+    kernels: Path,
+    layout: str = "paged",
+    device: DeviceRef = CPU_REF,
+    group: GraphGroup | None = None,
 ) -> Graph:
     """`(cache..., summary, q, offsets, layer, scale, window) -> attention` over a
-    quantized cache on `device` (the summary and scalars on the host); the
-    summary is `max_lengths` (paged) or `is_cache_empty`."""
+    quantized cache on `device` (the summary and scalars on the host; in `group`
+    when given); the summary is `max_lengths` (paged) or `is_cache_empty`."""
     summary = (
         TensorType(DType.uint32, ["steps", 2], CPU_REF) if layout == "paged" else TensorType(DType.bool, [], CPU_REF)
     )
@@ -93,7 +102,7 @@ def build_attention(
         TensorType(DType.uint32, [], CPU_REF),
     ]
     name = _name(f"quantized_attention_{layout}_{graph_dtype}_{dtype}", device)
-    with Graph(name, input_types=inputs, custom_extensions=[kernels]) as g:
+    with new_graph(name, inputs, [kernels], group) as g:
         blocks, scales_in = g.inputs[0].buffer, g.inputs[1].buffer
         cache_lengths, lookup, summary, q, offsets, layer, scale, window = (v.tensor for v in g.inputs[2:])
         (out,) = ops.inplace_custom(

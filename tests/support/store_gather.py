@@ -15,9 +15,11 @@ from max.graph import DeviceRef, Graph, TensorType
 
 from mokv.graph import (
     ContinuousCacheValues,
+    GraphGroup,
     PagedCacheValues,
     continuous_input_types,
     gather_kv,
+    new_graph,
     paged_input_types,
     store_kv,
 )
@@ -51,16 +53,18 @@ def _scalar_type() -> TensorType:
     return TensorType(DType.uint32, [], CPU_REF)
 
 
-def build_store_gather_graph(layout: str, dtype: DType, kernels: Path, device: DeviceRef = CPU_REF) -> Graph:
+def build_store_gather_graph(
+    layout: str, dtype: DType, kernels: Path, device: DeviceRef = CPU_REF, group: GraphGroup | None = None
+) -> Graph:
     """Stores new K/V of a runtime layer, then gathers the requested rows of that
     layer's keys and values (the ops run in graph order, on one device chain),
-    everything but the layer index on `device`."""
+    everything but the layer index on `device` (in `group` when given)."""
     rows = TensorType(dtype, ["total_new_tokens", N_KV_HEADS, HEAD_DIM], device)
     offsets = TensorType(DType.uint32, ["batch_plus_one"], device)
     index = TensorType(DType.uint32, ["n"], device)
     inputs = [*_cache_types(layout, dtype, device), rows, rows, offsets, _scalar_type(), index, index]
     name = f"store_gather_{layout}_{dtype}" + ("" if device == CPU_REF else f"_{device.device_type}")
-    with Graph(name, input_types=inputs, custom_extensions=[kernels]) as g:
+    with new_graph(name, inputs, [kernels], group) as g:
         cache = _cache_values(layout, g.inputs[:4])
         keys, values, row_offsets, layer, batch_rows, positions = (v.tensor for v in g.inputs[4:])
         store_kv(cache, layer, keys, values, row_offsets)

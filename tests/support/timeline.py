@@ -11,8 +11,8 @@ say which fixture compiled what. Record, then report::
 
 Each process (controller and workers) appends JSON lines to `<dir>/<worker>.jsonl`:
 `{"worker", "test", "phase", "start", "seconds"}` per setup/call/teardown, and
-`{"worker", "graph", "start", "seconds"}` per `InferenceSession.compile_reusing_mefs` (what
-`load` and `load_all` call; a hit in MAX's compile cache shows as a short one). Graphs that a
+`{"worker", "graph", "start", "seconds"}` per `InferenceSession.compile` (what `load`,
+`load_all` and `GraphGroup.load` call; a hit in MAX's compile cache shows as a short one). Graphs that a
 test compiles in a subprocess (`max serve`) are in that test's phases only.
 """
 
@@ -62,7 +62,9 @@ _recorder: Recorder | None = None
 
 
 def _graph_names(model: object) -> str:
-    """A compiled model's name: the graph's, a module's graphs', or a path."""
+    """A compiled model's name: its module's graphs' (a graph compiles with every graph
+    of its module), or a path."""
+    model = getattr(model, "module", model)
     if hasattr(model, "top_level_graph_names"):
         return ",".join(model.top_level_graph_names())
     return str(getattr(model, "name", model))
@@ -90,8 +92,8 @@ def pytest_configure(config: pytest.Config) -> None:
     from max.engine import InferenceSession
 
     _recorder = Recorder(Path(os.environ[TIMELINE_VARIABLE]))
-    if not hasattr(InferenceSession.compile_reusing_mefs, "__wrapped__"):
-        InferenceSession.compile_reusing_mefs = timed_compiles(InferenceSession.compile_reusing_mefs, _recorder)
+    if not hasattr(InferenceSession.compile, "__wrapped__"):
+        InferenceSession.compile = timed_compiles(InferenceSession.compile, _recorder)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -9,12 +9,10 @@ import numpy as np
 import pytest
 from max.driver import Buffer
 from max.dtype import DType
-from max.engine import InferenceSession
 
 from mokv import KVCacheParams, PagedKVCacheManager, TextContext
 from mokv.tiers import KVConnectorConfig
-from tests.support.compile_once import compiled_per_key
-from tests.support.store_gather import HEAD_DIM, N_KV_HEADS, NUM_LAYERS, build_store_gather_graph
+from tests.support.store_gather import HEAD_DIM, N_KV_HEADS, NUM_LAYERS
 from tests.support.tiers import shared_tier
 
 PAGE = 8
@@ -23,9 +21,9 @@ CACHED = 3 * PAGE
 
 
 @pytest.fixture(scope="module")
-def store_gather(session: InferenceSession, kernels: Path):
-    """The test suite's paged float32 store/gather graph (compiled once, shared with tests/mojo)."""
-    return compiled_per_key(session, lambda: build_store_gather_graph("paged", DType.float32, kernels))()
+def paged_store_gather(store_gather):
+    """The suite's paged float32 store/gather graph (its family shared with tests/mojo)."""
+    return store_gather("paged", DType.float32)
 
 
 def manager(config: KVConnectorConfig | None, host_pages: int = 0, pages: int = 8) -> PagedKVCacheManager:
@@ -83,23 +81,23 @@ def gather_cached(model, m: PagedKVCacheManager) -> np.ndarray:
 
 
 @pytest.mark.parametrize("tier", ["host", "disk", "remote"])
-def test_restored_bytes_equal_what_was_stored(tier: str, store_gather, tmp_path: Path) -> None:
+def test_restored_bytes_equal_what_was_stored(tier: str, paged_store_gather, tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     if tier == "host":
         with manager(None, host_pages=8, pages=4) as m:
-            written = store_prompt(store_gather, m, rng)
+            written = store_prompt(paged_store_gather, m, rng)
             filler = TextContext("filler", np.arange(9000, 9000 + 4 * PAGE))  # evicts every cached page
             m.claim("filler")
             m.alloc(filler)
             m.get_device_buffer().values[0].to_numpy()[:] = -1.0  # the device copies are gone
             m.release("filler")
-            restored = gather_cached(store_gather, m)
+            restored = gather_cached(paged_store_gather, m)
             assert m.get_tier_metrics()["host"].hit_pages == 3
     else:
         with shared_tier(tier, tmp_path, "round-trip") as config:
             with manager(config) as first:
-                written = store_prompt(store_gather, first, rng)
+                written = store_prompt(paged_store_gather, first, rng)
             with manager(config) as second:
-                restored = gather_cached(store_gather, second)
+                restored = gather_cached(paged_store_gather, second)
                 assert second.get_tier_metrics()[tier].hit_pages == 3
     np.testing.assert_array_equal(restored, written[:, :, :CACHED])

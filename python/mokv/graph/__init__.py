@@ -9,6 +9,7 @@ from .continuous_collection import (
     ContinuousBatchingKVCacheType,
     FetchContinuousBatchingKVCacheCollection,
 )
+from .graph_group import GraphGroup, new_graph
 from .ops import attention, gather_kv, gather_kv_codes, store_kv
 from .rotation import hadamard, rotate_heads
 
@@ -20,6 +21,7 @@ __all__ = [
     "ContinuousBatchingKVCacheType",
     "ContinuousCacheValues",
     "FetchContinuousBatchingKVCacheCollection",
+    "GraphGroup",
     "PagedCacheValues",
     "attention",
     "cache_input_types",
@@ -27,6 +29,7 @@ __all__ = [
     "gather_kv",
     "gather_kv_codes",
     "hadamard",
+    "new_graph",
     "paged_input_types",
     "rotate_heads",
     "store_kv",
