@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -18,9 +18,10 @@ import numpy.typing as npt
 from max.driver import CPU, Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession, Model
-from max.graph import DeviceRef
+from max.graph import DeviceRef, Graph
 
 from mokv import KVCacheParams, KVCacheQuantConfig, PagedKVCacheManager
+from mokv.graph import GraphGroup
 from mokv.tiers import KVConnectorConfig
 from mokv_examples.progress import ticking
 from mokv_examples.scheduler import (
@@ -35,11 +36,13 @@ from mokv_examples.scheduler import (
     mokv_context,
 )
 from mokv_models.attention_backends import AttentionBackend
-from mokv_models.gguf_model import LlamaCheckpoint, load_llama
-from mokv_models.llama import last_token_rows, load_llama_model
+from mokv_models.gguf_model import LlamaCheckpoint, LlamaConfig, load_llama
+from mokv_models.llama import build_llama_graph, last_token_rows, llama_weights_registry
 from mokv_models.paged_attention import PagedCacheAttention
 from mokv_models.tokenizer import GGUFTokenizer, load_tokenizer
 from mokv_models.weight_formats import WEIGHT_FORMATS
+
+CPU_REF = DeviceRef.CPU()
 
 KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "int8")
 """How the pipeline can store its KV: plain float32 or bfloat16, or 8-bit
@@ -153,12 +156,80 @@ class GenerationReport:
         }
 
 
+def cache_geometry(
+    config: LlamaConfig,
+    kv_dtype: str = KV_DTYPES[0],
+    rotate_keys: bool = True,
+    device_ref: DeviceRef = CPU_REF,
+    page_size: int = 16,
+    enable_prefix_caching: bool = False,
+) -> KVCacheParams:
+    """The cache parameters of a model of `config` storing its KV as `kv_dtype` on
+    `device_ref` (its graph reads only the shape: the page size stays symbolic)."""
+    return KVCacheParams(
+        **kv_storage(kv_dtype, rotate_keys),  # type: ignore[arg-type]
+        n_kv_heads=config.n_kv_heads,
+        head_dim=config.head_dim,
+        num_layers=config.n_layers,
+        page_size=page_size,
+        enable_prefix_caching=enable_prefix_caching,
+        devices=[device_ref],
+    )
+
+
+def pipeline_graph_name(
+    weights: str, cache: CacheBackend, kv_dtype: str, rotate_keys: bool = True, device_ref: DeviceRef = CPU_REF
+) -> str:
+    """The name of `pipeline_graph`'s graph: what it was built from, so a model compiled
+    for other arguments is never taken for it."""
+    rotation = "" if rotate_keys or kv_dtype not in ("float8_e4m3fn", "int8") else "_unrotated"
+    return f"smollm2_{weights}_on_{cache.name}_{kv_dtype}{rotation}_{device_ref.device_type}"
+
+
+def pipeline_graph(
+    checkpoint: LlamaCheckpoint,
+    cache: CacheBackend,
+    kv_dtype: str = KV_DTYPES[0],
+    rotate_keys: bool = True,
+    device_ref: DeviceRef = CPU_REF,
+    group: GraphGroup | None = None,
+) -> Graph:
+    """The graph a `SmolLM2` pipeline with these arguments runs, built into `group` when
+    given (to compile it with other graphs; then hand the loaded models to `SmolLM2`)."""
+    attention = cache.attention(cache_geometry(checkpoint.config, kv_dtype, rotate_keys, device_ref))
+    name = pipeline_graph_name(checkpoint.weight_format, cache, kv_dtype, rotate_keys, device_ref)
+    return build_llama_graph(checkpoint.config, attention, checkpoint.encodings, name, device_ref, group)
+
+
+@dataclass(frozen=True)
+class CompiledGraphs:
+    """Graphs compiled together (`GraphGroup.load`) over one checkpoint's weights, by graph
+    name. The checkpoint's arrays back the models (MAX aliases them on the CPU), so it
+    travels with them."""
+
+    checkpoint: LlamaCheckpoint
+    models: Mapping[str, Model]
+
+    def model(self, name: str, weight_format: str) -> Model:
+        """The model of graph `name`, which must run `weight_format` weights."""
+        if weight_format != self.checkpoint.weight_format:
+            raise ValueError(f"weights {weight_format!r}: the compiled graphs run {self.checkpoint.weight_format!r}")
+        if name not in self.models:
+            raise KeyError(f"no compiled graph {name!r} among {sorted(self.models)}: build it with pipeline_graph")
+        return self.models[name]
+
+
 class SmolLM2:
     """The compiled SmolLM2 graph over a paged cache (`cache`, mokv's by default),
     with its weights in format `weights` (`mokv_models.weight_formats`), its KV
     stored as `kv_dtype` (`KV_DTYPES`; 8-bit keys Hadamard-rotated unless
     `rotate_keys` is False), weights and cache on `device` (the CPU unless
-    given)."""
+    given).
+
+    It compiles its graph unless `compiled` holds it: `pipeline_graph` of the same
+    arguments built into a `GraphGroup` beside other graphs, so that they compile
+    together (`mokv score`'s runs, a test session's pipelines and their dense
+    references)."""
 
     def __init__(
         self,
@@ -169,9 +240,11 @@ class SmolLM2:
         device: Device | None = None,
         kv_dtype: str = KV_DTYPES[0],
         rotate_keys: bool = True,
+        compiled: CompiledGraphs | None = None,
     ) -> None:
         self.kv_dtype = kv_dtype
-        self._kv_storage = kv_storage(kv_dtype, rotate_keys)
+        self.rotate_keys = rotate_keys
+        kv_storage(kv_dtype, rotate_keys)  # a bad kv_dtype raises before the checkpoint loads
         log = log or (lambda msg: print(msg, file=sys.stderr))
         self.device = device or CPU()
         self.device_ref = DeviceRef.from_device(self.device)
@@ -179,15 +252,20 @@ class SmolLM2:
             raise ValueError(f"weights {weights!r}: the block-format weight kernels run on the CPU; use 'f32' on a GPU")
         self.session = session or InferenceSession(devices=[CPU()] if self.device.is_host else [CPU(), self.device])
         self.cache = cache or MokvCache()
+        if compiled is not None:
+            name = pipeline_graph_name(weights, self.cache, kv_dtype, rotate_keys, self.device_ref)
+            self.model: Model = compiled.model(name, weights)
+            self.checkpoint: LlamaCheckpoint = compiled.checkpoint
+            self.tokenizer: GGUFTokenizer = load_tokenizer()
+            return
         started = time.perf_counter()
-        self.checkpoint: LlamaCheckpoint = load_llama(weights=weights, log=log)
-        self.tokenizer: GGUFTokenizer = load_tokenizer()
+        self.checkpoint = load_llama(weights=weights, log=log)
+        self.tokenizer = load_tokenizer()
         log(f"loaded SmolLM2 ({weights} weights) and its tokenizer in {time.perf_counter() - started:.1f} s")
         label = f"compiling the graph on {self.cache.name}'s {kv_dtype} cache (minutes the first time, then cached)"
         with ticking(label, log):
-            self.model: Model = load_llama_model(
-                self.session, self.checkpoint, self.cache.attention(self.cache_params()), self.device_ref
-            )
+            graph = pipeline_graph(self.checkpoint, self.cache, kv_dtype, rotate_keys, self.device_ref)
+            self.model = self.session.load(graph, weights_registry=llama_weights_registry(self.checkpoint))
 
     @property
     def weight_format(self) -> str:
@@ -217,15 +295,8 @@ class SmolLM2:
     def cache_params(self, page_size: int = 16, enable_prefix_caching: bool = False) -> KVCacheParams:
         """The model's cache geometry (the graph only reads the shape: its page
         size is symbolic) with this run's page size and prefix caching."""
-        c = self.checkpoint.config
-        return KVCacheParams(
-            **self._kv_storage,  # type: ignore[arg-type]
-            n_kv_heads=c.n_kv_heads,
-            head_dim=c.head_dim,
-            num_layers=c.n_layers,
-            page_size=page_size,
-            enable_prefix_caching=enable_prefix_caching,
-            devices=[self.device_ref],
+        return cache_geometry(
+            self.checkpoint.config, self.kv_dtype, self.rotate_keys, self.device_ref, page_size, enable_prefix_caching
         )
 
     def step(

@@ -39,6 +39,7 @@ from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
 
+from mokv.graph import GraphGroup, new_graph
 from mokv_models.attention_backends import AttentionBackend
 from mokv_models.gguf_model import LlamaCheckpoint, LlamaConfig
 from mokv_models.weight_formats import declare_weight, embedding, linear, quant_kernel_package, uses_quant_kernels
@@ -147,16 +148,19 @@ def build_llama_graph(
     encodings: Mapping[str, str],
     name: str = "llama",
     device: DeviceRef = CPU,
+    group: GraphGroup | None = None,
 ) -> Graph:
     """The Llama decoder graph of ``config`` with ``attention`` (see the module contract),
-    reading each weight in its ``encodings`` entry, its inputs and weights on ``device``."""
+    reading each weight in its ``encodings`` entry, its inputs and weights on ``device``,
+    built into ``group`` when given (graphs of one weight format can share a group: their
+    weights have the same names)."""
     c = config
     w = _LlamaWeights(config, encodings, device)
     input_types = [*llama_input_types(device), *attention.input_types()]
     extensions = list(attention.custom_extensions)
     if uses_quant_kernels(encodings):
         extensions.append(quant_kernel_package())
-    with Graph(name, input_types=input_types, custom_extensions=extensions) as graph:
+    with new_graph(name, input_types, extensions, group) as graph:
         tokens, row_offsets, positions, logit_rows, *backend_inputs = graph.inputs
         tokens, row_offsets, positions = tokens.tensor, row_offsets.tensor, positions.tensor
         total = tokens.shape[0]

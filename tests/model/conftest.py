@@ -10,16 +10,19 @@ otherwise says so).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 from max.engine import InferenceSession, Model
 
-from mokv_examples.pipeline import SmolLM2
+from mokv.graph import GraphGroup
+from mokv_examples.pipeline import CompiledGraphs, MokvCache, SmolLM2, pipeline_graph
 from mokv_models.attention_backends import DenseCausalAttention
 from mokv_models.gguf_model import LlamaCheckpoint, load_llama
 from mokv_models.llama import build_llama_graph, llama_weights_registry
 from mokv_models.tokenizer import GGUFTokenizer, load_tokenizer
+from mokv_reference.max_cache import MaxCache
 from tests.support.smollm2 import DEFAULT_FORMAT, QUESTIONS, SYSTEM, Greedy, dense_greedy_fn
 
 
@@ -52,19 +55,52 @@ def smollm2_tokenizer() -> GGUFTokenizer:
     return load_tokenizer()
 
 
+PIPELINE_KV_DTYPES = {"gguf": ("float32", "float8_e4m3fn"), "f32": ("float32",)}
+"""Per weight format, the KV dtypes of the paged pipelines the model tests run."""
+
+
+@dataclass(frozen=True)
+class SmolLM2Family:
+    """One weight format's graphs, compiled together (`GraphGroup`): the dense graph, the
+    paged pipelines of `PIPELINE_KV_DTYPES`, and in the default format the pipeline on
+    MAX's cache."""
+
+    compiled: CompiledGraphs
+    dense_name: str
+    max_cache: MaxCache | None
+
+
 @pytest.fixture(scope="session")
-def dense_models(session: InferenceSession, checkpoints) -> Callable[[str], Model]:
+def smollm2_families(session: InferenceSession, checkpoints) -> Callable[[str], SmolLM2Family]:
+    """``get(format)``: that weight format's `SmolLM2Family`, compiled on first use."""
+
+    def compile_family(weight_format: str) -> SmolLM2Family:
+        checkpoint = checkpoints(weight_format)
+        group = GraphGroup()
+        dense = build_llama_graph(
+            checkpoint.config, DenseCausalAttention(), checkpoint.encodings, f"llama_dense_{weight_format}", group=group
+        )
+        for kv_dtype in PIPELINE_KV_DTYPES[weight_format]:
+            pipeline_graph(checkpoint, MokvCache(), kv_dtype, group=group)
+        max_cache = MaxCache() if weight_format == DEFAULT_FORMAT else None
+        if max_cache is not None:
+            pipeline_graph(checkpoint, max_cache, group=group)
+        models = group.load(session, weights_registry=llama_weights_registry(checkpoint))
+        return SmolLM2Family(CompiledGraphs(checkpoint, models), dense.name, max_cache)
+
+    return _memo(compile_family)
+
+
+@pytest.fixture(scope="session")
+def dense_models(smollm2_families) -> Callable[[str], Model]:
     """``get(format)``: the 30-layer SmolLM2 graph with :class:`DenseCausalAttention` (no
     KV cache) over that format's weights."""
 
-    def compile_dense(weight_format: str) -> Model:
-        checkpoint = checkpoints(weight_format)
-        graph = build_llama_graph(
-            checkpoint.config, DenseCausalAttention(), checkpoint.encodings, name=f"llama_dense_{weight_format}"
-        )
-        return session.load(graph, weights_registry=llama_weights_registry(checkpoint))
+    def dense(weight_format: str) -> Model:
+        family = smollm2_families(weight_format)
+        return family.compiled.models[family.dense_name]
 
-    return _memo(compile_dense)
+    return dense
 
 
 @pytest.fixture(scope="session")
@@ -74,13 +110,25 @@ def dense_smollm2(dense_models) -> Model:
 
 
 @pytest.fixture(scope="session")
-def paged_models(session: InferenceSession) -> Callable[..., SmolLM2]:
+def paged_models(session: InferenceSession, smollm2_families) -> Callable[..., SmolLM2]:
     """``get(format, kv_dtype="float32")``: the SmolLM2 pipeline on mokv's paged cache
     (symbolic page size) storing its KV as ``kv_dtype``."""
-    memo = _memo(
-        lambda weight_format, kv_dtype: SmolLM2(session, log=lambda _: None, weights=weight_format, kv_dtype=kv_dtype)
-    )
+
+    def pipeline(weight_format: str, kv_dtype: str) -> SmolLM2:
+        compiled = smollm2_families(weight_format).compiled
+        return SmolLM2(session, log=lambda _: None, weights=weight_format, kv_dtype=kv_dtype, compiled=compiled)
+
+    memo = _memo(pipeline)
     return lambda weight_format, kv_dtype="float32": memo(weight_format, kv_dtype)
+
+
+@pytest.fixture(scope="session")
+def max_cache_smollm2(session: InferenceSession, smollm2_families) -> SmolLM2:
+    """The pipeline in the default weight format on MAX 26.7's own paged cache."""
+    family = smollm2_families(DEFAULT_FORMAT)
+    return SmolLM2(
+        session, log=lambda _: None, weights=DEFAULT_FORMAT, cache=family.max_cache, compiled=family.compiled
+    )
 
 
 @pytest.fixture(scope="session")

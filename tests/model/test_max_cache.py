@@ -6,16 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("max.pipelines")
-
-from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
-from mokv_reference.max_cache import MaxCache
-from tests.support.smollm2 import DEFAULT_FORMAT, NEW_TOKENS
-
-
-@pytest.fixture(scope="module")
-def max_cache_smollm2(session) -> SmolLM2:
-    return SmolLM2(session, log=lambda _: None, weights=DEFAULT_FORMAT, cache=MaxCache())
+from mokv_examples.pipeline import GenerationConfig, generate
+from tests.support.smollm2 import NEW_TOKENS
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
