@@ -65,7 +65,9 @@ class GraphGroup:
         self, session: InferenceSession, weights_registry: Mapping[str, DLPackArray] | None = None
     ) -> dict[str, Model]:
         """Compiles every graph of the group in one compile and binds their weights (one
-        registry for all: graphs that share a weight name share its array)."""
+        registry for all: graphs that share a weight name share its array). The compile is
+        `InferenceSession.compile`'s, which MAX's compile cache serves; a session's MEF store
+        (`precompiled_mefs`) is not consulted, as it knows single graphs only."""
         if not self._graphs:
             raise ValueError("this GraphGroup has no graphs to load")
         if self._loaded:
