@@ -27,7 +27,10 @@ def test_a_run_records_each_phase_and_the_report_sums_them(tmp_path):
     # Run as a plain pytest, not as one of this run's xdist workers.
     without_worker = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "tests.support.timeline", "-p", "no:cacheprovider", str(tests)],
+        [
+            *(sys.executable, "-m", "pytest", "-q", "-p", "tests.support.timeline", "-p", "no:cacheprovider"),
+            *("--rootdir", str(tmp_path), str(tests)),  # test ids relative to tmp_path wherever the checkout is
+        ],
         cwd=REPO,
         env={**without_worker, timeline.TIMELINE_VARIABLE: str(records)},
         capture_output=True,
