@@ -228,8 +228,7 @@ class SmolLM2:
 
     It compiles its graph unless `compiled` holds it: `pipeline_graph` of the same
     arguments built into a `GraphGroup` beside other graphs, so that they compile
-    together (`mokv score`'s runs, a test session's pipelines and their dense
-    references)."""
+    together (a test session's pipelines and their dense references)."""
 
     def __init__(
         self,
@@ -252,20 +251,26 @@ class SmolLM2:
             raise ValueError(f"weights {weights!r}: the block-format weight kernels run on the CPU; use 'f32' on a GPU")
         self.session = session or InferenceSession(devices=[CPU()] if self.device.is_host else [CPU(), self.device])
         self.cache = cache or MokvCache()
-        if compiled is not None:
-            name = pipeline_graph_name(weights, self.cache, kv_dtype, rotate_keys, self.device_ref)
-            self.model: Model = compiled.model(name, weights)
-            self.checkpoint: LlamaCheckpoint = compiled.checkpoint
-            self.tokenizer: GGUFTokenizer = load_tokenizer()
-            return
+        if compiled is None:
+            compiled = self._compile_alone(weights, kv_dtype, rotate_keys, log)
+        name = pipeline_graph_name(weights, self.cache, kv_dtype, rotate_keys, self.device_ref)
+        self.model: Model = compiled.model(name, weights)
+        self.checkpoint: LlamaCheckpoint = compiled.checkpoint
+        self.tokenizer: GGUFTokenizer = load_tokenizer()
+
+    def _compile_alone(
+        self, weights: str, kv_dtype: str, rotate_keys: bool, log: Callable[[str], None]
+    ) -> CompiledGraphs:
+        """This pipeline's graph compiled as a group of one: the same path as graphs
+        compiled together, so the tests of those cover it."""
         started = time.perf_counter()
-        self.checkpoint = load_llama(weights=weights, log=log)
-        self.tokenizer = load_tokenizer()
-        log(f"loaded SmolLM2 ({weights} weights) and its tokenizer in {time.perf_counter() - started:.1f} s")
+        checkpoint = load_llama(weights=weights, log=log)
+        log(f"loaded SmolLM2's {weights} weights in {time.perf_counter() - started:.1f} s")
         label = f"compiling the graph on {self.cache.name}'s {kv_dtype} cache (minutes the first time, then cached)"
         with ticking(label, log):
-            graph = pipeline_graph(self.checkpoint, self.cache, kv_dtype, rotate_keys, self.device_ref)
-            self.model = self.session.load(graph, weights_registry=llama_weights_registry(self.checkpoint))
+            group = GraphGroup()
+            pipeline_graph(checkpoint, self.cache, kv_dtype, rotate_keys, self.device_ref, group)
+            return CompiledGraphs(checkpoint, group.load(self.session, llama_weights_registry(checkpoint)))
 
     @property
     def weight_format(self) -> str:
