@@ -116,10 +116,8 @@ def test_a_pipeline_takes_only_its_own_compiled_graph(session, smollm2_families)
     """A pipeline handed graphs compiled together picks its own by name (weights, cache,
     KV storage): one that is not among them is refused, never a neighbour taken for it."""
     compiled = smollm2_families("gguf").compiled
-    assert (
-        SmolLM2(session, log=lambda _: None, weights="gguf", compiled=compiled).model
-        is (compiled.models["smollm2_gguf_on_mokv_float32_cpu"])
-    )
+    pipeline = SmolLM2(session, log=lambda _: None, weights="gguf", compiled=compiled)
+    assert pipeline.model is compiled.models["smollm2_gguf_on_mokv_float32_cpu"]
     with pytest.raises(KeyError, match="smollm2_gguf_on_mokv_int8_cpu"):
         SmolLM2(session, log=lambda _: None, weights="gguf", kv_dtype="int8", compiled=compiled)
     with pytest.raises(ValueError, match="weights 'f32': the compiled graphs run 'gguf'"):
