@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 from max.driver import CPU
-from max.dtype import DType
 from max.engine import InferenceSession
 
 from mokv.kernels import kernel_package
 from mokv.paths import CACHE_ENV, keep_compiled_graphs_in_cache_dir
 from tests.support import property_stats
 from tests.support.attention_graph import build_attention_graph
-from tests.support.compile_once import compiled_together
+from tests.support.compile_once import LAYOUT_DTYPE_KEYS, compiled_together
 from tests.support.store_gather import build_store_gather_graph
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,10 +47,6 @@ def session() -> InferenceSession:
 def kernels() -> Path:
     """mokv's Mojo kernels, precompiled once per source revision."""
     return kernel_package()
-
-
-LAYOUT_DTYPE_KEYS = [(layout, dtype) for layout in ("paged", "continuous") for dtype in (DType.float32, DType.bfloat16)]
-"""The (layout, dtype) of each graph in the attention and store/gather families."""
 
 
 @pytest.fixture(scope="session")

@@ -48,7 +48,7 @@ DEFAULT_CASES = (
 def profile_format_case(name: str, kv_format: str, kernels: Kernels) -> None:
     """A KV-formats case's decode over `kv_format`'s cache, twice."""
     cases = {case.name: case for case in format_cases(quick=True, gpu=True)}
-    decode = format_calls(cases[name], FormatKernels(kernels), (kv_format,))[kv_format].decode
+    decode = format_calls(cases[name], FormatKernels(kernels, (kv_format,)))[kv_format].decode
     for _ in range(2):
         decode()
     print(f"ran {name} over {kv_format} twice", flush=True)

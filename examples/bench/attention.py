@@ -318,7 +318,7 @@ def split_sweep_table(rows: list[dict[str, Any]]) -> list[str]:
     "--kv-formats/--no-kv-formats",
     default=None,
     help="Also time mokv's decode and store over float32, bfloat16, float8_e4m3fn and int8 caches "
-    "(attention[-gpu]-kv-formats.json/.md); default: on the CPU yes, on a GPU no (8 more compiles).",
+    "(attention[-gpu]-kv-formats.json/.md); default: on the CPU yes, on a GPU no (8 more graphs, compiled together).",
 )
 @click.option(
     "--only-kv-formats",

@@ -34,6 +34,7 @@ from max.graph import DeviceRef, Graph, TensorType
 
 from mokv import KVCacheQuantConfig
 from mokv import graph as mokv_graph
+from mokv.graph import GraphGroup
 from mokv_examples.bench.attention_cases import (
     LLAMA,
     SMOLLM2,
@@ -113,25 +114,23 @@ class FormatShape:
         return 2 * hkv * d * self.dtype.size_in_bytes + scales
 
 
-def _graphs(kv_format: str, shape: FormatShape, package: Path, device: DeviceRef) -> tuple[Graph, Graph]:
-    """(store, decode) graphs over one format's cache on `device`."""
+def _graphs(
+    kv_format: str, shape: FormatShape, package: Path, device: DeviceRef, group: GraphGroup
+) -> tuple[Graph, Graph]:
+    """(store, decode) graphs over one format's cache on `device`, built into `group`."""
     cache_types = mokv_graph.paged_input_types(shape, device=device)
     n = len(cache_types.flatten())
     rows = TensorType(shape.rows, ["tokens", "n_kv_heads", "head_dim"], device)
     offsets = TensorType(DType.uint32, ["batch_plus_one"], device)
     where = "" if device == CPU_REF else f"_{device.device_type}"
-    with Graph(
-        f"bench_store_{kv_format}{where}", input_types=[*cache_types, rows, rows, offsets], custom_extensions=[package]
-    ) as store:
+    with group.graph(f"bench_store_{kv_format}{where}", [*cache_types, rows, rows, offsets], [package]) as store:
         cache = mokv_graph.PagedCacheValues.from_inputs(store.inputs[:n])
         keys, values, row_offsets = (v.tensor for v in store.inputs[n:])
         mokv_graph.store_kv(cache, 0, keys, values, row_offsets)
         store.output(row_offsets)
     q = TensorType(shape.rows, ["tokens", "n_q_heads", "head_dim"], device)
     scale = TensorType(DType.float32, [], CPU_REF)
-    with Graph(
-        f"bench_decode_{kv_format}{where}", input_types=[*cache_types, q, offsets, scale], custom_extensions=[package]
-    ) as decode:
+    with group.graph(f"bench_decode_{kv_format}{where}", [*cache_types, q, offsets, scale], [package]) as decode:
         cache = mokv_graph.PagedCacheValues.from_inputs(decode.inputs[:n])
         queries, row_offsets, softmax_scale = (v.tensor for v in decode.inputs[n:])
         decode.output(mokv_graph.attention(cache, 0, queries, row_offsets, softmax_scale))
@@ -139,11 +138,14 @@ def _graphs(kv_format: str, shape: FormatShape, package: Path, device: DeviceRef
 
 
 class FormatKernels:
-    """Each format's store and decode graphs on the attention kernels' device
-    (`Kernels`: its session, kernel package and device), compiled on first use."""
+    """The store and decode graphs of each of `formats` on the attention kernels' device
+    (`Kernels`: its session, kernel package and device), all compiled together on first
+    use (`GraphGroup`: one compile where one per graph took most of a GPU run's formats
+    step, 141 s of its 159 on an H200)."""
 
-    def __init__(self, attention: Kernels) -> None:
+    def __init__(self, attention: Kernels, formats: Sequence[str] = FORMATS) -> None:
         self.attention = attention
+        self.formats = tuple(formats)
         self.models: dict[str, tuple[Model, Model]] = {}
 
     def shape(self, kv_format: str) -> FormatShape:
@@ -151,11 +153,14 @@ class FormatKernels:
         return FormatShape.of(kv_format, gpu=not self.attention.device.is_host)
 
     def __getitem__(self, kv_format: str) -> tuple[Model, Model]:
-        if kv_format not in self.models:
+        if kv_format not in self.formats:
+            raise KeyError(f"KV format {kv_format!r} is not among this bench's formats {self.formats}")
+        if not self.models:
             where = DeviceRef.from_device(self.attention.device)
-            store, decode = _graphs(kv_format, self.shape(kv_format), self.attention.package, where)
-            session = self.attention.session
-            self.models[kv_format] = (session.load(store), session.load(decode))
+            group = GraphGroup()
+            graphs = {f: _graphs(f, self.shape(f), self.attention.package, where, group) for f in self.formats}
+            loaded = group.load(self.attention.session)
+            self.models = {f: (loaded[store.name], loaded[decode.name]) for f, (store, decode) in graphs.items()}
         return self.models[kv_format]
 
 
@@ -185,9 +190,9 @@ class FormatCalls:
     """The decode's output as float32, taken once the cache was filled."""
 
 
-def format_calls(case: FormatCase, kernels: FormatKernels, formats: Sequence[str] = FORMATS) -> dict[str, FormatCalls]:
-    """Each format's cache filled with the same keys and values through its own
-    store, and its calls (`tools/gpu_profile.py` profiles a format's decode)."""
+def format_calls(case: FormatCase, kernels: FormatKernels) -> dict[str, FormatCalls]:
+    """Each of the kernels' formats: its cache filled with the same keys and values through
+    its own store, and its calls (`tools/gpu_profile.py` profiles a format's decode)."""
     hq, hkv, d = case.heads
     rng = np.random.default_rng(0)
     pages_per_seq = -(-case.context // case.page_size)
@@ -216,7 +221,7 @@ def format_calls(case: FormatCase, kernels: FormatKernels, formats: Sequence[str
     decode_offsets = put(Buffer.from_numpy(np.arange(case.batch + 1, dtype=np.uint32)))
     softmax_scale = Buffer.from_numpy(np.array(1 / math.sqrt(d), np.float32))
     calls = {}
-    for kv_format in formats:
+    for kv_format in kernels.formats:
         shape = kernels.shape(kv_format)
         store, decode = kernels[kv_format]
         pages, *scales = _cache_buffers(shape, case, device)

@@ -1,10 +1,11 @@
 """`mokv bench attention`'s bookkeeping that runs without a GPU: the
-environment switches it times on a GPU (prefill kernel, split count), and
-the tables' columns."""
+environment switches it times on a GPU (prefill kernel, split count), the
+tables' columns, and the KV formats' compile group."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import click
 import pytest
@@ -18,6 +19,8 @@ from mokv_examples.bench.attention import (
     to_markdown,
     with_variable,
 )
+from mokv_examples.bench.attention_kernels import Kernels
+from mokv_examples.bench.kv_formats import FormatKernels
 
 ROW = {
     "device": "gpu",
@@ -101,3 +104,12 @@ def test_unknown_prefill_variant_is_refused_before_anything_compiles():
     result = CliRunner().invoke(attention, ["--prefill-variants", "tensor"])
     assert result.exit_code == 2
     assert "tensor: expected some of mma, wgmma_producer, wgmma_tma" in result.output
+
+
+def test_format_kernels_refuse_a_format_they_do_not_compile(session):
+    """The formats' graphs compile as one group, so a format outside it is refused by
+    name before anything compiles (the package path is never read)."""
+    kernels = FormatKernels(Kernels(session, package=Path("not-built")), ("bfloat16",))
+    with pytest.raises(KeyError, match="'int8' is not among this bench's formats"):
+        kernels["int8"]
+    assert kernels.models == {}

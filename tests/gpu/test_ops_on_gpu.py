@@ -19,7 +19,7 @@ from mokv_reference.max_attention import MaxAttentionShape, MaxPagedAttention
 from tests.support import attention_cases as cpu_attention
 from tests.support import store_gather as cpu_rows
 from tests.support.attention_graph import build_attention_graph
-from tests.support.compile_once import compiled_per_key
+from tests.support.compile_once import LAYOUT_DTYPE_KEYS, compiled_together
 from tests.support.gpu import needs_gpu
 from tests.support.gpu_cases import assert_attention_close, mixed_case, on_prefill_kernel, window_case
 
@@ -28,14 +28,24 @@ pytestmark = needs_gpu("the store, gather and attention ops against numpy and MA
 
 @pytest.fixture(scope="session")
 def gpu_store_gather(gpu_session: InferenceSession, gpu_ref: DeviceRef, kernels):
-    return compiled_per_key(
-        gpu_session, lambda layout, dtype: cpu_rows.build_store_gather_graph(layout, dtype, kernels, gpu_ref)
+    """`get(layout, dtype)`: the store-then-gather graph on the GPU; the family compiled
+    together on first use."""
+    return compiled_together(
+        gpu_session,
+        lambda layout, dtype, group: cpu_rows.build_store_gather_graph(layout, dtype, kernels, gpu_ref, group),
+        LAYOUT_DTYPE_KEYS,
     )
 
 
 @pytest.fixture(scope="session")
 def gpu_attention(gpu_session: InferenceSession, gpu_ref: DeviceRef, kernels):
-    return compiled_per_key(gpu_session, lambda layout, dtype: build_attention_graph(layout, dtype, kernels, gpu_ref))
+    """`get(layout, dtype)`: the attention graph on the GPU; the family compiled together on
+    first use."""
+    return compiled_together(
+        gpu_session,
+        lambda layout, dtype, group: build_attention_graph(layout, dtype, kernels, gpu_ref, group),
+        LAYOUT_DTYPE_KEYS,
+    )
 
 
 def _host_summary(layout: str, cache_lengths: np.ndarray, row_offsets: np.ndarray) -> Buffer:

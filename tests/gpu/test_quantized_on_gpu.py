@@ -16,27 +16,38 @@ from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import DeviceRef
 
+from mokv.graph import GraphGroup
 from mokv_reference import bfloat16
 from mokv_reference import quant as ref
 from tests.support import kv_quantization_cases as cpu
-from tests.support.compile_once import compiled_per_key
+from tests.support.compile_once import compiled_together
 from tests.support.gpu import needs_gpu
 from tests.support.gpu_cases import QuantizedAttention, on_prefill_kernel
 from tests.support.quantized_graphs import GRAPH_DTYPE, build_attention, build_store_gather
 
 pytestmark = needs_gpu("the quantized cache's store, gathers and attention against the numpy model")
 
+GPU_QUANTIZED_GRAPHS = [
+    (kind, GRAPH_DTYPE[fmt], dtype)
+    for kind in ("store", "attention")
+    for fmt in cpu.FORMATS
+    for dtype in (DType.float32, DType.bfloat16)
+]
+"""(kind, graph dtype, model dtype) of every graph these tests run: keys, values and queries
+of both dtypes over both 8-bit formats."""
+
 
 @pytest.fixture(scope="session")
 def gpu_quantized(gpu_session: InferenceSession, gpu_ref: DeviceRef, kernels):
-    """`get(kind, graph dtype, model dtype)`: the store/gather or attention graph on the GPU."""
+    """`get(kind, graph dtype, model dtype)`: the store/gather or attention graph on the GPU
+    (`GPU_QUANTIZED_GRAPHS`); the family compiled together on first use."""
 
-    def build(kind: str, graph_dtype: DType, dtype: DType):
+    def build(kind: str, graph_dtype: DType, dtype: DType, group: GraphGroup):
         if kind == "store":
-            return build_store_gather(graph_dtype, dtype, kernels, gpu_ref)
-        return build_attention(graph_dtype, dtype, kernels, device=gpu_ref)
+            return build_store_gather(graph_dtype, dtype, kernels, gpu_ref, group)
+        return build_attention(graph_dtype, dtype, kernels, device=gpu_ref, group=group)
 
-    return compiled_per_key(gpu_session, build)
+    return compiled_together(gpu_session, build, GPU_QUANTIZED_GRAPHS)
 
 
 def _on(array: np.ndarray, gpu: Device, dtype: DType = DType.float32) -> Buffer:

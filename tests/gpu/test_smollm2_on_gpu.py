@@ -1,8 +1,10 @@
 """SmolLM2-135M on a GPU: greedy tokens through mokv's paged cache (the real
 scheduler: batched prefill, chunked prefill, decode, prefix caching) equal
-to the dense no-cache graph's on the same GPU."""
+to the dense no-cache graph's on the same GPU, both graphs compiled together."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -10,9 +12,11 @@ from max.driver import Device
 from max.engine import InferenceSession
 from max.graph import DeviceRef
 
-from mokv_examples.pipeline import GenerationConfig, SmolLM2, generate
+from mokv.graph import GraphGroup
+from mokv_examples.pipeline import CompiledGraphs, GenerationConfig, MokvCache, SmolLM2, generate, pipeline_graph
 from mokv_models.attention_backends import DenseCausalAttention
-from mokv_models.llama import load_llama_model
+from mokv_models.gguf_model import load_llama
+from mokv_models.llama import build_llama_graph, llama_weights_registry
 from tests.support.gpu import needs_gpu
 from tests.support.smollm2 import QUESTIONS, SYSTEM, dense_greedy_fn
 
@@ -21,15 +25,35 @@ pytestmark = needs_gpu("SmolLM2-135M greedy generation on mokv's paged cache aga
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def gpu_smollm2(gpu_session: InferenceSession, gpu: Device) -> SmolLM2:
-    return SmolLM2(gpu_session, log=lambda _: None, weights="f32", device=gpu)  # block kernels: CPU only
+@dataclass(frozen=True)
+class GpuGraphs:
+    """SmolLM2's paged pipeline and its dense reference on the GPU, compiled together."""
+
+    compiled: CompiledGraphs
+    dense_name: str
 
 
 @pytest.fixture(scope="module")
-def gpu_dense_greedy(gpu_session: InferenceSession, gpu: Device, gpu_ref: DeviceRef, gpu_smollm2: SmolLM2):
+def gpu_graphs(gpu_session: InferenceSession, gpu_ref: DeviceRef) -> GpuGraphs:
+    checkpoint = load_llama(weights="f32")  # block kernels: CPU only
+    group = GraphGroup()
+    dense = build_llama_graph(
+        checkpoint.config, DenseCausalAttention(), checkpoint.encodings, "llama_dense_f32_gpu", gpu_ref, group
+    )
+    pipeline_graph(checkpoint, MokvCache(), device_ref=gpu_ref, group=group)
+    models = group.load(gpu_session, weights_registry=llama_weights_registry(checkpoint))
+    return GpuGraphs(CompiledGraphs(checkpoint, models), dense.name)
+
+
+@pytest.fixture(scope="module")
+def gpu_smollm2(gpu_session: InferenceSession, gpu: Device, gpu_graphs: GpuGraphs) -> SmolLM2:
+    return SmolLM2(gpu_session, log=lambda _: None, weights="f32", device=gpu, compiled=gpu_graphs.compiled)
+
+
+@pytest.fixture(scope="module")
+def gpu_dense_greedy(gpu: Device, gpu_graphs: GpuGraphs, gpu_smollm2: SmolLM2):
     """Greedy tokens of the dense (no-cache) graph on the GPU, same weights."""
-    dense = load_llama_model(gpu_session, gpu_smollm2.checkpoint, DenseCausalAttention(), gpu_ref)
+    dense = gpu_graphs.compiled.models[gpu_graphs.dense_name]
     return dense_greedy_fn(dense, gpu_smollm2.checkpoint, gpu_smollm2.tokenizer, gpu)
 
 

@@ -2,19 +2,25 @@
 
 A family of graphs (one per dtype and layout, say) is compiled together: MAX pays about
 20 s for any graph before its kernels, and a `GraphGroup` pays it once for the family
-(`docs/suite-time.md`). GPU sessions still compile graph by graph (`compiled_per_key`)
-until a GPU run has measured the group there."""
+(`docs/suite-time.md`). The GPU families compile so too, which no GPU run has done yet
+(`tests/gpu/README.md`, "The prepared command")."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable
 
+from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import Graph
 
 from mokv.graph import GraphGroup
 
 Key = tuple[Hashable, ...]
+
+LAYOUT_DTYPE_KEYS: list[Key] = [
+    (layout, dtype) for layout in ("paged", "continuous") for dtype in (DType.float32, DType.bfloat16)
+]
+"""The (layout, dtype) of each graph in the attention and store/gather families."""
 
 
 def compiled_together(
@@ -34,19 +40,6 @@ def compiled_together(
             names = {k: build(*k, group=group).name for k in family}
             loaded = group.load(session)
             models.update({k: loaded[name] for k, name in names.items()})
-        return models[key]
-
-    return get
-
-
-def compiled_per_key(session: InferenceSession, build: Callable[..., Graph]) -> Callable[..., Model]:
-    """`get(*key)`: the graph `build(*key)` compiled into `session` the first
-    time that key is asked for, and the same model every time after."""
-    models: dict[Key, Model] = {}
-
-    def get(*key: Hashable) -> Model:
-        if key not in models:
-            models[key] = session.load(build(*key))
         return models[key]
 
     return get
