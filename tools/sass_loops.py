@@ -4,7 +4,7 @@ compiles the PTX of a `mojo build --target-accelerator sm_*` binary
 (`tools/check_gpu_build.sh` builds one) and nvdisasm prints it.
 
 This is the static half of a kernel's speed, readable without a GPU: the
-eighth GPU run's profile (docs/gpu.md) found the tensor-core prefill issuing
+eighth GPU run's profile (docs/gpu-runs.md) found the tensor-core prefill issuing
 about 1,270 instructions per warp and tile, of which 128 were the products,
 with two warps per scheduler to hide their latencies. A loop's body counts
 each instruction once: an inner loop (a runtime loop the compiler did not

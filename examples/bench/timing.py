@@ -19,7 +19,7 @@ def _one_round(calls: Mapping[str, Callable[[], Any]], times: dict[str, list[flo
     """Runs each call once, in order from the `first`-th (then around), adding its seconds to
     `times`. Rounds that start at each call in turn leave no call always first or always after
     the same one: the tenth GPU run timed one and the same kernel 17% slower in the first place
-    of every round than in a later one (a 2k prefill, `docs/gpu.md`)."""
+    of every round than in a later one (a 2k prefill, `docs/gpu-runs.md`)."""
     names = list(calls)
     for name in names[first % len(names) :] + names[: first % len(names)]:
         started = time.perf_counter()

@@ -210,7 +210,7 @@ def test_warpgroup_prefill_matches_numpy(case, multiprocessors, prefill_kernel, 
 def test_prefill_kernel_choice(prefill_kernel, tensor_cores, kernel, emulator, monkeypatch):
     """Unset, `MOKV_PREFILL_KERNEL` takes warpgroup products over a bfloat16
     cache where the device has them (an H200 ran them 1.2x `mma.sync`,
-    docs/gpu.md), CUDA cores where it has no tensor cores; `mma` keeps
+    docs/gpu-runs.md), CUDA cores where it has no tensor cores; `mma` keeps
     `mma.sync` on Hopper."""
     monkeypatch.delenv("MOKV_PREFILL_KERNEL", raising=False)
     b, layer, scale = mixed_case(BFLOAT16_CASES[0])

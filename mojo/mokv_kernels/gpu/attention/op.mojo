@@ -71,7 +71,7 @@ def _prefill_products[L: Launcher](launcher: L, codes: Bool) raises -> Int:
     8-bit `codes`.
 
     Over bfloat16 an H200 ran the warpgroup prefill 1.2x `mma.sync`'s speed
-    with the same outputs (docs/gpu.md, the ninth run); no run has timed
+    with the same outputs (docs/gpu-runs.md, the ninth run); no run has timed
     the prefill over codes, where `mma.sync` multiplies a row-scaled code
     as it is in float16 and the warpgroup widens it to bfloat16 first."""
     var kernel = getenv(PREFILL_KERNEL_VARIABLE, "")
