@@ -3,7 +3,9 @@
 Each sequence's keys and values are read token by token through the layout
 model in `cache.py`, and every query row gets a plain, fully materialised
 softmax in float64, so the result is independent of the kernel's tiling,
-splitting and online-softmax bookkeeping.
+splitting and online-softmax bookkeeping. A sequence's new tokens are scored in
+chunks, one matrix product per KV head (no per-token loop: a 2k-token chunk over
+8k positions is seconds, not minutes).
 """
 
 from __future__ import annotations
@@ -14,14 +16,18 @@ import numpy as np
 
 from . import cache
 
+SCORES_PER_CHUNK = 1 << 24
+"""Scores materialised at once (128 MB of float64): a row's new tokens go in chunks of as
+many as fit, whole query heads over the whole context."""
 
-def visible_range(cache_length: int, new_index: int, sliding_window: int = 0) -> tuple[int, int]:
-    """Positions `[start, end)` seen by new token `new_index` of a sequence with
-    `cache_length` tokens cached before this step: itself, everything before it,
-    and with `sliding_window` W > 0 only the last W of those."""
-    end = cache_length + new_index + 1
-    start = max(0, end - sliding_window) if sliding_window > 0 else 0
-    return start, end
+
+def visible_range(cache_length: int, new_indices: np.ndarray, sliding_window: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Positions `[start, end)` seen by each new token of `new_indices` of a sequence with
+    `cache_length` tokens cached before this step: itself, everything before it, and with
+    `sliding_window` W > 0 only the last W of those."""
+    ends = cache_length + new_indices + 1
+    starts = np.maximum(0, ends - sliding_window) if sliding_window > 0 else np.zeros_like(ends)
+    return starts, ends
 
 
 def attention(
@@ -48,33 +54,49 @@ def attention(
     a tensor core's bfloat16), while the sum that normalises takes them as
     they are.
     """
-    n_q_heads = q.shape[1]
+    n_q_heads, head_dim = q.shape[1], q.shape[2]
     n_kv_heads = blocks.shape[4]
     if n_q_heads % n_kv_heads:
         raise ValueError(f"{n_q_heads} query heads are not a multiple of {n_kv_heads} KV heads")
-    kv_head_of = np.arange(n_q_heads) // (n_q_heads // n_kv_heads)
+    group = n_q_heads // n_kv_heads
     out = np.zeros(q.shape, np.float64)
     for row in range(len(cache_lengths)):
         first, last = int(row_offsets[row]), int(row_offsets[row + 1])
         if first == last:
             continue
-        context = int(cache_lengths[row]) + last - first
+        cached = int(cache_lengths[row])
+        context = cached + last - first
         positions = np.arange(context, dtype=np.uint32)
         rows = np.full(context, row, np.uint32)
-        keys = cache.gather(blocks, layer, 0, lookup_table, rows, positions).astype(np.float64)
-        values = cache.gather(blocks, layer, 1, lookup_table, rows, positions).astype(np.float64)
-        for i in range(last - first):
-            start, end = visible_range(int(cache_lengths[row]), i, sliding_window)
-            k = keys[start:end, kv_head_of]  # [n, H, D]
-            v = values[start:end, kv_head_of]
-            scores = np.einsum("hd,nhd->hn", q[first + i].astype(np.float64), k) * scale
-            weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+        # [KV head, position, dim], contiguous so that the products below go to BLAS: query
+        # head h reads KV head h // group.
+        keys, values = (
+            np.ascontiguousarray(
+                cache.gather(blocks, layer, kv, lookup_table, rows, positions).transpose(1, 0, 2)
+            ).astype(np.float64)
+            for kv in (0, 1)
+        )
+        tokens_per_chunk = max(1, SCORES_PER_CHUNK // (n_q_heads * context))
+        for chunk in range(first, last, tokens_per_chunk):
+            tokens = np.arange(chunk, min(chunk + tokens_per_chunk, last))
+            starts, ends = visible_range(cached, tokens - first, sliding_window)
+            seen = slice(int(starts.min()), int(ends.max()))  # what any token of the chunk sees
+            span = seen.stop - seen.start
+            visible = (positions[seen] >= starts[:, None]) & (positions[seen] < ends[:, None])  # [token, position]
+            # [KV head, token x group, dim]: one matrix product per KV head.
+            queries = q[tokens].astype(np.float64).reshape(len(tokens), n_kv_heads, group, head_dim)
+            queries = queries.transpose(1, 0, 2, 3).reshape(n_kv_heads, len(tokens) * group, head_dim)
+            scores = (queries @ keys[:, seen].transpose(0, 2, 1)).reshape(n_kv_heads, len(tokens), group, span) * scale
+            scores = np.where(visible[None, :, None, :], scores, -np.inf)
+            weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            weights = weights.reshape(n_kv_heads, len(tokens) * group, span)
+            sums = weights.sum(axis=-1, keepdims=True)
             if weights_in_products is None:
-                weights /= weights.sum(axis=1, keepdims=True)
-                out[first + i] = np.einsum("hn,nhd->hd", weights, v)
+                products = (weights / sums) @ values[:, seen]
             else:
-                products = np.einsum("hn,nhd->hd", weights_in_products(weights), v)
-                out[first + i] = products / weights.sum(axis=1)[:, None]
+                products = (weights_in_products(weights) @ values[:, seen]) / sums
+            products = products.reshape(n_kv_heads, len(tokens), group, head_dim).transpose(1, 0, 2, 3)
+            out[tokens] = products.reshape(len(tokens), n_q_heads, head_dim)
     return out
 
 
