@@ -5,6 +5,7 @@ same device buffers), plus long-context decode that only a GPU makes cheap."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -180,13 +181,19 @@ GPU_MAX_SHAPES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def max_gpu_attention(gpu_session: InferenceSession, gpu: Device):
+    """`get(shape)`: MAX's own GPU paged attention, compiled once per shape."""
+    return functools.cache(lambda shape: MaxPagedAttention.compile(gpu_session, shape, gpu))
+
+
 @pytest.mark.parametrize("shape", GPU_MAX_SHAPES, ids=lambda s: f"{s.dtype.name}-{s.n_q_heads}x{s.n_kv_heads}")
 @pytest.mark.parametrize(
     "rows",
     [[(0, 37), (211, 1), (130, 70), (0, 1), (2000, 1), (45, 2), (700, 1), (9, 0)], [(5000, 1), (300, 1), (12, 1)]],
     ids=["mixed", "decode"],
 )
-def test_matches_max_gpu_kernel(shape, rows, gpu_attention, gpu_session, gpu: Device):
+def test_matches_max_gpu_kernel(shape, rows, gpu_attention, max_gpu_attention, gpu: Device):
     """MAX's own GPU kernel on the very same device buffers; a decode-only
     batch takes MAX's flash-decoding path."""
     dtype = shape.dtype
@@ -195,7 +202,7 @@ def test_matches_max_gpu_kernel(shape, rows, gpu_attention, gpu_session, gpu: De
     b = cpu_attention.make_batch(rng, "paged", dtype, rows, *heads, shape.page_size)
     blocks = cpu_attention.to_buffer(b.blocks, dtype).to(gpu)
     q = cpu_attention.to_buffer(b.q, dtype).to(gpu)
-    kernel = MaxPagedAttention.compile(gpu_session, shape, gpu)
+    kernel = max_gpu_attention(shape)
     theirs = kernel(kernel.inputs(blocks, b.cache_lengths, b.lookup_table, b.row_offsets, q, 1))
     theirs = cpu_attention.to_numpy(theirs, dtype)
     ours = run_on_gpu(gpu_attention("paged", dtype), b, gpu, 1, shape.scale)
