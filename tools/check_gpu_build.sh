@@ -2,7 +2,8 @@
 # Compiles every GPU path of mokv's ops to device code, on a machine with or
 # without a GPU: `tools/gpu_build_check.mojo` (every registered op's `execute`
 # instantiated for a GPU target) built for NVIDIA Hopper (sm_90)
-# and AMD MI300 (gfx942), the two builds side by side. A compile error in
+# and AMD MI300 (gfx942), the two builds side by side, and for NVIDIA the
+# proof's read-pattern benchmark (`tools/kv_read_patterns.mojo`). A compile error in
 # any GPU kernel fails it, and so does a build that embeds fewer device
 # modules than the ops launch (a launch the compiler proved unreachable is
 # not compiled, so it would not be checked).
@@ -87,5 +88,16 @@ done
 status=0
 for pid in "${pids[@]}"; do
     wait "$pid" || status=1
+done
+# The GPU proof's read-pattern benchmark, a program of its own (NVIDIA only: it is
+# timed on the proof's machines).
+for arch in "${ARCHS[@]}"; do
+    [[ $arch == sm_* ]] || continue
+    if ! "$MOJO" build -I mojo --target-accelerator "$arch" tools/kv_read_patterns.mojo -o "$OUT/read-$arch" \
+        > "$OUT/read-$arch.log" 2>&1; then
+        grep -v Crashpad "$OUT/read-$arch.log" >&2
+        echo "tools/kv_read_patterns.mojo for $arch FAILED" >&2
+        status=1
+    fi
 done
 exit $status

@@ -11,13 +11,16 @@
 # files: the ninth and tenth runs lost their tests.log and profile.log to it).
 #
 # Usage (on the GPU machine, in the repository root):
-#   tools/gpu_proof.sh [--full] [--kv-formats] [--build] [--profile] [--tests-only]
+#   tools/gpu_proof.sh [--full] [--kv-formats] [--read-patterns] [--build] [--profile] [--tests-only]
 #   --full: the whole GPU benchmark instead of --quick.
 #   --kv-formats: then also times mokv's decode and store over float32,
 #            bfloat16, float8_e4m3fn and int8 caches side by side
 #            (attention-gpu-kv-formats.md; 8 more compiles), as a step of
 #            its own bounded by FORMATS_S (default 150), so that a long
 #            benchmark leaves it its time (the eighth run's did not).
+#   --read-patterns: then the read rate of a cache's rows in the patterns a
+#            decode reads them, against contiguous reads (tools/kv_read_patterns.mojo,
+#            read-patterns.log), READ_S seconds at most (default 60).
 #   --build: first compile every GPU kernel for the machine's architecture
 #            (tools/check_gpu_build.sh; CI already does it for sm_90).
 #   --profile: also, between the benchmark and the tests, Nsight Compute's
@@ -46,11 +49,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-full=false build=false profile=false kv_formats=false tests_only=false
+full=false build=false profile=false kv_formats=false read_patterns=false tests_only=false
 for arg in "$@"; do
     case $arg in
         --full) full=true ;;
         --kv-formats) kv_formats=true ;;
+        --read-patterns) read_patterns=true ;;
         --build) build=true ;;
         --profile) profile=true ;;
         --tests-only) tests_only=true ;;
@@ -130,6 +134,9 @@ $full || bench+=(--quick)
 $tests_only || step bench "${BENCH_S:-180}" "${bench[@]}" --out "$OUT" || status=1
 if $kv_formats && ! $tests_only; then
     step formats "${FORMATS_S:-150}" "${bench[@]}" --only-kv-formats --out "$OUT" || status=1
+fi
+if $read_patterns && ! $tests_only; then
+    step read-patterns "${READ_S:-60}" "$SITE/bin/mojo" run -I mojo tools/kv_read_patterns.mojo || status=1
 fi
 swap() {  # swap DIR TARGET FILE: puts FILE (a file or a directory) in place of TARGET, keeping it in DIR
     local kept=$1 target=$2 file=$3

@@ -1,0 +1,131 @@
+"""How fast a GPU reads a cache's rows in the patterns a decode reads them, outside
+any attention kernel: is the KV read rate bound by the rows' length?
+
+The tenth GPU run found the 8-bit decode moving no more tiles a second than the
+bfloat16 one with half the bytes a tile, and bfloat16 decode (mokv's and MAX's
+alike) reading KV at 0.74 of a device copy's traffic. A paged cache holds each
+token's heads side by side (`[pages, 2, layers, page_size, n_kv_heads, head_dim]`),
+so a block that reads one KV head reads a row of `head_dim` elements from each
+token: 256 bytes at a 2 KB stride for Llama's heads in bfloat16, 128 bytes at
+1 KB in 8 bits. This times one pass over 1 GiB laid out as `[token, head, row]`:
+
+- `contiguous`: each block reads one contiguous span (what a block reading every
+  head of its tokens would read; the yardstick for the rest);
+- `head rows R x H`: each block reads one head's `R`-byte rows of its tokens, the
+  blocks of a token range's `H` heads next to each other in the grid (as
+  `work.attention_grid` hands them out).
+
+Same blocks, threads and loads in flight in every pattern: 128 threads, each
+with `LOADS` 16-byte loads in flight. If `head rows 128 x 8` reads at about half
+`head rows 256 x 8`'s rate, the rows' length bounds the decode, and a decode
+block should read every head of its tokens; if all three read alike, the decode
+itself leaves bandwidth unused.
+
+Run on a GPU: `.venv/bin/mojo run -I mojo tools/kv_read_patterns.mojo`
+(`tools/gpu_proof.sh --read-patterns` does it as a step).
+"""
+
+from max.gpu import block_idx, thread_idx
+from max.gpu.host import DeviceContext
+from std.time import perf_counter_ns
+
+from mokv_kernels.pointers import U32Ptr
+
+comptime THREADS = 128
+comptime LOADS = 8
+"""16-byte loads each thread has in flight before it uses any."""
+comptime BYTES = 1 << 30
+comptime BLOCK_BYTES = 1 << 18
+"""Bytes each block reads: 4096 blocks over 1 GiB, about 31 per multiprocessor of an H200."""
+comptime ROUNDS = 5
+comptime CALLS = 10
+
+
+def _read_rate(
+    ctx: DeviceContext, data: U32Ptr, sink: U32Ptr, row_bytes: Int, heads: Int
+) raises -> Float64:
+    """GB/s of the best of `ROUNDS` rounds of `CALLS` passes over `[token, head,
+    row_bytes]` rows, each block reading one head's rows of its tokens (one head of
+    16-byte rows: contiguous spans)."""
+    # Whole token ranges of every head.
+    var blocks = BYTES // BLOCK_BYTES // heads * heads
+    # Kernel arguments: fixed-width integers.
+    var words_a_row = Int64(row_bytes // 4)
+    var lanes_a_row = Int64(row_bytes // 16)
+    var rows_per_block = Int64(BLOCK_BYTES // row_bytes)
+    var kv_heads = Int64(heads)
+
+    def read() {
+        var data,
+        var sink,
+        var words_a_row,
+        var lanes_a_row,
+        var rows_per_block,
+        var kv_heads,
+    }:
+        var heads = Int(kv_heads)
+        var row_words = Int(words_a_row)
+        var lanes_per_row = Int(lanes_a_row)
+        var block = Int(block_idx.x)
+        var thread = Int(thread_idx.x)
+        # Divisions once per thread: the loop below only adds and multiplies.
+        var head = block % heads
+        var lane_word = 4 * (thread % lanes_per_row)
+        var rows_per_load = THREADS // lanes_per_row
+        var first_row = (block // heads) * Int(rows_per_block)
+        var row = first_row + thread // lanes_per_row
+        var acc = SIMD[DType.uint32, 4](0)
+        for _ in range(BLOCK_BYTES // (16 * THREADS * LOADS)):
+            var chunks = Array[SIMD[DType.uint32, 4], LOADS](fill=0)
+            comptime for k in range(LOADS):
+                var word = (
+                    (row + k * rows_per_load) * heads + head
+                ) * row_words + lane_word
+                chunks[k] = data.unsafe_load[width=4, alignment=16](word)
+            comptime for k in range(LOADS):
+                acc ^= chunks[k]
+            row += LOADS * rows_per_load
+        sink[unsafe_offset=block * THREADS + thread] = (
+            acc[0] ^ acc[1] ^ acc[2] ^ acc[3]
+        )
+
+    var best = Float64(1e30)
+    for _ in range(ROUNDS):
+        var started = perf_counter_ns()
+        for _ in range(CALLS):
+            ctx.enqueue_function(read, grid_dim=blocks, block_dim=THREADS)
+        ctx.synchronize()
+        best = min(best, Float64(perf_counter_ns() - started) / CALLS)
+    return Float64(blocks * BLOCK_BYTES) / best
+
+
+def main() raises:
+    var ctx = DeviceContext()
+    var data_buffer = ctx.enqueue_create_buffer[DType.uint32](BYTES // 4)
+    var sink_buffer = ctx.enqueue_create_buffer[DType.uint32](
+        BYTES // BLOCK_BYTES * THREADS
+    )
+    ctx.enqueue_memset(data_buffer, 1)
+    var data = data_buffer.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var sink = sink_buffer.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var contiguous = _read_rate(ctx, data, sink, 16, 1)
+    print("pattern | read GB/s | over contiguous")
+    print("--- | ---: | ---:")
+    print("contiguous |", round(contiguous, 1), "| 1.00")
+    # Llama's heads in bfloat16 and in 8 bits, SmolLM2's (head_dim 64) likewise.
+    var row_bytes: List[Int] = [256, 128, 128, 64]
+    var heads: List[Int] = [8, 8, 3, 3]
+    for i in range(len(row_bytes)):
+        var rate = _read_rate(ctx, data, sink, row_bytes[i], heads[i])
+        print(
+            "head rows",
+            row_bytes[i],
+            "x",
+            heads[i],
+            "|",
+            round(rate, 1),
+            "|",
+            round(rate / contiguous, 2),
+        )
+    _ = data_buffer^
+    _ = sink_buffer^
