@@ -16,17 +16,20 @@ token: 256 bytes at a 2 KB stride for Llama's heads in bfloat16, 128 bytes at
   `work.attention_grid` hands them out).
 
 Same blocks, threads and loads in flight in every pattern: 128 threads, each
-with `LOADS` 16-byte loads in flight. If `head rows 128 x 8` reads at about half
-`head rows 256 x 8`'s rate, the rows' length bounds the decode, and a decode
-block should read every head of its tokens; if all three read alike, the decode
-itself leaves bandwidth unused.
+with `LOADS` 16-byte loads in flight, as many blocks at once as a multiprocessor
+takes; then again at a decode's concurrency (three blocks a multiprocessor, 32 KB
+in flight each). If `head rows 128 x 8` reads at about half `head rows 256 x 8`'s
+rate, the rows' length bounds the decode, and a decode block should read every
+head of its tokens; if the patterns read alike with many blocks but not at a
+decode's concurrency, the decode needs more bytes in flight; if they read alike in
+both, the decode itself leaves bandwidth unused.
 
 Run on a GPU: `.venv/bin/mojo run -I mojo tools/kv_read_patterns.mojo`
 (`tools/gpu_proof.sh --read-patterns` does it as a step).
 """
 
 from max.gpu import block_idx, thread_idx
-from max.gpu.host import DeviceContext
+from max.gpu.host import DeviceContext, FuncAttribute
 from std.time import perf_counter_ns
 
 from mokv_kernels.pointers import U32Ptr
@@ -34,6 +37,11 @@ from mokv_kernels.pointers import U32Ptr
 comptime THREADS = 128
 comptime LOADS = 8
 """16-byte loads each thread has in flight before it uses any."""
+comptime DECODE_LOADS = 16
+"""As many bytes in flight a block (32 KB) as a bfloat16 decode tile of Llama's heads."""
+comptime DECODE_SHARED_BYTES = 72 * 1024
+"""Unused shared memory that leaves room for 3 blocks on an H200's multiprocessor (228 KB),
+as many as the tensor-core decode runs."""
 comptime BYTES = 1 << 30
 comptime BLOCK_BYTES = 1 << 18
 """Bytes each block reads: 4096 blocks over 1 GiB, about 31 per multiprocessor of an H200."""
@@ -41,12 +49,21 @@ comptime ROUNDS = 5
 comptime CALLS = 10
 
 
-def _read_rate(
-    ctx: DeviceContext, data: U32Ptr, sink: U32Ptr, row_bytes: Int, heads: Int
+def _read_rate[
+    loads: Int
+](
+    ctx: DeviceContext,
+    data: U32Ptr,
+    sink: U32Ptr,
+    row_bytes: Int,
+    heads: Int,
+    shared_bytes: Int,
 ) raises -> Float64:
     """GB/s of the best of `ROUNDS` rounds of `CALLS` passes over `[token, head,
     row_bytes]` rows, each block reading one head's rows of its tokens (one head of
-    16-byte rows: contiguous spans)."""
+    16-byte rows: contiguous spans) with `loads` 16-byte loads a thread in flight. Each
+    block holds `shared_bytes` of shared memory it never touches: that bounds the
+    blocks a multiprocessor runs at once."""
     # Whole token ranges of every head.
     var blocks = BYTES // BLOCK_BYTES // heads * heads
     # Kernel arguments: fixed-width integers.
@@ -75,16 +92,16 @@ def _read_rate(
         var first_row = (block // heads) * Int(rows_per_block)
         var row = first_row + thread // lanes_per_row
         var acc = SIMD[DType.uint32, 4](0)
-        for _ in range(BLOCK_BYTES // (16 * THREADS * LOADS)):
-            var chunks = Array[SIMD[DType.uint32, 4], LOADS](fill=0)
-            comptime for k in range(LOADS):
+        for _ in range(BLOCK_BYTES // (16 * THREADS * loads)):
+            var chunks = Array[SIMD[DType.uint32, 4], loads](fill=0)
+            comptime for k in range(loads):
                 var word = (
                     (row + k * rows_per_load) * heads + head
                 ) * row_words + lane_word
                 chunks[k] = data.unsafe_load[width=4, alignment=16](word)
-            comptime for k in range(LOADS):
+            comptime for k in range(loads):
                 acc ^= chunks[k]
-            row += LOADS * rows_per_load
+            row += loads * rows_per_load
         sink[unsafe_offset=block * THREADS + thread] = (
             acc[0] ^ acc[1] ^ acc[2] ^ acc[3]
         )
@@ -93,10 +110,53 @@ def _read_rate(
     for _ in range(ROUNDS):
         var started = perf_counter_ns()
         for _ in range(CALLS):
-            ctx.enqueue_function(read, grid_dim=blocks, block_dim=THREADS)
+            ctx.enqueue_function(
+                read,
+                grid_dim=blocks,
+                block_dim=THREADS,
+                shared_mem_bytes=shared_bytes,
+                func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(
+                    UInt32(shared_bytes)
+                ),
+            )
         ctx.synchronize()
         best = min(best, Float64(perf_counter_ns() - started) / CALLS)
     return Float64(blocks * BLOCK_BYTES) / best
+
+
+def _table[
+    loads: Int
+](
+    ctx: DeviceContext,
+    data: U32Ptr,
+    sink: U32Ptr,
+    shared_bytes: Int,
+    title: String,
+) raises:
+    """One markdown table: contiguous spans, then each pattern's rate and its ratio.
+    """
+    print("\n" + title + "\n")
+    print("pattern | read GB/s | over contiguous")
+    print("--- | ---: | ---:")
+    var contiguous = _read_rate[loads](ctx, data, sink, 16, 1, shared_bytes)
+    print("contiguous |", round(contiguous, 1), "| 1.00")
+    # Llama's heads in bfloat16 and in 8 bits, SmolLM2's (head_dim 64) likewise.
+    var row_bytes: List[Int] = [256, 128, 128, 64]
+    var heads: List[Int] = [8, 8, 3, 3]
+    for i in range(len(row_bytes)):
+        var rate = _read_rate[loads](
+            ctx, data, sink, row_bytes[i], heads[i], shared_bytes
+        )
+        print(
+            "head rows",
+            row_bytes[i],
+            "x",
+            heads[i],
+            "|",
+            round(rate, 1),
+            "|",
+            round(rate / contiguous, 2),
+        )
 
 
 def main() raises:
@@ -108,24 +168,25 @@ def main() raises:
     ctx.enqueue_memset(data_buffer, 1)
     var data = data_buffer.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var sink = sink_buffer.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    var contiguous = _read_rate(ctx, data, sink, 16, 1)
-    print("pattern | read GB/s | over contiguous")
-    print("--- | ---: | ---:")
-    print("contiguous |", round(contiguous, 1), "| 1.00")
-    # Llama's heads in bfloat16 and in 8 bits, SmolLM2's (head_dim 64) likewise.
-    var row_bytes: List[Int] = [256, 128, 128, 64]
-    var heads: List[Int] = [8, 8, 3, 3]
-    for i in range(len(row_bytes)):
-        var rate = _read_rate(ctx, data, sink, row_bytes[i], heads[i])
-        print(
-            "head rows",
-            row_bytes[i],
-            "x",
-            heads[i],
-            "|",
-            round(rate, 1),
-            "|",
-            round(rate / contiguous, 2),
-        )
+    _table[LOADS](
+        ctx,
+        data,
+        sink,
+        0,
+        (
+            "As many blocks as fit (about 10 a multiprocessor), 16 KB in flight"
+            " each"
+        ),
+    )
+    _table[DECODE_LOADS](
+        ctx,
+        data,
+        sink,
+        DECODE_SHARED_BYTES,
+        (
+            "At a decode's concurrency: 3 blocks a multiprocessor, 32 KB in"
+            " flight each"
+        ),
+    )
     _ = data_buffer^
     _ = sink_buffer^
