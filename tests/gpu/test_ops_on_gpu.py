@@ -19,10 +19,10 @@ from mokv_reference import cache as ref
 from mokv_reference.max_attention import MaxAttentionShape, MaxPagedAttention
 from tests.support import attention_cases as cpu_attention
 from tests.support import store_gather as cpu_rows
-from tests.support.attention_graph import build_attention_graph
-from tests.support.compile_once import LAYOUT_DTYPE_KEYS, compiled_together
+from tests.support.compile_once import compiled_together
 from tests.support.gpu import needs_gpu
 from tests.support.gpu_cases import assert_attention_close, mixed_case, on_prefill_kernel, window_case
+from tests.support.gpu_families import attention_family, store_gather_family
 
 pytestmark = needs_gpu("the store, gather and attention ops against numpy and MAX's GPU attention")
 
@@ -31,22 +31,16 @@ pytestmark = needs_gpu("the store, gather and attention ops against numpy and MA
 def gpu_store_gather(gpu_session: InferenceSession, gpu_ref: DeviceRef, kernels):
     """`get(layout, dtype)`: the store-then-gather graph on the GPU; the family compiled
     together on first use."""
-    return compiled_together(
-        gpu_session,
-        lambda layout, dtype, group: cpu_rows.build_store_gather_graph(layout, dtype, kernels, gpu_ref, group),
-        LAYOUT_DTYPE_KEYS,
-    )
+    family = store_gather_family(kernels, gpu_ref)
+    return compiled_together(gpu_session, family.build, family.keys)
 
 
 @pytest.fixture(scope="session")
 def gpu_attention(gpu_session: InferenceSession, gpu_ref: DeviceRef, kernels):
     """`get(layout, dtype)`: the attention graph on the GPU; the family compiled together on
     first use."""
-    return compiled_together(
-        gpu_session,
-        lambda layout, dtype, group: build_attention_graph(layout, dtype, kernels, gpu_ref, group),
-        LAYOUT_DTYPE_KEYS,
-    )
+    family = attention_family(kernels, gpu_ref)
+    return compiled_together(gpu_session, family.build, family.keys)
 
 
 def _host_summary(layout: str, cache_lengths: np.ndarray, row_offsets: np.ndarray) -> Buffer:

@@ -16,38 +16,24 @@ from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import DeviceRef
 
-from mokv.graph import GraphGroup
 from mokv_reference import bfloat16
 from mokv_reference import quant as ref
 from tests.support import kv_quantization_cases as cpu
 from tests.support.compile_once import compiled_together
 from tests.support.gpu import needs_gpu
 from tests.support.gpu_cases import QuantizedAttention, on_prefill_kernel
-from tests.support.quantized_graphs import GRAPH_DTYPE, build_attention, build_store_gather
+from tests.support.gpu_families import quantized_family
+from tests.support.quantized_graphs import GRAPH_DTYPE
 
 pytestmark = needs_gpu("the quantized cache's store, gathers and attention against the numpy model")
-
-GPU_QUANTIZED_GRAPHS = [
-    (kind, GRAPH_DTYPE[fmt], dtype)
-    for kind in ("store", "attention")
-    for fmt in cpu.FORMATS
-    for dtype in (DType.float32, DType.bfloat16)
-]
-"""(kind, graph dtype, model dtype) of every graph these tests run: keys, values and queries
-of both dtypes over both 8-bit formats."""
 
 
 @pytest.fixture(scope="session")
 def gpu_quantized(gpu_session: InferenceSession, gpu_ref: DeviceRef, kernels):
     """`get(kind, graph dtype, model dtype)`: the store/gather or attention graph on the GPU
-    (`GPU_QUANTIZED_GRAPHS`); the family compiled together on first use."""
-
-    def build(kind: str, graph_dtype: DType, dtype: DType, group: GraphGroup):
-        if kind == "store":
-            return build_store_gather(graph_dtype, dtype, kernels, gpu_ref, group)
-        return build_attention(graph_dtype, dtype, kernels, device=gpu_ref, group=group)
-
-    return compiled_together(gpu_session, build, GPU_QUANTIZED_GRAPHS)
+    (`gpu_families.QUANTIZED_KEYS`); the family compiled together on first use."""
+    family = quantized_family(kernels, gpu_ref)
+    return compiled_together(gpu_session, family.build, family.keys)
 
 
 def _on(array: np.ndarray, gpu: Device, dtype: DType = DType.float32) -> Buffer:

@@ -13,11 +13,11 @@ from max.engine import InferenceSession
 from max.graph import DeviceRef
 
 from mokv.graph import GraphGroup
-from mokv_examples.pipeline import CompiledGraphs, GenerationConfig, MokvCache, SmolLM2, generate, pipeline_graph
-from mokv_models.attention_backends import DenseCausalAttention
+from mokv_examples.pipeline import CompiledGraphs, GenerationConfig, SmolLM2, generate
 from mokv_models.gguf_model import load_llama
-from mokv_models.llama import build_llama_graph, llama_weights_registry
+from mokv_models.llama import llama_weights_registry
 from tests.support.gpu import needs_gpu
+from tests.support.gpu_families import smollm2_graphs
 from tests.support.smollm2 import QUESTIONS, SYSTEM, dense_greedy_fn
 
 pytestmark = needs_gpu("SmolLM2-135M greedy generation on mokv's paged cache against the dense graph")
@@ -37,12 +37,9 @@ class GpuGraphs:
 def gpu_graphs(gpu_session: InferenceSession, gpu_ref: DeviceRef) -> GpuGraphs:
     checkpoint = load_llama(weights="f32")  # block kernels: CPU only
     group = GraphGroup()
-    dense = build_llama_graph(
-        checkpoint.config, DenseCausalAttention(), checkpoint.encodings, "llama_dense_f32_gpu", gpu_ref, group
-    )
-    pipeline_graph(checkpoint, MokvCache(), device_ref=gpu_ref, group=group)
+    dense_name = smollm2_graphs(checkpoint, gpu_ref, group)
     models = group.load(gpu_session, weights_registry=llama_weights_registry(checkpoint))
-    return GpuGraphs(CompiledGraphs(checkpoint, models), dense.name)
+    return GpuGraphs(CompiledGraphs(checkpoint, models), dense_name)
 
 
 @pytest.fixture(scope="module")

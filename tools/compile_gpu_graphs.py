@@ -1,0 +1,99 @@
+"""Compiles the graphs a GPU run compiles, for a GPU target, on a machine with or without
+a GPU: the GPU tests' families (`tests/support/gpu_families.py`) and the KV-formats
+benchmark's graphs, each family as one `GraphGroup`, as they compile on a GPU.
+
+MAX's virtual device mode (`max.driver.set_virtual_device_*`, what `max serve --target`
+uses) gives the process a GPU that compiles but never runs: a graph that a GPU would
+refuse at compile time (a kernel that does not build for the target, an op placed on the
+wrong device, a group MAX cannot compile together) fails here, before a run spends its
+device minutes on it. Executing is left to the GPU: the models it returns refuse to run.
+
+Usage: .venv/bin/python tools/compile_gpu_graphs.py [--target sm_90a] [family ...]
+(families: attention, store_gather, quantized, formats, smollm2; default all; about ten
+minutes on an idle 2-core machine, the formats and SmolLM2's graphs the longest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from max import driver
+
+REPO = Path(__file__).resolve().parents[1]
+FAMILIES = ("attention", "store_gather", "quantized", "formats", "smollm2")
+
+
+def _enter_virtual_device_mode(target: str) -> None:
+    """One virtual GPU of `target` for this process; before any device is created."""
+    driver.set_virtual_device_api("cuda")
+    driver.set_virtual_device_target_arch(target)
+    driver.set_virtual_device_count(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="sm_90a", help="the GPU architecture to compile for (default sm_90a)")
+    parser.add_argument("families", nargs="*", metavar="family", help=f"any of {', '.join(FAMILIES)} (default: all)")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.families if name not in FAMILIES]
+    if unknown:
+        parser.error(f"unknown families {unknown}: choose from {', '.join(FAMILIES)}")
+    _enter_virtual_device_mode(args.target)
+    sys.path.insert(0, str(REPO))  # the tests' graph builders
+
+    from max.driver import CPU, Accelerator
+    from max.engine import InferenceSession
+    from max.graph import DeviceRef
+
+    from mokv.graph import GraphGroup
+    from mokv.kernels import kernel_package
+    from mokv_examples.bench.attention_kernels import Kernels
+    from mokv_examples.bench.kv_formats import FORMATS, FormatKernels
+    from mokv_models.gguf_model import load_llama
+    from tests.support import gpu_families
+
+    gpu = Accelerator()
+    session = InferenceSession(devices=[CPU(), gpu])
+    kernels = kernel_package()
+    device = DeviceRef.GPU()
+
+    def family_group(family: gpu_families.GraphFamily) -> Callable[[], int]:
+        def compile_family() -> int:
+            group = GraphGroup()
+            for key in family.keys:
+                family.build(*key, group=group)
+            return len(group.load(session))
+
+        return compile_family
+
+    def formats() -> int:
+        format_kernels = FormatKernels(Kernels(session, kernels, gpu))
+        format_kernels[FORMATS[0]]  # the first compiles them all
+        return 2 * len(FORMATS)
+
+    def smollm2() -> int:
+        group = GraphGroup()
+        gpu_families.smollm2_graphs(load_llama(weights="f32"), device, group)
+        return len(group.load(session))
+
+    compiles = {
+        "attention": family_group(gpu_families.attention_family(kernels, device)),
+        "store_gather": family_group(gpu_families.store_gather_family(kernels, device)),
+        "quantized": family_group(gpu_families.quantized_family(kernels, device)),
+        "formats": formats,
+        "smollm2": smollm2,
+    }
+    for name in args.families or FAMILIES:
+        print(f"{name}: compiling for {args.target} ...", flush=True)
+        started = time.perf_counter()
+        count = compiles[name]()
+        print(f"{name}: {count} graphs compiled together in {time.perf_counter() - started:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
