@@ -6,6 +6,7 @@ leaves this file out: on a GPU the tests compile the same graphs for real."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +19,13 @@ TOOL = REPO / "tools" / "compile_gpu_graphs.py"
 
 def test_the_attention_family_compiles_for_hopper_without_a_gpu():
     # A process of its own: virtual device mode must be entered before any device exists.
+    # os.environ: the environment this process started with (MAX's bindings change the
+    # C-level one, which would send the child to another Python: see mokv.kernels).
     result = subprocess.run(
         [sys.executable, str(TOOL), "--target", "sm_90a", "attention"],
         capture_output=True,
         text=True,
+        env=dict(os.environ),
         timeout=1200,
         check=False,
     )
