@@ -21,14 +21,8 @@ def test_the_attention_family_compiles_for_hopper_without_a_gpu():
     # A process of its own: virtual device mode must be entered before any device exists.
     # os.environ: the environment this process started with (MAX's bindings change the
     # C-level one, which would send the child to another Python: see mokv.kernels).
-    result = subprocess.run(
-        [sys.executable, str(TOOL), "--target", "sm_90a", "attention"],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ),
-        timeout=1200,
-        check=False,
-    )
+    command = [sys.executable, str(TOOL), "--target", "sm_90a", "attention"]
+    result = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ), timeout=1200, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "attention: 4 graphs compiled together" in result.stdout
 
