@@ -13,13 +13,13 @@ import pytest
 from hypothesis import HealthCheck, settings
 from max.driver import CPU
 from max.engine import InferenceSession
+from max.graph import DeviceRef
 
 from mokv.kernels import kernel_package
 from mokv.paths import CACHE_ENV, keep_compiled_graphs_in_cache_dir
 from tests.support import property_stats
-from tests.support.attention_graph import build_attention_graph
-from tests.support.compile_once import LAYOUT_DTYPE_KEYS, compiled_together
-from tests.support.store_gather import build_store_gather_graph
+from tests.support.compile_once import compiled_together
+from tests.support.graph_families import attention_family, store_gather_family
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault(CACHE_ENV, str(REPO / ".cache"))
@@ -52,22 +52,16 @@ def kernels() -> Path:
 @pytest.fixture(scope="session")
 def attention_graph(session: InferenceSession, kernels: Path):
     """`get(layout, dtype)`: the attention graph; the family compiled together on first use."""
-    return compiled_together(
-        session,
-        lambda layout, dtype, group: build_attention_graph(layout, dtype, kernels, group=group),
-        LAYOUT_DTYPE_KEYS,
-    )
+    family = attention_family(kernels, DeviceRef.CPU())
+    return compiled_together(session, family.build, family.keys)
 
 
 @pytest.fixture(scope="session")
 def store_gather(session: InferenceSession, kernels: Path):
     """`get(layout, dtype)`: the store-then-gather graph; the family compiled together on
     first use (the store/gather and tier tests share it)."""
-    return compiled_together(
-        session,
-        lambda layout, dtype, group: build_store_gather_graph(layout, dtype, kernels, group=group),
-        LAYOUT_DTYPE_KEYS,
-    )
+    family = store_gather_family(kernels, DeviceRef.CPU())
+    return compiled_together(session, family.build, family.keys)
 
 
 # Property tests (hypothesis): a bounded profile for CI and a long one for soaking,

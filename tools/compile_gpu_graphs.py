@@ -1,6 +1,7 @@
 """Compiles the graphs a GPU run compiles, for a GPU target, on a machine with or without
-a GPU: the GPU tests' families (`tests/support/gpu_families.py`) and the KV-formats
-benchmark's graphs, each family as one `GraphGroup`, as they compile on a GPU.
+a GPU: the GPU tests' families (`tests/support/graph_families.py`, and SmolLM2's in
+`tests/support/smollm2.py`) and the KV-formats benchmark's graphs, each family as one
+`GraphGroup`, as they compile on a GPU.
 
 MAX's virtual device mode (`max.driver.set_virtual_device_*`, what `max serve --target`
 uses) gives the process a GPU that compiles but never runs: a graph that a GPU would
@@ -55,36 +56,36 @@ def main(argv: list[str] | None = None) -> int:
     from mokv_examples.bench.attention_kernels import Kernels
     from mokv_examples.bench.kv_formats import FORMATS, FormatKernels
     from mokv_models.gguf_model import load_llama
-    from tests.support import gpu_families
+    from tests.support import graph_families
+    from tests.support.compile_once import compiled_together
+    from tests.support.smollm2 import dense_and_paged_graphs
 
     gpu = Accelerator()
     session = InferenceSession(devices=[CPU(), gpu])
     kernels = kernel_package()
     device = DeviceRef.GPU()
 
-    def family_group(family: gpu_families.GraphFamily) -> Callable[[], int]:
+    def family_group(family: graph_families.GraphFamily) -> Callable[[], int]:
         def compile_family() -> int:
-            group = GraphGroup()
-            for key in family.keys:
-                family.build(*key, group=group)
-            return len(group.load(session))
+            compiled_together(session, family.build, family.keys)(*family.keys[0])  # compiles them all
+            return len(family.keys)
 
         return compile_family
 
     def formats() -> int:
         format_kernels = FormatKernels(Kernels(session, kernels, gpu))
-        format_kernels[FORMATS[0]]  # the first compiles them all
-        return 2 * len(FORMATS)
+        format_kernels[FORMATS[0]]  # compiles them all
+        return 2 * len(format_kernels.models)
 
     def smollm2() -> int:
         group = GraphGroup()
-        gpu_families.smollm2_graphs(load_llama(weights="f32"), device, group)
+        dense_and_paged_graphs(load_llama(weights="f32"), group, device)
         return len(group.load(session))
 
     compiles = {
-        "attention": family_group(gpu_families.attention_family(kernels, device)),
-        "store_gather": family_group(gpu_families.store_gather_family(kernels, device)),
-        "quantized": family_group(gpu_families.quantized_family(kernels, device)),
+        "attention": family_group(graph_families.attention_family(kernels, device)),
+        "store_gather": family_group(graph_families.store_gather_family(kernels, device)),
+        "quantized": family_group(graph_families.quantized_family(kernels, device)),
         "formats": formats,
         "smollm2": smollm2,
     }

@@ -15,7 +15,7 @@
 #   --full: the whole GPU benchmark instead of --quick.
 #   --kv-formats: then also times mokv's decode and store over float32,
 #            bfloat16, float8_e4m3fn and int8 caches side by side
-#            (attention-gpu-kv-formats.md; 8 more compiles), as a step of
+#            (attention-gpu-kv-formats.md; 8 more graphs, compiled together), as a step of
 #            its own bounded by FORMATS_S (default 150), so that a long
 #            benchmark leaves it its time (the eighth run's did not).
 #   --read-patterns: then the read rate of a cache's rows in the patterns a

@@ -254,7 +254,7 @@ def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -
     outputs = {kv_format: format_call.output for kv_format, format_call in prepared.items()}
     times = time_alternately(calls, min_runs=5, budget_s=budget_s)
     rows = []
-    for kv_format in FORMATS:
+    for kv_format in kernels.formats:
         shape = kernels.shape(kv_format)
         per_token = shape.bytes_per_token(case.heads)
         seconds = times[kv_format]

@@ -22,7 +22,7 @@ from tests.support import store_gather as cpu_rows
 from tests.support.compile_once import compiled_together
 from tests.support.gpu import needs_gpu
 from tests.support.gpu_cases import assert_attention_close, mixed_case, on_prefill_kernel, window_case
-from tests.support.gpu_families import attention_family, store_gather_family
+from tests.support.graph_families import attention_family, store_gather_family
 
 pytestmark = needs_gpu("the store, gather and attention ops against numpy and MAX's GPU attention")
 

@@ -22,7 +22,7 @@ from tests.support import kv_quantization_cases as cpu
 from tests.support.compile_once import compiled_together
 from tests.support.gpu import needs_gpu
 from tests.support.gpu_cases import QuantizedAttention, on_prefill_kernel
-from tests.support.gpu_families import quantized_family
+from tests.support.graph_families import quantized_family
 from tests.support.quantized_graphs import GRAPH_DTYPE
 
 pytestmark = needs_gpu("the quantized cache's store, gathers and attention against the numpy model")
@@ -31,7 +31,7 @@ pytestmark = needs_gpu("the quantized cache's store, gathers and attention again
 @pytest.fixture(scope="session")
 def gpu_quantized(gpu_session: InferenceSession, gpu_ref: DeviceRef, kernels):
     """`get(kind, graph dtype, model dtype)`: the store/gather or attention graph on the GPU
-    (`gpu_families.QUANTIZED_KEYS`); the family compiled together on first use."""
+    (`graph_families.QUANTIZED_KEYS`); the family compiled together on first use."""
     family = quantized_family(kernels, gpu_ref)
     return compiled_together(gpu_session, family.build, family.keys)
 

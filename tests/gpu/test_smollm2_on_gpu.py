@@ -17,8 +17,7 @@ from mokv_examples.pipeline import CompiledGraphs, GenerationConfig, SmolLM2, ge
 from mokv_models.gguf_model import load_llama
 from mokv_models.llama import llama_weights_registry
 from tests.support.gpu import needs_gpu
-from tests.support.gpu_families import smollm2_graphs
-from tests.support.smollm2 import QUESTIONS, SYSTEM, dense_greedy_fn
+from tests.support.smollm2 import QUESTIONS, SYSTEM, dense_and_paged_graphs, dense_greedy_fn
 
 pytestmark = needs_gpu("SmolLM2-135M greedy generation on mokv's paged cache against the dense graph")
 
@@ -37,7 +36,7 @@ class GpuGraphs:
 def gpu_graphs(gpu_session: InferenceSession, gpu_ref: DeviceRef) -> GpuGraphs:
     checkpoint = load_llama(weights="f32")  # block kernels: CPU only
     group = GraphGroup()
-    dense_name = smollm2_graphs(checkpoint, gpu_ref, group)
+    dense_name = dense_and_paged_graphs(checkpoint, group, gpu_ref)
     models = group.load(gpu_session, weights_registry=llama_weights_registry(checkpoint))
     return GpuGraphs(CompiledGraphs(checkpoint, models), dense_name)
 

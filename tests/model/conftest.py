@@ -17,13 +17,12 @@ import pytest
 from max.engine import InferenceSession, Model
 
 from mokv.graph import GraphGroup
-from mokv_examples.pipeline import CompiledGraphs, MokvCache, SmolLM2, pipeline_graph
-from mokv_models.attention_backends import DenseCausalAttention
+from mokv_examples.pipeline import CompiledGraphs, SmolLM2, pipeline_graph
 from mokv_models.gguf_model import LlamaCheckpoint, load_llama
-from mokv_models.llama import build_llama_graph, llama_weights_registry
+from mokv_models.llama import llama_weights_registry
 from mokv_models.tokenizer import GGUFTokenizer, load_tokenizer
 from mokv_reference.max_cache import MaxCache
-from tests.support.smollm2 import DEFAULT_FORMAT, QUESTIONS, SYSTEM, Greedy, dense_greedy_fn
+from tests.support.smollm2 import DEFAULT_FORMAT, QUESTIONS, SYSTEM, Greedy, dense_and_paged_graphs, dense_greedy_fn
 
 
 def _memo(make: Callable[..., object]) -> Callable[..., object]:
@@ -77,16 +76,12 @@ def smollm2_families(session: InferenceSession, checkpoints) -> Callable[[str], 
     def compile_family(weight_format: str) -> SmolLM2Family:
         checkpoint = checkpoints(weight_format)
         group = GraphGroup()
-        dense = build_llama_graph(
-            checkpoint.config, DenseCausalAttention(), checkpoint.encodings, f"llama_dense_{weight_format}", group=group
-        )
-        for kv_dtype in PIPELINE_KV_DTYPES[weight_format]:
-            pipeline_graph(checkpoint, MokvCache(), kv_dtype, group=group)
+        dense_name = dense_and_paged_graphs(checkpoint, group, kv_dtypes=PIPELINE_KV_DTYPES[weight_format])
         max_cache = MaxCache() if weight_format == DEFAULT_FORMAT else None
         if max_cache is not None:
             pipeline_graph(checkpoint, max_cache, group=group)
         models = group.load(session, weights_registry=llama_weights_registry(checkpoint))
-        return SmolLM2Family(CompiledGraphs(checkpoint, models), dense.name, max_cache)
+        return SmolLM2Family(CompiledGraphs(checkpoint, models), dense_name, max_cache)
 
     return _memo(compile_family)
 

@@ -9,18 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable
 
-from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import Graph
 
 from mokv.graph import GraphGroup
 
 Key = tuple[Hashable, ...]
-
-LAYOUT_DTYPE_KEYS: list[Key] = [
-    (layout, dtype) for layout in ("paged", "continuous") for dtype in (DType.float32, DType.bfloat16)
-]
-"""The (layout, dtype) of each graph in the attention and store/gather families."""
 
 
 def compiled_together(

@@ -1,5 +1,6 @@
 """SmolLM2 test constants and helpers shared by the model tests and the GPU tests:
-the prompts, the paged/dense tolerances, and the dense graph's greedy reference."""
+the prompts, the paged/dense tolerances, the graphs they compile together, and the dense
+graph's greedy reference."""
 
 from __future__ import annotations
 
@@ -8,13 +9,18 @@ from collections.abc import Callable
 import numpy as np
 from max.driver import Buffer, Device
 from max.engine import Model
+from max.graph import DeviceRef
 
+from mokv.graph import GraphGroup
+from mokv_examples.pipeline import KV_DTYPES, MokvCache, pipeline_graph
+from mokv_models.attention_backends import DenseCausalAttention
 from mokv_models.gguf_model import LlamaCheckpoint
-from mokv_models.llama import ragged_batch
+from mokv_models.llama import build_llama_graph, ragged_batch
 from mokv_models.tokenizer import GGUFTokenizer
 from mokv_models.weight_formats import WEIGHT_FORMATS
 
 DEFAULT_FORMAT = WEIGHT_FORMATS[0]
+CPU_REF = DeviceRef.CPU()
 Greedy = Callable[[np.ndarray, int], list[int]]
 NEW_TOKENS = 32
 # Paged and dense logits differ only by the two attention kernels' summation orders.
@@ -25,6 +31,27 @@ QUESTIONS = [
     "List three prime numbers.",
     "Why is the sky blue? Explain it to a child who has just asked you on a sunny afternoon walk.",
 ]
+
+
+def dense_and_paged_graphs(
+    checkpoint: LlamaCheckpoint,
+    group: GraphGroup,
+    device: DeviceRef = CPU_REF,
+    kv_dtypes: tuple[str, ...] = (KV_DTYPES[0],),
+) -> str:
+    """The dense (no-cache) graph and a pipeline on mokv's paged cache per KV dtype, built
+    into `group` on `device`; returns the dense graph's name."""
+    dense = build_llama_graph(
+        checkpoint.config,
+        DenseCausalAttention(),
+        checkpoint.encodings,
+        f"llama_dense_{checkpoint.weight_format}" + ("" if device == CPU_REF else f"_{device.device_type}"),
+        device,
+        group,
+    )
+    for kv_dtype in kv_dtypes:
+        pipeline_graph(checkpoint, MokvCache(), kv_dtype, device_ref=device, group=group)
+    return dense.name
 
 
 def dense_greedy_fn(

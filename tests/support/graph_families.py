@@ -1,7 +1,7 @@
-"""The graph families the GPU tests compile, each a builder and the keys of its graphs.
-The GPU tests' fixtures compile each family as one `GraphGroup` on a GPU, and
-`tools/compile_gpu_graphs.py` compiles the same families for a GPU target on a machine
-without one (MAX's virtual device mode)."""
+"""The op-graph families the tests compile, each a builder and the keys of its graphs, on
+any device: the fixtures compile each family as one `GraphGroup` (on the CPU, and on a GPU
+for the GPU tests), and `tools/compile_gpu_graphs.py` compiles the GPU ones for a GPU
+target on a machine without one (MAX's virtual device mode)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,16 @@ from max.dtype import DType
 from max.graph import DeviceRef, Graph
 
 from mokv.graph import GraphGroup
-from mokv_examples.pipeline import MokvCache, pipeline_graph
-from mokv_models.attention_backends import DenseCausalAttention
-from mokv_models.gguf_model import LlamaCheckpoint
-from mokv_models.llama import build_llama_graph
 from tests.support.attention_graph import build_attention_graph
-from tests.support.compile_once import LAYOUT_DTYPE_KEYS, Key
+from tests.support.compile_once import Key
 from tests.support.kv_quantization_cases import FORMATS
 from tests.support.quantized_graphs import GRAPH_DTYPE, build_attention, build_store_gather
 from tests.support.store_gather import build_store_gather_graph
+
+LAYOUT_DTYPE_KEYS: list[Key] = [
+    (layout, dtype) for layout in ("paged", "continuous") for dtype in (DType.float32, DType.bfloat16)
+]
+"""The (layout, dtype) of each graph in the attention and store/gather families."""
 
 QUANTIZED_KEYS: list[Key] = [
     (kind, GRAPH_DTYPE[fmt], dtype)
@@ -65,18 +66,3 @@ def quantized_family(kernels: Path, device: DeviceRef) -> GraphFamily:
         return build_attention(graph_dtype, dtype, kernels, device=device, group=group)
 
     return GraphFamily(build, QUANTIZED_KEYS)
-
-
-def smollm2_graphs(checkpoint: LlamaCheckpoint, device: DeviceRef, group: GraphGroup) -> str:
-    """SmolLM2's pipeline on mokv's paged cache and its dense (no-cache) reference, built
-    into `group`; returns the dense graph's name."""
-    dense = build_llama_graph(
-        checkpoint.config,
-        DenseCausalAttention(),
-        checkpoint.encodings,
-        f"llama_dense_{checkpoint.weight_format}_{device.device_type}",
-        device,
-        group,
-    )
-    pipeline_graph(checkpoint, MokvCache(), device_ref=device, group=group)
-    return dense.name
