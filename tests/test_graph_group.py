@@ -37,6 +37,24 @@ def test_graphs_compile_together_and_run_by_name(session):
         group.load(session)
 
 
+def test_graphs_compiled_before_under_other_names_come_back_under_this_groups(session):
+    """MAX's compile cache keys a module by its contents, not its graphs' names: graphs
+    compiled before as plus_one, plus_two and built again with the names swapped come back
+    from the cache as plus_one, plus_two. Each must still run under the name it has here."""
+    _add_graph(first := GraphGroup(), "plus_one", 1.0)
+    _add_graph(first, "plus_two", 2.0)
+    first.load(session)
+    swapped = GraphGroup()
+    _add_graph(swapped, "plus_two", 1.0)  # same contents, in the same order, names swapped
+    _add_graph(swapped, "plus_one", 2.0)
+    models = swapped.load(session)
+    assert list(models) == ["plus_two", "plus_one"]
+    x = np.arange(5, dtype=np.float32)
+    for name, addend in (("plus_two", 1.0), ("plus_one", 2.0)):
+        (out,) = models[name].execute(Buffer.from_numpy(x))
+        np.testing.assert_array_equal(out.to_numpy(), x + addend)
+
+
 def test_a_name_twice_is_refused_before_the_graph_is_built():
     group = GraphGroup()
     _add_graph(group, "twice", 1.0)

@@ -30,7 +30,9 @@ class GraphGroup:
 
     Build each graph with `graph(...)` (or pass the group to a builder that takes one), then
     call `load` once: it returns every graph's `Model` by graph name. Graph names must be
-    unique within a group, and a loaded group takes no more graphs.
+    unique within a group, and a loaded group takes no more graphs. A `Model`'s own `name`
+    may be another one: MAX's compile cache keeps the names a module was first compiled
+    under.
     """
 
     def __init__(self) -> None:
@@ -75,7 +77,20 @@ class GraphGroup:
         any_graph = next(iter(self._graphs.values()))
         compiled = session.compile(any_graph)  # seeds and compiles any_graph.module: every graph
         self._loaded = True
-        return session.init_all(compiled, weights_registry=weights_registry)
+        models = session.init_all(compiled, weights_registry=weights_registry)
+        return self._by_our_names(models)
+
+    def _by_our_names(self, models: Mapping[str, Model]) -> dict[str, Model]:
+        """The models under this group's names, matched by position. MAX's compile cache keys
+        a module by its contents, not its graphs' names: a group whose graphs were compiled
+        before under other names (renamed, or two names swapped) comes back under those
+        names, in this group's order. Matching by name would hand out the wrong graph."""
+        if len(models) != len(self._graphs):
+            raise RuntimeError(
+                f"the compiled module holds {len(models)} graphs ({', '.join(models)}), "
+                f"this group {len(self._graphs)} ({', '.join(self._graphs)})"
+            )
+        return dict(zip(self._graphs, models.values(), strict=True))
 
 
 def new_graph(
