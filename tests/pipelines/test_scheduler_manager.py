@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -315,6 +318,51 @@ def test_create_kv_manager_refuses_a_budget_shorter_than_one_request() -> None:
             available_cache_memory=8 * cache.params.bytes_per_page,  # 7 pages beside the null page
             max_num_input_tokens=None,
         )
+
+
+COMPILE_ONLY_SCRIPT = """
+from max import driver
+driver.set_virtual_device_api("cuda")
+driver.set_virtual_device_target_arch("sm_90a")
+driver.set_virtual_device_count(1)
+from max.dtype import DType
+from max.graph import DeviceRef
+from max.nn.kv_cache import MHAKVCacheParams
+from mokv import from_max
+from mokv.pipelines.cache_config import MokvCacheConfig
+from mokv.pipelines.compile_only import CompileOnlyKVCacheManager
+from mokv.pipelines.scheduler_manager import create_kv_manager
+params = MHAKVCacheParams(dtype=DType.bfloat16, n_kv_heads=8, head_dim=128, num_layers=2, page_size=16,
+                          devices=[DeviceRef.GPU()], enable_prefix_caching=True)
+cache = MokvCacheConfig(from_max(params), host_offload_max_gb=None, tiered=False)
+made = create_kv_manager(params, cache, max_batch_size=4, max_seq_len=100, session=None,
+                         available_cache_memory=1 << 40, max_num_input_tokens=None)
+assert isinstance(made, CompileOnlyKVCacheManager), type(made)
+assert made.total_num_pages == 4 * 7 and made.params == from_max(params), (made.total_num_pages, made.params)
+try:
+    made.alloc
+except RuntimeError as error:
+    assert "alloc: this pipeline was built in compile-only mode" in str(error), error
+else:
+    raise AssertionError("a compile-only manager served alloc")
+print("compile-only manager ok")
+"""
+
+
+def test_compile_only_mode_checks_the_cache_and_allocates_nothing() -> None:
+    """`max warm-cache --target` compiles a pipeline for a virtual GPU, where no memory can
+    be allocated: the seam sizes the pool as it would, allocates nothing and returns a
+    manager that refuses every request call (in a process of its own: virtual device mode
+    is entered before any device exists, and for the whole process)."""
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_ONLY_SCRIPT],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),  # the environment this process started with (see mokv.kernels)
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0 and "compile-only manager ok" in result.stdout, result.stderr[-3000:]
 
 
 def test_dummies_bounds_and_buffers_alike() -> None:

@@ -38,7 +38,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from max.driver import Buffer
+from max.driver import Buffer, is_virtual_device_mode
 from max.engine import InferenceSession
 from max.nn.kv_cache import BatchCharacteristics as MaxBatchCharacteristics
 from max.nn.kv_cache import KVCacheParamInterface, MHAKVCacheParams
@@ -55,6 +55,7 @@ from ..contract import KVCacheInputs
 from ..paged import BatchCharacteristics, InsufficientBlocksError, PagedKVCacheManager
 from ..params import from_max
 from ..tiers import KVConnectorConfig
+from .compile_only import CompileOnlyKVCacheManager
 from .max_inputs import MaxDeviceInputs, max_device_inputs
 from .max_metrics import CacheCounters, MetricsWindow, cache_counters
 
@@ -337,9 +338,11 @@ def create_kv_manager(
     session: InferenceSession,
     available_cache_memory: int,
     max_num_input_tokens: int | None,
-) -> SchedulerKVCacheManager:
+) -> SchedulerKVCacheManager | CompileOnlyKVCacheManager:
     """The manager a MAX pipeline builds in place of `load_kv_manager`'s (the
-    seam `mokv.pipelines.architecture` calls, `/work/plan/pipelines-interface.md`).
+    seam `mokv.pipelines.architecture` calls).
+    In compile-only mode (MAX's virtual devices) its settings are checked and a
+    `CompileOnlyKVCacheManager` stands in: no device memory exists to hold pages.
 
     The device pool is sized as MAX's own (non-Jenga) manager sizes it: the
     pages MAX's memory plan left room for (`available_cache_memory //
@@ -364,6 +367,10 @@ def create_kv_manager(
             f"{page_size} tokens ({page_bytes} bytes each, beside the null page), fewer tokens than "
             f"one request of max_seq_len={max_seq_len}"
         )
+    if is_virtual_device_mode():
+        _check_single_cache(params)
+        logger.info("mokv KV cache: compile-only mode, no pages allocated (%d in a real run)", total_num_pages)
+        return CompileOnlyKVCacheManager(from_max(_without_connector(params)), total_num_pages)
     manager = SchedulerKVCacheManager.create(
         params,
         session,
