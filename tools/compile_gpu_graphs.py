@@ -1,7 +1,8 @@
 """Compiles the graphs a GPU run compiles, for a GPU target, on a machine with or without
 a GPU: the GPU tests' families (`tests/support/graph_families.py`, and SmolLM2's in
 `tests/support/smollm2.py`) and the KV-formats benchmark's graphs, each family as one
-`GraphGroup`, as they compile on a GPU.
+`GraphGroup`, as they compile on a GPU; and mokv inside MAX's own pipeline (MAX's Llama
+on mokv's attention, kernels and manager), as `max warm-cache --target` compiles it.
 
 MAX's virtual device mode (`max.driver.set_virtual_device_*`, what `max serve --target`
 uses) gives the process a GPU that compiles but never runs: a graph that a GPU would
@@ -10,14 +11,15 @@ wrong device, a group MAX cannot compile together) fails here, before a run spen
 device minutes on it. Executing is left to the GPU: the models it returns refuse to run.
 
 Usage: .venv/bin/python tools/compile_gpu_graphs.py [--target sm_90a] [family ...]
-(families: attention, store_gather, quantized, formats, smollm2; default all: 36 minutes
-on this project's 2-core machine beside a test run, SmolLM2's graphs 25 of them).
+(families: attention, store_gather, quantized, formats, smollm2, pipeline; default all:
+about 45 minutes on this project's 2-core machine, SmolLM2's graphs 25 of them, MAX's pipeline 10).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -26,7 +28,10 @@ from pathlib import Path
 from max import driver
 
 REPO = Path(__file__).resolve().parents[1]
-FAMILIES = ("attention", "store_gather", "quantized", "formats", "smollm2")
+FAMILIES = ("attention", "store_gather", "quantized", "formats", "smollm2", "pipeline")
+PIPELINE_CASES = (("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "float8_e4m3fn"))
+"""The (weights, KV cache) formats MAX's pipeline on mokv compiles in: bfloat16 weights over
+bfloat16 or float8 pages are what a GPU serves (mokv's tensor-core kernels)."""
 
 
 def _enter_virtual_device_mode(target: str) -> None:
@@ -34,6 +39,32 @@ def _enter_virtual_device_mode(target: str) -> None:
     driver.set_virtual_device_api("cuda")
     driver.set_virtual_device_target_arch(target)
     driver.set_virtual_device_count(1)
+
+
+def _warm_max_pipeline(target: str, weights: str, kv_format: str) -> None:
+    """MAX's `max warm-cache --target` over mokv's architecture (a process of its own,
+    which enters virtual device mode itself): MAX's Llama graph with mokv's ops compiled
+    for `target`, SmolLM2's `weights`, a `kv_format` cache; mokv's manager is the
+    compile-only one there (`mokv.pipelines.compile_only`)."""
+    from mokv_examples.max_model import weights_file
+    from tests.support.pipelines import model_dir_with
+
+    model = model_dir_with(*dict.fromkeys(w for w, _ in PIPELINE_CASES))
+    command = [
+        str(Path(sys.executable).with_name("max")), "warm-cache", "--target", f"cuda:{target}", "--devices", "gpu",
+        "--model-path", str(model), "--weight-path", str(model / weights_file(weights)),
+        "--quantization-encoding", weights, "--custom-architectures", "mokv.pipelines.architecture",
+        "--kv-cache-page-size", "16", "--kv-cache-format", kv_format,
+    ]  # fmt: skip
+    # MAX starts its workers with the first python3 on PATH: this environment's.
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    result = subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "PATH": path}, check=False
+    )
+    case = f"{weights} weights over a {kv_format} cache"
+    if result.returncode != 0:
+        raise RuntimeError(f"max warm-cache, {case}, failed:\n{result.stderr[-4000:]}")
+    print(f"pipeline: MAX's Llama on mokv, {case}, compiled for {target}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,18 +113,24 @@ def main(argv: list[str] | None = None) -> int:
         dense_and_paged_graphs(load_llama(weights="f32"), group, device)
         return len(group.load(session))
 
+    def pipeline() -> int:
+        for weights, kv_format in PIPELINE_CASES:
+            _warm_max_pipeline(args.target, weights, kv_format)
+        return len(PIPELINE_CASES)
+
     compiles = {
         "attention": family_group(graph_families.attention_family(kernels, device)),
         "store_gather": family_group(graph_families.store_gather_family(kernels, device)),
         "quantized": family_group(graph_families.quantized_family(kernels, device)),
         "formats": formats,
         "smollm2": smollm2,
+        "pipeline": pipeline,
     }
     for name in args.families or FAMILIES:
         print(f"{name}: compiling for {args.target} ...", flush=True)
         started = time.perf_counter()
         count = compiles[name]()
-        print(f"{name}: {count} graphs compiled together in {time.perf_counter() - started:.0f} s", flush=True)
+        print(f"{name}: {count} graphs compiled in {time.perf_counter() - started:.0f} s", flush=True)
     return 0
 
 

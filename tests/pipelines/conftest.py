@@ -14,18 +14,21 @@ from pathlib import Path
 import pytest
 
 from mokv_examples.local_redis import LocalRedis
-from mokv_examples.max_model import default_model_dir, weights_file, write_model_dir
+from mokv_examples.max_model import weights_file
 from mokv_examples.max_server import MaxServer, ServeOptions
-from tests.support.pipelines import MAX_MODEL_ENCODING, SERVE_MAX_BATCH, SERVE_MAX_LENGTH, SERVE_PAGE_SIZE
+from tests.support.pipelines import (
+    MAX_MODEL_ENCODING,
+    SERVE_MAX_BATCH,
+    SERVE_MAX_LENGTH,
+    SERVE_PAGE_SIZE,
+    model_dir_with,
+)
 
 
 @pytest.fixture(scope="session")
 def max_model_dir() -> Path:
     """The model directory, written on first use (about 20 s on an idle machine)."""
-    directory = default_model_dir()
-    if not (directory / "config.json").exists() or not (directory / weights_file(MAX_MODEL_ENCODING)).exists():
-        write_model_dir(directory, (MAX_MODEL_ENCODING,))
-    return directory
+    return model_dir_with(MAX_MODEL_ENCODING)
 
 
 # ------------------------------------------------------------ max serve (scheduler side)

@@ -18,7 +18,6 @@ kernels' rounding (~1e-6 here); these prompts have no such tie.
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,85 +27,26 @@ import pytest
 pytest.importorskip("max.pipelines.context")
 
 from max.driver import DeviceSpec
-from max.nn.kv_cache.metrics import KVCacheMetrics
 from max.pipelines.architectures.llama3 import llama_arch
-from max.pipelines.lib import PipelineArgs, PipelineConfig
+from max.pipelines.lib import PipelineConfig
 from max.pipelines.lib.arch_lookup import ArchLookup
-from max.pipelines.lib.generate import generate
-from max.pipelines.lib.registry import PipelineRegistry
 
 from mokv.pipelines import architecture
 from mokv.pipelines.attention import CacheStep, MokvAttentionWithRope
 from mokv.pipelines.scheduler_manager import SchedulerKVCacheManager
-from mokv_examples.max_model import weights_file
-from mokv_models.tokenizer import load_tokenizer
-from tests.support.pipelines import MAX_MODEL_ENCODING, SERVE_MAX_BATCH, SERVE_MAX_LENGTH
+from tests.support.max_generate import NEW_TOKENS, GreedyRun, chat_batches, greedy_run, pipeline_config
+from tests.support.pipelines import MAX_MODEL_ENCODING
 
 pytestmark = pytest.mark.slow
 
-NEW_TOKENS = 24
 FLOAT8_LOGIT_ATOL = 2.5
 """How far a float8 cache moves the logits after the prompts: e4m3 keeps 3
 mantissa bits (up to 6% per element, each token and head scaled to its own
 absolute maximum); measured up to 1.4 on logits up to ~30."""
-QUESTIONS = [
-    "What is the capital of France?",
-    "List three prime numbers.",
-    "Explain, for a reader who has never heard of caches, why a web browser keeps copies of the pages, "
-    "images and scripts it has already downloaded, what can go wrong when a copy is stale, and how "
-    "a server tells the browser how long a copy may be kept. Then explain why a language model that "
-    "answers a long conversation keeps the keys and values of every earlier token instead of "
-    "recomputing them, how much memory that takes for a model with thirty layers, and what a server "
-    "can do when many users send the same long instructions at the start of their chats. Give one "
-    "example from everyday browsing and one from a chat assistant, each in two sentences.",
-]
 
 
 def _config(model_dir: Path, **flags: str) -> PipelineConfig:
-    args = PipelineArgs.from_flat_kwargs(
-        model_path=str(model_dir),
-        weight_path=[str(model_dir / weights_file(MAX_MODEL_ENCODING))],
-        quantization_encoding=MAX_MODEL_ENCODING,
-        device_specs=[DeviceSpec.cpu()],
-        max_batch_size=SERVE_MAX_BATCH,  # the server's batch and context: one compiled graph serves both
-        max_length=SERVE_MAX_LENGTH,
-        **flags,
-    )
-    return PipelineConfig.from_args(args)
-
-
-def _batches() -> list[list[list[int]]]:
-    """Two batches of chat prompts (token ids); the second repeats the first's long prompt."""
-    tokenizer = load_tokenizer()
-    prompts = [tokenizer.encode_chat([{"role": "user", "content": q}]).tolist() for q in QUESTIONS]
-    assert len(prompts[2]) > 128, "the repeated prompt must fill a page to be served from the prefix cache"
-    return [prompts, [prompts[2], prompts[0]]]
-
-
-@dataclass
-class Run:
-    """One pipeline's greedy tokens per batch, the first batch's logits after
-    its prompts (`[rows, vocab]`), and its KV manager after them."""
-
-    tokens: list[list[list[int]]]
-    first_logits: np.ndarray
-    manager: type
-    metrics: KVCacheMetrics
-
-
-def _greedy(arch, config: PipelineConfig, batches: list[list[list[int]]]) -> Run:
-    """Each batch's new tokens through a pipeline of `arch`, built in a registry of its own."""
-    _, pipeline = PipelineRegistry([arch], arch_lookup=ArchLookup()).retrieve(config)
-    tokens, logits = [], []
-    for batch in batches:
-        result = generate(pipeline, batch, max_new_tokens=NEW_TOKENS, top_k=1, ignore_eos=True, output_logits=True)
-        tokens.append([row[len(prompt) :] for row, prompt in zip(result.sequences, batch, strict=True)])
-        logits.append(np.stack([np.asarray(row_logits)[0] for row_logits in result.logits]))
-    manager = pipeline._kv_manager
-    run = Run(tokens, logits[0], type(manager), manager.get_metrics_aggregated())
-    del pipeline, manager
-    gc.collect()
-    return run
+    return pipeline_config(model_dir, MAX_MODEL_ENCODING, DeviceSpec.cpu(), **flags)
 
 
 @dataclass
@@ -118,7 +58,7 @@ class Built:
 
 
 @pytest.fixture(scope="module")
-def runs(max_model_dir) -> tuple[Run, Run, Built]:
+def runs(max_model_dir) -> tuple[GreedyRun, GreedyRun, Built]:
     """MAX's Llama's run, mokv's run, and what building mokv's graph did (the
     attention layers turned into twins, the cache steps prepared)."""
     config = _config(max_model_dir)
@@ -133,11 +73,11 @@ def runs(max_model_dir) -> tuple[Run, Run, Built]:
         built.prepared += 1
         return prepare(*args)
 
-    theirs = _greedy(llama_arch, config, _batches())
+    theirs = greedy_run(llama_arch, config, chat_batches())
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(architecture, "to_mokv", converting)
         patch.setattr(CacheStep, "prepare", classmethod(preparing))
-        ours = _greedy(architecture.mokv_llama_arch, config, _batches())
+        ours = greedy_run(architecture.mokv_llama_arch, config, chat_batches())
     return theirs, ours, built
 
 
@@ -161,7 +101,7 @@ def test_float8_cache_in_maxs_scale_layout_predicts_as_float32_within_its_roundi
     magnitude (~20-30)."""
     theirs, _, _ = runs
     config = _config(max_model_dir, kv_cache_format="float8_e4m3fn")
-    float8 = _greedy(architecture.mokv_llama_arch, config, _batches()[:1])
+    float8 = greedy_run(architecture.mokv_llama_arch, config, chat_batches()[:1])
     assert float8.manager is SchedulerKVCacheManager
     np.testing.assert_allclose(float8.first_logits, theirs.first_logits, atol=FLOAT8_LOGIT_ATOL, rtol=0)
     assert np.abs(theirs.first_logits).max() > 10 * FLOAT8_LOGIT_ATOL

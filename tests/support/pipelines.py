@@ -1,7 +1,11 @@
 """Settings the tests of mokv inside MAX's own pipelines share: the model's weights and the
-one `max serve` per session (its page size, batch and context)."""
+one `max serve` per session (its page size, batch and context), and the model directory."""
 
 from __future__ import annotations
+
+from pathlib import Path
+
+from mokv_examples.max_model import ENCODINGS, default_model_dir, weights_file, write_model_dir
 
 MAX_MODEL_ENCODING = "float32"
 """The weights the pipeline tests load (exact: the GGUF dequantized)."""
@@ -14,3 +18,13 @@ SERVE_MAX_BATCH, SERVE_MAX_LENGTH = 8, 1024
 pages (~380 MB), and a 1024-token context leaves room to refuse a longer prompt cheaply.
 The `max generate` test runs with the same page size, batch and context, so the server's
 graph is the one that test compiled (MAX's cache serves it)."""
+
+
+def model_dir_with(*encodings: str) -> Path:
+    """`mokv max-model`'s directory under mokv's cache, holding at least `encodings`' weight
+    files: written on first use (about 20 s a file), keeping the files already there."""
+    directory = default_model_dir()
+    present = [e for e in ENCODINGS if (directory / weights_file(e)).exists()]
+    if not (directory / "config.json").exists() or not set(encodings) <= set(present):
+        write_model_dir(directory, tuple(dict.fromkeys((*present, *encodings))))
+    return directory
