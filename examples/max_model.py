@@ -193,7 +193,8 @@ def max_model(directory: Path | None, encodings: tuple[str, ...]) -> None:
     written = write_model_dir(directory or default_model_dir(), encodings)
     click.echo(f"wrote {written}")
     for encoding in encodings:
+        devices = "gpu --quantization-encoding bfloat16" if encoding == "bfloat16" else "cpu"  # bf16: MAX's GPU Llama
         click.echo(
-            f"  max generate --model-path {written} --weight-path {written / weights_file(encoding)} --devices cpu "
-            "--custom-architectures mokv.pipelines.architecture --prompt 'Hello'"
+            f"  max generate --model-path {written} --weight-path {written / weights_file(encoding)} "
+            f"--devices {devices} --custom-architectures mokv.pipelines.architecture --prompt 'Hello'"
         )
