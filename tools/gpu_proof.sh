@@ -203,7 +203,8 @@ python3 -c "import xdist" 2>/dev/null && side_by_side=(-p xdist.plugin -n 3 --di
 step collect 120 python3 -m pytest tests/gpu --collect-only -q -p no:cacheprovider || status=1
 # The emulator's tests need no GPU (CI runs them) and would spend minutes building it here,
 # nor do the planner's and the code conversions' (host programs), nor the compile-only
-# check of the GPU graphs (the tests here compile them for real); the warp steps' tests run
+# check of the GPU graphs (the tests here compile them for real), nor the check of the
+# prepared run's commands; the warp steps' tests run
 # here on the GPU only (`-k "not emulated"`: their hardware half).
 # A `-k` in PYTEST_ARGS narrows that selection (pytest keeps only its last `-k`, so
 # the two are joined here: otherwise the emulated halves would build the emulator).
@@ -220,6 +221,6 @@ for ((i = 0; i < ${#given[@]}; i++)); do
 done
 step tests "${TESTS_S:-330}" python3 -m pytest tests/gpu --ignore-glob "tests/gpu/test_emulated_*" \
     --ignore tests/gpu/test_attention_plan.py --ignore tests/gpu/test_code_conversions.py \
-    --ignore tests/gpu/test_compile_gpu_graphs.py \
+    --ignore tests/gpu/test_compile_gpu_graphs.py --ignore tests/gpu/test_prepared_command.py \
     "${side_by_side[@]}" -v -rfEs --durations=15 -p no:cacheprovider -k "$selection" "${pytest_args[@]}" || status=1
 exit $status
