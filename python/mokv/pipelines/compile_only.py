@@ -16,14 +16,16 @@ from ..params import KVCacheParams
 
 class CompileOnlyKVCacheManager:
     """No cache, for a pipeline compiled for a virtual device: `params` and the pool's
-    size are what the real manager would have had; any other attribute raises."""
+    size are what the real manager would have had; any other attribute raises an
+    `AttributeError` that says why (so `hasattr` and `getattr(..., default)` probes
+    still answer as for a missing attribute)."""
 
     def __init__(self, params: KVCacheParams, total_num_pages: int) -> None:
         self.params = params
         self.total_num_pages = total_num_pages
 
     def __getattr__(self, name: str) -> NoReturn:
-        raise RuntimeError(
+        raise AttributeError(
             f"{name}: this pipeline was built in compile-only mode (MAX's virtual devices, "
             "`max warm-cache --target`): mokv's KV cache holds no pages there and serves no request"
         )
