@@ -24,9 +24,10 @@ which for tables as large as RoPE's costs build time and IR size. RoPE uses the 
 (the checkpoint's Q/K rows are already in that order), with cos/sin computed in float64 on the
 host and gathered by position.
 
-The layers are built one after another, not as a shared subgraph (``ops.call``): a cold compile
-goes mostly to MAX's kernels for this graph rather than to each layer, so sharing the layer
-would not shorten it.
+The layers are built one after another, not as a shared subgraph (``ops.call``): for the CPU a
+cold compile goes mostly to MAX's kernels for this graph rather than to each layer, so sharing
+the layer would not shorten it. For a GPU it might: compiled for sm_90a (MAX's virtual device
+mode, 2026-11-30), the dense and paged float32 graphs took 443 s with 30 layers and 225 s with 2.
 """
 
 from __future__ import annotations
