@@ -24,7 +24,7 @@ holds `tokenizer.json` (the GGUF's byte-level BPE, `mokv_models.tokenizer`),
 `tokenizer_config.json` with the GGUF's chat template, and
 `generation_config.json`.
 
-Run it as: `max generate --model-path DIR --weight-path DIR/model-float32.gguf
+Run it as: `max generate --model-path DIR --weight-path model-float32.gguf
 --devices cpu --prompt "..."`, adding `--custom-architectures
 mokv.pipelines.architecture` for mokv's cache.
 """
@@ -195,6 +195,6 @@ def max_model(directory: Path | None, encodings: tuple[str, ...]) -> None:
     for encoding in encodings:
         devices = "gpu --quantization-encoding bfloat16" if encoding == "bfloat16" else "cpu"  # bf16: MAX's GPU Llama
         click.echo(
-            f"  max generate --model-path {written} --weight-path {written / weights_file(encoding)} "
+            f"  max generate --model-path {written} --weight-path {weights_file(encoding)} "
             f"--devices {devices} --custom-architectures mokv.pipelines.architecture --prompt 'Hello'"
         )
