@@ -40,6 +40,8 @@ class ServeOptions:
         model_dir: A directory from `mokv max-model`.
         weights: The weight file in it (e.g. `model-q4_0.gguf`).
         mokv: mokv's cache and kernels (else MAX's own).
+        devices: `--devices`: `cpu`, or `gpu` (MAX's Llama takes bfloat16 weights there).
+        encoding: `--quantization-encoding` (None: what MAX reads from the weights).
         page_size: `--kv-cache-page-size` (MAX's own manager needs a multiple of 128).
         max_batch_size, max_length: `--max-batch-size`, `--max-length`.
         connector: `--kv-connector-config` (None: MAX's default, no tiers).
@@ -50,6 +52,8 @@ class ServeOptions:
     model_dir: Path
     weights: str
     mokv: bool = True
+    devices: str = "cpu"
+    encoding: str | None = None
     page_size: int = 128
     max_batch_size: int = 8
     max_length: int = 2048
@@ -59,9 +63,11 @@ class ServeOptions:
 
     def command(self, port: int) -> list[str]:
         """The `max serve` command line."""
-        command = [str(Path(sys.executable).with_name("max")), "serve", "--devices", "cpu"]
+        command = [str(Path(sys.executable).with_name("max")), "serve", "--devices", self.devices]
         command += ["--host", "127.0.0.1", "--port", str(port)]
         command += ["--model-path", str(self.model_dir), "--weight-path", str(self.model_dir / self.weights)]
+        if self.encoding is not None:
+            command += ["--quantization-encoding", self.encoding]
         command += ["--max-batch-size", str(self.max_batch_size), "--max-length", str(self.max_length)]
         command += ["--kv-cache-page-size", str(self.page_size), "--enable-prefix-caching"]
         if self.mokv:

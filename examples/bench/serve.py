@@ -38,9 +38,13 @@ import numpy as np
 
 from mokv_examples.bench.results import out_dir_option, write_results
 from mokv_examples.chat_stream import StreamedTurn, stream_chat
-from mokv_examples.max_model import default_model_dir, weights_file, write_model_dir
+from mokv_examples.max_model import ENCODINGS, default_model_dir, weights_file, write_model_dir
 from mokv_examples.max_server import MaxServer, ServeOptions
 
+DEVICE_WEIGHTS = {"cpu": "float32", "gpu": "bfloat16"}
+"""The weights each device serves: float32 on the CPU (MAX 26.7's Llama computes NaN logits
+from the q4_0 file there, docs/max-pipelines.md), bfloat16 on a GPU (it takes no float32 GGUF
+there)."""
 SYSTEM_PROMPT = (
     "You are a concise assistant for engineers who operate large language model inference services. "
     "You explain caching, batching, memory and latency trade-offs in plain words, with one concrete "
@@ -121,7 +125,7 @@ def markdown(rows: list[dict], setup: dict) -> str:
     out = (
         f"`mokv bench serve` on {setup['date']}: {setup['clients']} concurrent conversations x "
         f"{setup['turns']} turns, {setup['new_tokens']} new tokens per turn, SmolLM2-135M {setup['encoding']}, "
-        f"max batch {setup['max_batch_size']}, `--devices cpu`; "
+        f"max batch {setup['max_batch_size']}, `--devices {setup['device']}`; "
         f"load average before / after: {setup['load_before']} / {setup['load_after']}.\n\n"
     )
     out += "| engine | round | page size | TTFT p50 ms | TTFT p99 ms | output tok/s | prefix hit rate | prompt tok "
@@ -188,6 +192,13 @@ def plot(rows: list[dict], path: Path) -> None:
 )
 @click.option("--max-batch-size", default=8, show_default=True)
 @click.option("--rounds", default=1, show_default=True, help="Runs of both engines, alternating.")
+@click.option(
+    "--device",
+    type=click.Choice(sorted(DEVICE_WEIGHTS)),
+    default="cpu",
+    show_default=True,
+    help="Where both servers run: gpu serves bfloat16 weights (MAX's Llama takes no float32 GGUF there).",
+)
 def serve(
     quick: bool,
     out_dir: Path,
@@ -199,20 +210,23 @@ def serve(
     mokv_page_size: int | None,
     max_batch_size: int,
     rounds: int,
+    device: str,
 ) -> None:
     """TTFT, throughput and prefix hits through `max serve`: MAX's cache vs mokv's."""
     if quick:
         clients, turns, new_tokens = 4, 2, 8
     model_dir = model_dir or default_model_dir()
-    encoding = "float32"  # MAX 26.7's Llama computes NaN logits from the q4_0 weights on CPU (docs/max-pipelines.md)
+    encoding = DEVICE_WEIGHTS[device]
     if not (model_dir / weights_file(encoding)).exists():
+        present = tuple(e for e in ENCODINGS if (model_dir / weights_file(e)).exists())
         click.echo(f"writing the model directory {model_dir} ({encoding})...", err=True)
-        write_model_dir(model_dir, (encoding,))
+        write_model_dir(model_dir, (*present, encoding))
     setup = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "clients": clients,
         "turns": turns,
         "new_tokens": new_tokens,
+        "device": device,
         "encoding": encoding,
         "max_batch_size": max_batch_size,
         "load_before": " ".join(f"{v:.1f}" for v in os.getloadavg()),
@@ -225,6 +239,8 @@ def serve(
                     model_dir,
                     weights_file(encoding),
                     mokv=mokv,
+                    devices=device,
+                    encoding=encoding,
                     page_size=(mokv_page_size or page_size) if mokv else page_size,
                     max_batch_size=max_batch_size,
                     cache_salt=False,

@@ -1,7 +1,8 @@
 """The `max generate` and `max serve` commands the README and `docs/max-pipelines.md` give,
-as MAX reads them: every option one MAX's own command line takes, and the weights found
-where MAX looks for them (inside `--model-path`: a weight path written relative to the
-repository is not found there). Parsing only: nothing compiles or runs."""
+and those `mokv bench serve` starts (`ServeOptions`, on the CPU and on a GPU), as MAX reads
+them: every option one MAX's own command line takes, and the weights found where MAX looks
+for them (inside `--model-path`: a weight path written relative to the repository is not
+found there). Parsing only: nothing compiles or runs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ import pytest
 from max._entrypoints.pipelines import main as max_cli
 from max.driver import DeviceSpec
 from max.pipelines.lib import PipelineArgs, PipelineConfig
+
+from mokv_examples.bench.serve import DEVICE_WEIGHTS
+from mokv_examples.max_model import weights_file
+from mokv_examples.max_server import MOKV_ARCHITECTURE, ServeOptions
+from tests.support.pipelines import model_dir_with
 
 REPO = Path(__file__).resolve().parents[2]
 DOCUMENTS = ("README.md", "docs/max-pipelines.md")
@@ -44,14 +50,33 @@ def test_the_documents_give_both_commands():
     assert {words[0] for _, words in COMMANDS} == {"generate", "serve"}
 
 
-@pytest.mark.parametrize(("document", "argv"), COMMANDS, ids=[f"{d}-{a[0]}-{i}" for i, (d, a) in enumerate(COMMANDS)])
-def test_a_documented_command_is_one_max_takes(document: str, argv: list[str], max_model_dir: Path, monkeypatch):
+def _check_with_max(argv: list[str], model_dir: Path) -> dict:
+    """`argv` (`generate ...` or `serve ...`) parsed by MAX's own command line and its
+    weights resolved as MAX resolves them (the documents' model directory read as
+    `model_dir`, mokv's cache being elsewhere in a test session); returns the parameters."""
     command = max_cli.get_command(None, argv[0])
     params = command.make_context(argv[0], argv[1:]).params  # unknown options and bad values raise here
-    assert params["custom_architectures"] == ("mokv.pipelines.architecture",), document
-    monkeypatch.chdir(REPO)
-    model_path = params["model_path"].replace(DOCUMENTED_MODEL_DIR, str(max_model_dir))
     args = PipelineArgs.from_flat_kwargs(
-        model_path=model_path, weight_path=list(params["weight_path"]), device_specs=[DeviceSpec.cpu()]
+        model_path=str(model_dir) if params["model_path"] == DOCUMENTED_MODEL_DIR else params["model_path"],
+        weight_path=list(params["weight_path"]),
+        device_specs=[DeviceSpec.cpu()],
     )
     assert PipelineConfig.from_args(args).model.weights_size() > 100_000_000  # found where MAX looks
+    return params
+
+
+@pytest.mark.parametrize(("document", "argv"), COMMANDS, ids=[f"{d}-{a[0]}-{i}" for i, (d, a) in enumerate(COMMANDS)])
+def test_a_documented_command_is_one_max_takes(document: str, argv: list[str], max_model_dir: Path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    params = _check_with_max(argv, max_model_dir)
+    assert params["custom_architectures"] == ("mokv.pipelines.architecture",), document
+
+
+@pytest.mark.parametrize("device", sorted(DEVICE_WEIGHTS))
+def test_the_benchmarks_server_command_is_one_max_takes(device: str):
+    encoding = DEVICE_WEIGHTS[device]
+    model_dir = model_dir_with(encoding)
+    options = ServeOptions(model_dir, weights_file(encoding), devices=device, encoding=encoding)
+    params = _check_with_max(options.command(port=8000)[1:], model_dir)
+    assert (params["devices"], params["quantization_encoding"]) == (device, encoding)
+    assert params["custom_architectures"] == (MOKV_ARCHITECTURE,)
