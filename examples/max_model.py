@@ -174,6 +174,28 @@ def write_model_dir(directory: Path, encodings: tuple[str, ...] = ("float32",), 
     return directory
 
 
+def add_weights(directory: Path, encoding: str, gguf_path: Path | None = None) -> Path:
+    """Writes `encoding`'s weight file into an existing model directory, under a temporary
+    name renamed into place, so that a server or test reading the directory's other files
+    is never disturbed and the file is complete or absent. Returns the file.
+
+    Raises:
+        ValueError: an encoding other than those in `ENCODINGS`.
+        FileNotFoundError: `directory` holds no model (`config.json`).
+    """
+    if encoding not in ENCODINGS:
+        raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
+    directory = Path(directory)
+    if not (directory / "config.json").exists():
+        raise FileNotFoundError(f"{directory} holds no model directory (no config.json): write it with write_model_dir")
+    reader = gguf.GGUFReader(Path(gguf_path) if gguf_path is not None else smollm2_gguf_path())
+    path = directory / weights_file(encoding)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    _write_weights(reader, tmp, encoding)
+    tmp.rename(path)
+    return path
+
+
 @click.command("max-model")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path), required=False)
 @click.option(

@@ -38,7 +38,7 @@ import numpy as np
 
 from mokv_examples.bench.results import out_dir_option, write_results
 from mokv_examples.chat_stream import StreamedTurn, stream_chat
-from mokv_examples.max_model import ENCODINGS, default_model_dir, weights_file, write_model_dir
+from mokv_examples.max_model import add_weights, default_model_dir, weights_file, write_model_dir
 from mokv_examples.max_server import MaxServer, ServeOptions
 
 DEVICE_WEIGHTS = {"cpu": "float32", "gpu": "bfloat16"}
@@ -217,10 +217,12 @@ def serve(
         clients, turns, new_tokens = 4, 2, 8
     model_dir = model_dir or default_model_dir()
     encoding = DEVICE_WEIGHTS[device]
-    if not (model_dir / weights_file(encoding)).exists():
-        present = tuple(e for e in ENCODINGS if (model_dir / weights_file(e)).exists())
+    if not (model_dir / "config.json").exists():
         click.echo(f"writing the model directory {model_dir} ({encoding})...", err=True)
-        write_model_dir(model_dir, (*present, encoding))
+        write_model_dir(model_dir, (encoding,))
+    elif not (model_dir / weights_file(encoding)).exists():
+        click.echo(f"adding {encoding} weights to {model_dir}...", err=True)
+        add_weights(model_dir, encoding)
     setup = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "clients": clients,

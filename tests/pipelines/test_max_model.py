@@ -11,11 +11,11 @@ import pytest
 from max.pipelines.lib.pipeline_variants.utils import get_rope_theta
 from transformers import AutoConfig, AutoTokenizer
 
-from mokv_examples.max_model import weights_file, write_model_dir
+from mokv_examples.max_model import add_weights, default_model_dir, weights_file
 from mokv_models.gguf_model import load_llama
 from mokv_models.model_files import smollm2_gguf_path
 from mokv_models.tokenizer import load_tokenizer
-from tests.support.pipelines import MAX_MODEL_ENCODING
+from tests.support.pipelines import MAX_MODEL_ENCODING, model_dir_with
 
 MESSAGES = [
     {"role": "user", "content": "What is 12 + 30? Answer with digits: 42."},
@@ -69,10 +69,16 @@ def _bfloat16_bits(values: np.ndarray) -> np.ndarray:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def test_bfloat16_weights_are_every_tensor_rounded_to_nearest(tmp_path) -> None:
+def test_bfloat16_weights_are_every_tensor_rounded_to_nearest() -> None:
     """The file MAX's Llama loads on a GPU (`--quantization-encoding bfloat16`): every
-    tensor, the norms too, in bfloat16 (MAX checks each weight's dtype)."""
-    directory = write_model_dir(tmp_path / "model", ("bfloat16",))
+    tensor, the norms too, in bfloat16 (MAX checks each weight's dtype); added beside the
+    float32 file when the directory exists (`add_weights`)."""
+    float32_file = default_model_dir() / weights_file("float32")
+    before = float32_file.stat() if float32_file.exists() else None
+    directory = model_dir_with("bfloat16")
+    if before is not None:  # added beside it, not by rewriting the directory
+        after = float32_file.stat()
+        assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     written = {t.name: t for t in gguf.GGUFReader(directory / weights_file("bfloat16")).tensors}
     source = {t.name: t for t in gguf.GGUFReader(smollm2_gguf_path()).tensors}
     assert written.keys() == source.keys()
@@ -81,3 +87,12 @@ def test_bfloat16_weights_are_every_tensor_rounded_to_nearest(tmp_path) -> None:
         expected = _bfloat16_bits(gguf.quants.dequantize(source[name].data, source[name].tensor_type))
         got = np.asarray(written[name].data).view(np.uint16).reshape(expected.shape)
         np.testing.assert_array_equal(got, expected, err_msg=name)
+
+
+def test_weights_are_added_only_to_a_model_directory_and_in_a_known_encoding(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        add_weights(tmp_path, "bfloat16")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="encoding must be one of float32, bfloat16, q4_0, got 'bf16'"):
+        add_weights(tmp_path, "bf16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]

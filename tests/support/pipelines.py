@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mokv_examples.max_model import ENCODINGS, default_model_dir, weights_file, write_model_dir
+from mokv_examples.max_model import add_weights, default_model_dir, weights_file, write_model_dir
 
 MAX_MODEL_ENCODING = "float32"
 """The weights the pipeline tests load (exact: the GGUF dequantized)."""
@@ -22,9 +22,12 @@ graph is the one that test compiled (MAX's cache serves it)."""
 
 def model_dir_with(*encodings: str) -> Path:
     """`mokv max-model`'s directory under mokv's cache, holding at least `encodings`' weight
-    files: written on first use (about 20 s a file), keeping the files already there."""
+    files: the directory written on first use, a missing file added beside the others
+    (about 20 s a file; a server reading the directory meanwhile is not disturbed)."""
     directory = default_model_dir()
-    present = [e for e in ENCODINGS if (directory / weights_file(e)).exists()]
-    if not (directory / "config.json").exists() or not set(encodings) <= set(present):
-        write_model_dir(directory, tuple(dict.fromkeys((*present, *encodings))))
+    if not (directory / "config.json").exists():
+        write_model_dir(directory, encodings)
+    for encoding in encodings:
+        if not (directory / weights_file(encoding)).exists():
+            add_weights(directory, encoding)
     return directory
