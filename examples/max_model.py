@@ -191,8 +191,11 @@ def add_weights(directory: Path, encoding: str, gguf_path: Path | None = None) -
     reader = gguf.GGUFReader(Path(gguf_path) if gguf_path is not None else smollm2_gguf_path())
     path = directory / weights_file(encoding)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    _write_weights(reader, tmp, encoding)
-    tmp.rename(path)
+    try:
+        _write_weights(reader, tmp, encoding)
+        tmp.rename(path)
+    finally:
+        tmp.unlink(missing_ok=True)  # left only when the write failed
     return path
 
 
