@@ -199,6 +199,20 @@ def add_weights(directory: Path, encoding: str, gguf_path: Path | None = None) -
     return path
 
 
+def ensure_model_dir(*encodings: str, directory: Path | None = None) -> Path:
+    """The model directory (`directory`, by default `default_model_dir()`) holding at least
+    `encodings`' weight files: written whole when it holds no model, a missing file added
+    beside the others (`add_weights`: a server reading it meanwhile is not disturbed).
+    About 20 s a file written. Returns the directory."""
+    directory = Path(directory) if directory is not None else default_model_dir()
+    if not (directory / "config.json").exists():
+        return write_model_dir(directory, encodings)
+    for encoding in encodings:
+        if not (directory / weights_file(encoding)).exists():
+            add_weights(directory, encoding)
+    return directory
+
+
 @click.command("max-model")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path), required=False)
 @click.option(

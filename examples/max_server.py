@@ -32,6 +32,20 @@ MOKV_ARCHITECTURE = "mokv.pipelines.architecture"
 """The module `--custom-architectures` imports for mokv's attention, kernels and manager."""
 
 
+def max_executable() -> str:
+    """MAX's command line (`max`) of this environment."""
+    return str(Path(sys.executable).with_name("max"))
+
+
+def max_environment() -> dict[str, str]:
+    """The environment to start MAX's command line in, offline. MAX 26.7 starts its model
+    worker with the `python3` found on PATH, not with this interpreter: the environment's
+    own comes first, or the worker cannot import mokv (as when the environment is
+    activated)."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return dict(os.environ, PATH=path, HF_HUB_OFFLINE="1")
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """How one server runs: the same settings for MAX's cache and mokv's but `mokv`.
@@ -63,7 +77,7 @@ class ServeOptions:
 
     def command(self, port: int) -> list[str]:
         """The `max serve` command line."""
-        command = [str(Path(sys.executable).with_name("max")), "serve", "--devices", self.devices]
+        command = [max_executable(), "serve", "--devices", self.devices]
         command += ["--host", "127.0.0.1", "--port", str(port)]
         command += ["--model-path", str(self.model_dir), "--weight-path", str(self.model_dir / self.weights)]
         if self.encoding is not None:
@@ -161,11 +175,7 @@ class MaxServer:
             RuntimeError: The server exited or did not answer in time; the
                 message holds the end of its log.
         """
-        # MAX 26.7 starts its model worker with the `python3` found on PATH, not
-        # with this interpreter: the environment's own comes first, or the
-        # worker cannot import mokv (as when the environment is activated).
-        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        env = dict(os.environ, PATH=path, HF_HUB_OFFLINE="1", MAX_SERVE_METRICS_ENDPOINT_PORT=str(self.metrics_port))
+        env = dict(max_environment(), MAX_SERVE_METRICS_ENDPOINT_PORT=str(self.metrics_port))
         if self.options.cache_salt:
             env["MAX_SERVE_USE_CLIENT_CACHE_SALT"] = "true"
         env.update(self.env)

@@ -11,8 +11,8 @@ wrong device, a group MAX cannot compile together) fails here, before a run spen
 device minutes on it. Executing is left to the GPU: the models it returns refuse to run.
 
 Usage: .venv/bin/python tools/compile_gpu_graphs.py [--target sm_90a] [family ...]
-(families: attention, store_gather, quantized, formats, smollm2, pipeline; default all:
-about 45 minutes on this project's 2-core machine, SmolLM2's graphs 25 of them, MAX's pipeline 10).
+(families: attention, store_gather, quantized, formats, smollm2, pipeline; default all.
+What each took is in tests/gpu/README.md.)
 """
 
 from __future__ import annotations
@@ -41,26 +41,21 @@ def _enter_virtual_device_mode(target: str) -> None:
     driver.set_virtual_device_count(1)
 
 
-def _warm_max_pipeline(target: str, weights: str, kv_format: str) -> None:
+def _warm_max_pipeline(model: Path, target: str, weights: str, kv_format: str) -> None:
     """MAX's `max warm-cache --target` over mokv's architecture (a process of its own,
     which enters virtual device mode itself): MAX's Llama graph with mokv's ops compiled
-    for `target`, SmolLM2's `weights`, a `kv_format` cache; mokv's manager is the
-    compile-only one there (`mokv.pipelines.compile_only`)."""
+    for `target`, the model directory's `weights`, a `kv_format` cache; mokv's manager is
+    the compile-only one there (`mokv.pipelines.compile_only`)."""
     from mokv_examples.max_model import weights_file
-    from tests.support.pipelines import model_dir_with
+    from mokv_examples.max_server import MOKV_ARCHITECTURE, max_environment, max_executable
 
-    model = model_dir_with(*dict.fromkeys(w for w, _ in PIPELINE_CASES))
     command = [
-        str(Path(sys.executable).with_name("max")), "warm-cache", "--target", f"cuda:{target}", "--devices", "gpu",
+        max_executable(), "warm-cache", "--target", f"cuda:{target}", "--devices", "gpu",
         "--model-path", str(model), "--weight-path", str(model / weights_file(weights)),
-        "--quantization-encoding", weights, "--custom-architectures", "mokv.pipelines.architecture",
+        "--quantization-encoding", weights, "--custom-architectures", MOKV_ARCHITECTURE,
         "--kv-cache-page-size", "16", "--kv-cache-format", kv_format,
     ]  # fmt: skip
-    # MAX starts its workers with the first python3 on PATH: this environment's.
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    result = subprocess.run(
-        command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "PATH": path}, check=False
-    )
+    result = subprocess.run(command, capture_output=True, text=True, env=max_environment(), check=False)
     case = f"{weights} weights over a {kv_format} cache"
     if result.returncode != 0:
         raise RuntimeError(f"max warm-cache, {case}, failed:\n{result.stderr[-4000:]}")
@@ -86,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     from mokv.kernels import kernel_package
     from mokv_examples.bench.attention_kernels import Kernels
     from mokv_examples.bench.kv_formats import FORMATS, FormatKernels
+    from mokv_examples.max_model import ensure_model_dir
     from mokv_models.gguf_model import load_llama
     from tests.support import graph_families
     from tests.support.compile_once import compiled_together
@@ -114,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         return len(group.load(session))
 
     def pipeline() -> int:
+        model = ensure_model_dir(*dict.fromkeys(weights for weights, _ in PIPELINE_CASES))
         for weights, kv_format in PIPELINE_CASES:
-            _warm_max_pipeline(args.target, weights, kv_format)
+            _warm_max_pipeline(model, args.target, weights, kv_format)
         return len(PIPELINE_CASES)
 
     compiles = {

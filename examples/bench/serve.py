@@ -38,7 +38,7 @@ import numpy as np
 
 from mokv_examples.bench.results import out_dir_option, write_results
 from mokv_examples.chat_stream import StreamedTurn, stream_chat
-from mokv_examples.max_model import add_weights, default_model_dir, weights_file, write_model_dir
+from mokv_examples.max_model import default_model_dir, ensure_model_dir, weights_file
 from mokv_examples.max_server import MaxServer, ServeOptions
 
 DEVICE_WEIGHTS = {"cpu": "float32", "gpu": "bfloat16"}
@@ -217,12 +217,9 @@ def serve(
         clients, turns, new_tokens = 4, 2, 8
     model_dir = model_dir or default_model_dir()
     encoding = DEVICE_WEIGHTS[device]
-    if not (model_dir / "config.json").exists():
-        click.echo(f"writing the model directory {model_dir} ({encoding})...", err=True)
-        write_model_dir(model_dir, (encoding,))
-    elif not (model_dir / weights_file(encoding)).exists():
-        click.echo(f"adding {encoding} weights to {model_dir}...", err=True)
-        add_weights(model_dir, encoding)
+    if not (model_dir / weights_file(encoding)).exists():
+        click.echo(f"writing {encoding} weights into {model_dir}...", err=True)
+        ensure_model_dir(encoding, directory=model_dir)
     setup = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "clients": clients,

@@ -19,9 +19,9 @@ from max.pipelines.architectures.llama3 import llama_arch
 
 from mokv.pipelines import architecture
 from mokv.pipelines.scheduler_manager import SchedulerKVCacheManager
+from mokv_examples.max_model import ensure_model_dir
 from tests.support.gpu import needs_gpu
 from tests.support.max_generate import GreedyRun, chat_batches, greedy_run, pipeline_config
-from tests.support.pipelines import model_dir_with
 
 pytestmark = needs_gpu("MAX's Llama pipeline on mokv's cache and kernels against MAX's own, in bfloat16")
 
@@ -35,7 +35,7 @@ plus bfloat16's."""
 
 
 def _run(arch: object, **flags: str) -> GreedyRun:
-    config = pipeline_config(model_dir_with(WEIGHTS), WEIGHTS, DeviceSpec.accelerator(), **flags)
+    config = pipeline_config(ensure_model_dir(WEIGHTS), WEIGHTS, DeviceSpec.accelerator(), **flags)
     return greedy_run(arch, config, chat_batches())
 
 

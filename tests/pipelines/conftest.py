@@ -14,21 +14,15 @@ from pathlib import Path
 import pytest
 
 from mokv_examples.local_redis import LocalRedis
-from mokv_examples.max_model import weights_file
+from mokv_examples.max_model import ensure_model_dir, weights_file
 from mokv_examples.max_server import MaxServer, ServeOptions
-from tests.support.pipelines import (
-    MAX_MODEL_ENCODING,
-    SERVE_MAX_BATCH,
-    SERVE_MAX_LENGTH,
-    SERVE_PAGE_SIZE,
-    model_dir_with,
-)
+from tests.support.pipelines import MAX_MODEL_ENCODING, SERVE_MAX_BATCH, SERVE_MAX_LENGTH, SERVE_PAGE_SIZE
 
 
 @pytest.fixture(scope="session")
 def max_model_dir() -> Path:
     """The model directory, written on first use (about 20 s on an idle machine)."""
-    return model_dir_with(MAX_MODEL_ENCODING)
+    return ensure_model_dir(MAX_MODEL_ENCODING)
 
 
 # ------------------------------------------------------------ max serve (scheduler side)

@@ -16,9 +16,8 @@ from max.driver import DeviceSpec
 from max.pipelines.lib import PipelineArgs, PipelineConfig
 
 from mokv_examples.bench.serve import DEVICE_WEIGHTS
-from mokv_examples.max_model import weights_file
+from mokv_examples.max_model import ensure_model_dir, weights_file
 from mokv_examples.max_server import MOKV_ARCHITECTURE, ServeOptions
-from tests.support.pipelines import model_dir_with
 
 REPO = Path(__file__).resolve().parents[2]
 DOCUMENTS = ("README.md", "docs/max-pipelines.md")
@@ -75,7 +74,7 @@ def test_a_documented_command_is_one_max_takes(document: str, argv: list[str], m
 @pytest.mark.parametrize("device", sorted(DEVICE_WEIGHTS))
 def test_the_benchmarks_server_command_is_one_max_takes(device: str):
     encoding = DEVICE_WEIGHTS[device]
-    model_dir = model_dir_with(encoding)
+    model_dir = ensure_model_dir(encoding)
     options = ServeOptions(model_dir, weights_file(encoding), devices=device, encoding=encoding)
     params = _check_with_max(options.command(port=8000)[1:], model_dir)
     assert (params["devices"], params["quantization_encoding"]) == (device, encoding)

@@ -11,11 +11,11 @@ import pytest
 from max.pipelines.lib.pipeline_variants.utils import get_rope_theta
 from transformers import AutoConfig, AutoTokenizer
 
-from mokv_examples.max_model import add_weights, default_model_dir, weights_file
+from mokv_examples.max_model import add_weights, default_model_dir, ensure_model_dir, weights_file
 from mokv_models.gguf_model import load_llama
 from mokv_models.model_files import smollm2_gguf_path
 from mokv_models.tokenizer import load_tokenizer
-from tests.support.pipelines import MAX_MODEL_ENCODING, model_dir_with
+from tests.support.pipelines import MAX_MODEL_ENCODING
 
 MESSAGES = [
     {"role": "user", "content": "What is 12 + 30? Answer with digits: 42."},
@@ -75,7 +75,7 @@ def test_bfloat16_weights_are_every_tensor_rounded_to_nearest() -> None:
     float32 file when the directory exists (`add_weights`)."""
     float32_file = default_model_dir() / weights_file("float32")
     before = float32_file.stat() if float32_file.exists() else None
-    directory = model_dir_with("bfloat16")
+    directory = ensure_model_dir("bfloat16")
     if before is not None:  # added beside it, not by rewriting the directory
         after = float32_file.stat()
         assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)

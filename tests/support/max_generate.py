@@ -1,6 +1,6 @@
 """Driving MAX's own text-generation pipeline (`max.pipelines.lib.generate`, the batch API
 under `max generate`) in tests: a `PipelineConfig` for SmolLM2's model directory
-(`tests.support.pipelines.model_dir_with`), two batches of chat prompts, and a pipeline's
+(`mokv_examples.max_model.ensure_model_dir`), two batches of chat prompts, and a pipeline's
 greedy run built through a registry of its own (so MAX's global architecture table keeps
 MAX's Llama). Test modules import it, never a conftest: importing MAX's pipelines changes
 the process's C-level environment, and xdist's workers started after that lose the venv."""

@@ -1,11 +1,7 @@
 """Settings the tests of mokv inside MAX's own pipelines share: the model's weights and the
-one `max serve` per session (its page size, batch and context), and the model directory."""
+one `max serve` per session (its page size, batch and context)."""
 
 from __future__ import annotations
-
-from pathlib import Path
-
-from mokv_examples.max_model import add_weights, default_model_dir, weights_file, write_model_dir
 
 MAX_MODEL_ENCODING = "float32"
 """The weights the pipeline tests load (exact: the GGUF dequantized)."""
@@ -18,16 +14,3 @@ SERVE_MAX_BATCH, SERVE_MAX_LENGTH = 8, 1024
 pages (~380 MB), and a 1024-token context leaves room to refuse a longer prompt cheaply.
 The `max generate` test runs with the same page size, batch and context, so the server's
 graph is the one that test compiled (MAX's cache serves it)."""
-
-
-def model_dir_with(*encodings: str) -> Path:
-    """`mokv max-model`'s directory under mokv's cache, holding at least `encodings`' weight
-    files: the directory written on first use, a missing file added beside the others
-    (about 20 s a file; a server reading the directory meanwhile is not disturbed)."""
-    directory = default_model_dir()
-    if not (directory / "config.json").exists():
-        write_model_dir(directory, encodings)
-    for encoding in encodings:
-        if not (directory / weights_file(encoding)).exists():
-            add_weights(directory, encoding)
-    return directory

@@ -53,7 +53,7 @@ from max.pipelines.kv_cache.paged_kv_cache import PrefixCacheHits
 
 from ..contract import KVCacheInputs
 from ..paged import BatchCharacteristics, InsufficientBlocksError, PagedKVCacheManager
-from ..params import from_max
+from ..params import KVCacheParams, from_max
 from ..tiers import KVConnectorConfig
 from .compile_only import CompileOnlyKVCacheManager
 from .max_inputs import MaxDeviceInputs, max_device_inputs
@@ -73,6 +73,12 @@ def _without_connector(params: MHAKVCacheParams) -> MHAKVCacheParams:
     `connector_config` and host pages) stand in for MAX's connector, which
     does not shape the cache."""
     return dataclasses.replace(params, kv_connector_config=NullKVConnectorConfig())
+
+
+def _converted(params: object) -> KVCacheParams:
+    """mokv's params for MAX's `params` of one cache, without MAX's connector."""
+    _check_single_cache(params)
+    return from_max(_without_connector(params))
 
 
 logger = logging.getLogger("mokv.pipelines")
@@ -126,9 +132,8 @@ class SchedulerKVCacheManager(PagedKVCacheManagerInterface):
             TypeError, ValueError: As `mokv.PagedKVCacheManager` and `from_max`
                 (a MAX setting mokv does not support is named).
         """
-        _check_single_cache(params)
         manager = PagedKVCacheManager(
-            from_max(_without_connector(params)),
+            _converted(params),
             session,
             total_num_pages,
             total_num_host_pages,
@@ -368,9 +373,9 @@ def create_kv_manager(
             f"one request of max_seq_len={max_seq_len}"
         )
     if is_virtual_device_mode():
-        _check_single_cache(params)
+        compile_only = CompileOnlyKVCacheManager(_converted(params), total_num_pages)
         logger.info("mokv KV cache: compile-only mode, no pages allocated (%d in a real run)", total_num_pages)
-        return CompileOnlyKVCacheManager(from_max(_without_connector(params)), total_num_pages)
+        return compile_only
     manager = SchedulerKVCacheManager.create(
         params,
         session,
