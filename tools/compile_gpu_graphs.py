@@ -1,8 +1,10 @@
 """Compiles the graphs a GPU run compiles, for a GPU target, on a machine with or without
 a GPU: the GPU tests' families (`tests/support/graph_families.py`, and SmolLM2's in
 `tests/support/smollm2.py`) and the KV-formats benchmark's graphs, each family as one
-`GraphGroup`, as they compile on a GPU; and mokv inside MAX's own pipeline (MAX's Llama
-on mokv's attention, kernels and manager), as `max warm-cache --target` compiles it.
+`GraphGroup`, as they compile on a GPU; the quick attention benchmark's graphs (mokv's and
+MAX's) and the profile's float8 decode (`tools/gpu_profile.py`); and mokv inside MAX's own
+pipeline (MAX's Llama on mokv's attention, kernels and manager), as `max warm-cache
+--target` compiles it.
 
 MAX's virtual device mode (`max.driver.set_virtual_device_*`, what `max serve --target`
 uses) gives the process a GPU that compiles but never runs: a graph that a GPU would
@@ -10,9 +12,13 @@ refuse at compile time (a kernel that does not build for the target, an op place
 wrong device, a group MAX cannot compile together) fails here, before a run spends its
 device minutes on it. Executing is left to the GPU: the models it returns refuse to run.
 
+The Mojo kernels these compiles leave in `MODULAR_CACHE_DIR` serve a GPU machine too (MAX's
+cache keys a compiled kernel by its contents, not by where its package lies):
+`tools/gpu_warm_cache.sh` packs them for the GPU run to carry.
+
 Usage: .venv/bin/python tools/compile_gpu_graphs.py [--target sm_90a] [family ...]
-(families: attention, store_gather, quantized, formats, smollm2, pipeline; default all.
-What each took is in tests/gpu/README.md.)
+(families: attention, store_gather, quantized, formats, bench, profile, smollm2, pipeline;
+default all. What each took is in tests/gpu/README.md.)
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from pathlib import Path
 from max import driver
 
 REPO = Path(__file__).resolve().parents[1]
-FAMILIES = ("attention", "store_gather", "quantized", "formats", "smollm2", "pipeline")
+FAMILIES = ("attention", "store_gather", "quantized", "formats", "bench", "profile", "smollm2", "pipeline")
 PIPELINE_CASES = (("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "float8_e4m3fn"))
 """The (weights, KV cache) formats MAX's pipeline on mokv compiles in: bfloat16 weights over
 bfloat16 or float8 pages are what a GPU serves (mokv's tensor-core kernels)."""
@@ -71,14 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown families {unknown}: choose from {', '.join(FAMILIES)}")
     _enter_virtual_device_mode(args.target)
-    sys.path.insert(0, str(REPO))  # the tests' graph builders
+    sys.path[:0] = [str(REPO), str(REPO / "tools")]  # the tests' graph builders, the profile's cases
 
+    from gpu_profile import profiled_formats
     from max.driver import CPU, Accelerator
     from max.engine import InferenceSession
     from max.graph import DeviceRef
 
     from mokv.graph import GraphGroup
     from mokv.kernels import kernel_package
+    from mokv_examples.bench.attention_cases import gpu_quick_cases
     from mokv_examples.bench.attention_kernels import Kernels
     from mokv_examples.bench.kv_formats import FORMATS, FormatKernels
     from mokv_examples.max_model import ensure_model_dir
@@ -104,6 +112,20 @@ def main(argv: list[str] | None = None) -> int:
         format_kernels[FORMATS[0]]  # compiles them all
         return 2 * len(format_kernels.models)
 
+    def bench() -> int:
+        bench_kernels = Kernels(session, kernels, gpu)
+        cases = gpu_quick_cases()
+        for dtype in dict.fromkeys(case.dtype for case in cases):
+            bench_kernels.mokv_model(dtype)
+        for case in cases:
+            bench_kernels.max_kernel(case)
+        return len(bench_kernels.mokv) + len(bench_kernels.max)
+
+    def profile() -> int:
+        for kv_format in profiled_formats():  # a group of its own each, as the profile's
+            FormatKernels(Kernels(session, kernels, gpu), (kv_format,))[kv_format]
+        return 2 * len(profiled_formats())
+
     def smollm2() -> int:
         group = GraphGroup()
         dense_and_paged_graphs(load_llama(weights="f32"), group, device)
@@ -120,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         "store_gather": family_group(graph_families.store_gather_family(kernels, device)),
         "quantized": family_group(graph_families.quantized_family(kernels, device)),
         "formats": formats,
+        "bench": bench,
+        "profile": profile,
         "smollm2": smollm2,
         "pipeline": pipeline,
     }

@@ -45,6 +45,11 @@ DEFAULT_CASES = (
 )
 
 
+def profiled_formats(names: list[str] | None = None) -> tuple[str, ...]:
+    """The KV formats whose decode the profile runs (`NAME:FORMAT` cases), in order."""
+    return tuple(dict.fromkeys(name.split(":")[1] for name in names or DEFAULT_CASES if ":" in name))
+
+
 def profile_format_case(name: str, kv_format: str, kernels: Kernels) -> None:
     """A KV-formats case's decode over `kv_format`'s cache, twice."""
     cases = {case.name: case for case in format_cases(quick=True, gpu=True)}

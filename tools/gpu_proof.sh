@@ -118,12 +118,19 @@ install() {
     ln -sfn "$PWD/graphs" "$SITE/mokv_models"
     ln -sfn "$PWD/examples" "$SITE/mokv_examples"
     ln -sfn "$PWD/reference" "$SITE/mokv_reference"
+    # Mojo kernels compiled for this GPU before, if carried (tools/gpu_warm_cache.sh):
+    # MAX finds them by their contents. Once per machine: a rerun keeps its cache.
+    if [ -f .gpu-warm/modular.tar.gz ] && [ ! -d "$MODULAR_CACHE_DIR/.mojo_cache" ]; then
+        tar xzf .gpu-warm/modular.tar.gz -C "$MOKV_CACHE_DIR" || return 1
+        echo "warm kernel cache: $(cat .gpu-warm/made.txt 2>/dev/null); kernels here at $(git rev-parse --short HEAD 2>/dev/null)"
+    fi
 }
 
 
 step install 0 install || exit 1
 export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+grep -m1 "model name" /proc/cpuinfo >> "$OUT/gpu.txt" 2>&1  # the host, for MAX's cache keys
 status=0
 if $build && ! $tests_only; then
     ARCH=$(python3 -c "from max.driver import accelerator_architecture_name as a; print(a())" 2>/dev/null || echo sm_90)

@@ -40,6 +40,13 @@ def _proof_calls() -> list[tuple[dict[str, str], list[str]]]:
     return calls
 
 
+def _carried() -> list[str]:
+    """The paths the prepared command's calls carry (`carry=[...]`), each once."""
+    section = README.read_text().split("## The prepared command", 1)[1]
+    carries = re.findall(r"carry=\[([^\]]*)\]", section)
+    return sorted({path for carry in carries for path in re.findall(r'"([^"]+)"', carry)})
+
+
 CALLS = _proof_calls()
 SELECTING = [i for i, (settings, _) in enumerate(CALLS) if "-k" in shlex.split(settings.get("PYTEST_ARGS", ""))]
 
@@ -78,3 +85,19 @@ def test_each_test_selection_selects_tests(call: int):
     )
     selected = [line for line in result.stdout.splitlines() if "::" in line]
     assert result.returncode == 0 and selected, f"-k {expression!r} selects no GPU test:\n{result.stdout[-2000:]}"
+
+
+@pytest.mark.parametrize("path", _carried())
+def test_each_carried_path_is_made_by_a_tool_and_used_there(path: str):
+    # Carried paths are git-ignored (otherwise they would travel anyway), made here by one
+    # of the tools, and read there: by the proof itself or through a call's COMPARE.
+    ignored = subprocess.run(["git", "check-ignore", "-q", f"{path}/x"], cwd=REPO, check=False)
+    assert ignored.returncode == 0, f"{path} is carried but not git-ignored"
+    makers = [
+        t.name
+        for t in (REPO / "tools").glob("*.sh")
+        if t != PROOF and re.search(rf"(?<![\w.-]){re.escape(path)}(?![\w-])", t.read_text())
+    ]
+    assert makers, f"no tool makes {path}"
+    compared = " ".join(settings.get("COMPARE", "") for settings, _ in CALLS)
+    assert path in PROOF.read_text() or path in compared, f"nothing reads {path} on the GPU machine"
