@@ -31,6 +31,9 @@
 #   --tests-only: only the tests (with PYTEST_ARGS, say), for a second call
 #            on the warm machine after the first ran out of time.
 # TESTS_S and BENCH_S (seconds, default 330 and 180) bound the two steps;
+# PROOF_S (seconds since the proof started, unset by default) lets the tests
+# run on to then where the steps before them left the time (when compiled
+# kernels were carried, say): their limit is the larger of TESTS_S and that;
 # PYTEST_ARGS goes to pytest, split as the shell splits words (quotes keep
 # an expression whole), e.g. "-k 'long_contexts or matches_max'".
 # COMPARE="TARGET=FILE[,TARGET=FILE...] ..." times other versions of source
@@ -226,7 +229,11 @@ for ((i = 0; i < ${#given[@]}; i++)); do
         pytest_args+=("${given[i]}")
     fi
 done
-step tests "${TESTS_S:-330}" python3 -m pytest tests/gpu --ignore-glob "tests/gpu/test_emulated_*" \
+tests_limit=${TESTS_S:-330}
+if [ -n "${PROOF_S:-}" ] && [ $((PROOF_S - SECONDS)) -gt "$tests_limit" ]; then
+    tests_limit=$((PROOF_S - SECONDS))
+fi
+step tests "$tests_limit" python3 -m pytest tests/gpu --ignore-glob "tests/gpu/test_emulated_*" \
     --ignore tests/gpu/test_attention_plan.py --ignore tests/gpu/test_code_conversions.py \
     --ignore tests/gpu/test_compile_gpu_graphs.py --ignore tests/gpu/test_prepared_command.py \
     "${side_by_side[@]}" -v -rfEs --durations=15 -p no:cacheprovider -k "$selection" "${pytest_args[@]}" || status=1
