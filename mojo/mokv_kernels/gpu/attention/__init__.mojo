@@ -25,7 +25,10 @@ The package, one concept per module (as the CPU one):
 - `decode`: a few query rows against a long context (flash decoding), on
   CUDA cores;
 - `prefill`: larger query tiles on CUDA cores;
-- `mma`: decode and prefill of bfloat16 and 8-bit caches on tensor cores;
+- `mma`: decode and prefill of bfloat16 and 8-bit caches on tensor cores,
+  one thread's (under the emulator one warp's) program;
+- `mma_kernel`: their grid and the order a block runs that program's phases;
+- `mma_softmax`: their online softmax, in a warp's registers;
 - `mma_tiles`: their shared memory, and the copies that fill it;
 - `producer`: the producer warpgroup that feeds the Hopper prefill's
   tiles, and the barriers it hands them over by;

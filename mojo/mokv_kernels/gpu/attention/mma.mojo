@@ -4,8 +4,9 @@ or with one scale per head row, the default, as they are to float16 for
 float16 products, `scales_per_key` in `MmaThread`, which decode widens in
 registers instead, `MmaTiles.IN_REGISTERS`): Q Kᵀ and P V as
 `mma.sync` m16n8k16 products with float32 accumulation (`..warp`), or as
-Hopper's warpgroup products, in three kernels (`MmaKernel`) that differ in
-what their four warps split and how they multiply:
+Hopper's warpgroup products, in three kernels (`mma_kernel.MmaKernel`,
+which orders this program's phases) that differ in what their four warps
+split and how they multiply:
 
 - prefill (`decode` False): 64 query rows (tokens times the GQA group of one
   KV head, `work`), sixteen per warp, each warp over all keys of a tile, so
@@ -69,14 +70,12 @@ The context is walked in tiles of `BN` = 64 keys (128 with `boxes`):
   exponents (a row's max is taken before, one multiply-add per score), so
   the queries stay exact (with `scales_per_key`, after the product, by that
   times the row's power of two and each key's key scale);
-- online softmax in registers: each lane holds two rows' scores (`..warp`'s
-  C layout; decode, with at most 8 rows, only the first), the quad of four
-  lanes sharing a row combine maxima with two shuffles; sums stay per lane
-  until the end; a row's outputs are rescaled only when its max moves;
+- online softmax in registers (`mma_softmax`): each lane holds two rows'
+  scores (decode, with at most 8 rows, only the first's are real);
 - values: the probabilities (with `scales_per_key`, the weights: each times
   its key's value scale) are rounded to bfloat16 (float16) in registers and
-  are the next product's A operand as they are (a C fragment pair is an A
-  fragment), V fragments from the transposed `ldmatrix`;
+  are the next product's A operand as they are, V fragments from the
+  transposed `ldmatrix`;
 - decode over an 8-bit cache with one scale per head row (`IN_REGISTERS`):
   K and V fragments are the codes themselves, loaded 16 bytes at a time
   from their code stage and converted in registers (a pair of float8 codes
@@ -109,21 +108,19 @@ warp (`..warp`)."""
 
 from std.math import exp2
 from std.memory import bitcast
-from std.sys import bit_width_of
 
 from ...pointers import BF16Ptr, F32Ptr
 from ...cache.traits import KVCacheT
 from ...kv_quantization import is_quantized
-from ..block import BlockExecutor, BlockId, KernelT, ThreadProgram
+from ..block import ThreadProgram
 from ..codes import codes_as_float16
 from ..copy import wait_copies
 from ..mbarrier import BARRIER_BYTES
-from ..warp import FragA, FragB, Frags, each_lane, ld_matrix, mma, shuffle_xor, warp_barrier
+from ..warp import FragA, FragB, Frags, each_lane, ld_matrix, mma, warp_barrier
 from ..warpgroup import (
     WARPGROUP_ROWS,
     WARPGROUP_WARPS,
     async_proxy_fence,
-    set_warpgroup_registers,
     k_slice,
     mn_slice,
     warpgroup_arrive,
@@ -134,15 +131,10 @@ from ..warpgroup import (
     wgmma_ss,
 )
 from .config import BLOCK_THREADS, DECODE_ROWS, NEG_INF, WARP, WARPS
+from .mma_softmax import RowSoftmax
 from .mma_tiles import KEYS, TILE_KEYS, VALUES, MmaTiles, value_log_scales
-from .producer import (
-    CONSUMER_REGISTERS,
-    PRODUCER_REGISTERS,
-    PRODUCER_THREADS,
-    StageRing,
-    TileProducer,
-)
-from .work import AttentionArgs, BlockWork, attention_grid, block_work, write_row_part
+from .producer import PRODUCER_THREADS, StageRing, TileProducer
+from .work import AttentionArgs, BlockWork, write_row_part
 
 # Phases of a block (`MmaThread.step`).
 comptime LOAD_Q = 0
@@ -246,7 +238,10 @@ struct MmaThread[
     run's profile of the bfloat16 decode had its warps waiting on memory
     (L1TEX) for 56% of their cycles; four stages still fit three float8
     blocks per multiprocessor at head_dim 128 (74 KB each) and two int8
-    blocks (`MmaKernel.MIN_BLOCKS`)."""
+    blocks (`mma_kernel.MmaKernel.MIN_BLOCKS`)."""
+    comptime Softmax = RowSoftmax[
+        Self.lanes, Self.NTILES, Self.DTILES, Self.ROW_HALVES, Self.scales_per_key, Self.PRODUCTS
+    ]
     comptime Tiles = MmaTiles[
         Self.cache_t,
         Self.D,
@@ -287,8 +282,8 @@ struct MmaThread[
     """The program's first thread."""
     var tiles: Self.Tiles
     var o: Frags[DType.float32, 4, Self.DTILES, Self.lanes]
-    var row_max: Frags[DType.float32, 1, 2, Self.lanes]
-    var row_sum: Frags[DType.float32, 1, 2, Self.lanes]
+    var softmax: Self.Softmax
+    """Each lane's rows' running max and sum."""
     var visible: Frags[DType.int32, 2, 2, Self.lanes]
     """Each lane's two rows' first and last visible keys (positions; an
     empty range for a padding row), found once per block: a tile that
@@ -304,7 +299,7 @@ struct MmaThread[
     var next_scores: Frags[DType.float32, 4, Self.NTILES, Self.lanes]
     """`PIPELINED`: the next tile's Q Kᵀ, in flight until this tile's
     values are multiplied."""
-    var last_weights: Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes]
+    var last_weights: Self.Softmax.Weights
     """`producer`: the last tile's weights, rounded: the A operand of its
     P V, which the next tile issues beside its own Q Kᵀ (`produced_tile`)."""
     var score_scales: Frags[DType.float32, 4, 1, Self.lanes]
@@ -339,11 +334,10 @@ struct MmaThread[
         self.tid = tid
         self.tiles = Self.Tiles.of(args, work, shared)
         self.o = Frags[DType.float32, 4, Self.DTILES, Self.lanes](0)
-        self.row_max = Frags[DType.float32, 1, 2, Self.lanes](NEG_INF)
-        self.row_sum = Frags[DType.float32, 1, 2, Self.lanes](0)
+        self.softmax = Self.Softmax()
         self.pages = Array[Int32, Self.lanes](fill=-1)
         self.next_scores = Frags[DType.float32, 4, Self.NTILES, Self.lanes](0)
-        self.last_weights = Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes](0)
+        self.last_weights = Self.Softmax.Weights(0)
         self.score_scales = Frags[DType.float32, 4, 1, Self.lanes](0)
         var visible = Frags[DType.int32, 2, 2, Self.lanes](0)
         var rows = work.rows(args.group)
@@ -810,36 +804,35 @@ struct MmaThread[
             self.o.set(n + 1, mma[Self.lanes, Self.PRODUCTS](a, b1, self.o.get(n + 1)))
 
     @always_inline
-    def quad_combine[
-        is_max: Bool
-    ](self, var values: Array[Float32, Self.lanes]) -> Array[Float32, Self.lanes]:
-        """`values` combined (max, or sum) over each quad of lanes that
-        share a row."""
-        comptime for i in range(2):
-            var other = shuffle_xor[Self.lanes](values, 1 << i)
-            for l in range(Self.lanes):
-                comptime if is_max:
-                    values[l] = max(values[l], other[l])
-                else:
-                    values[l] += other[l]
-        return values^
+    def softmax_tile[
+        deferred: Bool
+    ](
+        mut self, kv_start: Int, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]
+    ) -> Self.Softmax.Factors:
+        """The online softmax of the tile at `kv_start` over its scores `s`
+        (`RowSoftmax.tile`, the outputs rescaled there unless `deferred`),
+        with its keys' value log-scales where `scales_per_key`."""
+        var log_scales = Frags[DType.float32, 2, Self.NTILES, Self.lanes](0)
+        comptime if Self.scales_per_key:
+            log_scales = self.key_pairs[VALUES](kv_start)
+        return self.softmax.tile[deferred](s, log_scales, self.logit_scale(), self.o)
 
     @always_inline
     def compute_tile(mut self, kv_start: Int):
         """Scores, the online softmax and the values of the warp's keys."""
         var s = self.scores(kv_start)
-        _ = self.softmax[deferred=False](kv_start, s)
+        _ = self.softmax_tile[deferred=False](kv_start, s)
         comptime if Self.warpgroup:
             # Rounded before the products start: conversions between them
             # made ptxas serialize every `wgmma` of the kernel (C7520).
-            self.group_values(Self.group_weights(s), kv_start)
+            self.group_values(Self.Softmax.all_weights(s), kv_start)
             warpgroup_wait()
         elif Self.Tiles.IN_REGISTERS:
             comptime for j in range(Self.WARP_KEYS // 16):
-                self.code_values(Self.weights(s, j), kv_start, j)
+                self.code_values(Self.Softmax.weights(s, j), kv_start, j)
         else:
             comptime for j in range(Self.WARP_KEYS // 16):
-                self.warp_values(Self.weights(s, j), kv_start, j)
+                self.warp_values(Self.Softmax.weights(s, j), kv_start, j)
 
     @always_inline
     def produced_tile[first: Bool](mut self, kv_start: Int):
@@ -869,7 +862,7 @@ struct MmaThread[
             warpgroup_wait_groups[1]()
         if not self.tile_fully_visible(kv_start):
             self.mask(kv_start, s)
-        var factors = self.softmax[deferred=True](kv_start, s)
+        var factors = self.softmax_tile[deferred=True](kv_start, s)
         comptime if not first:
             warpgroup_wait_groups[0]()
             ring.empty(kv_start - Self.BN).arrive[Self.lanes]()
@@ -877,8 +870,8 @@ struct MmaThread[
                 comptime for h in range(Self.ROW_HALVES):
                     var alpha = factors[h, l][0]
                     if alpha != 1:
-                        self.rescale(h, l, alpha)
-        self.last_weights = Self.group_weights(s)
+                        Self.Softmax.rescale(self.o, h, l, alpha)
+        self.last_weights = Self.Softmax.all_weights(s)
 
     @always_inline
     def take_turn(self, kv_start: Int):
@@ -904,22 +897,8 @@ struct MmaThread[
         warpgroup's turn (`take_turn`)."""
         self.ring().turn(1 - self.warp() // WARPGROUP_WARPS).arrive[Self.lanes]()
 
-    @staticmethod
     @always_inline
-    def group_weights(
-        s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]
-    ) -> Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes]:
-        """`warpgroup`: the A operands of a tile's P V, every k-step's
-        (`weights`)."""
-        var p = Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes](0)
-        comptime for j in range(Self.WARP_KEYS // 16):
-            p.set(j, Self.weights(s, j))
-        return p^
-
-    @always_inline
-    def group_values(
-        mut self, p: Frags[DType.bfloat16, 8, Self.WARP_KEYS // 16, Self.lanes], kv_start: Int
-    ):
+    def group_values(mut self, p: Self.Softmax.Weights, kv_start: Int):
         """`warpgroup`: starts the warpgroup's P V of the tile at `kv_start`
         from its weights `p` (`group_weights`), into the outputs, without
         waiting for it."""
@@ -927,102 +906,6 @@ struct MmaThread[
         warpgroup_arrive()
         comptime for j in range(Self.WARP_KEYS // 16):
             wgmma_rs[Self.D](p.get(j), mn_slice[Self.BN](values, j), self.o)
-
-    @always_inline
-    def rescale(mut self, h: Int, l: Int, alpha: Float32):
-        """Lane `l`'s row `h` outputs times `alpha` (its softmax's factor)."""
-        comptime for n in range(Self.DTILES):
-            var acc = self.o[n, l]
-            acc[2 * h] *= alpha
-            acc[2 * h + 1] *= alpha
-            self.o[n, l] = acc
-
-    @always_inline
-    def softmax[
-        deferred: Bool
-    ](mut self, kv_start: Int, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]) -> Frags[
-        DType.float32, 1, 2, Self.lanes
-    ]:
-        """The online softmax of the tile at `kv_start` over its scores `s`
-        (-inf where masked): each row's max and sum moved on, `s` made the
-        weights. Each row's factor (1 where its max stayed) is returned;
-        the outputs are rescaled by it here, or where `deferred` by the
-        caller, once products still adding to them have landed."""
-        var factors = Frags[DType.float32, 1, 2, Self.lanes](1)
-        var log_scales = Frags[DType.float32, 2, Self.NTILES, Self.lanes](0)
-        comptime if Self.scales_per_key:
-            log_scales = self.key_pairs[VALUES](kv_start)
-        # The logits are the scores times `logit_scale`: a row's max times it
-        # (positive, `...bind.check_scale`) is the max of its logits, and
-        # each exponent's multiply-add takes it, no multiplication of its own.
-        var logit_scale = self.logit_scale()
-        # A row's maxima and sums are reduced as trees (`reduce_max`,
-        # `reduce_add` of a lane's values at once): one running max or sum
-        # made a chain of 16 dependent instructions per row, each waiting
-        # on the last (the eighth run's profile: a third of the cycles
-        # between a warp's instructions waited on such dependencies).
-        comptime for h in range(Self.ROW_HALVES):
-            var best = Array[Float32, Self.lanes](fill=NEG_INF)
-            for l in range(Self.lanes):
-                var logits = SIMD[DType.float32, 2 * Self.NTILES](0)
-                comptime for n in range(Self.NTILES):
-                    comptime for e in range(2):
-                        logits[2 * n + e] = s[n, l][2 * h + e]
-                        comptime if Self.scales_per_key:
-                            logits[2 * n + e] += log_scales[n, l][e]
-                best[l] = logits.reduce_max() * logit_scale
-            best = self.quad_combine[True](best^)
-            for l in range(Self.lanes):
-                var new_max = max(self.row_max[h, l][0], best[l])
-                var base = new_max if new_max != NEG_INF else 0
-                var alpha = exp2(self.row_max[h, l][0] - base)
-                var weights = SIMD[DType.float32, 2 * Self.NTILES](0)
-                comptime for n in range(Self.NTILES):
-                    var c = s[n, l]
-                    comptime for e in range(2):
-                        var p = exp2(c[2 * h + e] * logit_scale - base)
-                        weights[2 * n + e] = p
-                        comptime if Self.scales_per_key:
-                            # The weight P V takes: times the value scale.
-                            p = exp2(c[2 * h + e] + log_scales[n, l][e] - base)
-                        c[2 * h + e] = p
-                    s[n, l] = c
-                self.row_sum[h, l] = self.row_sum[h, l] * alpha + weights.reduce_add()
-                factors[h, l] = alpha
-                comptime if not deferred:
-                    if new_max != self.row_max[h, l][0]:
-                        # Most tiles of a long context leave the max as it
-                        # was: then the outputs keep their scale and cost
-                        # nothing.
-                        self.rescale(h, l, alpha)
-                self.row_max[h, l] = new_max
-        comptime if Self.ROW_HALVES == 1:
-            # Padding rows weigh nothing (their outputs are never read).
-            for l in range(Self.lanes):
-                comptime for n in range(Self.NTILES):
-                    var c = s[n, l]
-                    c[2] = 0
-                    c[3] = 0
-                    s[n, l] = c
-        return factors^
-
-    @staticmethod
-    @always_inline
-    def weights(
-        s: Frags[DType.float32, 4, Self.NTILES, Self.lanes], j: Int
-    ) -> Array[FragA, Self.lanes]:
-        """The A fragment of P V over keys 16 j ..: score n-tiles 2 j and
-        2 j + 1 rounded to the products' type (a C fragment pair is an A
-        fragment)."""
-        var a = Array[FragA, Self.lanes](fill=0)
-
-        def rounded(l: Int) {mut a, imm s, var j}:
-            a[l] = bitcast[DType.bfloat16, 8](
-                s[2 * j, l].cast[Self.PRODUCTS]().join(s[2 * j + 1, l].cast[Self.PRODUCTS]())
-            )
-
-        each_lane[Self.lanes](rounded)
-        return a^
 
     @always_inline
     def warp_values(mut self, a: Array[FragA, Self.lanes], kv_start: Int, j: Int):
@@ -1046,20 +929,12 @@ struct MmaThread[
             self.o.set(2 * n2 + 1, mma[Self.lanes, Self.PRODUCTS](a, b1, self.o.get(2 * n2 + 1)))
 
     @always_inline
-    def row_sums(self, h: Int) -> Array[Float32, Self.lanes]:
-        """Each lane's row `h` running sum, over the quad."""
-        var sums = Array[Float32, Self.lanes](fill=0)
-        for l in range(Self.lanes):
-            sums[l] = self.row_sum[h, l][0]
-        return self.quad_combine[False](sums^)
-
-    @always_inline
     def write_rows(self):
         """Prefill: normalised outputs, or this split's state for the merge:
         each lane writes two dims of each of its two rows per n-tile."""
         var rows = self.work.rows(self.args.group)
         comptime for h in range(2):
-            var sums = self.row_sums(h)
+            var sums = self.softmax.row_sums(h)
             for l in range(Self.lanes):
                 var lane = self.lane(l)
                 var r = Self.lane_row(self.tid, l, h)
@@ -1072,7 +947,7 @@ struct MmaThread[
                             r,
                             n * 8 + 2 * (lane % 4),
                             SIMD[DType.float32, 2](acc[2 * h], acc[2 * h + 1]),
-                            self.row_max[h, l][0],
+                            self.softmax.row_max[h, l][0],
                             sums[l],
                             n == 0 and lane % 4 == 0,
                         )
@@ -1082,7 +957,7 @@ struct MmaThread[
         """Decode: the warp's outputs, maxima and sums into shared memory."""
         var state = self.state(self.warp())
         comptime for h in range(Self.ROW_HALVES):
-            var sums = self.row_sums(h)
+            var sums = self.softmax.row_sums(h)
             for l in range(Self.lanes):
                 var lane = self.lane(l)
                 var r = lane // 4 + 8 * h
@@ -1099,7 +974,7 @@ struct MmaThread[
                             r * Self.D + column, SIMD[DType.float32, 2](acc[2 * h], acc[2 * h + 1])
                         )
                 if lane % 4 == 0:
-                    state[unsafe_offset=MMA_ROWS * Self.D + r] = self.row_max[h, l][0]
+                    state[unsafe_offset=MMA_ROWS * Self.D + r] = self.softmax.row_max[h, l][0]
                     state[unsafe_offset=MMA_ROWS * Self.D + MMA_ROWS + r] = sums[l]
 
     @always_inline
@@ -1128,186 +1003,3 @@ struct MmaThread[
                         acc += weight * state.unsafe_load[width=4](r * Self.D + d)
                         total += weight * state[unsafe_offset=MMA_ROWS * Self.D + MMA_ROWS + r]
                 write_row_part[Self.D, 4](self.args, self.work, r, d, acc, best, total, d == 0)
-
-
-@fieldwise_init
-struct MmaKernel[
-    cache_t: KVCacheT,
-    D: Int,
-    lanes: Int,
-    decode: Bool,
-    warpgroup: Bool = False,
-    scales_per_key: Bool = False,
-    producer: Bool = False,
-    boxes: Bool = False,
-](KernelT):
-    """Grid (query tiles * splits, KV heads, batch rows) of tensor-core
-    prefill or decode blocks (a prefill's products per warp, or per
-    warpgroup where `warpgroup`; float16 products over an 8-bit cache with
-    one scale per head row where `scales_per_key`, `MmaThread`)."""
-
-    comptime Program = MmaThread[
-        Self.cache_t,
-        Self.D,
-        Self.lanes,
-        Self.decode,
-        Self.warpgroup,
-        Self.scales_per_key,
-        Self.producer,
-        Self.boxes,
-    ]
-    comptime THREADS = Self.Program.THREADS
-    comptime DECODE_BLOCKS = 2 if Self.D >= 128 and (
-        Self.Program.Tiles.WIDENED or Self.cache_t.dtype == DType.int8
-    ) else (4 if Self.D < 128 and not Self.Program.Tiles.QUANTIZED else 3)
-    comptime PREFILL_BLOCKS = 3 if Self.D < 128 and not Self.scales_per_key else 2
-    comptime MIN_BLOCKS = 1 if Self.warpgroup else (
-        Self.DECODE_BLOCKS if Self.decode else Self.PREFILL_BLOCKS
-    )
-    """Blocks per multiprocessor the registers are sized for. A prefill at
-    head_dim 64 fits three blocks' registers (168 each) and shared memory:
-    twelve warps hide each other's latencies where eight did (the eighth
-    run's profile found two warps per scheduler, mostly waiting); its
-    float16 products of 8-bit codes spilled within three, and at head_dim
-    128 three blocks' queries and stages outgrow the shared memory. A
-    decode warp holds a quarter of a prefill warp's scores, and since its
-    softmax runs on real rows only a bfloat16 decode at head_dim 64 fits
-    four blocks' registers; an 8-bit decode that widens its tiles in shared
-    memory at head_dim 128 spilled within three blocks', one that widens
-    float8 codes in registers fits three (at head_dim 64 it spilled within
-    four), int8 codes, whose widening takes a bias, a byte interleave and a
-    subtraction, spilled within three at head_dim 128. A block of two
-    warpgroups holds as many warps as two blocks of one. Raise them only
-    where `tools/check_gpu_build.sh --registers` shows no spills."""
-    comptime LANES = Self.lanes
-    comptime NAME = (
-        "decode_mma_f16" if Self.scales_per_key else "decode_mma"
-    ) if Self.decode else (
-        (
-            "prefill_wgmma_tma" if Self.boxes else (
-                "prefill_wgmma_producer" if Self.producer else "prefill_wgmma"
-            )
-        ) if Self.warpgroup else ("prefill_mma_f16" if Self.scales_per_key else "prefill_mma")
-    )
-    comptime HEAD_DIM = Self.D
-    comptime ELEMENT_BITS = bit_width_of[Self.cache_t.dtype]()
-    comptime SHARED_BYTES = Self.Program.SHARED_BYTES
-    comptime TENSOR_CORES = True
-
-    var args: AttentionArgs[Self.cache_t, DType.bfloat16]
-
-    def grid(self) -> BlockId:
-        return attention_grid(self.args)
-
-    @always_inline
-    def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:
-        return Self.Program(self.args, block_work(self.args, block, Self.Program.BN), tid, shared)
-
-    @always_inline
-    def between_tiles[E: BlockExecutor](self, mut threads: E):
-        """The block's barrier between the phases of its tiles; none in
-        decode, whose warps wait only for their own lanes (`per_warp`)."""
-        comptime if not Self.decode:
-            threads.sync()
-
-    @always_inline
-    def produced_schedule[E: BlockExecutor](self, mut threads: E, work: BlockWork):
-        """`producer`: after the queries and the barriers, the producer
-        warpgroup starts the first tiles, and from then on starts one tile
-        while the consumers multiply another, the two handing stages over
-        through their barriers, with no block barrier between tiles. On a
-        GPU each warpgroup takes its own part of the sequence, in a branch
-        of its own after `setmaxnreg`: ptxas sizes the registers of code
-        after it to its count only where no path joins the other role's
-        (with one loop of both roles' phases it kept the kernel's 168 and
-        spilled); the emulator runs the whole sequence."""
-        threads.each(LOAD_Q, work.kv_start)
-        threads.sync()
-        comptime if E.ONE_THREAD:
-            if threads.thread() >= Self.Program.CONSUMER_THREADS:
-                set_warpgroup_registers[PRODUCER_REGISTERS, increase=False]()
-                comptime if Self.boxes:
-                    # One warp starts the boxes; the others have no part.
-                    if threads.thread() >= Self.Program.CONSUMER_THREADS + WARP:
-                        return
-                self.produced_tiles[produce=True, consume=False](threads, work)
-            else:
-                set_warpgroup_registers[CONSUMER_REGISTERS, increase=True]()
-                self.produced_tiles[produce=False, consume=True](threads, work)
-        else:
-            self.produced_tiles[produce=True, consume=True](threads, work)
-
-    @always_inline
-    def produced_tiles[
-        E: BlockExecutor, //, produce: Bool, consume: Bool
-    ](self, mut threads: E, work: BlockWork):
-        """The tiles' phases of `produced_schedule`, the producer's
-        (`produce`), the consumers' (`consume`) or, interleaved, both's
-        (the emulator's order): the producer starts tile t + `AHEAD` - 1
-        before the consumers multiply tile t (its last tile's P V with it),
-        into the stage of tile t - 2, released as tile t - 1 was multiplied.
-        On a GPU each side runs as far ahead as the barriers let it."""
-        comptime BN = Self.Program.BN
-        comptime AHEAD = Self.Program.STAGES - 1
-        comptime if produce:
-            comptime for t in range(AHEAD):
-                threads.each(PRODUCE, work.kv_start + t * BN)
-        threads.handoff()
-        comptime if consume:
-            # A split may leave a block rows but no keys: then no tile comes.
-            if work.kv_start < work.kv_end:
-                threads.each(FIRST_SCORES, work.kv_start)
-        # Each warpgroup takes its turn at every tile (`take_turn`).
-        threads.handoff()
-        var kv = work.kv_start + BN
-        while kv < work.kv_end:
-            comptime if produce:
-                threads.each(PRODUCE, kv + (AHEAD - 1) * BN)
-            comptime if consume:
-                threads.each(COMPUTE_TILE, kv)
-            threads.handoff()
-            kv += BN
-        comptime if consume:
-            threads.each(FINISH, kv - BN)
-
-    @always_inline
-    def schedule[E: BlockExecutor](self, mut threads: E, block: BlockId):
-        var work = block_work(self.args, block, Self.Program.BN)
-        if work.empty():
-            return
-        comptime if Self.producer:
-            self.produced_schedule(threads, work)
-            return
-        threads.each(LOAD_Q, work.kv_start)
-        threads.sync()
-        threads.each(START_FIRST, work.kv_start)
-        self.between_tiles(threads)
-        var kv = work.kv_start
-        comptime if Self.Program.PIPELINED:
-            # Each tile's keys land and are multiplied a tile early: the
-            # next tile's wait and barrier come before this tile's softmax.
-            threads.each(WAIT_TILE, kv)
-            threads.sync()
-            threads.each(FIRST_SCORES, kv)
-            while kv < work.kv_end:
-                if kv + Self.Program.BN < work.kv_end:
-                    threads.each(WAIT_TILE, kv + Self.Program.BN)
-                    threads.sync()
-                threads.each(COMPUTE_TILE, kv)
-                kv += Self.Program.BN
-        else:
-            while kv < work.kv_end:
-                threads.each(WAIT_TILE, kv)
-                self.between_tiles(threads)
-                comptime if Self.Program.Tiles.WIDENED:
-                    threads.each(CONVERT_TILE, kv)
-                    self.between_tiles(threads)
-                threads.each(COMPUTE_TILE, kv)
-                kv += Self.Program.BN
-        comptime if Self.decode:
-            threads.sync()
-            threads.each(FINISH, 0)
-            threads.sync()
-            threads.each(COMBINE, 0)
-        else:
-            threads.each(FINISH, 0)

@@ -29,7 +29,7 @@ from .decode import DecodeKernel
 from .merge import MergeArgs, MergeKernel
 from .plan import BatchBounds, KernelFit, plan_attention
 from .prefill import AttentionKernel
-from .mma import MmaKernel
+from .mma_kernel import MmaKernel
 from .work import AttentionArgs
 
 
