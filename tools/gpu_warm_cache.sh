@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Compiles here, for Hopper (MAX's virtual device mode, tools/compile_gpu_graphs.py),
 # the Mojo kernels the prepared GPU run compiles there, and packs them into
-# .gpu-warm/modular.tar.gz for its calls to carry: tools/gpu_proof.sh unpacks them
-# into MAX's cache before its first step.
+# .gpu-warm/modular.tar.gz for its calls to carry, with the precompiled kernel
+# packages: tools/gpu_proof.sh unpacks them into its caches before its first step.
 #
 # Why: compiling took most of a GPU run's minutes (the tenth run's benchmark timed
 # nothing for its first 92 s, its KV-formats step for 141 of its 159 s), and MAX's
 # cache keys a compiled Mojo kernel by its contents, not by the path of its package
 # or of MAX itself: here, from this archive alone, a checkout elsewhere with MAX
-# installed elsewhere compiled these families in 125 s where an empty cache took
-# 482 s (tests/gpu/README.md, 2026-11-30). What stays is MAX's own per-graph work. The
+# installed elsewhere compiled these graphs in 152 s where an empty cache took
+# 524 s (tests/gpu/README.md, 2026-11-30). What stays is MAX's own per-graph work. The
 # compiled graphs themselves (MAX's `.max_cache`) are left out: their key holds
 # the packages' paths, and so would miss there.
 #
@@ -17,7 +17,7 @@
 # the quick benchmark (mokv's graph and MAX's), the profile's float8 decode; and
 # where .gpu-previous/ holds the previous kernels (tools/gpu_previous.sh), the KV
 # formats over them (the proof's COMPARE_STEP=formats), from a copy of this
-# checkout with them in place. About 10 minutes on an idle 2-core machine (29 MB).
+# checkout with them in place. About 10 minutes on an idle 2-core machine (31 MB).
 #
 # Usage: tools/gpu_warm_cache.sh    (after tools/gpu_previous.sh, if the run compares)
 # The archive is for this checkout's kernels: remake it after changing mojo/.
@@ -28,7 +28,8 @@ DEST=.gpu-warm
 PY=${PYTHON:-.venv/bin/python}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-export MODULAR_CACHE_DIR=$WORK/modular MOKV_CACHE_DIR=$WORK/mokv
+# As the proof lays them out there: MAX's cache inside mokv's.
+export MOKV_CACHE_DIR=$WORK/cache MODULAR_CACHE_DIR=$WORK/cache/modular
 revision=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- mojo || echo "+changes")
 
 "$PY" tools/compile_gpu_graphs.py attention store_gather quantized formats bench profile
@@ -50,7 +51,8 @@ if [ -d .gpu-previous/mokv_kernels ]; then
 fi
 
 mkdir -p "$DEST"
-tar czf "$DEST/modular.tar.gz" -C "$WORK" modular/.mojo_cache
+# The precompiled kernel packages too (mokv.kernels, by their sources' digest).
+tar czf "$DEST/modular.tar.gz" -C "$MOKV_CACHE_DIR" modular/.mojo_cache mojo
 echo "Mojo kernels compiled for sm_90a at $revision on $(date -u +%F): the GPU tests' families," \
     "the KV formats, the quick benchmark and the profile$compared" > "$DEST/made.txt"
 echo "$DEST/modular.tar.gz: $(du -h "$DEST/modular.tar.gz" | cut -f1); $(cat "$DEST/made.txt")"
