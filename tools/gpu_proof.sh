@@ -125,7 +125,8 @@ install() {
     # MAX finds them by their contents. Once per machine: a rerun keeps its cache.
     if [ -f .gpu-warm/modular.tar.gz ] && [ ! -d "$MODULAR_CACHE_DIR/.mojo_cache" ]; then
         tar xzf .gpu-warm/modular.tar.gz -C "$MOKV_CACHE_DIR" || return 1
-        echo "warm kernel cache: $(cat .gpu-warm/made.txt 2>/dev/null); kernels here at $(git rev-parse --short HEAD 2>/dev/null)"
+        # Kernels of other sources are not found: the steps then print "precompiling".
+        echo "warm kernel cache: $(cat .gpu-warm/made.txt 2>/dev/null)"
     fi
 }
 

@@ -35,7 +35,7 @@ models=$("$PY" -c "from mokv.paths import cache_dir; print(cache_dir() / 'models
 # As the proof lays them out there: MAX's cache inside mokv's.
 export MOKV_CACHE_DIR=$WORK/cache MODULAR_CACHE_DIR=$WORK/cache/modular
 mkdir -p "$MOKV_CACHE_DIR" && ln -s "$models" "$MOKV_CACHE_DIR/models"
-revision=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- mojo || echo "+changes")
+revision=$(git log -1 --format=%h -- mojo)$(git diff --quiet HEAD -- mojo || echo "+changes")
 
 "$PY" tools/compile_gpu_graphs.py attention store_gather quantized formats bench profile smollm2
 compared=""
