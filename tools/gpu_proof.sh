@@ -115,12 +115,7 @@ install() {
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$CARRY"/*.whl || return 1
         touch "$SITE/.installed"
     fi
-    # mokv's packages as links into this checkout (pyproject's package-dir), so
-    # that mokv finds its Mojo sources beside them, as an editable install does.
-    ln -sfn "$PWD/python/mokv" "$SITE/mokv"
-    ln -sfn "$PWD/graphs" "$SITE/mokv_models"
-    ln -sfn "$PWD/examples" "$SITE/mokv_examples"
-    ln -sfn "$PWD/reference" "$SITE/mokv_reference"
+    tools/link_packages.sh "$SITE" "$PWD" || return 1
     # Mojo kernels compiled for this GPU before, if carried (tools/gpu_warm_cache.sh):
     # MAX finds them by their contents. Once per machine: a rerun keeps its cache.
     if [ -f .gpu-warm/modular.tar.gz ] && [ ! -d "$MODULAR_CACHE_DIR/.mojo_cache" ]; then

@@ -41,15 +41,12 @@ revision=$(git log -1 --format=%h -- mojo)$(git diff --quiet HEAD -- mojo || ech
 compared=""
 if [ -d .gpu-previous/mokv_kernels ]; then
     # The checkout's Python over the previous kernels, linked as the proof's install
-    # links them, so that mokv finds its Mojo sources beside its package.
+    # links them.
     copy=$WORK/previous site=$WORK/site
     mkdir -p "$copy" "$site"
     cp -R python graphs examples reference tests tools mojo "$copy/"
     rm -rf "$copy/mojo/mokv_kernels" && cp -R .gpu-previous/mokv_kernels "$copy/mojo/mokv_kernels"
-    ln -s "$copy/python/mokv" "$site/mokv"
-    ln -s "$copy/graphs" "$site/mokv_models"
-    ln -s "$copy/examples" "$site/mokv_examples"
-    ln -s "$copy/reference" "$site/mokv_reference"
+    tools/link_packages.sh "$site" "$copy"
     echo "the previous kernels (.gpu-previous/mokv_kernels):"
     PYTHONPATH=$site "$PY" "$copy/tools/compile_gpu_graphs.py" formats
     compared=", and the KV formats over .gpu-previous/mokv_kernels"
