@@ -89,10 +89,26 @@ pack() {  # the device tool brings back at most 8 files: all but the tables, tes
 }
 trap pack EXIT
 
+compiled_since() {  # compiled_since FILE: what MAX's kernel cache gained since FILE was
+    # touched, each entry a compile that did not find its result (tools/gpu_warm_cache.sh):
+    # GPU machine code (ELF for CUDA, ptxas's), host objects (ELF for x86-64), and the
+    # kernel libraries' IR for the host, whose key likely holds the host's processor
+    local gpu=0 host=0 ir=0 entry
+    while IFS= read -r entry; do
+        case $(od -An -tu2 -j18 -N2 "$entry" | tr -d ' ') in
+            190) gpu=$((gpu + 1)) ;;
+            62) host=$((host + 1)) ;;
+            *) ir=$((ir + 1)) ;;
+        esac
+    done < <(find "$MODULAR_CACHE_DIR/.mojo_cache" -type f -newer "$1" 2>/dev/null)
+    echo "compiled here (not found in MAX's kernel cache): $gpu GPU kernels, $host host objects, $ir IR libraries"
+}
+
 step() {  # step NAME SECONDS COMMAND...: runs it (at most SECONDS if not 0), logs to $OUT/NAME.log
     local name=$1 limit=$2 start=$SECONDS
     shift 2
     echo "== $name"
+    touch "$OUT/.step-start"
     if [ "$limit" -gt 0 ]; then
         timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     else
@@ -100,6 +116,7 @@ step() {  # step NAME SECONDS COMMAND...: runs it (at most SECONDS if not 0), lo
     fi
     local status=$?
     tail -n 25 "$OUT/$name.log"
+    compiled_since "$OUT/.step-start"
     echo "== $name: exit $status in $((SECONDS - start)) s"
     pack
     return $status
