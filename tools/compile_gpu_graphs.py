@@ -14,9 +14,12 @@ device minutes on it. Executing is left to the GPU: the models it returns refuse
 
 The Mojo kernels these compiles leave in `MODULAR_CACHE_DIR` serve a GPU machine too (MAX's
 cache keys a compiled kernel by its contents, not by where its package lies):
-`tools/gpu_warm_cache.sh` packs them for the GPU run to carry.
+`tools/gpu_warm_cache.sh` packs them for the GPU run to carry. The ops' host side is
+compiled for this machine's processor, which enters its key, unless `--host-cpu` names an
+LLVM CPU (`max.driver.set_virtual_cpu_target`): a process on another machine that names
+the same one finds it (`tools/pin_host_cpu.sh`).
 
-Usage: .venv/bin/python tools/compile_gpu_graphs.py [--target sm_90a] [family ...]
+Usage: .venv/bin/python tools/compile_gpu_graphs.py [--target sm_90a] [--host-cpu NAME] [family ...]
 (families: attention, store_gather, quantized, formats, bench, profile, smollm2, pipeline;
 default all. What each took is in tests/gpu/README.md.)
 """
@@ -40,8 +43,11 @@ PIPELINE_CASES = (("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16",
 bfloat16 or float8 pages are what a GPU serves (mokv's tensor-core kernels)."""
 
 
-def _enter_virtual_device_mode(target: str) -> None:
-    """One virtual GPU of `target` for this process; before any device is created."""
+def _enter_virtual_device_mode(target: str, host_cpu: str) -> None:
+    """One virtual GPU of `target` for this process, its host side compiled for `host_cpu`
+    if named; before any device is created."""
+    if host_cpu:
+        driver.set_virtual_cpu_target(host_cpu)
     driver.set_virtual_device_api("cuda")
     driver.set_virtual_device_target_arch(target)
     driver.set_virtual_device_count(1)
@@ -71,12 +77,17 @@ def _warm_max_pipeline(model: Path, target: str, weights: str, kv_format: str) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="sm_90a", help="the GPU architecture to compile for (default sm_90a)")
+    parser.add_argument(
+        "--host-cpu",
+        default="",
+        help="an LLVM CPU to compile the ops' host side for, e.g. x86-64-v3 (default: the process's)",
+    )
     parser.add_argument("families", nargs="*", metavar="family", help=f"any of {', '.join(FAMILIES)} (default: all)")
     args = parser.parse_args(argv)
     unknown = [name for name in args.families if name not in FAMILIES]
     if unknown:
         parser.error(f"unknown families {unknown}: choose from {', '.join(FAMILIES)}")
-    _enter_virtual_device_mode(args.target)
+    _enter_virtual_device_mode(args.target, args.host_cpu)
     sys.path[:0] = [str(REPO), str(REPO / "tools")]  # the tests' graph builders, the profile's cases
 
     from gpu_profile import profiled_formats

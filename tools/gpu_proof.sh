@@ -34,6 +34,9 @@
 # PROOF_S (seconds since the proof started, unset by default) lets the tests
 # run on to then where the steps before them left the time (when compiled
 # kernels were carried, say): their limit is the larger of TESTS_S and that;
+# HOST_CPU (an LLVM CPU) is what the host side of the kernels is compiled for: by
+# default the one the carried kernels name (.gpu-warm/host-cpu), set empty the
+# machine's own processor;
 # PYTEST_ARGS goes to pytest, split as the shell splits words (quotes keep
 # an expression whole), e.g. "-k 'long_contexts or matches_max'".
 # COMPARE="TARGET=FILE[,TARGET=FILE...] ..." times other versions of source
@@ -140,6 +143,11 @@ install() {
         # Kernels of other sources are not found: the steps then print "precompiling".
         echo "warm kernel cache: $(cat .gpu-warm/made.txt 2>/dev/null)"
     fi
+    # Their host side was compiled for a named CPU, which the key holds: every Python
+    # process here compiles for it too (HOST_CPU= set empty compiles for this one).
+    local cpu=${HOST_CPU-$(cat .gpu-warm/host-cpu 2>/dev/null)}
+    tools/pin_host_cpu.sh "$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" "$cpu" || return 1
+    echo "host side of the kernels compiled for: ${cpu:-the processor here}"
 }
 
 

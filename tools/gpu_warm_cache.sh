@@ -20,12 +20,17 @@
 # COMPARE_STEP=formats), from a copy of this checkout with them in place. About
 # 17 minutes on an idle 2-core machine (40 MB).
 #
+# The ops' host side is compiled for HOST_CPU (an LLVM CPU, default x86-64-v3), not
+# for this machine's processor, which would enter its key; the archive names it in
+# host-cpu, and the proof pins the GPU machine's Python to it (tools/pin_host_cpu.sh).
+#
 # Usage: tools/gpu_warm_cache.sh    (after tools/gpu_previous.sh, if the run compares)
 # The archive is for this checkout's kernels: remake it after changing mojo/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DEST=.gpu-warm
+HOST_CPU=${HOST_CPU:-x86-64-v3}
 PY=${PYTHON:-.venv/bin/python}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
@@ -37,7 +42,7 @@ export MOKV_CACHE_DIR=$WORK/cache MODULAR_CACHE_DIR=$WORK/cache/modular
 mkdir -p "$MOKV_CACHE_DIR" && ln -s "$models" "$MOKV_CACHE_DIR/models"
 revision=$(git log -1 --format=%h -- mojo)$(git diff --quiet HEAD -- mojo || echo "+changes")
 
-"$PY" tools/compile_gpu_graphs.py attention store_gather quantized formats bench profile smollm2
+"$PY" tools/compile_gpu_graphs.py --host-cpu "$HOST_CPU" attention store_gather quantized formats bench profile smollm2
 compared=""
 if [ -d .gpu-previous/mokv_kernels ]; then
     # The checkout's Python over the previous kernels, linked as the proof's install
@@ -48,14 +53,15 @@ if [ -d .gpu-previous/mokv_kernels ]; then
     rm -rf "$copy/mojo/mokv_kernels" && cp -R .gpu-previous/mokv_kernels "$copy/mojo/mokv_kernels"
     tools/link_packages.sh "$site" "$copy"
     echo "the previous kernels (.gpu-previous/mokv_kernels):"
-    PYTHONPATH=$site "$PY" "$copy/tools/compile_gpu_graphs.py" formats
+    PYTHONPATH=$site "$PY" "$copy/tools/compile_gpu_graphs.py" --host-cpu "$HOST_CPU" formats
     compared=", and the KV formats over .gpu-previous/mokv_kernels"
 fi
 
 mkdir -p "$DEST"
+echo "$HOST_CPU" > "$DEST/host-cpu"
 # The precompiled kernel packages too (mokv.kernels, by their sources' digest).
 tar czf "$DEST/modular.tar.gz" -C "$MOKV_CACHE_DIR" modular/.mojo_cache mojo
-echo "Mojo kernels compiled for sm_90a at $revision on $(date -u +%F): the GPU tests' families," \
+echo "Mojo kernels compiled for sm_90a (host side for $HOST_CPU) at $revision on $(date -u +%F): the GPU tests' families," \
     "SmolLM2's, the KV formats, the quick benchmark and the profile$compared" > "$DEST/made.txt"
 echo "$DEST/modular.tar.gz: $(du -h "$DEST/modular.tar.gz" | cut -f1); $(cat "$DEST/made.txt")"
 # A call carries at most 64 MiB with the checkout and .gpu-previous.

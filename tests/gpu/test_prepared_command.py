@@ -101,3 +101,28 @@ def test_each_carried_path_is_made_by_a_tool_and_used_there(path: str):
     assert makers, f"no tool makes {path}"
     compared = " ".join(settings.get("COMPARE", "") for settings, _ in CALLS)
     assert path in PROOF.read_text() or path in compared, f"nothing reads {path} on the GPU machine"
+
+
+def test_the_host_cpu_pin_reaches_every_python_process_of_the_site(tmp_path: Path):
+    # The carried kernels' host side was compiled for a named CPU, which MAX's cache key
+    # holds: the proof pins the GPU machine's Python to it (tools/pin_host_cpu.sh), so a
+    # process that starts there must compile for that CPU before it compiles anything.
+    pin = REPO / "tools" / "pin_host_cpu.sh"
+
+    def started(code: str, *flags: str) -> subprocess.CompletedProcess[str]:
+        """A new interpreter whose site directory is `tmp_path`, running `code`."""
+        command = f"import site; site.addsitedir({str(tmp_path)!r}); {code}"
+        return subprocess.run([sys.executable, *flags, "-c", command], capture_output=True, text=True, check=True)
+
+    subprocess.run([pin, tmp_path, "x86-64-v3"], check=True)
+    pinned = started("from max import driver; print(driver.get_virtual_cpu_target())")
+    assert pinned.stdout.strip() == "x86-64-v3", pinned.stderr
+    # Where MAX is not importable (-S: no site-packages) the pin does nothing, quietly.
+    bare = started("print('started')", "-S")
+    assert bare.stdout.strip() == "started" and not bare.stderr, bare.stderr
+    # An empty name removes it; a name that is not one is refused before anything is written.
+    subprocess.run([pin, tmp_path, ""], check=True)
+    assert not list(tmp_path.iterdir())
+    refused = subprocess.run([pin, tmp_path, "x86-64-v3'); import os; os.remove('x"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "not an LLVM CPU name" in refused.stderr
+    assert not list(tmp_path.iterdir())
