@@ -145,9 +145,13 @@ install() {
     fi
     # Their host side was compiled for a named CPU, which the key holds: every Python
     # process here compiles for it too (HOST_CPU= set empty compiles for this one).
-    local cpu=${HOST_CPU-$(cat .gpu-warm/host-cpu 2>/dev/null)}
-    tools/pin_host_cpu.sh "$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" "$cpu" || return 1
-    echo "host side of the kernels compiled for: ${cpu:-the processor here}"
+    # Only a saving: where the pin cannot be written, the kernels compile as before.
+    local cpu=${HOST_CPU-$(cat .gpu-warm/host-cpu 2>/dev/null)} site_packages
+    site_packages=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+    mkdir -p "$site_packages" && tools/pin_host_cpu.sh "$site_packages" "$cpu" \
+        || echo "could not pin the host CPU in $site_packages"
+    echo "host side of the kernels compiled for: $(PYTHONPATH=$SITE python3 -c \
+        'from max import driver; print(driver.get_virtual_cpu_target() or "the processor here")')"
 }
 
 
