@@ -95,7 +95,7 @@ trap pack EXIT
 compiled_since() {  # compiled_since FILE: what MAX's kernel cache gained since FILE was
     # touched, each entry a compile that did not find its result (tools/gpu_warm_cache.sh):
     # GPU machine code (ELF for CUDA, ptxas's), host objects (ELF for x86-64), and the
-    # kernel libraries' IR for the host, whose key likely holds the host's processor
+    # kernel libraries' IR for the host; the last two are keyed by the host's CPU too
     local gpu=0 host=0 ir=0 entry
     while IFS= read -r entry; do
         case $(od -An -tu2 -j18 -N2 "$entry" | tr -d ' ') in

@@ -17,8 +17,8 @@
 # the KV formats, the quick benchmark (mokv's graph and MAX's), the profile's
 # float8 decode; and where .gpu-previous/ holds the previous kernels
 # (tools/gpu_previous.sh), the KV formats over them (the proof's
-# COMPARE_STEP=formats), from a copy of this checkout with them in place. About
-# 17 minutes on an idle 2-core machine (40 MB).
+# COMPARE_STEP=formats), from a copy of this checkout with them in place. 13 to 17
+# minutes on a 2-core machine (40 MB).
 #
 # The ops' host side is compiled for HOST_CPU (an LLVM CPU, default x86-64-v3), not
 # for this machine's processor, which would enter its key; the archive names it in
