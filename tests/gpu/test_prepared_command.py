@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,76 @@ def test_the_host_cpu_pin_reaches_every_python_process_of_the_site(tmp_path: Pat
     refused = subprocess.run([pin, tmp_path, "x86-64-v3'); import os; os.remove('x"], capture_output=True, text=True)
     assert refused.returncode == 2 and "not an LLVM CPU name" in refused.stderr
     assert not list(tmp_path.iterdir())
+
+
+def _proof_function(name: str) -> str:
+    """A shell function of the proof, as `tools/gpu_proof.sh` defines it."""
+    found = re.search(rf"^{name}\(\) \{{.*?^\}}", PROOF.read_text(), re.S | re.M)
+    assert found, f"tools/gpu_proof.sh defines no {name}()"
+    return found.group(0)
+
+
+def test_the_proofs_install_pins_a_bare_interpreter_to_the_carried_kernels_cpu(tmp_path: Path):
+    # The proof's install step in a directory laid out as the GPU machine's: a bare
+    # interpreter whose site-packages gets the pin, MAX found beside it (there through
+    # PYTHONPATH), the wheels installed already; its new processes must then compile for
+    # the CPU the archive names, and for the machine's own with HOST_CPU set empty.
+    checkout = tmp_path / "checkout"
+    (checkout / ".gpu-warm").mkdir(parents=True)
+    (checkout / "tools").symlink_to(REPO / "tools")
+    (checkout / ".gpu-warm" / "host-cpu").write_text("x86-64-v3\n")
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", bare], check=True)
+    bare_site = next((bare / "lib").glob("python*/site-packages"))
+    (bare_site / "max_beside.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / ".installed").touch()
+    environment = {
+        **os.environ,
+        "PATH": f"{bare / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        "SITE": str(site),
+        "MOKV_CACHE_DIR": str(tmp_path / "cache"),
+        "MODULAR_CACHE_DIR": str(tmp_path / "cache" / "modular"),
+    }
+
+    def install(**settings: str) -> str:
+        script = f"{_proof_function('install')}\ninstall"
+        result = subprocess.run(
+            ["bash", "-c", script], cwd=checkout, env={**environment, **settings}, capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout
+
+    assert "host side of the kernels compiled for: x86-64-v3" in install()
+    assert (bare_site / "mokv_host_cpu.pth").exists()
+    assert "host side of the kernels compiled for: the processor here" in install(HOST_CPU="")
+    assert not (bare_site / "mokv_host_cpu.pth").exists()
+
+
+def test_each_step_counts_what_it_compiled_by_kind(tmp_path: Path):
+    # Entries of MAX's kernel cache newer than the step's start are compiles that did not
+    # find their result: ELF for CUDA (machine code 190), for x86-64 (62), anything else IR.
+    cache = tmp_path / "modular" / ".mojo_cache" / "mojo" / "transform" / "v"
+    cache.mkdir(parents=True)
+
+    def entry(name: str, machine: int | None) -> None:
+        header = b"\x7fELF" + bytes(14) + machine.to_bytes(2, "little") if machine else b"ML\xefR" + bytes(16)
+        (cache / name).write_bytes(header + bytes(64))
+
+    stamp = tmp_path / "stamp"
+    stamp.touch()
+    os.utime(stamp, (1000, 1000))
+    for name, machine, written in (
+        ("old", 190, 0),
+        ("a", 190, 2000),
+        ("b", 190, 2000),
+        ("c", 62, 2000),
+        ("d", None, 2000),
+    ):
+        entry(name, machine)
+        os.utime(cache / name, (written, written))
+    script = f'{_proof_function("compiled_since")}\ncompiled_since "{stamp}"'
+    environment = {**os.environ, "MODULAR_CACHE_DIR": str(tmp_path / "modular")}
+    result = subprocess.run(["bash", "-c", script], env=environment, capture_output=True, text=True, check=True)
+    assert result.stdout.strip().endswith(": 2 GPU kernels, 1 host objects, 1 IR libraries"), result.stdout
