@@ -113,7 +113,15 @@ def test_the_host_cpu_pin_reaches_every_python_process_of_the_site(tmp_path: Pat
     def started(code: str, *flags: str) -> subprocess.CompletedProcess[str]:
         """A new interpreter whose site directory is `tmp_path`, running `code`."""
         command = f"import site; site.addsitedir({str(tmp_path)!r}); {code}"
-        return subprocess.run([sys.executable, *flags, "-c", command], capture_output=True, text=True, check=True)
+        result = subprocess.run(
+            [sys.executable, *flags, "-c", command],
+            env=dict(os.environ),  # the environment this process started with (see mokv.kernels)
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        return result
 
     subprocess.run([pin, tmp_path, "x86-64-v3"], check=True)
     pinned = started("from max import driver; print(driver.get_virtual_cpu_target())")
@@ -146,7 +154,8 @@ def test_the_proofs_install_pins_a_bare_interpreter_to_the_carried_kernels_cpu(t
     (checkout / "tools").symlink_to(REPO / "tools")
     (checkout / ".gpu-warm" / "host-cpu").write_text("x86-64-v3\n")
     bare = tmp_path / "bare"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", bare], check=True)
+    # The environment this process started with (see mokv.kernels).
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", bare], env=dict(os.environ), check=True)
     bare_site = next((bare / "lib").glob("python*/site-packages"))
     (bare_site / "max_beside.pth").write_text(sysconfig.get_path("purelib") + "\n")
     site = tmp_path / "site"
