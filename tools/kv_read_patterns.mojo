@@ -13,14 +13,20 @@ token: 256 bytes at a 2 KB stride for Llama's heads in bfloat16, 128 bytes at
   head of its tokens would read; the yardstick for the rest);
 - `head rows R x H`: each block reads one head's `R`-byte rows of its tokens, the
   blocks of a token range's `H` heads next to each other in the grid (as
-  `work.attention_grid` hands them out).
+  `work.attention_grid` hands them out);
+- `head rows R x H, 4 a block`: each warp of a block reads one head's rows, the
+  block's four warps four neighbouring heads of the same tokens at once (a decode
+  block whose warps split the heads, not the keys): whether requests for one
+  token's neighbouring rows issued from one block, rather than from blocks
+  running side by side, read as contiguous spans do.
 
 Same blocks, threads and loads in flight in every pattern: 128 threads, each
 with `LOADS` 16-byte loads in flight, as many blocks at once as a multiprocessor
 takes; then again at a decode's concurrency (three blocks a multiprocessor, 32 KB
 in flight each). If `head rows 128 x 8` reads at about half `head rows 256 x 8`'s
 rate, the rows' length bounds the decode, and a decode block should read every
-head of its tokens; if the patterns read alike with many blocks but not at a
+head of its tokens (its warps each one head, if the `4 a block` rows read as
+contiguous spans do; else copying whole token rows together); if the patterns read alike with many blocks but not at a
 decode's concurrency, the decode needs more bytes in flight; if they read alike in
 both, the decode itself leaves bandwidth unused.
 
@@ -35,6 +41,7 @@ from std.time import perf_counter_ns
 from mokv_kernels.pointers import U32Ptr
 
 comptime THREADS = 128
+comptime WARPS = THREADS // 32
 comptime LOADS = 8
 """16-byte loads each thread has in flight before it uses any."""
 comptime DECODE_LOADS = 16
@@ -57,20 +64,23 @@ def _read_rate[
     sink: U32Ptr,
     row_bytes: Int,
     heads: Int,
+    heads_a_block: Int,
     shared_bytes: Int,
 ) raises -> Float64:
     """GB/s of the best of `ROUNDS` rounds of `CALLS` passes over `[token, head,
-    row_bytes]` rows, each block reading one head's rows of its tokens (one head of
-    16-byte rows: contiguous spans) with `loads` 16-byte loads a thread in flight. Each
-    block holds `shared_bytes` of shared memory it never touches: that bounds the
-    blocks a multiprocessor runs at once."""
+    row_bytes]` rows, each block reading `heads_a_block` neighbouring heads' rows
+    of its tokens, an equal share of its threads (whole warps) a head (one head of
+    16-byte rows: contiguous spans) with `loads` 16-byte loads a thread in flight.
+    Each block holds `shared_bytes` of shared memory it never touches: that bounds
+    the blocks a multiprocessor runs at once."""
     # Whole token ranges of every head.
     var blocks = BYTES // BLOCK_BYTES // heads * heads
     # Kernel arguments: fixed-width integers.
     var words_a_row = Int64(row_bytes // 4)
     var lanes_a_row = Int64(row_bytes // 16)
-    var rows_per_block = Int64(BLOCK_BYTES // row_bytes)
+    var rows_per_block = Int64(BLOCK_BYTES // (row_bytes * heads_a_block))
     var kv_heads = Int64(heads)
+    var block_heads = Int64(heads_a_block)
 
     def read() {
         var data,
@@ -79,6 +89,7 @@ def _read_rate[
         var lanes_a_row,
         var rows_per_block,
         var kv_heads,
+        var block_heads,
     }:
         var heads = Int(kv_heads)
         var row_words = Int(words_a_row)
@@ -86,11 +97,14 @@ def _read_rate[
         var block = Int(block_idx.x)
         var thread = Int(thread_idx.x)
         # Divisions once per thread: the loop below only adds and multiplies.
-        var head = block % heads
-        var lane_word = 4 * (thread % lanes_per_row)
-        var rows_per_load = THREADS // lanes_per_row
-        var first_row = (block // heads) * Int(rows_per_block)
-        var row = first_row + thread // lanes_per_row
+        var head_blocks = heads // Int(block_heads)
+        var head_threads = THREADS // Int(block_heads)
+        var head = (block % head_blocks) * Int(block_heads) + thread // head_threads
+        var head_thread = thread % head_threads
+        var lane_word = 4 * (head_thread % lanes_per_row)
+        var rows_per_load = head_threads // lanes_per_row
+        var first_row = (block // head_blocks) * Int(rows_per_block)
+        var row = first_row + head_thread // lanes_per_row
         var acc = SIMD[DType.uint32, 4](0)
         for _ in range(BLOCK_BYTES // (16 * THREADS * loads)):
             var chunks = Array[SIMD[DType.uint32, 4], loads](fill=0)
@@ -138,20 +152,25 @@ def _table[
     print("\n" + title + "\n")
     print("pattern | read GB/s | over contiguous")
     print("--- | ---: | ---:")
-    var contiguous = _read_rate[loads](ctx, data, sink, 16, 1, shared_bytes)
+    var contiguous = _read_rate[loads](ctx, data, sink, 16, 1, 1, shared_bytes)
     print("contiguous |", round(contiguous, 1), "| 1.00")
-    # Llama's heads in bfloat16 and in 8 bits, SmolLM2's (head_dim 64) likewise.
-    var row_bytes: List[Int] = [256, 128, 128, 64]
-    var heads: List[Int] = [8, 8, 3, 3]
+    # Llama's heads in bfloat16 and in 8 bits, SmolLM2's (head_dim 64) likewise;
+    # then Llama's with a block's four warps on four heads.
+    var row_bytes: List[Int] = [256, 128, 128, 64, 256, 128]
+    var heads: List[Int] = [8, 8, 3, 3, 8, 8]
+    var heads_a_block: List[Int] = [1, 1, 1, 1, WARPS, WARPS]
     for i in range(len(row_bytes)):
         var rate = _read_rate[loads](
-            ctx, data, sink, row_bytes[i], heads[i], shared_bytes
+            ctx, data, sink, row_bytes[i], heads[i], heads_a_block[i], shared_bytes
         )
+        var per_block = String(
+            ", ", heads_a_block[i], " a block"
+        ) if heads_a_block[i] > 1 else String("")
         print(
             "head rows",
             row_bytes[i],
             "x",
-            heads[i],
+            String(heads[i]) + per_block,
             "|",
             round(rate, 1),
             "|",
