@@ -1,14 +1,15 @@
 """Prints the GPU attention planner's choice for each case on the command
-line (`tests/gpu/test_attention_plan.py`): each case is twelve integers,
+line (`tests/gpu/test_attention_plan.py`): each case is thirteen integers,
 `batch kv_heads group prefill_rows max_new max_context multiprocessors
-decode_blocks decode_tile prefill_blocks prefill_tile fixed_splits`, and its
-line `decode tokens_per_tile query_tiles splits`."""
+decode_blocks decode_tile prefill_blocks prefill_tile fixed_splits
+decode_heads_per_block`, and its line `decode tokens_per_tile query_tiles
+splits`."""
 
 from std.sys import argv
 
 from mokv_kernels.gpu.attention.plan import BatchBounds, KernelFit, plan_attention
 
-comptime FIELDS = 12
+comptime FIELDS = 13
 
 
 def main() raises:
@@ -27,7 +28,7 @@ def main() raises:
             n[3],
             BatchBounds(n[4], n[5]),
             n[6],
-            KernelFit(n[7], n[8]),
+            KernelFit(n[7], n[8], n[12]),
             KernelFit(n[9], n[10]),
             n[11],
         )

@@ -38,6 +38,10 @@ class Case:
     tile: int = 64
     prefill_rows: int = 64
     fixed_splits: int = 0
+    decode_heads: int = 1
+    """KV heads a decode block takes (`MOKV_DECODE_KERNEL=warp_heads`: 4)."""
+    decode_tile: int = 0
+    """Context positions a decode tile spans; 0: `tile`."""
 
     def numbers(self) -> list[int]:
         return [
@@ -49,10 +53,11 @@ class Case:
             self.max_context,
             self.multiprocessors,
             self.decode_blocks,
-            self.tile,
+            self.decode_tile or self.tile,
             self.prefill_blocks,
             self.tile,
             self.fixed_splits,
+            self.decode_heads,
         ]
 
 
@@ -84,7 +89,7 @@ def simulated_finish(blocks: int, tiles: int, resident: int) -> int:
 def best_splits(case: Case, blocks: int, decode: bool) -> int:
     """The fewest splits whose simulated grid finishes first."""
     resident = (case.decode_blocks if decode else case.prefill_blocks) * case.multiprocessors
-    tiles = math.ceil(case.max_context / case.tile)
+    tiles = math.ceil(case.max_context / ((case.decode_tile or case.tile) if decode else case.tile))
     most = min(max(1, case.max_context // MIN_SPLIT_TOKENS), MAX_SPLITS)
     finish = {
         s: simulated_finish(blocks * s, math.ceil(tiles / s) + BLOCK_OVERHEAD_TILES, resident)
@@ -106,6 +111,10 @@ CASES = [
     Case(3, 4, 8, 1, 20000, multiprocessors=1),
     Case(2, 8, 1, 40, 5000, multiprocessors=16, prefill_blocks=1, tile=32),
     Case(64, 1, 2, 3, 70000, multiprocessors=108, decode_blocks=2),
+    # Decode blocks of four KV heads, one a warp, over 16 positions a tile (`warp_heads`).
+    Case(1, 8, 4, 1, 32769, decode_heads=4, decode_tile=16),
+    Case(32, 8, 4, 1, 4097, decode_heads=4, decode_tile=16),
+    Case(128, 8, 4, 1, 1025, decode_heads=4, decode_tile=16),
 ]
 
 
@@ -115,7 +124,8 @@ def test_plans_cut_each_context_into_the_splits_that_finish_first():
         rows = DECODE_ROWS if decode else case.prefill_rows
         assert (plan.decode, plan.tokens_per_tile) == (decode, rows // case.group), case
         assert plan.query_tiles == math.ceil(case.max_new / plan.tokens_per_tile), case
-        blocks = plan.query_tiles * case.kv_heads * case.batch
+        heads = math.ceil(case.kv_heads / case.decode_heads) if decode else case.kv_heads
+        blocks = plan.query_tiles * heads * case.batch
         assert plan.splits == best_splits(case, blocks, decode), case
 
 

@@ -128,11 +128,13 @@ def emulate_attention(
     tensor_cores: bool = True,
     prefill_kernel: str | None = "mma",
     splits: str | None = None,
+    decode_kernel: str | None = None,
 ) -> np.ndarray:
     """The emulated attention op's output (float32 values). `bounds` (most new
     tokens, longest context) default to the batch's own; `tensor_cores` says
     whether the emulated device has them; `prefill_kernel` is
-    `MOKV_PREFILL_KERNEL`, `splits` `MOKV_ATTENTION_SPLITS` (both unset: None)."""
+    `MOKV_PREFILL_KERNEL`, `splits` `MOKV_ATTENTION_SPLITS`, `decode_kernel`
+    `MOKV_DECODE_KERNEL` (all unset: None)."""
     new = np.diff(b.row_offsets.astype(np.int64))
     if bounds is None:
         bounds = (int(new.max()), int((b.cache_lengths + new).max()))
@@ -148,6 +150,8 @@ def emulate_attention(
     }
     if splits is not None:
         meta["MOKV_ATTENTION_SPLITS"] = splits
+    if decode_kernel is not None:
+        meta["MOKV_DECODE_KERNEL"] = decode_kernel
     to_storage = bfloat16.to_bits if b.dtype == DType.bfloat16 else np.ascontiguousarray
     arrays = {
         "blocks": to_storage(b.blocks),
@@ -305,6 +309,46 @@ def test_bfloat16_decode_in_one_block_per_row(n_q, n_kv, head_dim, new, tensor_c
     scale = 1 / math.sqrt(head_dim)
     out = emulate_attention(emulator, b, 0, scale, tensor_cores=tensor_cores)
     assert_attention_close(out, b, 0, scale, tensor_cores=tensor_cores)
+
+
+@pytest.mark.parametrize("multiprocessors", [1, H100_MULTIPROCESSORS], ids=["unsplit", "split"])
+@pytest.mark.parametrize(
+    ("layout", "n_q", "n_kv", "head_dim", "new", "window"),
+    [
+        ("paged", 32, 8, 128, 1, 0),
+        ("paged", 32, 4, 64, 1, 300),
+        ("continuous", 16, 4, 128, 2, 0),
+    ],
+    ids=["llama", "group8-window", "continuous-two-tokens"],
+)
+def test_decode_with_one_kv_head_a_warp(layout, n_q, n_kv, head_dim, new, window, multiprocessors, emulator):
+    """`MOKV_DECODE_KERNEL=warp_heads`: a block of four KV heads, each warp
+    one over the same positions of every tile (`mma.MmaThread.warp_heads`),
+    its query rows beside the other heads' and its padding rows read from
+    the rows of zeros; rows with no cached token, with a context shorter
+    than a tile, and split over a large device's blocks."""
+    rng = np.random.default_rng(n_q + n_kv + head_dim + new)
+    rows = [(1000, new), (37, new), (0, new), (300, new)]
+    block_len = 16 if layout == "paged" else 1024  # a page, or a sequence's slot
+    b = cpu_attention.make_batch(rng, layout, DType.bfloat16, rows, n_q, n_kv, head_dim, block_len)
+    scale = 1 / math.sqrt(head_dim)
+    out = emulate_attention(emulator, b, 0, scale, window, multiprocessors=multiprocessors, decode_kernel="warp_heads")
+    assert_attention_close(out, b, 0, scale, window)
+    assert emulator.launched[0] == "decode_mma_heads"
+
+
+@pytest.mark.parametrize(
+    ("decode_kernel", "n_q", "n_kv", "message"),
+    [
+        ("heads", 32, 8, "MOKV_DECODE_KERNEL=heads: expected warp_heads, or unset"),
+        ("warp_heads", 9, 3, "MOKV_DECODE_KERNEL=warp_heads: the cache's 3 KV heads are not blocks of 4"),
+    ],
+)
+def test_decode_kernel_choice_is_checked(decode_kernel, n_q, n_kv, message, emulator):
+    rng = np.random.default_rng(3)
+    b = cpu_attention.make_batch(rng, "paged", DType.bfloat16, [(100, 1)], n_q, n_kv, 64, 16)
+    with pytest.raises(RuntimeError, match=message):
+        emulate_attention(emulator, b, 0, 0.125, decode_kernel=decode_kernel)
 
 
 def test_head_dim_256(emulator):

@@ -199,17 +199,21 @@ def emulate_attention(
     tensor_cores: bool,
     prefill_kernel: str | None = "mma",
     extremes: bool = False,
+    kv_heads: int = 2,
+    decode_kernel: str | None = None,
+    splits: str | None = None,
 ) -> QuantizedAttention:
     """Decode and prefill rows (`cpu.ROWS`, or their decode steps alone on a
     large device, so that the decode kernels and their splits run) over a
-    quantized cache made for `case`; `prefill_kernel` is `MOKV_PREFILL_KERNEL`
-    (None: unset).
+    quantized cache of `kv_heads` heads made for `case`; `prefill_kernel` is
+    `MOKV_PREFILL_KERNEL`, `decode_kernel` `MOKV_DECODE_KERNEL`, `splits`
+    `MOKV_ATTENTION_SPLITS` (None: unset).
     `extremes`: queries and value scales as `cpu.make_extreme` makes them."""
     fmt, q_dtype, group, d, page, granules, per_block = case
     rng = np.random.default_rng(d + page + granules)
     rows = cpu.ROWS if multiprocessors == 1 else [(c, 1) for c, _ in cpu.ROWS]
     cache, cached, offsets, q, summary = cpu.quantized_batch(
-        rng, fmt, rows, 2, group, d, page, granules, per_block, q_dtype
+        rng, fmt, rows, kv_heads, group, d, page, granules, per_block, q_dtype
     )
     scale = 1 / math.sqrt(d)
     if extremes:
@@ -224,6 +228,10 @@ def emulate_attention(
         "max_new_tokens": int(summary[0, 0]),
         "max_context": int(summary[0, 1]),
     }
+    if decode_kernel is not None:
+        meta["MOKV_DECODE_KERNEL"] = decode_kernel
+    if splits is not None:
+        meta["MOKV_ATTENTION_SPLITS"] = splits
     raw = emulate(
         emulator, "attention", cache, q_dtype, 1, arrays, "out", multiprocessors, tensor_cores, prefill_kernel, **meta
     )
@@ -270,6 +278,28 @@ def test_float16_products_hold_any_query_and_value_scale(case, multiprocessors, 
     attention = emulate_attention(emulator, case, multiprocessors, tensor_cores=True, extremes=True)
     assert np.abs(attention.q).max() > 65504, "queries beyond float16's range"
     attention.assert_close(tensor_cores=True)
+
+
+@pytest.mark.parametrize("splits", [None, "1"], ids=["split", "unsplit"])
+@pytest.mark.parametrize("case", TENSOR_CORE_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_decode_with_one_kv_head_a_warp_reads_codes(case, splits, emulator):
+    """`MOKV_DECODE_KERNEL=warp_heads`: decode rows over four KV heads of
+    codes, each warp widening its own head's (in registers with one scale
+    per head row, the outputs' dims permuted as its lanes hold them; else in
+    shared memory times their scales), split as the planner cuts them or
+    whole."""
+    attention = emulate_attention(
+        emulator,
+        case,
+        H100_MULTIPROCESSORS,
+        tensor_cores=True,
+        kv_heads=4,
+        decode_kernel="warp_heads",
+        splits=splits,
+    )
+    attention.assert_close(tensor_cores=True)
+    decode = "decode_mma_f16_heads" if case[5] == 1 else "decode_mma_heads"
+    assert emulator.launched[0] == decode
 
 
 @pytest.mark.parametrize(

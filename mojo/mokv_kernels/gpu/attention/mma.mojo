@@ -16,6 +16,15 @@ split and how they multiply:
   end the warps' states are combined through shared memory (a split-K of
   the tile across warps), so K and V are still read once per group, with
   no tensor-core work on rows that do not exist;
+- decode with one KV head a warp (`warp_heads`, `MOKV_DECODE_KERNEL=warp_heads`,
+  not yet run on a GPU): a block takes four neighbouring KV heads, each
+  warp one, over the same 16 positions a tile, so the block's copies of a
+  tile read neighbouring rows of each of its tokens (1 KB of Llama's in
+  bfloat16) where a block of one head reads a 256-byte row of each, and the
+  warps' states are each their own head's, written with no combining. The
+  tenth run's decodes all moved about 10^10 rows a second, 256-byte or
+  128-byte, at any batch: the rows' count, not their bytes, looked like
+  the bound (docs/gpu-kernels.md);
 - prefill on Hopper's warpgroup products (`warpgroup` True, the default
   over a bfloat16 cache on Hopper, `op`): two warpgroups of four warps, 128
   query rows, the same tiles, masking and softmax as the prefill, but each
@@ -160,6 +169,7 @@ struct MmaThread[
     scales_per_key: Bool,
     producer: Bool = False,
     boxes: Bool = False,
+    warp_heads: Bool = False,
 ](ThreadProgram):
     """One thread of a block on a GPU (`lanes` 1), one warp under the
     emulator (`lanes` 32). Shared memory: `MmaTiles`; a decode block's
@@ -195,11 +205,17 @@ struct MmaThread[
     keys' operand of Q Kᵀ is 128 wide where the queries' is 64; 64 for the
     rest (the pipelined kernel, which keeps two tiles' scores live, spilled
     240 bytes within 240 registers on 128-key tiles)."""
-    comptime ROWS = MMA_ROWS if Self.decode else Self.CONSUMER_THREADS // WARP * MMA_ROWS
-    """Query rows of a block: the most query heads per KV head it takes."""
+    comptime ROWS = DECODE_ROWS * WARPS if Self.warp_heads else (
+        MMA_ROWS if Self.decode else Self.CONSUMER_THREADS // WARP * MMA_ROWS
+    )
+    """Query rows of a block: the most query heads per KV head it takes
+    (`warp_heads`: each of its four KV heads' rows that can be real)."""
     comptime WARP_KEYS = Self.Tiles.WARP_KEYS if Self.decode else Self.BN
     """Keys of a tile one warp scores: in decode the ones it copies
     (`per_warp`), so it reads no other warp's."""
+    comptime STEP = Self.Tiles.STEP
+    """Context positions a tile spans: `BN`, or a warp's keys with
+    `warp_heads` (`MmaTiles.STEP`)."""
     comptime KSTEPS = Self.D // 16
     """k-steps of a score product (16 dims each)."""
     comptime DTILES = Self.D // 8
@@ -221,7 +237,7 @@ struct MmaThread[
     is not widened yet at that point: its one bfloat16 stage holds this
     tile."""
     comptime STAGES = (3 if Self.boxes and Self.D >= 128 else 4) if Self.PIPELINED else (
-        (4 if Self.scales_per_key else 3) if Self.decode
+        (4 if Self.scales_per_key and not (Self.warp_heads and Self.D >= 128) else 3) if Self.decode
         and is_quantized[Self.cache_t.dtype]() else 2
     )
     """Shared-memory stages (`mma_tiles`): four when `PIPELINED` (one block
@@ -238,7 +254,8 @@ struct MmaThread[
     run's profile of the bfloat16 decode had its warps waiting on memory
     (L1TEX) for 56% of their cycles; four stages still fit three float8
     blocks per multiprocessor at head_dim 128 (74 KB each) and two int8
-    blocks (`mma_kernel.MmaKernel.MIN_BLOCKS`)."""
+    blocks (`mma_kernel.MmaKernel.MIN_BLOCKS`); with `warp_heads`, whose
+    query tile is larger, three at head_dim 128 (61 KB; four took 78)."""
     comptime Softmax = RowSoftmax[
         Self.lanes, Self.NTILES, Self.DTILES, Self.ROW_HALVES, Self.scales_per_key, Self.PRODUCTS
     ]
@@ -252,6 +269,7 @@ struct MmaThread[
         scales_per_key=Self.scales_per_key,
         BN=Self.BN,
         located=not Self.boxes,
+        warp_heads=Self.warp_heads,
     ]
     comptime BARRIERS_AT = (
         Self.Tiles.SHARED_BYTES + BARRIER_BYTES - 1
@@ -329,6 +347,7 @@ struct MmaThread[
             Self.PIPELINED or not Self.producer
         ), "a producer warpgroup feeds the pipelined warpgroup prefill over bfloat16"
         comptime assert Self.producer or not Self.boxes, "boxes are a producer's copies"
+        comptime assert Self.decode or not Self.warp_heads, "a warp's own head is decode's"
         self.args = args
         self.work = work
         self.tid = tid
@@ -370,8 +389,8 @@ struct MmaThread[
         return self.tid // WARP
 
     def warp_row(self) -> Int:
-        """The warp's first query row."""
-        return Self.first_row(self.tid)
+        """The warp's first row in the query tile."""
+        return Self.first_row(self.tid) + Self.Tiles.head_first_row(self.tid)
 
     @staticmethod
     def first_row(tid: Int) -> Int:
@@ -386,8 +405,13 @@ struct MmaThread[
         return Self.first_row(tid) + (tid % WARP + l) // 4 + 8 * h
 
     def warp_key(self) -> Int:
-        """The warp's first key of a tile."""
+        """The warp's first key (row) of a tile."""
         return self.warp() * Self.WARP_KEYS if Self.decode else 0
+
+    def warp_position(self) -> Int:
+        """Where the warp's first key lies from the tile's first position:
+        its first key, or with `warp_heads` (its keys its head's) 0."""
+        return 0 if Self.warp_heads else self.warp_key()
 
     @always_inline
     def is_producer(self) -> Bool:
@@ -430,31 +454,31 @@ struct MmaThread[
         if phase == LOAD_Q:
             self.tiles.load_queries[Self.lanes](self.args, self.work, self.tid)
             comptime for t in range(Self.AHEAD):
-                if arg + t * Self.BN < self.work.kv_end:
+                if arg + t * Self.STEP < self.work.kv_end:
                     self.tiles.locate_rows[Self.lanes](
-                        self.args, self.work, self.tid, arg + t * Self.BN
+                        self.args, self.work, self.tid, arg + t * Self.STEP
                     )
             self.pages = self.tiles.fetch_pages[Self.lanes](
-                self.args, self.work, self.tid, arg + Self.AHEAD * Self.BN
+                self.args, self.work, self.tid, arg + Self.AHEAD * Self.STEP
             )
             self.shared_writes_done()
         elif phase == START_FIRST:
             comptime if Self.scales_per_key:
                 self.read_score_scales()
             comptime for t in range(Self.AHEAD):
-                if arg + t * Self.BN < self.work.kv_end:
+                if arg + t * Self.STEP < self.work.kv_end:
                     self.tiles.start_tile[Self.lanes](
-                        self.tid, arg + t * Self.BN, self.args.granularity
+                        self.tid, arg + t * Self.STEP, self.args.granularity
                     )
             self.shared_writes_done()
         elif phase == WAIT_TILE:
-            var located = arg + Self.AHEAD * Self.BN
+            var located = arg + Self.AHEAD * Self.STEP
             if located < self.work.kv_end:
                 self.tiles.locate_pages[Self.lanes](
                     self.args, self.work, self.tid, located, self.pages
                 )
                 self.pages = self.tiles.fetch_pages[Self.lanes](
-                    self.args, self.work, self.tid, located + Self.BN
+                    self.args, self.work, self.tid, located + Self.STEP
                 )
             self.wait_tile(arg)
             self.shared_writes_done()
@@ -465,9 +489,9 @@ struct MmaThread[
             comptime if Self.producer:
                 self.produced_tile[first=False](arg)
             else:
-                if arg + Self.AHEAD * Self.BN < self.work.kv_end:
+                if arg + Self.AHEAD * Self.STEP < self.work.kv_end:
                     self.tiles.start_tile[Self.lanes](
-                        self.tid, arg + Self.AHEAD * Self.BN, self.args.granularity
+                        self.tid, arg + Self.AHEAD * Self.STEP, self.args.granularity
                     )
                 self.compute_tile(arg)
         elif phase == FIRST_SCORES:
@@ -488,7 +512,7 @@ struct MmaThread[
                     var weights = self.last_weights.copy()
                     self.group_values(weights, arg)
                     warpgroup_wait()
-            comptime if Self.decode:
+            comptime if Self.decode and not Self.warp_heads:
                 self.save_state()
             else:
                 self.write_rows()
@@ -500,8 +524,13 @@ struct MmaThread[
         """`score_scales` from the rows' powers of two (`scales_per_key`)."""
         var row_scales = self.tiles.row_scales()
         for l in range(Self.lanes):
-            var first = row_scales[unsafe_offset=Self.lane_row(self.tid, l, 0)]
-            var second = row_scales[unsafe_offset=Self.lane_row(self.tid, l, 1)]
+            var head_rows = row_scales.unsafe_offset(Self.Tiles.head_first_row(self.tid))
+            var first = head_rows[unsafe_offset=Self.lane_row(self.tid, l, 0)]
+            var second: Float32
+            comptime if Self.warp_heads:
+                second = first  # padding: no such row in the tile
+            else:
+                second = head_rows[unsafe_offset=Self.lane_row(self.tid, l, 1)]
             self.score_scales[0, l] = (
                 SIMD[DType.float32, 4](first, first, second, second) * self.args.scale_log2
             )
@@ -516,7 +545,7 @@ struct MmaThread[
         comptime in_flight = Self.AHEAD - 2 if Self.PIPELINED else Self.AHEAD - 1
         # 32-bit (kv_start < kv_end): a 64-bit signed division takes a
         # dozen instructions more on every tile.
-        var later = UInt32(self.work.kv_end - kv_start - 1) // UInt32(Self.BN)
+        var later = UInt32(self.work.kv_end - kv_start - 1) // UInt32(Self.STEP)
         comptime for pending in reversed(range(1, in_flight + 1)):
             if later >= UInt32(pending):
                 wait_copies[pending]()
@@ -541,7 +570,7 @@ struct MmaThread[
         """Whether every query row of the block sees every key of the tile
         at `kv_start` (then nothing needs masking)."""
         var first = Int32(kv_start)
-        return first >= self.unmasked[0] and first + Int32(Self.BN - 1) <= self.unmasked[1]
+        return first >= self.unmasked[0] and first + Int32(Self.STEP - 1) <= self.unmasked[1]
 
     @always_inline
     def mask(self, kv_start: Int, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]):
@@ -552,7 +581,9 @@ struct MmaThread[
         for l in range(Self.lanes):
             # Unsigned: a signed remainder takes sign corrections, and
             # their 64-bit lane spilled the TMA-fed prefill at head_dim 128.
-            var column = Int32(kv_start + self.warp_key()) + Int32(UInt32(self.lane(l)) % 4) * 2
+            var column = (
+                Int32(kv_start + self.warp_position()) + Int32(UInt32(self.lane(l)) % 4) * 2
+            )
             comptime for h in range(Self.ROW_HALVES):
                 var first = self.visible[h, l][0] - column
                 var last = self.visible[h, l][1] - column
@@ -667,9 +698,10 @@ struct MmaThread[
         var rows = Array[BF16Ptr, Self.lanes](fill=queries)
         for l in range(Self.lanes):
             var lane = self.lane(l)
-            rows[l] = queries.unsafe_offset(
-                Self.Tiles.swizzled[Self.ROWS](self.warp_row() + lane % 16, 2 * k + lane // 16)
-            )
+            # `warp_heads`: rows 8 to 15 of the product are padding, whose
+            # weights the softmax zeroes: they read the real rows again.
+            var row = self.warp_row() + lane % (DECODE_ROWS if Self.warp_heads else 16)
+            rows[l] = queries.unsafe_offset(Self.Tiles.swizzled[Self.ROWS](row, 2 * k + lane // 16))
         return ld_matrix[4, False, Self.lanes](rows)
 
     @always_inline
@@ -930,27 +962,47 @@ struct MmaThread[
 
     @always_inline
     def write_rows(self):
-        """Prefill: normalised outputs, or this split's state for the merge:
-        each lane writes two dims of each of its two rows per n-tile."""
+        """Prefill, and decode with `warp_heads`: normalised outputs, or
+        this split's state for the merge: each lane writes two dims of each
+        of its rows per n-tile (`IN_REGISTERS`: its values of every n-tile,
+        which `MmaTiles.output_dim` puts in two runs of contiguous dims)."""
         var rows = self.work.rows(self.args.group)
-        comptime for h in range(2):
+        comptime for h in range(Self.ROW_HALVES):
             var sums = self.softmax.row_sums(h)
             for l in range(Self.lanes):
                 var lane = self.lane(l)
                 var r = Self.lane_row(self.tid, l, h)
                 if r < rows:
-                    comptime for n in range(Self.DTILES):
-                        var acc = self.o[n, l]
-                        write_row_part[Self.D, 2](
-                            self.args,
-                            self.work,
-                            r,
-                            n * 8 + 2 * (lane % 4),
-                            SIMD[DType.float32, 2](acc[2 * h], acc[2 * h + 1]),
-                            self.softmax.row_max[h, l][0],
-                            sums[l],
-                            n == 0 and lane % 4 == 0,
-                        )
+                    comptime if Self.Tiles.IN_REGISTERS:
+                        # Value e of every n-tile: dims (2 t + e) D/8 + n
+                        # (`MmaTiles.output_dim`), DTILES contiguous dims.
+                        comptime for e in range(2):
+                            var dims = SIMD[DType.float32, Self.DTILES](0)
+                            comptime for n in range(Self.DTILES):
+                                dims[n] = self.o[n, l][2 * h + e]
+                            write_row_part[Self.D, Self.DTILES](
+                                self.args,
+                                self.work,
+                                r,
+                                (2 * (lane % 4) + e) * Self.DTILES,
+                                dims,
+                                self.softmax.row_max[h, l][0],
+                                sums[l],
+                                lane % 4 == 0 and e == 0,
+                            )
+                    else:
+                        comptime for n in range(Self.DTILES):
+                            var acc = self.o[n, l]
+                            write_row_part[Self.D, 2](
+                                self.args,
+                                self.work,
+                                r,
+                                n * 8 + 2 * (lane % 4),
+                                SIMD[DType.float32, 2](acc[2 * h], acc[2 * h + 1]),
+                                self.softmax.row_max[h, l][0],
+                                sums[l],
+                                n == 0 and lane % 4 == 0,
+                            )
 
     @always_inline
     def save_state(self):

@@ -20,7 +20,7 @@ from ...cache.traits import KVCacheT
 from ...pointers import F32Ptr
 from ..block import BlockExecutor, BlockId, KernelT
 from ..warpgroup import set_warpgroup_registers
-from .config import WARP
+from .config import WARP, WARPS
 from .mma import (
     COMBINE,
     COMPUTE_TILE,
@@ -47,11 +47,14 @@ struct MmaKernel[
     scales_per_key: Bool = False,
     producer: Bool = False,
     boxes: Bool = False,
+    warp_heads: Bool = False,
 ](KernelT):
     """Grid (query tiles * splits, KV heads, batch rows) of tensor-core
     prefill or decode blocks (a prefill's products per warp, or per
     warpgroup where `warpgroup`; float16 products over an 8-bit cache with
-    one scale per head row where `scales_per_key`, `MmaThread`)."""
+    one scale per head row where `scales_per_key`, `MmaThread`). With
+    `warp_heads` (decode), a block takes `WARPS` neighbouring KV heads, one
+    a warp: a grid x of KV heads over `WARPS`."""
 
     comptime Program = MmaThread[
         Self.cache_t,
@@ -62,6 +65,7 @@ struct MmaKernel[
         Self.scales_per_key,
         Self.producer,
         Self.boxes,
+        Self.warp_heads,
     ]
     comptime THREADS = Self.Program.THREADS
     comptime DECODE_BLOCKS = 2 if Self.D >= 128 and (
@@ -88,7 +92,9 @@ struct MmaKernel[
     where `tools/check_gpu_build.sh --registers` shows no spills."""
     comptime LANES = Self.lanes
     comptime NAME = (
-        "decode_mma_f16" if Self.scales_per_key else "decode_mma"
+        (
+            "decode_mma_f16_heads" if Self.scales_per_key else "decode_mma_heads"
+        ) if Self.warp_heads else ("decode_mma_f16" if Self.scales_per_key else "decode_mma")
     ) if Self.decode else (
         (
             "prefill_wgmma_tma" if Self.boxes else (
@@ -104,11 +110,19 @@ struct MmaKernel[
     var args: AttentionArgs[Self.cache_t, DType.bfloat16]
 
     def grid(self) -> BlockId:
-        return attention_grid(self.args)
+        var grid = attention_grid(self.args)
+        comptime if Self.warp_heads:
+            grid.x //= WARPS
+        return grid
 
     @always_inline
     def program(self, block: BlockId, tid: Int, shared: F32Ptr) -> Self.Program:
-        return Self.Program(self.args, block_work(self.args, block, Self.Program.BN), tid, shared)
+        """Thread `tid`'s program, its block's work (`warp_heads`: its
+        warp's KV head's)."""
+        var work = block_work(self.args, block, Self.Program.STEP)
+        comptime if Self.warp_heads:
+            work.kv_head = block.x * WARPS + tid // WARP
+        return Self.Program(self.args, work, tid, shared)
 
     @always_inline
     def between_tiles[E: BlockExecutor](self, mut threads: E):
@@ -179,7 +193,7 @@ struct MmaKernel[
 
     @always_inline
     def schedule[E: BlockExecutor](self, mut threads: E, block: BlockId):
-        var work = block_work(self.args, block, Self.Program.BN)
+        var work = block_work(self.args, block, Self.Program.STEP)
         if work.empty():
             return
         comptime if Self.producer:
@@ -210,8 +224,8 @@ struct MmaKernel[
                     threads.each(CONVERT_TILE, kv)
                     self.between_tiles(threads)
                 threads.each(COMPUTE_TILE, kv)
-                kv += Self.Program.BN
-        comptime if Self.decode:
+                kv += Self.Program.STEP
+        comptime if Self.decode and not Self.warp_heads:
             threads.sync()
             threads.each(FINISH, 0)
             threads.sync()

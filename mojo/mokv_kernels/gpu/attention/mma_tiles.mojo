@@ -19,7 +19,12 @@ instruction), so a thread reads the addresses of a few keys a tile
 With `per_warp` (decode, whose warps each read only their own `BN / WARPS`
 keys of a tile) each warp locates and copies its own keys' rows, so a warp
 needs only its own copies and a warp barrier, never the block's, between
-tiles.
+tiles. With `warp_heads` too (a decode block of one KV head a warp), warp w's
+keys are the tile's `WARP_KEYS` positions in its own head, and its query rows
+that head's: the four warps read neighbouring rows of the same tokens. The
+query tile then holds each head's `DECODE_ROWS` rows, not the 16 of its
+products (rows 8 to 15 are padding, whose weights the softmax zeroes): three
+blocks' shared memory still fit a multiprocessor.
 
 An 8-bit cache (`float8_e4m3fn` or `int8` codes with float32 scales) takes
 the same path to tensor cores: each tile's codes `[BN, D]` and its keys'
@@ -53,7 +58,7 @@ from ..rows import row_in_table_page, table_page
 
 from ..warpgroup import SWIZZLE_ALIGNMENT, SWIZZLE_COLUMNS
 
-from .config import QUANTIZED_CHUNK, WARP
+from .config import DECODE_ROWS, QUANTIZED_CHUNK, WARP
 from .work import AttentionArgs, BlockWork, row_offset
 
 comptime TILE_KEYS = 64
@@ -95,6 +100,7 @@ struct MmaTiles[
     scales_per_key: Bool,
     BN: Int,
     located: Bool = True,
+    warp_heads: Bool = False,
 ](TrivialRegisterPassable):
     """The shared memory of a block of `THREADS` threads, from `smem`; tiles
     of `BN` keys take the `stage_count` stages (an 8-bit cache: code stages)
@@ -102,6 +108,10 @@ struct MmaTiles[
     `per_warp` (see the module docstring). `located`: the threads locate
     each key's row into shared memory for their `cp.async` copies
     (`addresses`); tensor-map boxes look their pages up themselves.
+    `warp_heads` (with `per_warp`): each warp's keys and query rows are its
+    own KV head's (`work.kv_head` of the `work` it passes), its keys the
+    tile's first `WARP_KEYS` positions (`key_position`), its query rows
+    `HEAD_ROWS` from `HEAD_ROWS` times the warp.
 
     `scales_per_key`: an 8-bit cache with one scale per head row, whose
     tiles hold float16 (its codes' own values: `convert_tile`) and its
@@ -133,6 +143,12 @@ struct MmaTiles[
     """16-byte chunks of a bfloat16 row."""
     comptime WARP_KEYS = Self.BN // (Self.THREADS // WARP)
     """Keys of a tile that each warp copies when `per_warp`."""
+    comptime STEP = Self.WARP_KEYS if Self.warp_heads else Self.BN
+    """Context positions a tile spans: with `warp_heads` each warp's rows of
+    a stage are its head's keys at the same positions."""
+    comptime HEAD_ROWS = DECODE_ROWS if Self.warp_heads else Self.ROWS
+    """Query rows of one KV head: a warp's with `warp_heads`, else the
+    block's."""
     comptime ELEMENTS_PER_COPY = 16 // size_of[Scalar[Self.cache_t.dtype]]()
     """Stored elements (values or codes) in a 16-byte copy."""
     comptime COPIES = Self.BN * Self.D // Self.ELEMENTS_PER_COPY // Self.THREADS
@@ -213,6 +229,10 @@ struct MmaTiles[
         comptime assert (
             Self.TILES_AHEAD >= 1
         ), "a tile's copies overlap the previous tile's products"
+        comptime assert Self.per_warp or not Self.warp_heads, "a warp's head is its own keys"
+        comptime assert not Self.warp_heads or (
+            Self.ROWS == Self.HEAD_ROWS * (Self.THREADS // WARP)
+        ), "each warp's head's rows"
         var value_offset = 0
         var scale_value_offset = 0
         if not work.empty():
@@ -275,7 +295,7 @@ struct MmaTiles[
     @always_inline
     def stage(self, kv_start: Int) -> Int:
         """The stage of the tile at `kv_start`."""
-        return ring_stage[Self.BN, Self.stage_count](self.first_key, kv_start)
+        return ring_stage[Self.STEP, Self.stage_count](self.first_key, kv_start)
 
     @always_inline
     def smem(self) -> BF16Ptr:
@@ -375,7 +395,8 @@ struct MmaTiles[
         lanes: Int
     ](self, args: AttentionArgs[Self.cache_t, DType.bfloat16], work: BlockWork, tid: Int):
         """The block's query rows, swizzled (zero rows past the block's);
-        threads `tid ..< tid + lanes` take their share. `scales_per_key`:
+        threads `tid ..< tid + lanes` take their share (`warp_heads`: of
+        their warp's `HEAD_ROWS`, from `work`'s head). `scales_per_key`:
         as float16, each row times a power of two that brings its largest
         value into [2^14, 2^15) (the float16 range holds it, and every
         bfloat16 within 2^-28 of it exactly), and that power's inverse in
@@ -383,12 +404,14 @@ struct MmaTiles[
         comptime if Self.scales_per_key:
             self.load_float16_queries[lanes](args, work, tid)
             return
+        comptime threads = WARP if Self.warp_heads else Self.THREADS
         var rows = work.rows(args.group)
+        var first = Self.head_first_row(tid)
         for l in range(lanes):
-            for u in range(tid + l, Self.ROWS * Self.CHUNKS, Self.THREADS):
+            for u in range(tid % threads + l, Self.HEAD_ROWS * Self.CHUNKS, threads):
                 var r = u // Self.CHUNKS
                 var c = u % Self.CHUNKS
-                var to = self.smem().unsafe_offset(Self.swizzled[Self.ROWS](r, c))
+                var to = self.smem().unsafe_offset(Self.swizzled[Self.ROWS](first + r, c))
                 if r < rows:
                     var offset = row_offset[Self.D](args, work, r) + c * 8
                     to.unsafe_store[alignment=16](
@@ -401,14 +424,16 @@ struct MmaTiles[
     def load_float16_queries[
         lanes: Int
     ](self, args: AttentionArgs[Self.cache_t, DType.bfloat16], work: BlockWork, tid: Int):
-        """`load_queries` where `scales_per_key`: thread r takes row r whole,
-        reading it twice (for its largest value, then to convert it) so that
+        """`load_queries` where `scales_per_key`: thread r (of the warp, with
+        `warp_heads`) takes row r whole, reading it twice (for its largest value, then to convert it) so that
         no register holds more than a chunk; `IN_REGISTERS`, its columns in
         `query_dim`'s order."""
+        comptime threads = WARP if Self.warp_heads else Self.THREADS
         var rows = work.rows(args.group)
+        var first_row = Self.head_first_row(tid)
         for l in range(lanes):
-            var r = tid + l
-            if r >= Self.ROWS:
+            var r = tid % threads + l
+            if r >= Self.HEAD_ROWS:
                 continue
             var queries = rebind[BF16Ptr](args.q).unsafe_offset(
                 row_offset[Self.D](args, work, r) if r < rows else 0
@@ -436,10 +461,25 @@ struct MmaTiles[
                     else:
                         chunk = queries.unsafe_load[width=8, alignment=16](c * 8)
                     halves = (chunk.cast[DType.float32]() * times).cast[DType.float16]()
-                self.smem().unsafe_offset(Self.swizzled[Self.ROWS](r, c)).unsafe_store[
+                self.smem().unsafe_offset(Self.swizzled[Self.ROWS](first_row + r, c)).unsafe_store[
                     alignment=16
                 ](0, bitcast[DType.bfloat16, 8](halves))
-            self.row_scales()[unsafe_offset=r] = bitcast[DType.float32](UInt32(127 - up) << 23)
+            self.row_scales()[unsafe_offset=first_row + r] = bitcast[DType.float32](
+                UInt32(127 - up) << 23
+            )
+
+    @staticmethod
+    def head_first_row(thread: Int) -> Int:
+        """The query tile's row of `thread`'s KV head's first query row:
+        its warp's `HEAD_ROWS` with `warp_heads`, else 0."""
+        return thread // WARP * Self.HEAD_ROWS if Self.warp_heads else 0
+
+    @staticmethod
+    def key_position(key: Int) -> Int:
+        """Where row `key` of a tile lies in the context, from the tile's
+        first position: with `warp_heads` each warp's `WARP_KEYS` rows are
+        its own head's first positions of the tile."""
+        return key % Self.WARP_KEYS if Self.warp_heads else key
 
     @always_inline
     def locate_rows[
@@ -475,8 +515,9 @@ struct MmaTiles[
         var pages = Array[Int32, lanes](fill=-1)
         for l in range(lanes):
             var j = Self.located_key(tid + l)
-            if j >= 0 and kv_start + j < work.kv_end:
-                pages[l] = table_page(args.k_cache, work.row, kv_start + j)
+            var pos = kv_start + Self.key_position(j)
+            if j >= 0 and pos < work.kv_end:
+                pages[l] = table_page(args.k_cache, work.row, pos)
         return pages^
 
     @always_inline
@@ -492,14 +533,14 @@ struct MmaTiles[
     ):
         """Thread t, for its key j (`located_key`) of the tile at `kv_start`,
         whose page table entry `pages` holds (`fetch_pages`): the address of
-        the key's row in the block's KV head (0 where the entry is no page
+        the key's row in `work`'s KV head (0 where the entry is no page
         of the tensor: a bad entry is never followed), and an 8-bit cache's
         address of its key scales there (its value scales are
         `scale_value_offset` further)."""
         for l in range(lanes):
             var j = Self.located_key(tid + l)
             if j >= 0:
-                var pos = kv_start + j
+                var pos = kv_start + Self.key_position(j)
                 var address = Self.key_row(args, work, pages[l], pos)
                 self.addresses(kv_start)[unsafe_offset=j] = address
                 comptime if Self.QUANTIZED:
@@ -515,7 +556,7 @@ struct MmaTiles[
     def key_row(
         args: AttentionArgs[Self.cache_t, DType.bfloat16], work: BlockWork, page: Int32, pos: Int
     ) -> Int:
-        """The address of key `pos`'s row in the block's KV head, in `page`
+        """The address of key `pos`'s row in `work`'s KV head, in `page`
         (its page table entry), or 0 where that is no page of the tensor: a
         bad entry is never followed."""
         var row = row_in_table_page(args.k_cache, page, pos)

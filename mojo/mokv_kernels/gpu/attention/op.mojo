@@ -10,7 +10,9 @@ overrides that (`_prefill_products` says why the default is what it is),
 `=wgmma_producer` takes the warpgroup prefill whose copies a producer
 warpgroup makes (`MmaThread.producer`), and `=wgmma_tma` the one whose
 producer warp copies tensor-map boxes (`MmaThread.boxes`), neither the
-default: no GPU has timed them.
+default: no GPU has timed them. `MOKV_DECODE_KERNEL=warp_heads` takes the
+tensor-core decode whose blocks take four KV heads, one a warp
+(`MmaThread.warp_heads`), not the default either, for the same reason.
 `MOKV_ATTENTION_SPLITS=N` fixes how many splits a context is cut into
 (within the planner's bounds) instead of the planner's choice, for tuning:
 `mokv bench attention --device gpu` times decode at several."""
@@ -24,7 +26,7 @@ from ...kv_quantization import is_quantized
 from std.os import getenv
 from ..block import Launcher
 from ..tensor_map import PageMaps, PageTensor
-from .config import LOG2E, QUANTIZED_CHUNK
+from .config import LOG2E, QUANTIZED_CHUNK, WARPS
 from .decode import DecodeKernel
 from .merge import MergeArgs, MergeKernel
 from .plan import BatchBounds, KernelFit, plan_attention
@@ -98,6 +100,26 @@ def _prefill_products[L: Launcher](launcher: L, codes: Bool) raises -> Int:
     return PRODUCER_FED_PRODUCTS if kernel == "wgmma_producer" else BOX_FED_PRODUCTS
 
 
+comptime DECODE_KERNEL_VARIABLE = "MOKV_DECODE_KERNEL"
+
+
+def _decode_warp_heads(n_kv_heads: Int) raises -> Bool:
+    """Whether the tensor-core decode takes one KV head a warp
+    (`MOKV_DECODE_KERNEL=warp_heads`; unset, one head a block, its warps
+    splitting the keys), which needs whole blocks of `WARPS` KV heads."""
+    var kernel = getenv(DECODE_KERNEL_VARIABLE, "")
+    if kernel == "":
+        return False
+    if kernel != "warp_heads":
+        raise Error(t"{DECODE_KERNEL_VARIABLE}={kernel}: expected warp_heads, or unset")
+    if n_kv_heads % WARPS != 0:
+        raise Error(
+            t"{DECODE_KERNEL_VARIABLE}={kernel}: the cache's {n_kv_heads} KV heads are not"
+            t" blocks of {WARPS}"
+        )
+    return True
+
+
 comptime SPLITS_VARIABLE = "MOKV_ATTENTION_SPLITS"
 
 
@@ -124,6 +146,7 @@ def _run[
     them: decode or prefill, then the merge when the context is split."""
     comptime MmaPrefill = MmaKernel[cache_t, D, L.LANES, False]
     comptime MmaDecode = MmaKernel[cache_t, D, L.LANES, True]
+    comptime HeadsDecode = MmaKernel[cache_t, D, L.LANES, True, warp_heads=True]
     comptime WgmmaPrefill = MmaKernel[cache_t, D, L.LANES, False, True]
     comptime BoxedPrefill = MmaKernel[cache_t, D, L.LANES, False, True, producer=True, boxes=True]
     comptime Decode = DecodeKernel[cache_t, q_dtype, D]
@@ -132,14 +155,18 @@ def _run[
     ]
     var mma = False
     var products = WARP_PRODUCTS
+    var warp_heads = False
     comptime if _on_tensor_cores[cache_t, q_dtype, D]():
         products = _prefill_products(launcher, is_quantized[cache_t.dtype]())
         mma = launcher.tensor_cores()
+        warp_heads = mma and _decode_warp_heads(args.k_cache.num_heads())
     var prefill_rows = _prefill_rows(D)
     var prefill = KernelFit(Prefill.MIN_BLOCKS, Prefill.BN)
-    var decode = KernelFit(MmaDecode.MIN_BLOCKS, MmaDecode.Program.BN) if mma else KernelFit(
-        Decode.MIN_BLOCKS, Decode.Program.BN
-    )
+    var decode = KernelFit(Decode.MIN_BLOCKS, Decode.Program.BN)
+    if warp_heads:
+        decode = KernelFit(HeadsDecode.MIN_BLOCKS, HeadsDecode.Program.STEP, WARPS)
+    elif mma:
+        decode = KernelFit(MmaDecode.MIN_BLOCKS, MmaDecode.Program.BN)
     if products != WARP_PRODUCTS:
         # The producer-fed kernels have the same rows and blocks; the
         # box-fed one's tiles are longer.
@@ -173,6 +200,7 @@ def _run[
                 rebind[AttentionArgs[cache_t, DType.bfloat16]](args),
                 plan.decode,
                 products,
+                warp_heads,
             )
     if not mma and plan.decode:
         launcher.launch(Decode(args))
@@ -199,19 +227,27 @@ def _launch_mma[
     args: AttentionArgs[cache_t, DType.bfloat16],
     decode: Bool,
     products: Int,
+    warp_heads: Bool,
 ) raises:
-    """The tensor-core kernel of the plan (`mma`): decode, or prefill on the
-    `products` `_prefill_products` chose. An 8-bit cache with one scale per
-    head row takes float16 products of its codes as they are, except on
-    warpgroup products, which widen them to bfloat16."""
+    """The tensor-core kernel of the plan (`mma`): decode (one KV head a warp
+    where `warp_heads`), or prefill on the `products` `_prefill_products`
+    chose. An 8-bit cache with one scale per head row takes float16
+    products of its codes as they are, except on warpgroup products, which
+    widen them to bfloat16."""
     comptime if is_quantized[cache_t.dtype]():
         if args.granularity == D and (decode or products == WARP_PRODUCTS):
-            if decode:
+            if decode and warp_heads:
+                launcher.launch(
+                    MmaKernel[cache_t, D, L.LANES, True, scales_per_key=True, warp_heads=True](args)
+                )
+            elif decode:
                 launcher.launch(MmaKernel[cache_t, D, L.LANES, True, scales_per_key=True](args))
             else:
                 launcher.launch(MmaKernel[cache_t, D, L.LANES, False, scales_per_key=True](args))
             return
-    if decode:
+    if decode and warp_heads:
+        launcher.launch(MmaKernel[cache_t, D, L.LANES, True, warp_heads=True](args))
+    elif decode:
         launcher.launch(MmaKernel[cache_t, D, L.LANES, True](args))
     elif products == WARPGROUP_PRODUCTS:
         launcher.launch(MmaKernel[cache_t, D, L.LANES, False, True](args))

@@ -49,14 +49,22 @@ struct AttentionPlan(TrivialRegisterPassable):
     var splits: Int
 
 
-@fieldwise_init
 struct KernelFit(TrivialRegisterPassable):
     """What the planner needs of a kernel: how many of its blocks one
-    multiprocessor holds at once, and how many keys a block reads per
-    tile (a split is whole tiles, `work.block_work`)."""
+    multiprocessor holds at once, how many context positions a block reads
+    per tile (a split is whole tiles, `work.block_work`), and how many KV
+    heads a block takes."""
 
     var blocks_per_multiprocessor: Int
     var tile_keys: Int
+    var heads_per_block: Int
+
+    def __init__(
+        out self, blocks_per_multiprocessor: Int, tile_keys: Int, heads_per_block: Int = 1
+    ):
+        self.blocks_per_multiprocessor = blocks_per_multiprocessor
+        self.tile_keys = tile_keys
+        self.heads_per_block = heads_per_block
 
 
 def plan_attention(
@@ -92,7 +100,7 @@ def plan_attention(
         splits = min(fixed_splits, most)
     else:
         splits = soonest_splits(
-            query_tiles * n_kv_heads * batch,
+            query_tiles * ceildiv(n_kv_heads, kernel.heads_per_block) * batch,
             kernel.blocks_per_multiprocessor * multiprocessors,
             ceildiv(max(bounds.max_context, 1), kernel.tile_keys),
             most,
