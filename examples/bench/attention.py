@@ -23,7 +23,9 @@ bandwidth, against which the KV read rate of decode is set. On a Hopper GPU, who
 prefill takes warpgroup products by default, the prefill rows also time mokv with
 `MOKV_PREFILL_KERNEL=mma` (`mma.sync` per warp), `=wgmma_producer` (the warpgroup
 products fed by a producer warpgroup) and `=wgmma_tma` (fed by tensor-map boxes) in the
-same rounds (`PREFILL_VARIANTS`; `--prefill-variants` names fewer), and every GPU row times
+same rounds (`PREFILL_VARIANTS`; `--prefill-variants` names fewer), its bfloat16 decode
+rows over KV heads in fours also time `MOKV_DECODE_KERNEL=warp_heads` (a decode block of
+four KV heads, one a warp: `heads_*` fields, the "one head a warp" columns), and every GPU row times
 mokv with its context cut into a fixed number of splits (`MOKV_ATTENTION_SPLITS`,
 `SPLIT_SWEEP`) beside the planner's choice, the data the planner is tuned from. Without a
 GPU it says so and exits. `docs/gpu/results/` keeps the GPU runs' tables.
@@ -56,11 +58,11 @@ from mokv_examples.bench.attention_cases import (
     shape_fields,
     to_float,
 )
-from mokv_examples.bench.attention_kernels import MAX_KERNELS, Kernels
+from mokv_examples.bench.attention_kernels import DECODE_KERNEL, MAX_KERNELS, WARP_HEADS, Kernels, warp_heads_apply
 from mokv_examples.bench.kv_formats import format_rows, formats_markdown
 from mokv_examples.bench.references import reference
 from mokv_examples.bench.results import out_dir_option, span, write_results
-from mokv_examples.bench.timing import CopyProbe, GpuCopyProbe, time_alternately
+from mokv_examples.bench.timing import CopyProbe, GpuCopyProbe, time_alternately, with_variable
 
 PREFILL_KERNEL = "MOKV_PREFILL_KERNEL"
 ATTENTION_SPLITS = "MOKV_ATTENTION_SPLITS"
@@ -70,25 +72,6 @@ the context allows: one split per 256 tokens at most)."""
 MIN_SPLIT_TOKENS = 256
 """Fewest context tokens of a split (`MIN_SPLIT_TOKENS` in
 `mojo/mokv_kernels/gpu/attention/config.mojo`): larger counts run as this."""
-
-
-def with_variable(name: str, value: str, call: Callable[[], Any]) -> Callable[[], Any]:
-    """`call` with the environment variable `name` set to `value` (mokv's
-    GPU op reads `MOKV_PREFILL_KERNEL` and `MOKV_ATTENTION_SPLITS` at every
-    call), then set back."""
-
-    def run() -> Any:
-        before = os.environ.get(name)
-        os.environ[name] = value
-        try:
-            return call()
-        finally:
-            if before is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = before
-
-    return run
 
 
 @dataclass(frozen=True)
@@ -142,13 +125,15 @@ def run_case(
     the same values stored as float32, in the same rounds, for the tokens/s
     ratio; a bfloat16 prefill on a Hopper GPU also times mokv's prefill
     kernels of `prefill_variants` (warpgroup products are its default
-    there), and a GPU row mokv at each split
-    count of `SPLIT_SWEEP` the context allows (`splits_s`)."""
+    there), a bfloat16 decode on a GPU over KV heads in fours the decode of
+    one head a warp (`MOKV_DECODE_KERNEL=warp_heads`), and a GPU row mokv at
+    each split count of `SPLIT_SWEEP` the context allows (`splits_s`)."""
     scale = case.softmax_scale
     with_f32 = case.dtype == DType.bfloat16 and case.phase == "decode" and kernels.device.is_host
     variants = prefill_variants
     if not (case.dtype == DType.bfloat16 and case.phase == "prefill" and has_warpgroup_mma(kernels)):
         variants = ()
+    warp_heads = case.dtype == DType.bfloat16 and case.phase == "decode" and warp_heads_apply(kernels, case.heads)
     sweep = [n for n in SPLIT_SWEEP if n <= max(1, case.context // MIN_SPLIT_TOKENS)]
     if kernels.device.is_host:
         sweep = []
@@ -169,6 +154,8 @@ def run_case(
         calls["mokv_float32"] = lambda: mokv_f32.execute(*f32_args)
     for v in variants:
         calls[f"mokv_{v.key}"] = with_variable(PREFILL_KERNEL, v.kernel, calls["mokv"])
+    if warp_heads:
+        calls["mokv_heads"] = with_variable(DECODE_KERNEL, WARP_HEADS, calls["mokv"])
     for n in sweep:
         calls[f"mokv_splits_{n}"] = with_variable(ATTENTION_SPLITS, str(n), calls["mokv"])
 
@@ -201,6 +188,12 @@ def run_case(
         row[f"{v.key}_s"] = times[f"mokv_{v.key}"]
         row[f"{v.key}_speedup"] = times["max"] / times[f"mokv_{v.key}"]
         row[f"{v.key}_max_abs_diff"] = float(np.abs(to_float(out, case.dtype) - expected).max())
+    if warp_heads:
+        out = with_variable(DECODE_KERNEL, WARP_HEADS, lambda: mokv.execute(*mokv_args)[0])()
+        row["heads_s"] = times["mokv_heads"]
+        row["heads_speedup"] = times["max"] / times["mokv_heads"]
+        row["heads_kv_gbps"] = case.kv_bytes / times["mokv_heads"] / 1e9
+        row["heads_max_abs_diff"] = float(np.abs(to_float(out, case.dtype) - expected).max())
     if sweep:
         row["splits_s"] = {str(n): times[f"mokv_splits_{n}"] for n in sweep}
     return row
@@ -229,6 +222,12 @@ def gpu_summary(rows: list[dict[str, Any]]) -> list[str]:
             f" {span([r[f'{v.key}_speedup'] for r in prefill if f'{v.key}_speedup' in r])}"
             for v in PREFILL_VARIANTS
         ),
+        (
+            f"- decode with MOKV_DECODE_KERNEL={WARP_HEADS}, speedup over MAX:"
+            f" {span([r['heads_speedup'] for r in decode if 'heads_s' in r])};"
+            " KV read rate / device copy traffic where memory-bound:"
+            f" {span([r['heads_kv_gbps'] / r['copy_gbps'] for r in bound if 'heads_s' in r])}"
+        ),
     ]
 
 
@@ -252,9 +251,11 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
-    """The summary and the table; a prefill variant's columns only where
-    some row timed it beside the default (Hopper)."""
+    """The summary and the table; a prefill variant's columns, and the
+    decode's of one head a warp, only where some row timed it beside the
+    default (Hopper; a GPU)."""
     variants = [v for v in PREFILL_VARIANTS if any(f"{v.key}_s" in r for r in rows)]
+    heads = any("heads_s" in r for r in rows)
     lines = [
         header,
         "",
@@ -262,8 +263,11 @@ def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
         "",
         "| case | mokv ms | MAX ms | speedup | mokv KV GB/s | MAX KV GB/s | copy GB/s | tokens/s | bf16/f32"
         " | max abs diff |"
-        + "".join(f" {v.label} ms | {v.label} speedup | {v.label} max abs diff |" for v in variants),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * 3 * len(variants),
+        + "".join(f" {v.label} ms | {v.label} speedup | {v.label} max abs diff |" for v in variants)
+        + (" one head a warp ms | speedup | KV GB/s | max abs diff |" if heads else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        + "---:|" * 3 * len(variants)
+        + ("---:|" * 4 if heads else ""),
     ]
     for r in rows:
         ratio = f"{r['bf16_over_f32']:.2f}x" if "bf16_over_f32" in r else ""
@@ -275,6 +279,13 @@ def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
             )
             for v in variants
         )
+        if heads:
+            timed += (
+                f" {r['heads_s'] * 1e3:.3f} | {r['heads_speedup']:.2f}x | {r['heads_kv_gbps']:.1f}"
+                f" | {r['heads_max_abs_diff']:.1e} |"
+                if "heads_s" in r
+                else " | | | |"
+            )
         lines.append(
             f"| {r['case']} | {r['mokv_s'] * 1e3:.3f} | {r['max_s'] * 1e3:.3f} | {r['speedup']:.2f}x"
             f" | {r['kv_gbps']:.1f} | {r['max_kv_gbps']:.1f} | {r['copy_gbps']:.1f}"

@@ -22,6 +22,11 @@ from mokv_examples.bench.references import reference
 
 MAX_KERNELS = "mokv bench attention times MAX's own attention kernels beside mokv's"
 """Why the attention benchmark needs the reference package (its error message says so)."""
+DECODE_KERNEL = "MOKV_DECODE_KERNEL"
+WARP_HEADS = "warp_heads"
+"""`MOKV_DECODE_KERNEL`'s one value: the GPU decode whose blocks take four KV heads, one a warp."""
+HEADS_A_BLOCK = 4
+"""KV heads a `warp_heads` decode block takes: a cache's must be a multiple of it."""
 
 
 @dataclass
@@ -94,3 +99,11 @@ class Kernels:
             return result
 
         return synchronized
+
+
+def warp_heads_apply(kernels: Kernels, heads: tuple[int, int, int]) -> bool:
+    """Whether a decode with these (query, KV, dim) heads on the kernels' device
+    also times `MOKV_DECODE_KERNEL=warp_heads`: a GPU, KV heads in fours (the
+    caller says whether the cache goes to tensor cores, where the variable
+    applies)."""
+    return not kernels.device.is_host and heads[1] % HEADS_A_BLOCK == 0

@@ -44,9 +44,9 @@ from mokv_examples.bench.attention_cases import (
     to_device,
     to_float,
 )
-from mokv_examples.bench.attention_kernels import Kernels
+from mokv_examples.bench.attention_kernels import DECODE_KERNEL, WARP_HEADS, Kernels, warp_heads_apply
 from mokv_examples.bench.results import span
-from mokv_examples.bench.timing import time_alternately
+from mokv_examples.bench.timing import time_alternately, with_variable
 
 FORMATS = ("float32", "bfloat16", "float8_e4m3fn", "int8")
 CPU_REF = DeviceRef.CPU()
@@ -243,14 +243,28 @@ def format_calls(case: FormatCase, kernels: FormatKernels) -> dict[str, FormatCa
     return calls
 
 
+def timed_with_warp_heads(case: FormatCase, kernels: FormatKernels) -> list[str]:
+    """The formats whose decode is also timed with one KV head a warp
+    (`MOKV_DECODE_KERNEL=warp_heads`): those with bfloat16 queries, on
+    tensor cores, on a GPU, over KV heads in fours, bfloat16's among them
+    (the float8 goal's yardstick)."""
+    if not warp_heads_apply(kernels.attention, case.heads) or "bfloat16" not in kernels.formats:
+        return []
+    return [f for f in kernels.formats if kernels.shape(f).rows == DType.bfloat16]
+
+
 def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -> list[dict[str, Any]]:
     """One case in every format (`format_calls`), stores and decodes timed
-    alternately."""
+    alternately, and the decodes of `timed_with_warp_heads` in the same
+    rounds with one KV head a warp."""
     prepared = format_calls(case, kernels)
     calls: dict[str, Callable[[], Any]] = {}
     for kv_format, format_call in prepared.items():
         calls[f"store-{kv_format}"] = format_call.store
         calls[kv_format] = format_call.decode
+    with_heads = timed_with_warp_heads(case, kernels)
+    for kv_format in with_heads:
+        calls[f"heads-{kv_format}"] = with_variable(DECODE_KERNEL, WARP_HEADS, prepared[kv_format].decode)
     outputs = {kv_format: format_call.output for kv_format, format_call in prepared.items()}
     times = time_alternately(calls, min_runs=5, budget_s=budget_s)
     rows = []
@@ -275,6 +289,17 @@ def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -
                 "store_over_float32": times[f"store-{kv_format}"] / times["store-float32"],
             }
         )
+        if kv_format in with_heads:
+            heads = times[f"heads-{kv_format}"]
+            decoded = with_variable(DECODE_KERNEL, WARP_HEADS, prepared[kv_format].decode)()
+            diff = to_float(decoded[0], shape.rows) - outputs["float32"]
+            rows[-1] |= {
+                "heads_decode_s": heads,
+                "heads_kv_gbps": case.batch * case.context * per_token / heads / 1e9,
+                "heads_over_default": seconds / heads,
+                "heads_over_bfloat16_heads": times["heads-bfloat16"] / heads,
+                "heads_max_abs_diff_vs_float32": float(np.abs(diff).max()),
+            }
     return rows
 
 
@@ -311,6 +336,7 @@ def formats_markdown(rows: list[dict[str, Any]], header: str, device: str = "cpu
         f"- int8 decode tokens/s over bfloat16: {span([r['over_bfloat16'] for r in int8])}",
         "- storing a whole context, quantized over a float32 copy: "
         + ", ".join(f"{f} {span([r['store_over_float32'] for r in rows if r['kv_format'] == f])}" for f in FORMATS[1:]),
+        *heads_summary(rows),
         "",
         "| case | KV format | queries | bytes/token | decode ms | tokens/s | KV GB/s | vs bf16 | vs f32"
         " | max diff vs f32 | store ms | store vs f32 |",
@@ -322,4 +348,43 @@ def formats_markdown(rows: list[dict[str, Any]], header: str, device: str = "cpu
         f" | {r['max_abs_diff_vs_float32']:.1e} | {r['store_s'] * 1e3:.2f} | {r['store_over_float32']:.2f}x |"
         for r in rows
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + heads_table(rows)) + "\n"
+
+
+def heads_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Where decodes were also timed with one KV head a warp: float8's
+    tokens/s over bfloat16's with both so, and each format's over its own
+    default decode."""
+    timed = [r for r in rows if "heads_decode_s" in r]
+    if not timed:
+        return []
+    return [
+        f"- with MOKV_DECODE_KERNEL={WARP_HEADS}, float8_e4m3fn decode tokens/s over bfloat16's: "
+        f"{span([r['heads_over_bfloat16_heads'] for r in timed if r['kv_format'] == 'float8_e4m3fn'])}",
+        f"- MOKV_DECODE_KERNEL={WARP_HEADS} over each format's default decode: "
+        + ", ".join(
+            f"{f} {span([r['heads_over_default'] for r in timed if r['kv_format'] == f])}"
+            for f in FORMATS
+            if any(r["kv_format"] == f for r in timed)
+        ),
+    ]
+
+
+def heads_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The decodes also timed with one KV head a warp, in the same rounds."""
+    timed = [r for r in rows if "heads_decode_s" in r]
+    if not timed:
+        return []
+    return [
+        "",
+        f"Decode with one KV head a warp (`MOKV_DECODE_KERNEL={WARP_HEADS}`), timed in the same rounds:",
+        "",
+        "| case | KV format | decode ms | KV GB/s | vs own default | vs bf16 one head a warp | max diff vs f32 |",
+        "|---|---|---:|---:|---:|---:|---:|",
+        *(
+            f"| {r['case']} | {r['kv_format']} | {r['heads_decode_s'] * 1e3:.3f} | {r['heads_kv_gbps']:.1f}"
+            f" | {r['heads_over_default']:.2f}x | {r['heads_over_bfloat16_heads']:.2f}x"
+            f" | {r['heads_max_abs_diff_vs_float32']:.1e} |"
+            for r in timed
+        ),
+    ]

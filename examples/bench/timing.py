@@ -5,6 +5,7 @@ rate is set against, measured next to each case."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -91,3 +92,22 @@ class GpuCopyProbe:
     def gbps(self, runs: int = 5) -> float:
         """Bytes moved (read + written) per second, median of `runs`, in GB/s."""
         return 2 * self.src.num_elements / time_rounds({"copy": self._copy}, runs)["copy"] / 1e9
+
+
+def with_variable(name: str, value: str, call: Callable[[], Any]) -> Callable[[], Any]:
+    """`call` with the environment variable `name` set to `value` (mokv's
+    GPU op reads `MOKV_PREFILL_KERNEL`, `MOKV_DECODE_KERNEL` and
+    `MOKV_ATTENTION_SPLITS` at every call), then set back."""
+
+    def run() -> Any:
+        before = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return call()
+        finally:
+            if before is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = before
+
+    return run

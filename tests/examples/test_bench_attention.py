@@ -1,6 +1,6 @@
 """`mokv bench attention`'s bookkeeping that runs without a GPU: the
-environment switches it times on a GPU (prefill kernel, split count), the
-tables' columns, and the KV formats' compile group."""
+environment switches it times on a GPU (prefill and decode kernels, split
+count), the tables' columns, and the KV formats' compile group."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from mokv_examples.bench.attention import (
+    MEMORY_BOUND_BYTES,
     PREFILL_KERNEL,
     SPLIT_SWEEP,
     attention,
@@ -20,7 +21,7 @@ from mokv_examples.bench.attention import (
     with_variable,
 )
 from mokv_examples.bench.attention_kernels import Kernels
-from mokv_examples.bench.kv_formats import FormatKernels
+from mokv_examples.bench.kv_formats import FormatKernels, formats_markdown
 
 ROW = {
     "device": "gpu",
@@ -72,6 +73,61 @@ def test_rows_with_and_without_the_prefill_variants_fill_every_column():
     assert "MOKV_PREFILL_KERNEL=wgmma_producer (Hopper), speedup over MAX: min 2.00, median 2.00, max 2.00" in text
     without = [line for line in to_markdown([row], "## header").splitlines() if line.startswith("|")]
     assert "mma.sync" not in without[0] and {line.count("|") for line in without} == {11}
+
+
+def test_decode_rows_with_one_head_a_warp_fill_every_column():
+    """`MOKV_DECODE_KERNEL=warp_heads` beside the default decode: its
+    columns only where some row timed it, and its speedup and read rate in
+    the summary."""
+    row = ROW | {"case": "decode-x", "phase": "decode"}
+    heads = row | {
+        "case": "decode-y",
+        "kv_bytes": MEMORY_BOUND_BYTES,
+        "heads_s": 1e-3,
+        "heads_speedup": 1.0,
+        "heads_kv_gbps": 1.5,
+        "heads_max_abs_diff": 2e-3,
+    }
+    lines = to_markdown([row, heads], "## header").splitlines()
+    table = [line for line in lines if line.startswith("| ") or line.startswith("|-")][:4]
+    assert len({line.count("|") for line in table}) == 1
+    assert "| one head a warp ms | speedup | KV GB/s | max abs diff |" in table[0]
+    assert table[-1].endswith("| 1.000 | 1.00x | 1.5 | 2.0e-03 |")
+    assert table[-2].endswith("| | | | |")
+    text = "\n".join(lines)
+    assert "decode with MOKV_DECODE_KERNEL=warp_heads, speedup over MAX: min 1.00" in text
+    assert "where memory-bound: min 0.50" in text  # 1.5 GB/s over the copy's 3.0
+    assert "one head a warp" not in to_markdown([row], "## header")
+
+
+def test_kv_formats_with_one_head_a_warp_get_their_table():
+    """The KV formats' decodes also timed with one KV head a warp: float8's
+    tokens/s over bfloat16's with both so, each over its own default."""
+    base = {
+        "case": "decode-llama",
+        "rows": "bfloat16",
+        "bytes_per_token": 1,
+        "decode_s": 2e-3,
+        "tokens_per_s": 1.0,
+        "kv_gbps": 1.0,
+        "over_bfloat16": 1.0,
+        "over_float32": 1.0,
+        "max_abs_diff_vs_float32": 1e-3,
+        "store_s": 1e-3,
+        "store_over_float32": 1.0,
+    }
+    timed = {
+        "bfloat16": {"heads_decode_s": 1e-3, "heads_over_default": 2.0, "heads_over_bfloat16_heads": 1.0},
+        "float8_e4m3fn": {"heads_decode_s": 5e-4, "heads_over_default": 4.0, "heads_over_bfloat16_heads": 2.0},
+    }
+    rows = [
+        base | {"kv_format": f, "heads_kv_gbps": 9.0, "heads_max_abs_diff_vs_float32": 3e-3} | timed[f] for f in timed
+    ]
+    text = formats_markdown([base | {"kv_format": "float32"}, *rows], "## header", "gpu")
+    assert "with MOKV_DECODE_KERNEL=warp_heads, float8_e4m3fn decode tokens/s over bfloat16's: min 2.00" in text
+    assert "over each format's default decode: bfloat16 min 2.00" in text
+    assert "| decode-llama | float8_e4m3fn | 0.500 | 9.0 | 4.00x | 2.00x | 3.0e-03 |" in text
+    assert "one KV head a warp" not in formats_markdown([base | {"kv_format": "float32"}], "## header", "gpu")
 
 
 def test_split_sweep_table_gives_each_count_over_the_planner():
