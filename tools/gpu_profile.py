@@ -7,6 +7,9 @@ splits the context). On a Hopper GPU a bfloat16 prefill case runs with
 `MOKV_PREFILL_KERNEL=wgmma`, then each warpgroup variant the benchmark times
 (`=wgmma_producer` and `=wgmma_tma`, or those `MOKV_BENCH_PREFILL_VARIANTS` names), so
 those warpgroup prefill kernels are in the report (the ninth run's profile has `mma.sync`'s).
+A bfloat16 decode case over KV heads in fours runs again with
+`MOKV_DECODE_KERNEL=warp_heads` (decode blocks of four KV heads, one a warp), so its
+memory chart stands beside the default decode's.
 
 A case named `NAME:FORMAT` is a KV-formats case (`--only-kv-formats`, say
 `decode-32x8x128-page128-b16-ctx8192:float8_e4m3fn`): that format's decode
@@ -35,7 +38,7 @@ from mokv_examples.bench.attention import (
     with_variable,
 )
 from mokv_examples.bench.attention_cases import gpu_quick_cases, make_inputs
-from mokv_examples.bench.attention_kernels import Kernels
+from mokv_examples.bench.attention_kernels import DECODE_KERNEL, WARP_HEADS, Kernels, warp_heads_apply
 from mokv_examples.bench.kv_formats import FormatKernels, format_calls, format_cases
 
 DEFAULT_CASES = (
@@ -80,12 +83,15 @@ def main(names: list[str]) -> None:
         model = kernels.mokv_model(case.dtype)
         args = make_inputs(case, np.random.default_rng(0), (case.dtype,), gpu)[case.dtype].mokv_args(case.softmax_scale)
         kinds = ["wgmma", *warpgroup_variants()] if case.phase == "prefill" and has_warpgroup_mma(kernels) else ["mma"]
-        for kind in kinds:
-            call = with_variable(PREFILL_KERNEL, kind, lambda model=model, args=args: model.execute(*args))
+        runs = [(PREFILL_KERNEL, kind, f"{kind} prefill products") for kind in kinds]
+        if case.phase == "decode" and warp_heads_apply(kernels, case.heads):
+            runs.append((DECODE_KERNEL, WARP_HEADS, "decode with one KV head a warp"))
+        for variable, value, what in runs:
+            call = with_variable(variable, value, lambda model=model, args=args: model.execute(*args))
             for _ in range(2):
                 call()
                 gpu.synchronize()
-            print(f"ran {name} twice ({kind} prefill products)", flush=True)
+            print(f"ran {name} twice ({what})", flush=True)
 
 
 if __name__ == "__main__":
