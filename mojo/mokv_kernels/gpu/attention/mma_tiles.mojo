@@ -425,9 +425,9 @@ struct MmaTiles[
         lanes: Int
     ](self, args: AttentionArgs[Self.cache_t, DType.bfloat16], work: BlockWork, tid: Int):
         """`load_queries` where `scales_per_key`: thread r (of the warp, with
-        `warp_heads`) takes row r whole, reading it twice (for its largest value, then to convert it) so that
-        no register holds more than a chunk; `IN_REGISTERS`, its columns in
-        `query_dim`'s order."""
+        `warp_heads`) takes row r whole, reading it twice (for its largest
+        value, then to convert it) so that no register holds more than a
+        chunk; `IN_REGISTERS`, its columns in `query_dim`'s order."""
         comptime threads = WARP if Self.warp_heads else Self.THREADS
         var rows = work.rows(args.group)
         var first_row = Self.head_first_row(tid)
