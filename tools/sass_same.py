@@ -1,0 +1,101 @@
+"""Whether two builds of the GPU kernels compile to the same machine code, kernel by
+kernel: how a change that should not touch a kernel (a move, a new variant beside
+it, a comment) is shown not to, without a GPU.
+
+Each build is a `mojo build --target-accelerator sm_*` binary of
+`tools/gpu_build_check.mojo` (`tools/check_gpu_build.sh` builds one). Its kernels are
+matched by their `// mokv-kernel` marker (name, head_dim, bits, threads, shared
+memory, ...), the n-th kernel with a marker in one build against the n-th with the
+same marker in the other; each is compiled by ptxas and listed by nvdisasm, and two
+listings are the same when their instructions are, addresses and the symbol names
+Mojo mangles from a package's path aside. Prints the kernels that differ, those only
+in one build, and a count; exits 1 where a kernel of both builds differs.
+
+Needs ptxas and nvdisasm (`NVDISASM=path`, as `tools/sass_loops.py`).
+
+Usage: python3 tools/sass_same.py BEFORE AFTER"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ptx_registers import KERNEL, modules
+from sass_loops import INSTRUCTION, kernel_sass
+
+MANGLED = re.compile(r"\bmokv_kernels\w*")
+"""A symbol Mojo names after the kernel package (its path and a hash enter it)."""
+
+
+def instructions(listing: str) -> list[str]:
+    """A listing's instructions, in order, without addresses or mangled names."""
+    return [MANGLED.sub("K", text) for _, text in INSTRUCTION.findall(listing)]
+
+
+def kernels(ptx_modules: Iterable[str]) -> dict[tuple[str, int], str]:
+    """Each kernel's PTX by (marker, n): the n-th kernel with that marker."""
+    found: dict[tuple[str, int], str] = {}
+    for ptx in ptx_modules:
+        marker = KERNEL.search(ptx)
+        if marker is None:
+            continue
+        n = sum(1 for key in found if key[0] == marker.group(0))
+        found[(marker.group(0), n)] = ptx
+    return found
+
+
+@dataclass
+class Comparison:
+    differ: list[tuple[str, int]]
+    only_before: list[tuple[str, int]]
+    only_after: list[tuple[str, int]]
+    same: int
+
+
+def compare(
+    before: dict[tuple[str, int], str], after: dict[tuple[str, int], str], listing: Callable[[str], str]
+) -> Comparison:
+    """The kernels of both builds whose `listing`s' instructions differ, and those of one."""
+    both = [key for key in before if key in after]
+    differ = [key for key in both if instructions(listing(before[key])) != instructions(listing(after[key]))]
+    return Comparison(
+        differ,
+        [key for key in before if key not in after],
+        [key for key in after if key not in before],
+        len(both) - len(differ),
+    )
+
+
+def label(key: tuple[str, int]) -> str:
+    marker, n = key
+    fields = KERNEL.match(marker)
+    assert fields is not None
+    name, head_dim, bits = fields.group(1), fields.group(2), fields.group(3)
+    return f"{name} d{head_dim} {bits}-bit #{n}"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    before, after = (kernels(m.decode() for m in modules(Path(path).read_bytes())) for path in argv)
+    result = compare(before, after, kernel_sass)
+    for key in result.differ:
+        print(f"differs: {label(key)}")
+    for key in result.only_before:
+        print(f"only before: {label(key)}")
+    for key in result.only_after:
+        print(f"only after: {label(key)}")
+    print(
+        f"{result.same} kernels the same, {len(result.differ)} differ, {len(result.only_before)} only before,"
+        f" {len(result.only_after)} only after"
+    )
+    return 1 if result.differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
