@@ -158,16 +158,22 @@ def compile_info(ptx: str, ptxas: str) -> str:
         ).stderr
 
 
+def marker_label(marker: re.Match[str]) -> str:
+    """A kernel's name as the tools print it, from its `KERNEL` marker: its name,
+    head_dim and cache bits where it has them (`decode_mma d128 16-bit`)."""
+    name, head_dim, bits = marker.group(1), int(marker.group(2)), int(marker.group(3))
+    return name + (f" d{head_dim}" if head_dim else "") + (f" {bits}-bit" if bits else "")
+
+
 def kernel(ptx: str, ptxas: str) -> Kernel:
     info = compile_info(ptx, ptxas)
     marker = KERNEL.search(ptx)
     if marker is None:
         entry = field(r"\.entry (\S+)", ptx)
         raise ValueError(f"a PTX module without a mokv-kernel marker: {entry}")
-    name, head_dim, bits, threads, shared, min_blocks, tensor_cores = marker.groups()
-    label = name + (f" d{head_dim}" if int(head_dim) else "") + (f" {bits}-bit" if int(bits) else "")
+    threads, shared, min_blocks, tensor_cores = marker.groups()[3:]
     return Kernel(
-        name=label,
+        name=marker_label(marker),
         entry=field(r"Compiling entry function '([^']+)'", info),
         registers=int(field(r"Used (\d+) registers", info)),
         spill_bytes=int(field(r"(\d+) bytes spill stores", info)) + int(field(r"(\d+) bytes spill loads", info)),

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ptx_registers import KERNEL, field, modules
+from ptx_registers import KERNEL, field, marker_label, modules
 
 INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", re.MULTILINE)
 LABEL = re.compile(r"^\s*\.(L_x_\d+):", re.MULTILINE)
@@ -143,8 +143,7 @@ def main(argv: list[str]) -> int:
         marker = KERNEL.search(ptx)
         if marker is None:
             continue
-        name, head_dim, bits = marker.group(1), int(marker.group(2)), int(marker.group(3))
-        label = name + (f" d{head_dim}" if head_dim else "") + (f" {bits}-bit" if bits else "")
+        label = marker_label(marker)
         label += f" #{len([s for s in seen if s.startswith(label)])}"
         seen.add(label)
         if wanted and not any(w in label for w in wanted):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ptx_registers import KERNEL, modules
+from ptx_registers import KERNEL, marker_label, modules
 from sass_loops import INSTRUCTION, kernel_sass
 
 MANGLED = re.compile(r"\bmokv_kernels\w*")
@@ -74,8 +74,7 @@ def label(key: tuple[str, int]) -> str:
     marker, n = key
     fields = KERNEL.match(marker)
     assert fields is not None
-    name, head_dim, bits = fields.group(1), fields.group(2), fields.group(3)
-    return f"{name} d{head_dim} {bits}-bit #{n}"
+    return f"{marker_label(fields)} #{n}"
 
 
 def main(argv: list[str]) -> int:
