@@ -84,7 +84,7 @@ def main(names: list[str]) -> None:
         args = make_inputs(case, np.random.default_rng(0), (case.dtype,), gpu)[case.dtype].mokv_args(case.softmax_scale)
         kinds = ["wgmma", *warpgroup_variants()] if case.phase == "prefill" and has_warpgroup_mma(kernels) else ["mma"]
         runs = [(PREFILL_KERNEL, kind, f"{kind} prefill products") for kind in kinds]
-        if case.phase == "decode" and warp_heads_apply(kernels, case.heads):
+        if case.phase == "decode" and warp_heads_apply(kernels, case.heads, case.dtype):
             runs.append((DECODE_KERNEL, WARP_HEADS, "decode with one KV head a warp"))
         for variable, value, what in runs:
             call = with_variable(variable, value, lambda model=model, args=args: model.execute(*args))

@@ -133,7 +133,7 @@ def run_case(
     variants = prefill_variants
     if not (case.dtype == DType.bfloat16 and case.phase == "prefill" and has_warpgroup_mma(kernels)):
         variants = ()
-    warp_heads = case.dtype == DType.bfloat16 and case.phase == "decode" and warp_heads_apply(kernels, case.heads)
+    warp_heads = case.phase == "decode" and warp_heads_apply(kernels, case.heads, case.dtype)
     sweep = [n for n in SPLIT_SWEEP if n <= max(1, case.context // MIN_SPLIT_TOKENS)]
     if kernels.device.is_host:
         sweep = []

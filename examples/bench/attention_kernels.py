@@ -101,9 +101,9 @@ class Kernels:
         return synchronized
 
 
-def warp_heads_apply(kernels: Kernels, heads: tuple[int, int, int]) -> bool:
-    """Whether a decode with these (query, KV, dim) heads on the kernels' device
-    also times `MOKV_DECODE_KERNEL=warp_heads`: a GPU, KV heads in fours (the
-    caller says whether the cache goes to tensor cores, where the variable
-    applies)."""
-    return not kernels.device.is_host and heads[1] % HEADS_A_BLOCK == 0
+def warp_heads_apply(kernels: Kernels, heads: tuple[int, int, int], queries: DType) -> bool:
+    """Whether a decode with these (query, KV, dim) heads and `queries` on the
+    kernels' device takes `MOKV_DECODE_KERNEL=warp_heads`: a GPU's tensor-core
+    decode (bfloat16 queries, over a bfloat16 or 8-bit cache; a float32 one
+    ignores the variable), KV heads in fours."""
+    return not kernels.device.is_host and queries == DType.bfloat16 and heads[1] % HEADS_A_BLOCK == 0

@@ -245,12 +245,10 @@ def format_calls(case: FormatCase, kernels: FormatKernels) -> dict[str, FormatCa
 
 def timed_with_warp_heads(case: FormatCase, kernels: FormatKernels) -> list[str]:
     """The formats whose decode is also timed with one KV head a warp
-    (`MOKV_DECODE_KERNEL=warp_heads`): those with bfloat16 queries, on
-    tensor cores, on a GPU, over KV heads in fours, bfloat16's among them
-    (the float8 goal's yardstick)."""
-    if not warp_heads_apply(kernels.attention, case.heads) or "bfloat16" not in kernels.formats:
-        return []
-    return [f for f in kernels.formats if kernels.shape(f).rows == DType.bfloat16]
+    (`MOKV_DECODE_KERNEL=warp_heads`, `warp_heads_apply`), where bfloat16's
+    is among them (the float8 goal's yardstick)."""
+    formats = [f for f in kernels.formats if warp_heads_apply(kernels.attention, case.heads, kernels.shape(f).rows)]
+    return formats if "bfloat16" in formats else []
 
 
 def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -> list[dict[str, Any]]:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import click
 import pytest
 from click.testing import CliRunner
+from max.dtype import DType
 
 from mokv_examples.bench.attention import (
     MEMORY_BOUND_BYTES,
@@ -20,7 +22,7 @@ from mokv_examples.bench.attention import (
     to_markdown,
     with_variable,
 )
-from mokv_examples.bench.attention_kernels import Kernels
+from mokv_examples.bench.attention_kernels import Kernels, warp_heads_apply
 from mokv_examples.bench.kv_formats import FormatKernels, formats_markdown
 
 ROW = {
@@ -98,6 +100,16 @@ def test_decode_rows_with_one_head_a_warp_fill_every_column():
     assert "decode with MOKV_DECODE_KERNEL=warp_heads, speedup over MAX: min 1.00" in text
     assert "where memory-bound: min 0.50" in text  # 1.5 GB/s over the copy's 3.0
     assert "one head a warp" not in to_markdown([row], "## header")
+
+
+def test_one_head_a_warp_is_timed_where_the_gpu_decode_takes_it():
+    """A GPU's tensor-core decode (bfloat16 queries) over KV heads in fours;
+    not on the CPU, over float32 queries, or over SmolLM2's three KV heads."""
+    gpu, cpu = (SimpleNamespace(device=SimpleNamespace(is_host=host)) for host in (False, True))
+    assert warp_heads_apply(gpu, (32, 8, 128), DType.bfloat16)
+    assert not warp_heads_apply(cpu, (32, 8, 128), DType.bfloat16)
+    assert not warp_heads_apply(gpu, (32, 8, 128), DType.float32)
+    assert not warp_heads_apply(gpu, (9, 3, 64), DType.bfloat16)
 
 
 def test_kv_formats_with_one_head_a_warp_get_their_table():
