@@ -10,7 +10,8 @@ token: 256 bytes at a 2 KB stride for Llama's heads in bfloat16, 128 bytes at
 1 KB in 8 bits. This times one pass over 1 GiB laid out as `[token, head, row]`:
 
 - `contiguous`: each block reads one contiguous span (what a block reading every
-  head of its tokens would read; the yardstick for the rest);
+  head of its tokens would read, or one reading one head's rows of a head-major
+  page, 32 KB of them in bfloat16; the yardstick for the rest);
 - `head rows R x H`: each block reads one head's `R`-byte rows of its tokens, the
   blocks of a token range's `H` heads next to each other in the grid (as
   `work.attention_grid` hands them out);

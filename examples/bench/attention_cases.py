@@ -22,6 +22,11 @@ from mokv_examples.bench.references import reference
 NUM_LAYERS = 1
 LLAMA = (32, 8, 128)  # query heads, KV heads, head_dim
 SMOLLM2 = (9, 3, 64)
+ONE_KV_HEAD = (4, 1, 128)
+"""Llama's group of four query heads over a single KV head of 128: that head's rows lie back to
+back in each page, as a head-major page layout (FlashInfer's HND) would lay every head's. A
+probe, not a model's shape: timed beside Llama's heads at the same bytes, it says whether the
+cache's layout (each token's heads side by side) bounds the decode's KV read."""
 
 
 def bfloat16_codec() -> ModuleType:

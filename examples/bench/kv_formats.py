@@ -13,7 +13,10 @@ store against a plain copy). The quantized caches are filled by mokv's own
 store, so what is decoded is what a model would have stored. The 8-bit
 caches take float32 keys, values and queries on the CPU (as SmolLM2's graph
 runs) and bfloat16 on a GPU (as a model served there runs, so their decode
-reaches the tensor cores as bfloat16's does).
+reaches the tensor cores as bfloat16's does). On a GPU one more case follows
+Llama's: one KV head at the bytes of Llama's largest 8k batch (`layout_probe`),
+whose rows lie back to back in each page as a head-major layout would hold every
+head's: whether the cache's layout bounds the decode's KV read.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from mokv import graph as mokv_graph
 from mokv.graph import GraphGroup
 from mokv_examples.bench.attention_cases import (
     LLAMA,
+    ONE_KV_HEAD,
     SMOLLM2,
     bfloat16_exact,
     device_buffer,
@@ -74,7 +78,10 @@ def format_cases(quick: bool, gpu: bool = False) -> list[FormatCase]:
     (on a GPU longer contexts and larger batches, pages of 128)."""
     if gpu:
         shapes = ((1, 32768), (16, 8192)) if quick else ((1, 32768), (8, 8192), (32, 8192), (128, 1024))
-        return [FormatCase(heads, 128, batch, context) for heads in (LLAMA, SMOLLM2) for batch, context in shapes]
+        llama, smollm2 = (
+            [FormatCase(heads, 128, batch, context) for batch, context in shapes] for heads in (LLAMA, SMOLLM2)
+        )
+        return [*llama, layout_probe(llama), *smollm2]
     if quick:
         return [FormatCase(SMOLLM2, 16, 16, 2048), FormatCase(LLAMA, 128, 4, 8192)]
     return [
@@ -83,6 +90,19 @@ def format_cases(quick: bool, gpu: bool = False) -> list[FormatCase]:
         for page in (16, 128)
         for batch, context in ((1, 8192), (4, 8192), (16, 2048))
     ]
+
+
+def layout_probe(llama: Sequence[FormatCase]) -> FormatCase:
+    """`ONE_KV_HEAD` at the bytes of the largest batch at 8k among `llama`: Llama's batch
+    times its KV heads, so as many blocks read as many bytes, each head's rows back to back
+    in a page rather than one row of each token."""
+    case = max((c for c in llama if c.context == 8192), key=lambda c: c.batch)
+    return FormatCase(ONE_KV_HEAD, case.page_size, case.batch * LLAMA[1], case.context)
+
+
+def is_layout_probe(row: dict[str, Any]) -> bool:
+    """Whether a formats row is `layout_probe`'s, which no model runs: kept out of the targets."""
+    return (row["n_q_heads"], row["n_kv_heads"], row["head_dim"]) == ONE_KV_HEAD
 
 
 @dataclass
@@ -322,8 +342,9 @@ def format_rows(attention_kernels: Kernels, quick: bool) -> list[dict[str, Any]]
 def formats_markdown(rows: list[dict[str, Any]], header: str, device: str = "cpu") -> str:
     """The formats' targets (float8 decode over bfloat16 as `TARGETS` says for
     the device, and >= 3x float32), then every row."""
-    float8 = [r for r in rows if r["kv_format"] == "float8_e4m3fn"]
-    int8 = [r for r in rows if r["kv_format"] == "int8"]
+    modelled = [r for r in rows if not is_layout_probe(r)]
+    float8 = [r for r in modelled if r["kv_format"] == "float8_e4m3fn"]
+    int8 = [r for r in modelled if r["kv_format"] == "int8"]
     target = TARGETS[device]
     lines = [
         header,
@@ -333,7 +354,10 @@ def formats_markdown(rows: list[dict[str, Any]], header: str, device: str = "cpu
         f"- float8_e4m3fn decode tokens/s over float32 (target >= 3): {span([r['over_float32'] for r in float8])}",
         f"- int8 decode tokens/s over bfloat16: {span([r['over_bfloat16'] for r in int8])}",
         "- storing a whole context, quantized over a float32 copy: "
-        + ", ".join(f"{f} {span([r['store_over_float32'] for r in rows if r['kv_format'] == f])}" for f in FORMATS[1:]),
+        + ", ".join(
+            f"{f} {span([r['store_over_float32'] for r in modelled if r['kv_format'] == f])}" for f in FORMATS[1:]
+        ),
+        *layout_probe_summary(rows),
         *heads_summary(rows),
         "",
         "| case | KV format | queries | bytes/token | decode ms | tokens/s | KV GB/s | vs bf16 | vs f32"
@@ -347,6 +371,31 @@ def formats_markdown(rows: list[dict[str, Any]], header: str, device: str = "cpu
         for r in rows
     ]
     return "\n".join(lines + heads_table(rows)) + "\n"
+
+
+def layout_probe_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """`layout_probe`'s rows against Llama's at the same bytes: each format's KV read rate
+    over Llama's (above 1, each token's heads side by side cost the decode that much), and
+    float8's tokens/s over bfloat16's with each head's rows back to back."""
+    probe = {r["kv_format"]: r for r in rows if is_layout_probe(r)}
+    if not probe:
+        return []
+    first = next(iter(probe.values()))
+    llama = {
+        r["kv_format"]: r
+        for r in rows
+        if (r["n_q_heads"], r["n_kv_heads"], r["head_dim"]) == LLAMA
+        and (r["batch"] * LLAMA[1], r["context"]) == (first["batch"], first["context"])
+    }
+    over_llama = ", ".join(
+        f"{f} {probe[f]['kv_gbps'] / llama[f]['kv_gbps']:.2f}x" for f in FORMATS if f in probe and f in llama
+    )
+    float8 = probe.get("float8_e4m3fn")
+    return [
+        f"- one KV head ({first['case']}: its rows back to back in each page, as a head-major layout"
+        f" holds every head's), KV read over Llama's heads at the same bytes: {over_llama or 'no Llama case'}"
+        + (f"; float8_e4m3fn decode tokens/s over bfloat16 there: {float8['over_bfloat16']:.2f}" if float8 else "")
+    ]
 
 
 def heads_summary(rows: list[dict[str, Any]]) -> list[str]:

@@ -22,8 +22,9 @@ from mokv_examples.bench.attention import (
     to_markdown,
     with_variable,
 )
+from mokv_examples.bench.attention_cases import LLAMA, ONE_KV_HEAD
 from mokv_examples.bench.attention_kernels import Kernels, warp_heads_apply
-from mokv_examples.bench.kv_formats import FormatKernels, formats_markdown
+from mokv_examples.bench.kv_formats import FormatKernels, format_cases, formats_markdown
 
 ROW = {
     "device": "gpu",
@@ -117,6 +118,9 @@ def test_kv_formats_with_one_head_a_warp_get_their_table():
     tokens/s over bfloat16's with both so, each over its own default."""
     base = {
         "case": "decode-llama",
+        "n_q_heads": 32,
+        "n_kv_heads": 8,
+        "head_dim": 128,
         "rows": "bfloat16",
         "bytes_per_token": 1,
         "decode_s": 2e-3,
@@ -140,6 +144,51 @@ def test_kv_formats_with_one_head_a_warp_get_their_table():
     assert "over each format's default decode: bfloat16 min 2.00" in text
     assert "| decode-llama | float8_e4m3fn | 0.500 | 9.0 | 4.00x | 2.00x | 3.0e-03 |" in text
     assert "one KV head a warp" not in formats_markdown([base | {"kv_format": "float32"}], "## header", "gpu")
+
+
+def test_layout_probe_follows_llamas_cases_at_their_bytes():
+    """On a GPU the formats time one KV head right after Llama's cases, at the
+    bytes of Llama's largest batch at 8k; the CPU's cases have no probe."""
+    for quick, batch in ((True, 16), (False, 32)):
+        cases = format_cases(quick, gpu=True)
+        probe = next(i for i, c in enumerate(cases) if c.heads == ONE_KV_HEAD)
+        assert [c.heads for c in cases[:probe]] == [LLAMA] * probe
+        llama = next(c for c in cases if c.heads == LLAMA and (c.batch, c.context) == (batch, 8192))
+        assert cases[probe].batch * cases[probe].context == llama.batch * llama.context * LLAMA[1]
+    assert all(c.heads != ONE_KV_HEAD for quick in (True, False) for c in format_cases(quick))
+
+
+def test_layout_probe_is_compared_with_llama_and_kept_out_of_the_targets():
+    """The probe's KV read over Llama's at the same bytes, per format, and its
+    float8 ratio on a line of its own; the float8 target spans Llama's rows only."""
+    heads = {"n_q_heads": 32, "n_kv_heads": 8, "head_dim": 128, "batch": 16, "context": 8192}
+    probe = {"n_q_heads": 4, "n_kv_heads": 1, "head_dim": 128, "batch": 128, "context": 8192}
+    base = {
+        "rows": "bfloat16",
+        "bytes_per_token": 1,
+        "decode_s": 2e-3,
+        "tokens_per_s": 1.0,
+        "over_float32": 1.0,
+        "max_abs_diff_vs_float32": 1e-3,
+        "store_s": 1e-3,
+        "store_over_float32": 1.0,
+    }
+    rows = [
+        base | heads | {"case": "decode-llama", "kv_format": "bfloat16", "kv_gbps": 2000.0, "over_bfloat16": 1.0},
+        base | heads | {"case": "decode-llama", "kv_format": "float8_e4m3fn", "kv_gbps": 1000.0, "over_bfloat16": 1.0},
+        base | probe | {"case": "decode-4x1", "kv_format": "bfloat16", "kv_gbps": 3000.0, "over_bfloat16": 1.0},
+        base | probe | {"case": "decode-4x1", "kv_format": "float8_e4m3fn", "kv_gbps": 2500.0, "over_bfloat16": 1.6},
+    ]
+    text = formats_markdown(rows, "## header", "gpu")
+    assert (
+        "float8_e4m3fn decode tokens/s over bfloat16 (target >= 1.8): min 1.00, median 1.00, max 1.00 (1 case)" in text
+    )
+    assert (
+        "- one KV head (decode-4x1: its rows back to back in each page, as a head-major layout holds every"
+        " head's), KV read over Llama's heads at the same bytes: bfloat16 1.50x, float8_e4m3fn 2.50x;"
+        " float8_e4m3fn decode tokens/s over bfloat16 there: 1.60"
+    ) in text
+    assert "one KV head (" not in formats_markdown(rows[:2], "## header", "gpu")
 
 
 def test_split_sweep_table_gives_each_count_over_the_planner():
