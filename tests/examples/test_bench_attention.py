@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from max.dtype import DType
 
 from mokv_examples.bench.attention import (
+    LONG_PREFILL,
     MEMORY_BOUND_BYTES,
     PREFILL_KERNEL,
     SPLIT_SWEEP,
@@ -37,6 +38,7 @@ ROW = {
     "copy_gbps": 3.0,
     "tokens_per_s": 4.0,
     "max_abs_diff": 1e-3,
+    "new_tokens": 1,
 }
 """A GPU row's fields; each test names its case and phase."""
 
@@ -100,7 +102,22 @@ def test_decode_rows_with_one_head_a_warp_fill_every_column():
     text = "\n".join(lines)
     assert "decode with MOKV_DECODE_KERNEL=warp_heads, speedup over MAX: min 1.00" in text
     assert "where memory-bound: min 0.50" in text  # 1.5 GB/s over the copy's 3.0
-    assert "one head a warp" not in to_markdown([row], "## header")
+    without = to_markdown([row], "## header")
+    assert "one head a warp" not in without and "MOKV_DECODE_KERNEL" not in without
+
+
+def test_gpu_summary_holds_each_case_to_issue_43s_target():
+    """Prefill of 2k+ new tokens at MAX's speed, shorter chunks at 0.8x, the
+    memory-bound decodes' KV read at 0.85 of the copy's traffic."""
+    rows = [
+        ROW | {"case": "prefill-long", "phase": "prefill", "new_tokens": LONG_PREFILL, "speedup": 0.7},
+        ROW | {"case": "prefill-chunk", "phase": "prefill", "new_tokens": 512, "speedup": 0.9},
+        ROW | {"case": "decode-long", "phase": "decode", "kv_bytes": MEMORY_BOUND_BYTES, "kv_gbps": 2.7},
+    ]
+    text = to_markdown(rows, "## header")
+    assert "prefill of 2048+ new tokens, speedup over MAX (target >= 1): min 0.70, median 0.70, max 0.70" in text
+    assert "prefill of fewer new tokens, speedup over MAX (target >= 0.8): min 0.90, median 0.90" in text
+    assert "KV read rate / device copy traffic (target >= 0.85): min 0.90, median 0.90" in text
 
 
 def test_one_head_a_warp_is_timed_where_the_gpu_decode_takes_it():
