@@ -19,7 +19,12 @@ token: 256 bytes at a 2 KB stride for Llama's heads in bfloat16, 128 bytes at
   block's four warps four neighbouring heads of the same tokens at once (a decode
   block whose warps split the heads, not the keys): whether requests for one
   token's neighbouring rows issued from one block, rather than from blocks
-  running side by side, read as contiguous spans do.
+  running side by side, read as contiguous spans do;
+- `head rows R x 8, 8 a block`: half a warp a head, so a block reads all eight of
+  Llama's heads of its tokens, whole token rows (a decode block of eight warps,
+  one a head): where `4 a block` falls short of contiguous spans and this does
+  not, a block must cover its tokens' whole rows (eight heads a block, or a
+  head-major page layout: docs/gpu.md).
 
 Same blocks, threads and loads in flight in every pattern: 128 threads, each
 with `LOADS` 16-byte loads in flight, as many blocks at once as a multiprocessor
@@ -156,10 +161,11 @@ def _table[
     var contiguous = _read_rate[loads](ctx, data, sink, 16, 1, 1, shared_bytes)
     print("contiguous |", round(contiguous, 1), "| 1.00")
     # Llama's heads in bfloat16 and in 8 bits, SmolLM2's (head_dim 64) likewise;
-    # then Llama's with a block's four warps on four heads.
-    var row_bytes: List[Int] = [256, 128, 128, 64, 256, 128]
-    var heads: List[Int] = [8, 8, 3, 3, 8, 8]
-    var heads_a_block: List[Int] = [1, 1, 1, 1, WARPS, WARPS]
+    # then Llama's with a block's four warps on four heads, and on all eight (half
+    # a warp a head: each block reads its tokens' whole rows).
+    var row_bytes: List[Int] = [256, 128, 128, 64, 256, 128, 256, 128]
+    var heads: List[Int] = [8, 8, 3, 3, 8, 8, 8, 8]
+    var heads_a_block: List[Int] = [1, 1, 1, 1, WARPS, WARPS, 2 * WARPS, 2 * WARPS]
     for i in range(len(row_bytes)):
         var rate = _read_rate[loads](
             ctx, data, sink, row_bytes[i], heads[i], heads_a_block[i], shared_bytes
