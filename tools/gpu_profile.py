@@ -7,9 +7,9 @@ splits the context). On a Hopper GPU a bfloat16 prefill case runs with
 `MOKV_PREFILL_KERNEL=wgmma`, then each warpgroup variant the benchmark times
 (`=wgmma_producer` and `=wgmma_tma`, or those `MOKV_BENCH_PREFILL_VARIANTS` names), so
 those warpgroup prefill kernels are in the report (the ninth run's profile has `mma.sync`'s).
-A bfloat16 decode case over KV heads in fours runs again with
-`MOKV_DECODE_KERNEL=warp_heads` (decode blocks of four KV heads, one a warp), so its
-memory chart stands beside the default decode's.
+A bfloat16 decode case runs again with each `MOKV_DECODE_KERNEL` variant its KV heads take
+(`=warp_heads`, decode blocks of four KV heads, one a warp; `=warp_heads_8`, eight), so
+their memory charts stand beside the default decode's.
 
 A case named `NAME:FORMAT` is a KV-formats case (`--only-kv-formats`, say
 `decode-32x8x128-page128-b16-ctx8192:float8_e4m3fn`): that format's decode
@@ -38,7 +38,7 @@ from mokv_examples.bench.attention import (
     with_variable,
 )
 from mokv_examples.bench.attention_cases import gpu_quick_cases, make_inputs
-from mokv_examples.bench.attention_kernels import DECODE_KERNEL, WARP_HEADS, Kernels, warp_heads_apply
+from mokv_examples.bench.attention_kernels import DECODE_KERNEL, Kernels, decode_variants
 from mokv_examples.bench.kv_formats import FormatKernels, format_calls, format_cases
 
 DEFAULT_CASES = (
@@ -84,8 +84,11 @@ def main(names: list[str]) -> None:
         args = make_inputs(case, np.random.default_rng(0), (case.dtype,), gpu)[case.dtype].mokv_args(case.softmax_scale)
         kinds = ["wgmma", *warpgroup_variants()] if case.phase == "prefill" and has_warpgroup_mma(kernels) else ["mma"]
         runs = [(PREFILL_KERNEL, kind, f"{kind} prefill products") for kind in kinds]
-        if case.phase == "decode" and warp_heads_apply(kernels, case.heads, case.dtype):
-            runs.append((DECODE_KERNEL, WARP_HEADS, "decode with one KV head a warp"))
+        if case.phase == "decode":
+            runs += [
+                (DECODE_KERNEL, d.kernel, f"decode with {d.label}")
+                for d in decode_variants(kernels, case.heads, case.dtype)
+            ]
         for variable, value, what in runs:
             call = with_variable(variable, value, lambda model=model, args=args: model.execute(*args))
             for _ in range(2):

@@ -24,8 +24,10 @@ prefill takes warpgroup products by default, the prefill rows also time mokv wit
 `MOKV_PREFILL_KERNEL=mma` (`mma.sync` per warp), `=wgmma_producer` (the warpgroup
 products fed by a producer warpgroup) and `=wgmma_tma` (fed by tensor-map boxes) in the
 same rounds (`PREFILL_VARIANTS`; `--prefill-variants` names fewer), its bfloat16 decode
-rows over KV heads in fours also time `MOKV_DECODE_KERNEL=warp_heads` (a decode block of
-four KV heads, one a warp: `heads_*` fields, the "one head a warp" columns), and every GPU row times
+rows also time the decodes `MOKV_DECODE_KERNEL` chooses over KV heads in whole blocks of
+theirs (`DECODE_VARIANTS`: `=warp_heads`, a block of four KV heads, one a warp, `heads_*`
+fields and the "one head a warp" columns; `=warp_heads_8`, eight, `heads8_*` and "eight
+heads a block"), and every GPU row times
 mokv with its context cut into a fixed number of splits (`MOKV_ATTENTION_SPLITS`,
 `SPLIT_SWEEP`) beside the planner's choice, the data the planner is tuned from. Without a
 GPU it says so and exits. `docs/gpu/results/` keeps the GPU runs' tables.
@@ -58,7 +60,13 @@ from mokv_examples.bench.attention_cases import (
     shape_fields,
     to_float,
 )
-from mokv_examples.bench.attention_kernels import DECODE_KERNEL, MAX_KERNELS, WARP_HEADS, Kernels, warp_heads_apply
+from mokv_examples.bench.attention_kernels import (
+    DECODE_KERNEL,
+    DECODE_VARIANTS,
+    MAX_KERNELS,
+    Kernels,
+    decode_variants,
+)
 from mokv_examples.bench.kv_formats import format_rows, formats_markdown
 from mokv_examples.bench.references import reference
 from mokv_examples.bench.results import out_dir_option, span, write_results
@@ -125,15 +133,15 @@ def run_case(
     the same values stored as float32, in the same rounds, for the tokens/s
     ratio; a bfloat16 prefill on a Hopper GPU also times mokv's prefill
     kernels of `prefill_variants` (warpgroup products are its default
-    there), a bfloat16 decode on a GPU over KV heads in fours the decode of
-    one head a warp (`MOKV_DECODE_KERNEL=warp_heads`), and a GPU row mokv at
+    there), a bfloat16 decode on a GPU the `decode_variants` its KV heads
+    take (`MOKV_DECODE_KERNEL`), and a GPU row mokv at
     each split count of `SPLIT_SWEEP` the context allows (`splits_s`)."""
     scale = case.softmax_scale
     with_f32 = case.dtype == DType.bfloat16 and case.phase == "decode" and kernels.device.is_host
     variants = prefill_variants
     if not (case.dtype == DType.bfloat16 and case.phase == "prefill" and has_warpgroup_mma(kernels)):
         variants = ()
-    warp_heads = case.phase == "decode" and warp_heads_apply(kernels, case.heads, case.dtype)
+    decodes = decode_variants(kernels, case.heads, case.dtype) if case.phase == "decode" else ()
     sweep = [n for n in SPLIT_SWEEP if n <= max(1, case.context // MIN_SPLIT_TOKENS)]
     if kernels.device.is_host:
         sweep = []
@@ -154,8 +162,8 @@ def run_case(
         calls["mokv_float32"] = lambda: mokv_f32.execute(*f32_args)
     for v in variants:
         calls[f"mokv_{v.key}"] = with_variable(PREFILL_KERNEL, v.kernel, calls["mokv"])
-    if warp_heads:
-        calls["mokv_heads"] = with_variable(DECODE_KERNEL, WARP_HEADS, calls["mokv"])
+    for d in decodes:
+        calls[f"mokv_{d.key}"] = with_variable(DECODE_KERNEL, d.kernel, calls["mokv"])
     for n in sweep:
         calls[f"mokv_splits_{n}"] = with_variable(ATTENTION_SPLITS, str(n), calls["mokv"])
 
@@ -188,12 +196,12 @@ def run_case(
         row[f"{v.key}_s"] = times[f"mokv_{v.key}"]
         row[f"{v.key}_speedup"] = times["max"] / times[f"mokv_{v.key}"]
         row[f"{v.key}_max_abs_diff"] = float(np.abs(to_float(out, case.dtype) - expected).max())
-    if warp_heads:
-        out = with_variable(DECODE_KERNEL, WARP_HEADS, lambda: mokv.execute(*mokv_args)[0])()
-        row["heads_s"] = times["mokv_heads"]
-        row["heads_speedup"] = times["max"] / times["mokv_heads"]
-        row["heads_kv_gbps"] = case.kv_bytes / times["mokv_heads"] / 1e9
-        row["heads_max_abs_diff"] = float(np.abs(to_float(out, case.dtype) - expected).max())
+    for d in decodes:
+        out = with_variable(DECODE_KERNEL, d.kernel, lambda: mokv.execute(*mokv_args)[0])()
+        row[f"{d.key}_s"] = times[f"mokv_{d.key}"]
+        row[f"{d.key}_speedup"] = times["max"] / times[f"mokv_{d.key}"]
+        row[f"{d.key}_kv_gbps"] = case.kv_bytes / times[f"mokv_{d.key}"] / 1e9
+        row[f"{d.key}_max_abs_diff"] = float(np.abs(to_float(out, case.dtype) - expected).max())
     if sweep:
         row["splits_s"] = {str(n): times[f"mokv_splits_{n}"] for n in sweep}
     return row
@@ -218,7 +226,6 @@ def gpu_summary(rows: list[dict[str, Any]]) -> list[str]:
     prefill = [r for r in rows if r["phase"] == "prefill"]
     long_prefill = [r for r in prefill if r["new_tokens"] >= LONG_PREFILL]
     chunk_prefill = [r for r in prefill if r["new_tokens"] < LONG_PREFILL]
-    heads = [r for r in decode if "heads_s" in r]
     return [
         f"- decode, speedup over MAX's GPU kernel (target >= 1): {span([r['speedup'] for r in decode])}",
         (
@@ -239,14 +246,12 @@ def gpu_summary(rows: list[dict[str, Any]]) -> list[str]:
             for v in PREFILL_VARIANTS
         ),
         *(
-            [
-                f"- decode with MOKV_DECODE_KERNEL={WARP_HEADS}, speedup over MAX:"
-                f" {span([r['heads_speedup'] for r in heads])};"
-                " KV read rate / device copy traffic where memory-bound:"
-                f" {span([r['heads_kv_gbps'] / r['copy_gbps'] for r in bound if 'heads_s' in r])}"
-            ]
-            if heads
-            else []
+            f"- decode with MOKV_DECODE_KERNEL={d.kernel}, speedup over MAX:"
+            f" {span([r[f'{d.key}_speedup'] for r in decode if f'{d.key}_s' in r])};"
+            " KV read rate / device copy traffic where memory-bound:"
+            f" {span([r[f'{d.key}_kv_gbps'] / r['copy_gbps'] for r in bound if f'{d.key}_s' in r])}"
+            for d in DECODE_VARIANTS
+            if any(f"{d.key}_s" in r for r in decode)
         ),
     ]
 
@@ -271,11 +276,11 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
-    """The summary and the table; a prefill variant's columns, and the
-    decode's of one head a warp, only where some row timed it beside the
-    default (Hopper; a GPU)."""
+    """The summary and the table; a prefill variant's columns, and a decode
+    variant's, only where some row timed it beside the default (Hopper; a
+    GPU)."""
     variants = [v for v in PREFILL_VARIANTS if any(f"{v.key}_s" in r for r in rows)]
-    heads = any("heads_s" in r for r in rows)
+    decodes = [d for d in DECODE_VARIANTS if any(f"{d.key}_s" in r for r in rows)]
     lines = [
         header,
         "",
@@ -284,10 +289,8 @@ def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
         "| case | mokv ms | MAX ms | speedup | mokv KV GB/s | MAX KV GB/s | copy GB/s | tokens/s | bf16/f32"
         " | max abs diff |"
         + "".join(f" {v.label} ms | {v.label} speedup | {v.label} max abs diff |" for v in variants)
-        + (" one head a warp ms | speedup | KV GB/s | max abs diff |" if heads else ""),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-        + "---:|" * 3 * len(variants)
-        + ("---:|" * 4 if heads else ""),
+        + "".join(f" {d.label} ms | speedup | KV GB/s | max abs diff |" for d in decodes),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (3 * len(variants) + 4 * len(decodes)),
     ]
     for r in rows:
         ratio = f"{r['bf16_over_f32']:.2f}x" if "bf16_over_f32" in r else ""
@@ -299,13 +302,15 @@ def to_markdown(rows: list[dict[str, Any]], header: str) -> str:
             )
             for v in variants
         )
-        if heads:
-            timed += (
-                f" {r['heads_s'] * 1e3:.3f} | {r['heads_speedup']:.2f}x | {r['heads_kv_gbps']:.1f}"
-                f" | {r['heads_max_abs_diff']:.1e} |"
-                if "heads_s" in r
+        timed += "".join(
+            (
+                f" {r[f'{d.key}_s'] * 1e3:.3f} | {r[f'{d.key}_speedup']:.2f}x | {r[f'{d.key}_kv_gbps']:.1f}"
+                f" | {r[f'{d.key}_max_abs_diff']:.1e} |"
+                if f"{d.key}_s" in r
                 else " | | | |"
             )
+            for d in decodes
+        )
         lines.append(
             f"| {r['case']} | {r['mokv_s'] * 1e3:.3f} | {r['max_s'] * 1e3:.3f} | {r['speedup']:.2f}x"
             f" | {r['kv_gbps']:.1f} | {r['max_kv_gbps']:.1f} | {r['copy_gbps']:.1f}"

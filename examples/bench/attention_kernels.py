@@ -23,10 +23,24 @@ from mokv_examples.bench.references import reference
 MAX_KERNELS = "mokv bench attention times MAX's own attention kernels beside mokv's"
 """Why the attention benchmark needs the reference package (its error message says so)."""
 DECODE_KERNEL = "MOKV_DECODE_KERNEL"
-WARP_HEADS = "warp_heads"
-"""`MOKV_DECODE_KERNEL`'s one value: the GPU decode whose blocks take four KV heads, one a warp."""
-HEADS_A_BLOCK = 4
-"""KV heads a `warp_heads` decode block takes: a cache's must be a multiple of it."""
+
+
+@dataclass(frozen=True)
+class DecodeVariant:
+    """A GPU decode chosen by `MOKV_DECODE_KERNEL`, timed beside the default: its blocks take
+    `heads_a_block` KV heads, one a warp (a cache's must be a multiple of it); `key` prefixes its
+    row fields, `label` names its columns."""
+
+    key: str
+    kernel: str
+    heads_a_block: int
+    label: str
+
+
+DECODE_VARIANTS = (
+    DecodeVariant("heads", "warp_heads", 4, "one head a warp"),
+    DecodeVariant("heads8", "warp_heads_8", 8, "eight heads a block"),
+)
 
 
 @dataclass
@@ -101,9 +115,10 @@ class Kernels:
         return synchronized
 
 
-def warp_heads_apply(kernels: Kernels, heads: tuple[int, int, int], queries: DType) -> bool:
-    """Whether a decode with these (query, KV, dim) heads and `queries` on the
-    kernels' device takes `MOKV_DECODE_KERNEL=warp_heads`: a GPU's tensor-core
-    decode (bfloat16 queries, over a bfloat16 or 8-bit cache; a float32 one
-    ignores the variable), KV heads in fours."""
-    return not kernels.device.is_host and queries == DType.bfloat16 and heads[1] % HEADS_A_BLOCK == 0
+def decode_variants(kernels: Kernels, heads: tuple[int, int, int], queries: DType) -> tuple[DecodeVariant, ...]:
+    """The `DECODE_VARIANTS` a decode with these (query, KV, dim) heads and `queries` on the
+    kernels' device takes: a GPU's tensor-core decode (bfloat16 queries, over a bfloat16 or
+    8-bit cache; a float32 one ignores the variable), KV heads in whole blocks of each."""
+    if kernels.device.is_host or queries != DType.bfloat16:
+        return ()
+    return tuple(v for v in DECODE_VARIANTS if heads[1] % v.heads_a_block == 0)

@@ -48,7 +48,13 @@ from mokv_examples.bench.attention_cases import (
     to_device,
     to_float,
 )
-from mokv_examples.bench.attention_kernels import DECODE_KERNEL, WARP_HEADS, Kernels, warp_heads_apply
+from mokv_examples.bench.attention_kernels import (
+    DECODE_KERNEL,
+    DECODE_VARIANTS,
+    DecodeVariant,
+    Kernels,
+    decode_variants,
+)
 from mokv_examples.bench.results import span
 from mokv_examples.bench.timing import time_alternately, with_variable
 
@@ -263,26 +269,29 @@ def format_calls(case: FormatCase, kernels: FormatKernels) -> dict[str, FormatCa
     return calls
 
 
-def timed_with_warp_heads(case: FormatCase, kernels: FormatKernels) -> list[str]:
-    """The formats whose decode is also timed with one KV head a warp
-    (`MOKV_DECODE_KERNEL=warp_heads`, `warp_heads_apply`), where bfloat16's
-    is among them (the float8 goal's yardstick)."""
-    formats = [f for f in kernels.formats if warp_heads_apply(kernels.attention, case.heads, kernels.shape(f).rows)]
-    return formats if "bfloat16" in formats else []
+def timed_variants(case: FormatCase, kernels: FormatKernels) -> dict[DecodeVariant, list[str]]:
+    """Each decode variant the case's heads take (`decode_variants`) and the formats whose
+    decode it also times: those with bfloat16 queries, where bfloat16's is among them (the
+    float8 goal's yardstick)."""
+    formats = [f for f in kernels.formats if kernels.shape(f).rows == DType.bfloat16]
+    if "bfloat16" not in formats:
+        return {}
+    return dict.fromkeys(decode_variants(kernels.attention, case.heads, DType.bfloat16), formats)
 
 
 def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -> list[dict[str, Any]]:
     """One case in every format (`format_calls`), stores and decodes timed
-    alternately, and the decodes of `timed_with_warp_heads` in the same
-    rounds with one KV head a warp."""
+    alternately, and the decodes of `timed_variants` in the same rounds as
+    each decode variant runs them."""
     prepared = format_calls(case, kernels)
     calls: dict[str, Callable[[], Any]] = {}
     for kv_format, format_call in prepared.items():
         calls[f"store-{kv_format}"] = format_call.store
         calls[kv_format] = format_call.decode
-    with_heads = timed_with_warp_heads(case, kernels)
-    for kv_format in with_heads:
-        calls[f"heads-{kv_format}"] = with_variable(DECODE_KERNEL, WARP_HEADS, prepared[kv_format].decode)
+    variants = timed_variants(case, kernels)
+    for v, formats in variants.items():
+        for kv_format in formats:
+            calls[f"{v.key}-{kv_format}"] = with_variable(DECODE_KERNEL, v.kernel, prepared[kv_format].decode)
     outputs = {kv_format: format_call.output for kv_format, format_call in prepared.items()}
     times = time_alternately(calls, min_runs=5, budget_s=budget_s)
     rows = []
@@ -307,16 +316,18 @@ def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -
                 "store_over_float32": times[f"store-{kv_format}"] / times["store-float32"],
             }
         )
-        if kv_format in with_heads:
-            heads = times[f"heads-{kv_format}"]
-            decoded = with_variable(DECODE_KERNEL, WARP_HEADS, prepared[kv_format].decode)()
+        for v, formats in variants.items():
+            if kv_format not in formats:
+                continue
+            variant = times[f"{v.key}-{kv_format}"]
+            decoded = with_variable(DECODE_KERNEL, v.kernel, prepared[kv_format].decode)()
             diff = to_float(decoded[0], shape.rows) - outputs["float32"]
             rows[-1] |= {
-                "heads_decode_s": heads,
-                "heads_kv_gbps": case.batch * case.context * per_token / heads / 1e9,
-                "heads_over_default": seconds / heads,
-                "heads_over_bfloat16_heads": times["heads-bfloat16"] / heads,
-                "heads_max_abs_diff_vs_float32": float(np.abs(diff).max()),
+                f"{v.key}_decode_s": variant,
+                f"{v.key}_kv_gbps": case.batch * case.context * per_token / variant / 1e9,
+                f"{v.key}_over_default": seconds / variant,
+                f"{v.key}_over_bfloat16": times[f"{v.key}-bfloat16"] / variant,
+                f"{v.key}_max_abs_diff_vs_float32": float(np.abs(diff).max()),
             }
     return rows
 
@@ -358,7 +369,7 @@ def formats_markdown(rows: list[dict[str, Any]], header: str, device: str = "cpu
             f"{f} {span([r['store_over_float32'] for r in modelled if r['kv_format'] == f])}" for f in FORMATS[1:]
         ),
         *layout_probe_summary(rows),
-        *heads_summary(rows),
+        *(line for v in DECODE_VARIANTS for line in variant_summary(rows, v)),
         "",
         "| case | KV format | queries | bytes/token | decode ms | tokens/s | KV GB/s | vs bf16 | vs f32"
         " | max diff vs f32 | store ms | store vs f32 |",
@@ -370,7 +381,7 @@ def formats_markdown(rows: list[dict[str, Any]], header: str, device: str = "cpu
         f" | {r['max_abs_diff_vs_float32']:.1e} | {r['store_s'] * 1e3:.2f} | {r['store_over_float32']:.2f}x |"
         for r in rows
     ]
-    return "\n".join(lines + heads_table(rows)) + "\n"
+    return "\n".join(lines + [line for v in DECODE_VARIANTS for line in variant_table(rows, v)]) + "\n"
 
 
 def layout_probe_summary(rows: list[dict[str, Any]]) -> list[str]:
@@ -398,40 +409,42 @@ def layout_probe_summary(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def heads_summary(rows: list[dict[str, Any]]) -> list[str]:
-    """Where decodes were also timed with one KV head a warp: float8's
-    tokens/s over bfloat16's with both so, and each format's over its own
-    default decode."""
-    timed = [r for r in rows if "heads_decode_s" in r]
+def variant_summary(rows: list[dict[str, Any]], variant: DecodeVariant) -> list[str]:
+    """Where decodes were also timed as `variant` runs them: float8's tokens/s
+    over bfloat16's with both so, and each format's over its own default
+    decode."""
+    timed = [r for r in rows if f"{variant.key}_decode_s" in r]
     if not timed:
         return []
+    setting = f"MOKV_DECODE_KERNEL={variant.kernel}"
     return [
-        f"- with MOKV_DECODE_KERNEL={WARP_HEADS}, float8_e4m3fn decode tokens/s over bfloat16's: "
-        f"{span([r['heads_over_bfloat16_heads'] for r in timed if r['kv_format'] == 'float8_e4m3fn'])}",
-        f"- MOKV_DECODE_KERNEL={WARP_HEADS} over each format's default decode: "
+        f"- with {setting}, float8_e4m3fn decode tokens/s over bfloat16's: "
+        f"{span([r[f'{variant.key}_over_bfloat16'] for r in timed if r['kv_format'] == 'float8_e4m3fn'])}",
+        f"- {setting} over each format's default decode: "
         + ", ".join(
-            f"{f} {span([r['heads_over_default'] for r in timed if r['kv_format'] == f])}"
+            f"{f} {span([r[f'{variant.key}_over_default'] for r in timed if r['kv_format'] == f])}"
             for f in FORMATS
             if any(r["kv_format"] == f for r in timed)
         ),
     ]
 
 
-def heads_table(rows: list[dict[str, Any]]) -> list[str]:
-    """The decodes also timed with one KV head a warp, in the same rounds."""
-    timed = [r for r in rows if "heads_decode_s" in r]
+def variant_table(rows: list[dict[str, Any]], variant: DecodeVariant) -> list[str]:
+    """The decodes also timed as `variant` runs them, in the same rounds."""
+    timed = [r for r in rows if f"{variant.key}_decode_s" in r]
     if not timed:
         return []
+    key = variant.key
     return [
         "",
-        f"Decode with one KV head a warp (`MOKV_DECODE_KERNEL={WARP_HEADS}`), timed in the same rounds:",
+        f"Decode with {variant.label} (`MOKV_DECODE_KERNEL={variant.kernel}`), timed in the same rounds:",
         "",
-        "| case | KV format | decode ms | KV GB/s | vs own default | vs bf16 one head a warp | max diff vs f32 |",
+        f"| case | KV format | decode ms | KV GB/s | vs own default | vs bf16 {variant.label} | max diff vs f32 |",
         "|---|---|---:|---:|---:|---:|---:|",
         *(
-            f"| {r['case']} | {r['kv_format']} | {r['heads_decode_s'] * 1e3:.3f} | {r['heads_kv_gbps']:.1f}"
-            f" | {r['heads_over_default']:.2f}x | {r['heads_over_bfloat16_heads']:.2f}x"
-            f" | {r['heads_max_abs_diff_vs_float32']:.1e} |"
+            f"| {r['case']} | {r['kv_format']} | {r[f'{key}_decode_s'] * 1e3:.3f} | {r[f'{key}_kv_gbps']:.1f}"
+            f" | {r[f'{key}_over_default']:.2f}x | {r[f'{key}_over_bfloat16']:.2f}x"
+            f" | {r[f'{key}_max_abs_diff_vs_float32']:.1e} |"
             for r in timed
         ),
     ]

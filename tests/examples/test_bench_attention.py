@@ -24,7 +24,7 @@ from mokv_examples.bench.attention import (
     with_variable,
 )
 from mokv_examples.bench.attention_cases import LLAMA, ONE_KV_HEAD
-from mokv_examples.bench.attention_kernels import Kernels, warp_heads_apply
+from mokv_examples.bench.attention_kernels import DECODE_VARIANTS, Kernels, decode_variants
 from mokv_examples.bench.kv_formats import FormatKernels, format_cases, formats_markdown
 
 ROW = {
@@ -80,10 +80,10 @@ def test_rows_with_and_without_the_prefill_variants_fill_every_column():
     assert "mma.sync" not in without[0] and {line.count("|") for line in without} == {11}
 
 
-def test_decode_rows_with_one_head_a_warp_fill_every_column():
-    """`MOKV_DECODE_KERNEL=warp_heads` beside the default decode: its
-    columns only where some row timed it, and its speedup and read rate in
-    the summary."""
+def test_decode_rows_with_the_decode_variants_fill_every_column():
+    """`MOKV_DECODE_KERNEL=warp_heads` and `=warp_heads_8` beside the default
+    decode: each variant's columns only where some row timed it, and its
+    speedup and read rate in the summary."""
     row = ROW | {"case": "decode-x", "phase": "decode"}
     heads = row | {
         "case": "decode-y",
@@ -93,15 +93,29 @@ def test_decode_rows_with_one_head_a_warp_fill_every_column():
         "heads_kv_gbps": 1.5,
         "heads_max_abs_diff": 2e-3,
     }
-    lines = to_markdown([row, heads], "## header").splitlines()
-    table = [line for line in lines if line.startswith("| ") or line.startswith("|-")][:4]
+    heads8 = heads | {
+        "case": "decode-z",
+        "heads8_s": 5e-4,
+        "heads8_speedup": 2.0,
+        "heads8_kv_gbps": 2.4,
+        "heads8_max_abs_diff": 1e-3,
+    }
+    lines = to_markdown([row, heads, heads8], "## header").splitlines()
+    table = [line for line in lines if line.startswith("| ") or line.startswith("|-")][:5]
     assert len({line.count("|") for line in table}) == 1
     assert "| one head a warp ms | speedup | KV GB/s | max abs diff |" in table[0]
-    assert table[-1].endswith("| 1.000 | 1.00x | 1.5 | 2.0e-03 |")
-    assert table[-2].endswith("| | | | |")
+    assert table[0].endswith("| eight heads a block ms | speedup | KV GB/s | max abs diff |")
+    assert table[-1].endswith("| 1.000 | 1.00x | 1.5 | 2.0e-03 | 0.500 | 2.00x | 2.4 | 1.0e-03 |")
+    assert table[-2].endswith("| 1.000 | 1.00x | 1.5 | 2.0e-03 | | | | |")
+    assert table[-3].endswith("| | | | | | | | |")
     text = "\n".join(lines)
     assert "decode with MOKV_DECODE_KERNEL=warp_heads, speedup over MAX: min 1.00" in text
     assert "where memory-bound: min 0.50" in text  # 1.5 GB/s over the copy's 3.0
+    assert (
+        "decode with MOKV_DECODE_KERNEL=warp_heads_8, speedup over MAX: min 2.00, median 2.00, max 2.00 (1 case)"
+        in text
+    )
+    assert "where memory-bound: min 0.80" in text  # 2.4 GB/s over the copy's 3.0
     without = to_markdown([row], "## header")
     assert "one head a warp" not in without and "MOKV_DECODE_KERNEL" not in without
 
@@ -120,19 +134,23 @@ def test_gpu_summary_holds_each_case_to_issue_43s_target():
     assert "KV read rate / device copy traffic (target >= 0.85): min 0.90, median 0.90" in text
 
 
-def test_one_head_a_warp_is_timed_where_the_gpu_decode_takes_it():
-    """A GPU's tensor-core decode (bfloat16 queries) over KV heads in fours;
-    not on the CPU, over float32 queries, or over SmolLM2's three KV heads."""
+def test_decode_variants_are_timed_where_the_gpu_decode_takes_them():
+    """A GPU's tensor-core decode (bfloat16 queries) over KV heads in whole
+    blocks of each variant's; not on the CPU, over float32 queries, or over
+    SmolLM2's three KV heads."""
     gpu, cpu = (SimpleNamespace(device=SimpleNamespace(is_host=host)) for host in (False, True))
-    assert warp_heads_apply(gpu, (32, 8, 128), DType.bfloat16)
-    assert not warp_heads_apply(cpu, (32, 8, 128), DType.bfloat16)
-    assert not warp_heads_apply(gpu, (32, 8, 128), DType.float32)
-    assert not warp_heads_apply(gpu, (9, 3, 64), DType.bfloat16)
+    assert [v.kernel for v in decode_variants(gpu, (32, 8, 128), DType.bfloat16)] == ["warp_heads", "warp_heads_8"]
+    assert [v.kernel for v in decode_variants(gpu, (16, 4, 128), DType.bfloat16)] == ["warp_heads"]
+    assert decode_variants(cpu, (32, 8, 128), DType.bfloat16) == ()
+    assert decode_variants(gpu, (32, 8, 128), DType.float32) == ()
+    assert decode_variants(gpu, (9, 3, 64), DType.bfloat16) == ()
+    assert len({v.key for v in DECODE_VARIANTS}) == len(DECODE_VARIANTS)
 
 
-def test_kv_formats_with_one_head_a_warp_get_their_table():
-    """The KV formats' decodes also timed with one KV head a warp: float8's
-    tokens/s over bfloat16's with both so, each over its own default."""
+def test_kv_formats_with_each_decode_variant_get_its_table():
+    """The KV formats' decodes also timed as each decode variant runs them:
+    float8's tokens/s over bfloat16's with both so, each over its own
+    default, a table per variant."""
     base = {
         "case": "decode-llama",
         "n_q_heads": 32,
@@ -150,17 +168,23 @@ def test_kv_formats_with_one_head_a_warp_get_their_table():
         "store_over_float32": 1.0,
     }
     timed = {
-        "bfloat16": {"heads_decode_s": 1e-3, "heads_over_default": 2.0, "heads_over_bfloat16_heads": 1.0},
-        "float8_e4m3fn": {"heads_decode_s": 5e-4, "heads_over_default": 4.0, "heads_over_bfloat16_heads": 2.0},
+        "bfloat16": {"decode_s": 1e-3, "over_default": 2.0, "over_bfloat16": 1.0},
+        "float8_e4m3fn": {"decode_s": 5e-4, "over_default": 4.0, "over_bfloat16": 2.0},
     }
-    rows = [
-        base | {"kv_format": f, "heads_kv_gbps": 9.0, "heads_max_abs_diff_vs_float32": 3e-3} | timed[f] for f in timed
-    ]
+
+    def variant(key: str, kv_format: str) -> dict:
+        fields = {"kv_gbps": 9.0, "max_abs_diff_vs_float32": 3e-3} | timed[kv_format]
+        return {f"{key}_{name}": value for name, value in fields.items()}
+
+    rows = [base | {"kv_format": f} | variant("heads", f) | variant("heads8", f) for f in timed]
     text = formats_markdown([base | {"kv_format": "float32"}, *rows], "## header", "gpu")
-    assert "with MOKV_DECODE_KERNEL=warp_heads, float8_e4m3fn decode tokens/s over bfloat16's: min 2.00" in text
-    assert "over each format's default decode: bfloat16 min 2.00" in text
-    assert "| decode-llama | float8_e4m3fn | 0.500 | 9.0 | 4.00x | 2.00x | 3.0e-03 |" in text
-    assert "one KV head a warp" not in formats_markdown([base | {"kv_format": "float32"}], "## header", "gpu")
+    for kernel in ("warp_heads", "warp_heads_8"):
+        assert f"with MOKV_DECODE_KERNEL={kernel}, float8_e4m3fn decode tokens/s over bfloat16's: min 2.00" in text
+        assert f"MOKV_DECODE_KERNEL={kernel} over each format's default decode: bfloat16 min 2.00" in text
+    assert "Decode with one head a warp (`MOKV_DECODE_KERNEL=warp_heads`)" in text
+    assert "| vs bf16 eight heads a block |" in text
+    assert text.count("| decode-llama | float8_e4m3fn | 0.500 | 9.0 | 4.00x | 2.00x | 3.0e-03 |") == 2
+    assert "MOKV_DECODE_KERNEL" not in formats_markdown([base | {"kv_format": "float32"}], "## header", "gpu")
 
 
 def test_layout_probe_follows_llamas_cases_at_their_bytes():

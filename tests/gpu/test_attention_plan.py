@@ -39,7 +39,7 @@ class Case:
     prefill_rows: int = 64
     fixed_splits: int = 0
     decode_heads: int = 1
-    """KV heads a decode block takes (`MOKV_DECODE_KERNEL=warp_heads`: 4)."""
+    """KV heads a decode block takes (`MOKV_DECODE_KERNEL=warp_heads`: 4, `=warp_heads_8`: 8)."""
     decode_tile: int = 0
     """Context positions a decode tile spans; 0: `tile`."""
 
@@ -115,6 +115,9 @@ CASES = [
     Case(1, 8, 4, 1, 32769, decode_heads=4, decode_tile=16),
     Case(32, 8, 4, 1, 4097, decode_heads=4, decode_tile=16),
     Case(128, 8, 4, 1, 1025, decode_heads=4, decode_tile=16),
+    # Decode blocks of eight, alone on their multiprocessor (`warp_heads_8`).
+    Case(1, 8, 4, 1, 32769, decode_blocks=1, decode_heads=8, decode_tile=16),
+    Case(32, 8, 4, 1, 4097, decode_blocks=1, decode_heads=8, decode_tile=16),
 ]
 
 

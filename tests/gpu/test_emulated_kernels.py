@@ -337,11 +337,38 @@ def test_decode_with_one_kv_head_a_warp(layout, n_q, n_kv, head_dim, new, window
     assert emulator.launched[0] == "decode_mma_heads"
 
 
+@pytest.mark.parametrize("multiprocessors", [1, H100_MULTIPROCESSORS], ids=["unsplit", "split"])
+@pytest.mark.parametrize(
+    ("layout", "n_q", "n_kv", "head_dim", "new", "window"),
+    [
+        ("paged", 32, 8, 128, 1, 0),
+        ("paged", 64, 8, 64, 1, 300),
+        ("continuous", 16, 8, 128, 2, 0),
+    ],
+    ids=["llama", "group8-window", "continuous-two-tokens"],
+)
+def test_decode_with_eight_kv_heads_a_block(layout, n_q, n_kv, head_dim, new, window, multiprocessors, emulator):
+    """`MOKV_DECODE_KERNEL=warp_heads_8`: a block of eight warps, one KV head
+    each (Llama's eight: its tokens' whole rows), 128 rows a tile, three
+    stages; the same rows as `test_decode_with_one_kv_head_a_warp`."""
+    rng = np.random.default_rng(n_q + n_kv + head_dim + new)
+    rows = [(1000, new), (37, new), (0, new), (300, new)]
+    block_len = 16 if layout == "paged" else 1024
+    b = cpu_attention.make_batch(rng, layout, DType.bfloat16, rows, n_q, n_kv, head_dim, block_len)
+    scale = 1 / math.sqrt(head_dim)
+    out = emulate_attention(
+        emulator, b, 0, scale, window, multiprocessors=multiprocessors, decode_kernel="warp_heads_8"
+    )
+    assert_attention_close(out, b, 0, scale, window)
+    assert emulator.launched[0] == "decode_mma_heads8"
+
+
 @pytest.mark.parametrize(
     ("decode_kernel", "n_q", "n_kv", "message"),
     [
-        ("heads", 32, 8, "MOKV_DECODE_KERNEL=heads: expected warp_heads, or unset"),
+        ("heads", 32, 8, "MOKV_DECODE_KERNEL=heads: expected warp_heads, warp_heads_8, or unset"),
         ("warp_heads", 9, 3, "MOKV_DECODE_KERNEL=warp_heads: the cache's 3 KV heads are not blocks of 4"),
+        ("warp_heads_8", 16, 4, "MOKV_DECODE_KERNEL=warp_heads_8: the cache's 4 KV heads are not blocks of 8"),
     ],
 )
 def test_decode_kernel_choice_is_checked(decode_kernel, n_q, n_kv, message, emulator):

@@ -280,26 +280,27 @@ def test_float16_products_hold_any_query_and_value_scale(case, multiprocessors, 
     attention.assert_close(tensor_cores=True)
 
 
+@pytest.mark.parametrize(("decode_kernel", "kv_heads"), [("warp_heads", 4), ("warp_heads_8", 8)])
 @pytest.mark.parametrize("splits", [None, "1"], ids=["split", "unsplit"])
 @pytest.mark.parametrize("case", TENSOR_CORE_CASES, ids=lambda c: "-".join(str(x) for x in c))
-def test_decode_with_one_kv_head_a_warp_reads_codes(case, splits, emulator):
-    """`MOKV_DECODE_KERNEL=warp_heads`: decode rows over four KV heads of
-    codes, each warp widening its own head's (in registers with one scale
-    per head row, the outputs' dims permuted as its lanes hold them; else in
-    shared memory times their scales), split as the planner cuts them or
-    whole."""
+def test_decode_with_one_kv_head_a_warp_reads_codes(case, splits, decode_kernel, kv_heads, emulator):
+    """`MOKV_DECODE_KERNEL=warp_heads` (`=warp_heads_8`): decode rows over
+    four (eight) KV heads of codes, each warp widening its own head's (in
+    registers with one scale per head row, the outputs' dims permuted as its
+    lanes hold them; else in shared memory times their scales), split as the
+    planner cuts them or whole."""
     attention = emulate_attention(
         emulator,
         case,
         H100_MULTIPROCESSORS,
         tensor_cores=True,
-        kv_heads=4,
-        decode_kernel="warp_heads",
+        kv_heads=kv_heads,
+        decode_kernel=decode_kernel,
         splits=splits,
     )
     attention.assert_close(tensor_cores=True)
     decode = "decode_mma_f16_heads" if case[5] == 1 else "decode_mma_heads"
-    assert emulator.launched[0] == decode
+    assert emulator.launched[0] == decode + ("8" if kv_heads == 8 else "")
 
 
 @pytest.mark.parametrize(

@@ -138,13 +138,15 @@ def test_long_contexts(rows, dtype, gpu_attention, gpu: Device):
     assert_attention_close(out, b, 0, scale)
 
 
+@pytest.mark.parametrize("decode_kernel", ["warp_heads", "warp_heads_8"])
 @pytest.mark.parametrize(
     "rows", [[(32000, 1), (16000, 1), (100, 1)], [(4000, 2), (0, 1), (37, 1)]], ids=["decode-32k", "two-tokens"]
 )
-def test_decode_with_one_kv_head_a_warp(rows, gpu_attention, gpu: Device, monkeypatch):
-    """`MOKV_DECODE_KERNEL=warp_heads`: decode blocks of four KV heads, one a
-    warp, Llama's heads in bfloat16, pages of 128, split over the GPU."""
-    monkeypatch.setenv("MOKV_DECODE_KERNEL", "warp_heads")
+def test_decode_with_one_kv_head_a_warp(rows, decode_kernel, gpu_attention, gpu: Device, monkeypatch):
+    """`MOKV_DECODE_KERNEL=warp_heads` (`=warp_heads_8`): decode blocks of
+    four (eight) KV heads, one a warp, Llama's heads in bfloat16, pages of
+    128, split over the GPU."""
+    monkeypatch.setenv("MOKV_DECODE_KERNEL", decode_kernel)
     rng = np.random.default_rng(len(rows) + 7)
     b = cpu_attention.make_batch(rng, "paged", DType.bfloat16, rows, 32, 8, 128, 128)
     scale = 1 / math.sqrt(128)

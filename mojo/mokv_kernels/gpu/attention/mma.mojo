@@ -17,7 +17,8 @@ split and how they multiply:
   the tile across warps), so K and V are still read once per group, with
   no tensor-core work on rows that do not exist;
 - decode with one KV head a warp (`warp_heads`, `MOKV_DECODE_KERNEL=warp_heads`,
-  not yet run on a GPU): a block takes four neighbouring KV heads, each
+  not yet run on a GPU): a block takes four neighbouring KV heads (eight
+  with `block_heads` 8, `=warp_heads_8`: Llama's tokens' whole rows), each
   warp one, over the same 16 positions a tile, so the block's copies of a
   tile read neighbouring rows of each of its tokens (1 KB of Llama's in
   bfloat16) where a block of one head reads a 256-byte row of each, and the
@@ -170,6 +171,7 @@ struct MmaThread[
     producer: Bool = False,
     boxes: Bool = False,
     warp_heads: Bool = False,
+    block_heads: Int = WARPS,
 ](ThreadProgram):
     """One thread of a block on a GPU (`lanes` 1), one warp under the
     emulator (`lanes` 32). Shared memory: `MmaTiles`; a decode block's
@@ -188,28 +190,35 @@ struct MmaThread[
     add each key's weight alone. On a float8 cache that widens a pair of
     codes in one instruction, where bfloat16 took five."""
 
-    comptime CONSUMER_THREADS = BLOCK_THREADS * (2 if Self.warpgroup else 1)
+    comptime CONSUMER_THREADS = WARP * Self.block_heads if Self.warp_heads else (
+        BLOCK_THREADS * (2 if Self.warpgroup else 1)
+    )
     """Threads of a block that multiply: four warps, or on warpgroup
     products two warpgroups, which share each K/V tile (half the tile reads
-    per row)."""
+    per row); with `warp_heads` a warp for each of its `block_heads` KV
+    heads."""
     comptime THREADS = Self.CONSUMER_THREADS + (PRODUCER_THREADS if Self.producer else 0)
     """Threads of a block: with `producer`, a warpgroup more, which copies
     (one warp more would cost as many registers: each of a multiprocessor's
     four schedulers holds a quarter of its registers, and one of them would
     take three warps)."""
-    comptime BN = 2 * TILE_KEYS if Self.boxes else TILE_KEYS
+    comptime BN = 2 * TILE_KEYS if Self.boxes else (
+        TILE_KEYS // WARPS * Self.block_heads if Self.warp_heads else TILE_KEYS
+    )
     """Keys of a tile: 128 with `boxes`, whose consumers hold one tile's
     scores at a time (`produced_tile`) and whose producer addresses no
     copies, so a tile's fixed costs (the barrier waits, the products'
     latencies, each row's max and factor) come once per 128 keys, and the
     keys' operand of Q Kᵀ is 128 wide where the queries' is 64; 64 for the
     rest (the pipelined kernel, which keeps two tiles' scores live, spilled
-    240 bytes within 240 registers on 128-key tiles)."""
-    comptime ROWS = DECODE_ROWS * WARPS if Self.warp_heads else (
+    240 bytes within 240 registers on 128-key tiles); with `warp_heads`
+    16 positions of each of its KV heads."""
+    comptime ROWS = DECODE_ROWS * Self.block_heads if Self.warp_heads else (
         MMA_ROWS if Self.decode else Self.CONSUMER_THREADS // WARP * MMA_ROWS
     )
     """Query rows of a block: the most query heads per KV head it takes
-    (`warp_heads`: each of its four KV heads' rows that can be real)."""
+    (`warp_heads`: each of its `block_heads` KV heads' rows that can be
+    real)."""
     comptime WARP_KEYS = Self.Tiles.WARP_KEYS if Self.decode else Self.BN
     """Keys of a tile one warp scores: in decode the ones it copies
     (`per_warp`), so it reads no other warp's."""
@@ -237,8 +246,11 @@ struct MmaThread[
     is not widened yet at that point: its one bfloat16 stage holds this
     tile."""
     comptime STAGES = (3 if Self.boxes and Self.D >= 128 else 4) if Self.PIPELINED else (
-        (4 if Self.scales_per_key and not (Self.warp_heads and Self.D >= 128) else 3) if Self.decode
-        and is_quantized[Self.cache_t.dtype]() else 2
+        (
+            4 if Self.scales_per_key
+            and not (Self.warp_heads and Self.D >= 128 and Self.block_heads == WARPS) else 3
+        ) if Self.decode
+        and is_quantized[Self.cache_t.dtype]() else (3 if Self.block_heads > WARPS else 2)
     )
     """Shared-memory stages (`mma_tiles`): four when `PIPELINED` (one block
     per multiprocessor): the tile whose values are multiplied, the next
@@ -255,7 +267,11 @@ struct MmaThread[
     (L1TEX) for 56% of their cycles; four stages still fit three float8
     blocks per multiprocessor at head_dim 128 (74 KB each) and two int8
     blocks (`mma_kernel.MmaKernel.MIN_BLOCKS`); with `warp_heads`, whose
-    query tile is larger, three at head_dim 128 (61 KB; four took 78)."""
+    query tile is larger, three at head_dim 128 (61 KB; four took 78). A
+    block of eight KV heads (`block_heads` 8) is alone on its multiprocessor
+    (`mma_kernel.MmaKernel.MIN_BLOCKS`), so it takes the stages three blocks
+    would: three over bfloat16 (two tiles in flight, 211 KB at head_dim
+    128), four over 8-bit codes widened in registers."""
     comptime Softmax = RowSoftmax[
         Self.lanes, Self.NTILES, Self.DTILES, Self.ROW_HALVES, Self.scales_per_key, Self.PRODUCTS
     ]
@@ -348,6 +364,9 @@ struct MmaThread[
         ), "a producer warpgroup feeds the pipelined warpgroup prefill over bfloat16"
         comptime assert Self.producer or not Self.boxes, "boxes are a producer's copies"
         comptime assert Self.decode or not Self.warp_heads, "a warp's own head is decode's"
+        comptime assert Self.block_heads == WARPS or (
+            Self.warp_heads and Self.block_heads == 2 * WARPS
+        ), "a block of one KV head a warp takes four or eight"
         self.args = args
         self.work = work
         self.tid = tid

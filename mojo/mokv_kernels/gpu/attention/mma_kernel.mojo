@@ -48,13 +48,15 @@ struct MmaKernel[
     producer: Bool = False,
     boxes: Bool = False,
     warp_heads: Bool = False,
+    block_heads: Int = WARPS,
 ](KernelT):
     """Grid (query tiles * splits, KV heads, batch rows) of tensor-core
     prefill or decode blocks (a prefill's products per warp, or per
     warpgroup where `warpgroup`; float16 products over an 8-bit cache with
     one scale per head row where `scales_per_key`, `MmaThread`). With
-    `warp_heads` (decode), a block takes `WARPS` neighbouring KV heads, one
-    a warp: a grid x of KV heads over `WARPS`."""
+    `warp_heads` (decode), a block takes `block_heads` (four or eight)
+    neighbouring KV heads, one a warp: a grid x of KV heads over
+    `block_heads`."""
 
     comptime Program = MmaThread[
         Self.cache_t,
@@ -66,13 +68,14 @@ struct MmaKernel[
         Self.producer,
         Self.boxes,
         Self.warp_heads,
+        Self.block_heads,
     ]
     comptime THREADS = Self.Program.THREADS
     comptime DECODE_BLOCKS = 2 if Self.D >= 128 and (
         Self.Program.Tiles.WIDENED or Self.cache_t.dtype == DType.int8
     ) else (4 if Self.D < 128 and not Self.Program.Tiles.QUANTIZED else 3)
     comptime PREFILL_BLOCKS = 3 if Self.D < 128 and not Self.scales_per_key else 2
-    comptime MIN_BLOCKS = 1 if Self.warpgroup else (
+    comptime MIN_BLOCKS = 1 if Self.warpgroup or Self.block_heads > WARPS else (
         Self.DECODE_BLOCKS if Self.decode else Self.PREFILL_BLOCKS
     )
     """Blocks per multiprocessor the registers are sized for. A prefill at
@@ -88,12 +91,16 @@ struct MmaKernel[
     float8 codes in registers fits three (at head_dim 64 it spilled within
     four), int8 codes, whose widening takes a bias, a byte interleave and a
     subtraction, spilled within three at head_dim 128. A block of two
-    warpgroups holds as many warps as two blocks of one. Raise them only
+    warpgroups holds as many warps as two blocks of one, as does a decode
+    block of eight KV heads, whose stages take most of a multiprocessor's
+    shared memory (`MmaThread.STAGES`). Raise them only
     where `tools/check_gpu_build.sh --registers` shows no spills."""
     comptime LANES = Self.lanes
     comptime NAME = (
         (
-            "decode_mma_f16_heads" if Self.scales_per_key else "decode_mma_heads"
+            ("decode_mma_f16_heads8" if Self.scales_per_key else "decode_mma_heads8") if (
+                Self.block_heads > WARPS
+            ) else ("decode_mma_f16_heads" if Self.scales_per_key else "decode_mma_heads")
         ) if Self.warp_heads else ("decode_mma_f16" if Self.scales_per_key else "decode_mma")
     ) if Self.decode else (
         (
@@ -112,7 +119,7 @@ struct MmaKernel[
     def grid(self) -> BlockId:
         var grid = attention_grid(self.args)
         comptime if Self.warp_heads:
-            grid.x //= WARPS
+            grid.x //= Self.block_heads
         return grid
 
     @always_inline
@@ -121,7 +128,7 @@ struct MmaKernel[
         warp's KV head's)."""
         var work = block_work(self.args, block, Self.Program.STEP)
         comptime if Self.warp_heads:
-            work.kv_head = block.x * WARPS + tid // WARP
+            work.kv_head = block.x * Self.block_heads + tid // WARP
         return Self.Program(self.args, work, tid, shared)
 
     @always_inline

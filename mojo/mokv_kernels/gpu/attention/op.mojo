@@ -12,7 +12,9 @@ warpgroup makes (`MmaThread.producer`), and `=wgmma_tma` the one whose
 producer warp copies tensor-map boxes (`MmaThread.boxes`), neither the
 default: no GPU has timed them. `MOKV_DECODE_KERNEL=warp_heads` takes the
 tensor-core decode whose blocks take four KV heads, one a warp
-(`MmaThread.warp_heads`), not the default either, for the same reason.
+(`MmaThread.warp_heads`), and `=warp_heads_8` the one whose blocks take
+eight (Llama's eight KV heads: a block reads its tokens' whole rows), not
+the default either, for the same reason.
 `MOKV_ATTENTION_SPLITS=N` fixes how many splits a context is cut into
 (within the planner's bounds) instead of the planner's choice, for tuning:
 `mokv bench attention --device gpu` times decode at several."""
@@ -103,21 +105,29 @@ def _prefill_products[L: Launcher](launcher: L, codes: Bool) raises -> Int:
 comptime DECODE_KERNEL_VARIABLE = "MOKV_DECODE_KERNEL"
 
 
-def _decode_warp_heads(n_kv_heads: Int) raises -> Bool:
-    """Whether the tensor-core decode takes one KV head a warp
-    (`MOKV_DECODE_KERNEL=warp_heads`; unset, one head a block, its warps
-    splitting the keys), which needs whole blocks of `WARPS` KV heads."""
+def _decode_block_heads(n_kv_heads: Int) raises -> Int:
+    """KV heads a tensor-core decode block takes: 1 (unset: one head a block,
+    its warps splitting the keys), or one head a warp, `WARPS` of them
+    (`MOKV_DECODE_KERNEL=warp_heads`) or twice that (`=warp_heads_8`), which
+    needs the cache's KV heads in whole blocks of them."""
     var kernel = getenv(DECODE_KERNEL_VARIABLE, "")
     if kernel == "":
-        return False
-    if kernel != "warp_heads":
-        raise Error(t"{DECODE_KERNEL_VARIABLE}={kernel}: expected warp_heads, or unset")
-    if n_kv_heads % WARPS != 0:
+        return 1
+    var heads: Int
+    if kernel == "warp_heads":
+        heads = WARPS
+    elif kernel == "warp_heads_8":
+        heads = 2 * WARPS
+    else:
+        raise Error(
+            t"{DECODE_KERNEL_VARIABLE}={kernel}: expected warp_heads, warp_heads_8, or unset"
+        )
+    if n_kv_heads % heads != 0:
         raise Error(
             t"{DECODE_KERNEL_VARIABLE}={kernel}: the cache's {n_kv_heads} KV heads are not"
-            t" blocks of {WARPS}"
+            t" blocks of {heads}"
         )
-    return True
+    return heads
 
 
 comptime SPLITS_VARIABLE = "MOKV_ATTENTION_SPLITS"
@@ -147,6 +157,9 @@ def _run[
     comptime MmaPrefill = MmaKernel[cache_t, D, L.LANES, False]
     comptime MmaDecode = MmaKernel[cache_t, D, L.LANES, True]
     comptime HeadsDecode = MmaKernel[cache_t, D, L.LANES, True, warp_heads=True]
+    comptime EightHeadsDecode = MmaKernel[
+        cache_t, D, L.LANES, True, warp_heads=True, block_heads=2 * WARPS
+    ]
     comptime WgmmaPrefill = MmaKernel[cache_t, D, L.LANES, False, True]
     comptime BoxedPrefill = MmaKernel[cache_t, D, L.LANES, False, True, producer=True, boxes=True]
     comptime Decode = DecodeKernel[cache_t, q_dtype, D]
@@ -155,16 +168,19 @@ def _run[
     ]
     var mma = False
     var products = WARP_PRODUCTS
-    var warp_heads = False
+    var block_heads = 1
     comptime if _on_tensor_cores[cache_t, q_dtype, D]():
         products = _prefill_products(launcher, is_quantized[cache_t.dtype]())
         mma = launcher.tensor_cores()
-        warp_heads = mma and _decode_warp_heads(args.k_cache.num_heads())
+        if mma:
+            block_heads = _decode_block_heads(args.k_cache.num_heads())
     var prefill_rows = _prefill_rows(D)
     var prefill = KernelFit(Prefill.MIN_BLOCKS, Prefill.BN)
     var decode = KernelFit(Decode.MIN_BLOCKS, Decode.Program.BN)
-    if warp_heads:
-        decode = KernelFit(HeadsDecode.MIN_BLOCKS, HeadsDecode.Program.STEP, WARPS)
+    if block_heads == WARPS:
+        decode = KernelFit(HeadsDecode.MIN_BLOCKS, HeadsDecode.Program.STEP, block_heads)
+    elif block_heads > WARPS:
+        decode = KernelFit(EightHeadsDecode.MIN_BLOCKS, EightHeadsDecode.Program.STEP, block_heads)
     elif mma:
         decode = KernelFit(MmaDecode.MIN_BLOCKS, MmaDecode.Program.BN)
     if products != WARP_PRODUCTS:
@@ -200,7 +216,7 @@ def _run[
                 rebind[AttentionArgs[cache_t, DType.bfloat16]](args),
                 plan.decode,
                 products,
-                warp_heads,
+                block_heads,
             )
     if not mma and plan.decode:
         launcher.launch(Decode(args))
@@ -227,26 +243,42 @@ def _launch_mma[
     args: AttentionArgs[cache_t, DType.bfloat16],
     decode: Bool,
     products: Int,
-    warp_heads: Bool,
+    block_heads: Int,
 ) raises:
     """The tensor-core kernel of the plan (`mma`): decode (one KV head a warp
-    where `warp_heads`), or prefill on the `products` `_prefill_products`
+    where a block takes `block_heads` above 1), or prefill on the `products` `_prefill_products`
     chose. An 8-bit cache with one scale per head row takes float16
     products of its codes as they are, except on warpgroup products, which
     widen them to bfloat16."""
     comptime if is_quantized[cache_t.dtype]():
         if args.granularity == D and (decode or products == WARP_PRODUCTS):
-            if decode and warp_heads:
+            if decode and block_heads == WARPS:
                 launcher.launch(
                     MmaKernel[cache_t, D, L.LANES, True, scales_per_key=True, warp_heads=True](args)
+                )
+            elif decode and block_heads > WARPS:
+                launcher.launch(
+                    MmaKernel[
+                        cache_t,
+                        D,
+                        L.LANES,
+                        True,
+                        scales_per_key=True,
+                        warp_heads=True,
+                        block_heads=2 * WARPS,
+                    ](args)
                 )
             elif decode:
                 launcher.launch(MmaKernel[cache_t, D, L.LANES, True, scales_per_key=True](args))
             else:
                 launcher.launch(MmaKernel[cache_t, D, L.LANES, False, scales_per_key=True](args))
             return
-    if decode and warp_heads:
+    if decode and block_heads == WARPS:
         launcher.launch(MmaKernel[cache_t, D, L.LANES, True, warp_heads=True](args))
+    elif decode and block_heads > WARPS:
+        launcher.launch(
+            MmaKernel[cache_t, D, L.LANES, True, warp_heads=True, block_heads=2 * WARPS](args)
+        )
     elif decode:
         launcher.launch(MmaKernel[cache_t, D, L.LANES, True](args))
     elif products == WARPGROUP_PRODUCTS:
