@@ -313,54 +313,37 @@ def test_bfloat16_decode_in_one_block_per_row(n_q, n_kv, head_dim, new, tensor_c
 
 @pytest.mark.parametrize("multiprocessors", [1, H100_MULTIPROCESSORS], ids=["unsplit", "split"])
 @pytest.mark.parametrize(
-    ("layout", "n_q", "n_kv", "head_dim", "new", "window"),
+    ("decode_kernel", "layout", "n_q", "n_kv", "head_dim", "new", "window"),
     [
-        ("paged", 32, 8, 128, 1, 0),
-        ("paged", 32, 4, 64, 1, 300),
-        ("continuous", 16, 4, 128, 2, 0),
+        ("warp_heads", "paged", 32, 8, 128, 1, 0),
+        ("warp_heads", "paged", 32, 4, 64, 1, 300),
+        ("warp_heads", "continuous", 16, 4, 128, 2, 0),
+        ("warp_heads_8", "paged", 32, 8, 128, 1, 0),
+        ("warp_heads_8", "paged", 64, 8, 64, 1, 300),
+        ("warp_heads_8", "continuous", 32, 16, 128, 2, 0),
     ],
-    ids=["llama", "group8-window", "continuous-two-tokens"],
+    ids=[
+        f"{heads}-{case}" for heads in ("four", "eight") for case in ("llama", "group8-window", "continuous-two-tokens")
+    ],
 )
-def test_decode_with_one_kv_head_a_warp(layout, n_q, n_kv, head_dim, new, window, multiprocessors, emulator):
-    """`MOKV_DECODE_KERNEL=warp_heads`: a block of four KV heads, each warp
-    one over the same positions of every tile (`mma.MmaThread.warp_heads`),
-    its query rows beside the other heads' and its padding rows read from
-    the rows of zeros; rows with no cached token, with a context shorter
-    than a tile, and split over a large device's blocks."""
+def test_decode_with_one_kv_head_a_warp(
+    decode_kernel, layout, n_q, n_kv, head_dim, new, window, multiprocessors, emulator
+):
+    """`MOKV_DECODE_KERNEL=warp_heads` (`=warp_heads_8`): a block of four
+    (eight) KV heads, each warp one over the same positions of every tile
+    (`mma.MmaThread.warp_heads`, `block_heads`), its query rows beside the
+    other heads' and its padding rows read from the rows of zeros; rows with
+    no cached token, with a context shorter than a tile, and split over a
+    large device's blocks; eight's continuous cache holds two blocks of KV
+    heads."""
     rng = np.random.default_rng(n_q + n_kv + head_dim + new)
     rows = [(1000, new), (37, new), (0, new), (300, new)]
     block_len = 16 if layout == "paged" else 1024  # a page, or a sequence's slot
     b = cpu_attention.make_batch(rng, layout, DType.bfloat16, rows, n_q, n_kv, head_dim, block_len)
     scale = 1 / math.sqrt(head_dim)
-    out = emulate_attention(emulator, b, 0, scale, window, multiprocessors=multiprocessors, decode_kernel="warp_heads")
+    out = emulate_attention(emulator, b, 0, scale, window, multiprocessors=multiprocessors, decode_kernel=decode_kernel)
     assert_attention_close(out, b, 0, scale, window)
-    assert emulator.launched[0] == "decode_mma_heads"
-
-
-@pytest.mark.parametrize("multiprocessors", [1, H100_MULTIPROCESSORS], ids=["unsplit", "split"])
-@pytest.mark.parametrize(
-    ("layout", "n_q", "n_kv", "head_dim", "new", "window"),
-    [
-        ("paged", 32, 8, 128, 1, 0),
-        ("paged", 64, 8, 64, 1, 300),
-        ("continuous", 16, 8, 128, 2, 0),
-    ],
-    ids=["llama", "group8-window", "continuous-two-tokens"],
-)
-def test_decode_with_eight_kv_heads_a_block(layout, n_q, n_kv, head_dim, new, window, multiprocessors, emulator):
-    """`MOKV_DECODE_KERNEL=warp_heads_8`: a block of eight warps, one KV head
-    each (Llama's eight: its tokens' whole rows), 128 rows a tile, three
-    stages; the same rows as `test_decode_with_one_kv_head_a_warp`."""
-    rng = np.random.default_rng(n_q + n_kv + head_dim + new)
-    rows = [(1000, new), (37, new), (0, new), (300, new)]
-    block_len = 16 if layout == "paged" else 1024
-    b = cpu_attention.make_batch(rng, layout, DType.bfloat16, rows, n_q, n_kv, head_dim, block_len)
-    scale = 1 / math.sqrt(head_dim)
-    out = emulate_attention(
-        emulator, b, 0, scale, window, multiprocessors=multiprocessors, decode_kernel="warp_heads_8"
-    )
-    assert_attention_close(out, b, 0, scale, window)
-    assert emulator.launched[0] == "decode_mma_heads8"
+    assert emulator.launched[0] == "decode_mma_heads" + ("8" if decode_kernel == "warp_heads_8" else "")
 
 
 @pytest.mark.parametrize(
