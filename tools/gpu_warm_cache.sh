@@ -18,7 +18,7 @@
 # float8 decode; and where .gpu-previous/ holds the previous kernels
 # (tools/gpu_previous.sh), the KV formats over them (the proof's
 # COMPARE_STEP=formats), from a copy of this checkout with them in place. 13 to 17
-# minutes on a 2-core machine (42 MB since the decode of one KV head a warp).
+# minutes on a 2-core machine (43 MB since the decodes of one KV head a warp).
 #
 # The ops' host side is compiled for HOST_CPU (an LLVM CPU, default x86-64-v3), not
 # for this machine's processor, which would enter its key; the archive names it in
