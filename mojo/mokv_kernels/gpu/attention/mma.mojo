@@ -188,7 +188,12 @@ struct MmaThread[
     weight times its value scale, relative to the largest such product, so
     float16's range holds them whatever the scales are, while the row sums
     add each key's weight alone. On a float8 cache that widens a pair of
-    codes in one instruction, where bfloat16 took five."""
+    codes in one instruction, where bfloat16 took five.
+
+    `block_heads` (with `warp_heads`): the neighbouring KV heads a decode
+    block takes, one a warp, four or eight (`op`'s `MOKV_DECODE_KERNEL`
+    values `warp_heads` and `warp_heads_8`); without `warp_heads` a block
+    takes one KV head and this stays at its default."""
 
     comptime CONSUMER_THREADS = WARP * Self.block_heads if Self.warp_heads else (
         BLOCK_THREADS * (2 if Self.warpgroup else 1)
