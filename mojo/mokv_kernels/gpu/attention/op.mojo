@@ -130,6 +130,34 @@ def _decode_block_heads(n_kv_heads: Int) raises -> Int:
     return heads
 
 
+def _decode_fit[
+    cache_t: KVCacheT, D: Int, lanes: Int, scales_per_key: Bool
+](block_heads: Int) -> KernelFit:
+    """The planner's fit of the tensor-core decode `_launch_mma` launches for
+    a block of `block_heads` KV heads, with float16 products of an 8-bit
+    cache's codes where `scales_per_key`: its own blocks per multiprocessor,
+    which differ between the two (float8 at head_dim 128: three blocks with
+    float16 products, two widening in shared memory)."""
+    comptime One = MmaKernel[cache_t, D, lanes, True, scales_per_key=scales_per_key]
+    comptime Four = MmaKernel[
+        cache_t, D, lanes, True, scales_per_key=scales_per_key, warp_heads=True
+    ]
+    comptime Eight = MmaKernel[
+        cache_t,
+        D,
+        lanes,
+        True,
+        scales_per_key=scales_per_key,
+        warp_heads=True,
+        block_heads=2 * WARPS,
+    ]
+    if block_heads == WARPS:
+        return KernelFit(Four.MIN_BLOCKS, Four.Program.STEP, block_heads)
+    if block_heads > WARPS:
+        return KernelFit(Eight.MIN_BLOCKS, Eight.Program.STEP, block_heads)
+    return KernelFit(One.MIN_BLOCKS, One.Program.BN)
+
+
 comptime SPLITS_VARIABLE = "MOKV_ATTENTION_SPLITS"
 
 
@@ -155,11 +183,6 @@ def _run[
     """Plans the batch for the kernels this launcher runs, then launches
     them: decode or prefill, then the merge when the context is split."""
     comptime MmaPrefill = MmaKernel[cache_t, D, L.LANES, False]
-    comptime MmaDecode = MmaKernel[cache_t, D, L.LANES, True]
-    comptime HeadsDecode = MmaKernel[cache_t, D, L.LANES, True, warp_heads=True]
-    comptime EightHeadsDecode = MmaKernel[
-        cache_t, D, L.LANES, True, warp_heads=True, block_heads=2 * WARPS
-    ]
     comptime WgmmaPrefill = MmaKernel[cache_t, D, L.LANES, False, True]
     comptime BoxedPrefill = MmaKernel[cache_t, D, L.LANES, False, True, producer=True, boxes=True]
     comptime Decode = DecodeKernel[cache_t, q_dtype, D]
@@ -177,12 +200,11 @@ def _run[
     var prefill_rows = _prefill_rows(D)
     var prefill = KernelFit(Prefill.MIN_BLOCKS, Prefill.BN)
     var decode = KernelFit(Decode.MIN_BLOCKS, Decode.Program.BN)
-    if block_heads == WARPS:
-        decode = KernelFit(HeadsDecode.MIN_BLOCKS, HeadsDecode.Program.STEP, block_heads)
-    elif block_heads > WARPS:
-        decode = KernelFit(EightHeadsDecode.MIN_BLOCKS, EightHeadsDecode.Program.STEP, block_heads)
-    elif mma:
-        decode = KernelFit(MmaDecode.MIN_BLOCKS, MmaDecode.Program.BN)
+    if mma:
+        decode = _decode_fit[cache_t, D, L.LANES, False](block_heads)
+        comptime if is_quantized[cache_t.dtype]():
+            if args.granularity == D:
+                decode = _decode_fit[cache_t, D, L.LANES, True](block_heads)
     if products != WARP_PRODUCTS:
         # The producer-fed kernels have the same rows and blocks; the
         # box-fed one's tiles are longer.
