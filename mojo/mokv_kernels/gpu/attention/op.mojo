@@ -215,6 +215,11 @@ def _run[
     elif mma:
         prefill_rows = MmaPrefill.Program.ROWS
         prefill = KernelFit(MmaPrefill.MIN_BLOCKS, MmaPrefill.Program.BN)
+        comptime if is_quantized[cache_t.dtype]():
+            if args.granularity == D:
+                # Float16 products of the codes (`_launch_mma`): their own blocks.
+                comptime F16Prefill = MmaKernel[cache_t, D, L.LANES, False, scales_per_key=True]
+                prefill = KernelFit(F16Prefill.MIN_BLOCKS, F16Prefill.Program.BN)
     var plan = plan_attention(
         args.k_cache.batch_size(),
         args.k_cache.num_heads(),
