@@ -106,9 +106,14 @@ def layout_probe(llama: Sequence[FormatCase]) -> FormatCase:
     return FormatCase(ONE_KV_HEAD, case.page_size, case.batch * LLAMA[1], case.context)
 
 
+def row_heads(row: dict[str, Any]) -> tuple[int, int, int]:
+    """A formats row's (query, KV, dim) heads, as `FormatCase.heads` holds them."""
+    return row["n_q_heads"], row["n_kv_heads"], row["head_dim"]
+
+
 def is_layout_probe(row: dict[str, Any]) -> bool:
     """Whether a formats row is `layout_probe`'s, which no model runs: kept out of the targets."""
-    return (row["n_q_heads"], row["n_kv_heads"], row["head_dim"]) == ONE_KV_HEAD
+    return row_heads(row) == ONE_KV_HEAD
 
 
 @dataclass
@@ -269,14 +274,14 @@ def format_calls(case: FormatCase, kernels: FormatKernels) -> dict[str, FormatCa
     return calls
 
 
-def timed_variants(case: FormatCase, kernels: FormatKernels) -> dict[DecodeVariant, list[str]]:
-    """Each decode variant the case's heads take (`decode_variants`) and the formats whose
-    decode it also times: those with bfloat16 queries, where bfloat16's is among them (the
-    float8 goal's yardstick)."""
+def timed_variants(case: FormatCase, kernels: FormatKernels) -> tuple[tuple[DecodeVariant, ...], list[str]]:
+    """The decode variants the case's heads take (`decode_variants`) and the formats whose
+    decode each also times: those with bfloat16 queries, where bfloat16's is among them (the
+    float8 goal's yardstick); none where it is not."""
     formats = [f for f in kernels.formats if kernels.shape(f).rows == DType.bfloat16]
     if "bfloat16" not in formats:
-        return {}
-    return dict.fromkeys(decode_variants(kernels.attention, case.heads, DType.bfloat16), formats)
+        return (), []
+    return decode_variants(kernels.attention, case.heads, DType.bfloat16), formats
 
 
 def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -> list[dict[str, Any]]:
@@ -288,9 +293,9 @@ def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -
     for kv_format, format_call in prepared.items():
         calls[f"store-{kv_format}"] = format_call.store
         calls[kv_format] = format_call.decode
-    variants = timed_variants(case, kernels)
-    for v, formats in variants.items():
-        for kv_format in formats:
+    variants, variant_formats = timed_variants(case, kernels)
+    for v in variants:
+        for kv_format in variant_formats:
             calls[f"{v.key}-{kv_format}"] = with_variable(DECODE_KERNEL, v.kernel, prepared[kv_format].decode)
     outputs = {kv_format: format_call.output for kv_format, format_call in prepared.items()}
     times = time_alternately(calls, min_runs=5, budget_s=budget_s)
@@ -316,9 +321,7 @@ def run_format_case(case: FormatCase, kernels: FormatKernels, budget_s: float) -
                 "store_over_float32": times[f"store-{kv_format}"] / times["store-float32"],
             }
         )
-        for v, formats in variants.items():
-            if kv_format not in formats:
-                continue
+        for v in variants if kv_format in variant_formats else ():
             variant = times[f"{v.key}-{kv_format}"]
             decoded = with_variable(DECODE_KERNEL, v.kernel, prepared[kv_format].decode)()
             diff = to_float(decoded[0], shape.rows) - outputs["float32"]
@@ -395,8 +398,7 @@ def layout_probe_summary(rows: list[dict[str, Any]]) -> list[str]:
     llama = {
         r["kv_format"]: r
         for r in rows
-        if (r["n_q_heads"], r["n_kv_heads"], r["head_dim"]) == LLAMA
-        and (r["batch"] * LLAMA[1], r["context"]) == (first["batch"], first["context"])
+        if row_heads(r) == LLAMA and (r["batch"] * LLAMA[1], r["context"]) == (first["batch"], first["context"])
     }
     over_llama = ", ".join(
         f"{f} {probe[f]['kv_gbps'] / llama[f]['kv_gbps']:.2f}x" for f in FORMATS if f in probe and f in llama
