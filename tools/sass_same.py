@@ -5,11 +5,12 @@ it, a comment) is shown not to, without a GPU.
 Each build is a `mojo build --target-accelerator sm_*` binary of
 `tools/gpu_build_check.mojo` (`tools/check_gpu_build.sh` builds one). Its kernels are
 matched by their `// mokv-kernel` marker (name, head_dim, bits, threads, shared
-memory, ...), the n-th kernel with a marker in one build against the n-th with the
-same marker in the other; each is compiled by ptxas and listed by nvdisasm, and two
-listings are the same when their instructions are, addresses and the symbol names
-Mojo mangles from a package's path aside. Prints the kernels that differ, those only
-in one build, and a count; exits 1 where a kernel of both builds differs.
+memory, ...): kernels with one marker are paired by their code where they can be (the
+order an op instantiates them in may change), the rest in order. Each is compiled by
+ptxas and listed by nvdisasm, and two listings are the same when their instructions
+are, addresses and the symbol names Mojo mangles from a package's path aside. Prints
+the kernels that differ, those only in one build, and a count; exits 1 where a kernel
+of both builds differs.
 
 Needs ptxas and nvdisasm (`NVDISASM=path`, as `tools/sass_loops.py`).
 
@@ -59,15 +60,26 @@ class Comparison:
 def compare(
     before: dict[tuple[str, int], str], after: dict[tuple[str, int], str], listing: Callable[[str], str]
 ) -> Comparison:
-    """The kernels of both builds whose `listing`s' instructions differ, and those of one."""
-    both = [key for key in before if key in after]
-    differ = [key for key in both if instructions(listing(before[key])) != instructions(listing(after[key]))]
-    return Comparison(
-        differ,
-        [key for key in before if key not in after],
-        [key for key in after if key not in before],
-        len(both) - len(differ),
-    )
+    """The kernels of both builds whose `listing`s' instructions differ, and those of one. Kernels
+    with one marker are paired by their code first (an op may instantiate the same kernels in
+    another order: float8's and int8's, say, share a marker), then the rest in order."""
+    code_before = {key: instructions(listing(ptx)) for key, ptx in before.items()}
+    code_after = {key: instructions(listing(ptx)) for key, ptx in after.items()}
+    result = Comparison([], [], [], 0)
+    for marker in dict.fromkeys(key[0] for key in [*before, *after]):
+        unpaired_before = [key for key in before if key[0] == marker]
+        unpaired_after = [key for key in after if key[0] == marker]
+        for key in list(unpaired_before):
+            twin = next((other for other in unpaired_after if code_after[other] == code_before[key]), None)
+            if twin is not None:
+                unpaired_before.remove(key)
+                unpaired_after.remove(twin)
+                result.same += 1
+        paired = min(len(unpaired_before), len(unpaired_after))
+        result.differ += unpaired_before[:paired]
+        result.only_before += unpaired_before[paired:]
+        result.only_after += unpaired_after[paired:]
+    return result
 
 
 def label(key: tuple[str, int]) -> str:

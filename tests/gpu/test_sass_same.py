@@ -53,3 +53,13 @@ def test_same_code_at_other_addresses_and_package_paths_is_the_same():
     listings["new-merge"] = listings["old-merge"]
     result = sass_same.compare(before, after, lambda code: listings[code.splitlines()[-1]])
     assert (result.differ, result.only_before, result.same) == ([], [], 2)
+
+
+def test_kernels_of_one_marker_built_in_another_order_are_the_same():
+    """An op that instantiates two kernels of one marker (float8's and int8's) the other way round."""
+    before = sass_same.kernels([ptx("decode", "a"), ptx("decode", "b"), ptx("decode", "c")])
+    after = sass_same.kernels([ptx("decode", "b"), ptx("decode", "a"), ptx("decode", "d")])
+    listings = {name: listing(f"FADD R1, R2, R{i}") for i, name in enumerate("abcd")}
+    result = sass_same.compare(before, after, lambda code: listings[code.splitlines()[-1]])
+    assert result.same == 2
+    assert [key[1] for key in result.differ] == [2]
