@@ -25,11 +25,10 @@ def main() raises:
             n[0],
             n[1],
             n[2],
-            n[3],
             BatchBounds(n[4], n[5]),
             n[6],
             KernelFit(n[7], n[8], n[12]),
-            KernelFit(n[9], n[10]),
+            KernelFit(n[9], n[10], query_rows=n[3]),
             n[11],
         )
         print(Int(plan.decode), plan.tokens_per_tile, plan.query_tiles, plan.splits)

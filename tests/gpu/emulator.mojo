@@ -5,7 +5,8 @@ sizes, scalars) and the raw little-endian arrays `DIR/<name>.bin` written by
 `tests/gpu/emulation.py`, calls the op's GPU entry point (the very function
 the op calls on a GPU) with the emulator as launcher, and writes what the op
 wrote: `blocks_out.bin` for a store, `out.bin` for a gather or attention
-(and `launched.bin`, the names of the kernels it launched, a line each).
+(and `launched.bin`, a line per kernel it launched: its name, the blocks per
+multiprocessor its registers are sized for, and its grid's x, y and z).
 A call naming a `format` (`float8_e4m3fn`, `int8`) runs on a paged quantized
 cache: its codes in `blocks.bin` (float8 as uint8 bits), its scales in
 `scales.bin`, queries and new rows in `dtype`; a store also writes

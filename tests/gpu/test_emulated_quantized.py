@@ -18,10 +18,15 @@ from max.dtype import DType
 from mokv_reference import bfloat16
 from mokv_reference import quant as ref
 from tests.support import kv_quantization_cases as cpu
+from tests.support.attention_plan import DECODE_ROWS, Case, best_splits
 from tests.support.emulation import Emulator, cache_meta, float32_bits
 from tests.support.gpu_cases import QuantizedAttention
 
 H100_MULTIPROCESSORS = 132
+KV_HEADS = 2
+"""`emulate_attention`'s default."""
+PREFILL_ROWS = 64
+"""Query rows of an `mma.sync` prefill block (four warps of 16)."""
 
 
 def _rows(values: np.ndarray, dtype: DType) -> np.ndarray:
@@ -199,19 +204,22 @@ def emulate_attention(
     tensor_cores: bool,
     prefill_kernel: str | None = "mma",
     extremes: bool = False,
-    kv_heads: int = 2,
+    kv_heads: int = KV_HEADS,
     decode_kernel: str | None = None,
     splits: str | None = None,
+    rows: list[tuple[int, int]] | None = None,
 ) -> QuantizedAttention:
-    """Decode and prefill rows (`cpu.ROWS`, or their decode steps alone on a
-    large device, so that the decode kernels and their splits run) over a
+    """Decode and prefill rows (`rows` of (cached, new) tokens; by default
+    `cpu.ROWS`, or their decode steps alone on a large device, so that the
+    decode kernels and their splits run) over a
     quantized cache of `kv_heads` heads made for `case`; `prefill_kernel` is
     `MOKV_PREFILL_KERNEL`, `decode_kernel` `MOKV_DECODE_KERNEL`, `splits`
     `MOKV_ATTENTION_SPLITS` (None: unset).
     `extremes`: queries and value scales as `cpu.make_extreme` makes them."""
     fmt, q_dtype, group, d, page, granules, per_block = case
     rng = np.random.default_rng(d + page + granules)
-    rows = cpu.ROWS if multiprocessors == 1 else [(c, 1) for c, _ in cpu.ROWS]
+    if rows is None:
+        rows = cpu.ROWS if multiprocessors == 1 else [(c, 1) for c, _ in cpu.ROWS]
     cache, cached, offsets, q, summary = cpu.quantized_batch(
         rng, fmt, rows, kv_heads, group, d, page, granules, per_block, q_dtype
     )
@@ -301,6 +309,51 @@ def test_decode_with_one_kv_head_a_warp_reads_codes(case, splits, decode_kernel,
     attention.assert_close(tensor_cores=True)
     decode = "decode_mma_f16_heads" if case[5] == 1 else "decode_mma_heads"
     assert emulator.launched[0] == decode + ("8" if kv_heads == 8 else "")
+
+
+@pytest.mark.parametrize(
+    ("case", "rows", "kernel", "widening_blocks"),
+    [
+        (cpu.PER_KEY_TENSOR_CORE_CASES[2], [(512, 1), (300, 1)], "decode_mma_f16", 2),
+        (cpu.PER_KEY_TENSOR_CORE_CASES[1], [(385, 128)], "prefill_mma_f16", 3),
+    ],
+    ids=["decode", "prefill"],
+)
+def test_splits_are_planned_for_the_kernel_that_runs(case, rows, kernel, widening_blocks, emulator):
+    """A context is cut into the splits the planner's grid model finds
+    soonest for the blocks per multiprocessor of the kernel that ran (its
+    `MIN_BLOCKS`, 64-key tiles), on one multiprocessor. Over 8-bit codes
+    with one scale per head row the kernels multiply float16 codes and hold
+    their own count of blocks, not the `widening_blocks` of the kernels
+    that widen codes in shared memory (float8's decode at head_dim 128:
+    three, not two; its prefill at head_dim 64: two, not three), and each
+    case is one those would cut otherwise: the tenth GPU run's float8
+    decode was planned for the widening decode's two."""
+    emulate_attention(emulator, case, 1, tensor_cores=True, rows=rows).assert_close(tensor_cores=True)
+    launch = emulator.launches[0]
+    assert launch.name == kernel
+    group = case[2]
+    new = max(n for _, n in rows)
+    decode = new * group <= DECODE_ROWS
+    query_tiles = math.ceil(new / ((DECODE_ROWS if decode else PREFILL_ROWS) // group))
+    blocks = query_tiles * KV_HEADS * len(rows)
+
+    def splits_for(blocks_per_multiprocessor: int) -> int:
+        plan = Case(
+            len(rows),
+            KV_HEADS,
+            group,
+            new,
+            max(c + n for c, n in rows),
+            multiprocessors=1,
+            decode_blocks=blocks_per_multiprocessor,
+            prefill_blocks=blocks_per_multiprocessor,
+        )
+        return best_splits(plan, blocks, decode)
+
+    expected = splits_for(launch.min_blocks)
+    assert splits_for(widening_blocks) != expected, "a case the widening kernel's fit would cut alike"
+    assert launch.grid_y == query_tiles * expected
 
 
 @pytest.mark.parametrize(

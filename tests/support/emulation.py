@@ -81,16 +81,34 @@ def build_harness(source: Path = EMULATOR_SOURCE, accelerator: str | None = None
     return out
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel an emulated op launched (`mokv_kernels.gpu.block.Emulator`)."""
+
+    name: str
+    """`KernelT.NAME`."""
+    min_blocks: int
+    """`KernelT.MIN_BLOCKS`: the blocks per multiprocessor its registers are sized for."""
+    grid_x: int
+    grid_y: int
+    """For attention: query tiles times splits (`work.attention_grid`)."""
+    grid_z: int
+
+
 @dataclass
 class Emulator:
-    """Runs one op per call in a fresh directory under `workdir`; `launched`
-    names the kernels the last call launched (`KernelT.NAME`; only attention
-    calls report them, others leave it empty)."""
+    """Runs one op per call in a fresh directory under `workdir`; `launches`
+    are the kernels the last call launched, `launched` their names (only
+    attention calls report them, others leave both empty)."""
 
     binary: Path
     workdir: Path
     calls: int = 0
-    launched: list[str] = field(default_factory=list)
+    launches: list[Launch] = field(default_factory=list)
+
+    @property
+    def launched(self) -> list[str]:
+        return [launch.name for launch in self.launches]
 
     def run(self, meta: dict[str, object], arrays: dict[str, np.ndarray], output: str) -> bytes:
         """Writes `meta.txt` and `<name>.bin` per array, runs the emulator and
@@ -106,8 +124,14 @@ class Emulator:
         if result.returncode != 0:
             raise RuntimeError(f"emulated {meta['op']} failed: {result.stdout}{result.stderr}")
         launched = call_dir / "launched.bin"
-        self.launched = launched.read_text().split() if launched.exists() else []
+        lines = launched.read_text().splitlines() if launched.exists() else []
+        self.launches = [_launch(line) for line in lines if line.strip()]
         return (call_dir / f"{output}.bin").read_bytes()
+
+
+def _launch(line: str) -> Launch:
+    name, *numbers = line.split()
+    return Launch(name, *(int(n) for n in numbers))
 
 
 def cache_meta(

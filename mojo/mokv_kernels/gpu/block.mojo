@@ -364,8 +364,10 @@ struct Emulator(Launcher):
     """Runs kernels on the CPU, block after block (see the module docstring).
     For tests: slow, and only as exact as the host's float32 arithmetic.
     `has_tensor_cores` false makes the ops pick the kernels they launch on
-    GPUs without `mma.sync` (or `wgmma`). `launched` names the kernels run
-    (`KernelT.NAME`), in order, so tests see which ones an op chose."""
+    GPUs without `mma.sync` (or `wgmma`). `launched` says which kernels ran,
+    in order, a line each: `KernelT.NAME`, `KernelT.MIN_BLOCKS` and the
+    grid's x, y and z, so tests see which kernels an op chose and how it cut
+    the work for them."""
 
     comptime LANES = WARP_LANES
 
@@ -381,8 +383,10 @@ struct Emulator(Launcher):
         self.launched = List[String]()
 
     def launch[K: KernelT](mut self, kernel: K) raises:
-        self.launched.append(String(K.NAME))
         var grid = kernel.grid()
+        self.launched.append(
+            String(K.NAME, " ", K.MIN_BLOCKS, " ", grid.x, " ", grid.y, " ", grid.z)
+        )
         var shared = List[Float32](length=max(K.SHARED_BYTES // 4, 1), fill=0)
         var shared_ptr = shared.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
         for z in range(grid.z):

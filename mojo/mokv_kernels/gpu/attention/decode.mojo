@@ -46,6 +46,7 @@ from ...kv_quantization import is_quantized
 from ..codes import as_values, head_scales
 from ..block import BlockExecutor, BlockId, KernelT, ThreadProgram
 from .config import BLOCK_THREADS, DECODE_ROWS, NEG_INF, QUANTIZED_CHUNK, WARP, WARPS
+from .plan import KernelFit
 from .softmax import TileSoftmax
 from .work import (
     AttentionArgs,
@@ -446,6 +447,8 @@ struct DecodeKernel[cache_t: KVCacheT, q_dtype: DType, D: Int](KernelT):
     what ptxas gives, and that it does not spill. An 8-bit cache at head_dim
     128 spilled within three blocks' registers once its scales were staged
     in shared memory."""
+    comptime FIT = KernelFit(Self.MIN_BLOCKS, Self.Program.BN)
+    """What the planner cuts work for (`.plan.KernelFit`)."""
 
     var args: AttentionArgs[Self.cache_t, Self.q_dtype]
 

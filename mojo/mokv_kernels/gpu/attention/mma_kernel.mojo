@@ -20,7 +20,7 @@ from ...cache.traits import KVCacheT
 from ...pointers import F32Ptr
 from ..block import BlockExecutor, BlockId, KernelT
 from ..warpgroup import set_warpgroup_registers
-from .config import WARP, WARPS
+from .config import DECODE_ROWS, WARP, WARPS
 from .mma import (
     COMBINE,
     COMPUTE_TILE,
@@ -33,6 +33,7 @@ from .mma import (
     WAIT_TILE,
     MmaThread,
 )
+from .plan import KernelFit
 from .producer import CONSUMER_REGISTERS, PRODUCER_REGISTERS
 from .work import AttentionArgs, BlockWork, attention_grid, block_work
 
@@ -95,6 +96,13 @@ struct MmaKernel[
     block of eight KV heads, whose stages take most of a multiprocessor's
     shared memory (`MmaThread.STAGES`). Raise them only
     where `tools/check_gpu_build.sh --registers` shows no spills."""
+    comptime FIT = KernelFit(
+        Self.MIN_BLOCKS,
+        Self.Program.STEP,
+        Self.block_heads if Self.warp_heads else 1,
+        DECODE_ROWS if Self.decode else Self.Program.ROWS,
+    )
+    """What the planner cuts work for (`..plan.KernelFit`)."""
     comptime LANES = Self.lanes
     comptime NAME = (
         (

@@ -130,34 +130,6 @@ def _decode_block_heads(n_kv_heads: Int) raises -> Int:
     return heads
 
 
-def _decode_fit[
-    cache_t: KVCacheT, D: Int, lanes: Int, scales_per_key: Bool
-](block_heads: Int) -> KernelFit:
-    """The planner's fit of the tensor-core decode `_launch_mma` launches for
-    a block of `block_heads` KV heads, with float16 products of an 8-bit
-    cache's codes where `scales_per_key`: its own blocks per multiprocessor,
-    which differ between the two (float8 at head_dim 128: three blocks with
-    float16 products, two widening in shared memory)."""
-    comptime One = MmaKernel[cache_t, D, lanes, True, scales_per_key=scales_per_key]
-    comptime Four = MmaKernel[
-        cache_t, D, lanes, True, scales_per_key=scales_per_key, warp_heads=True
-    ]
-    comptime Eight = MmaKernel[
-        cache_t,
-        D,
-        lanes,
-        True,
-        scales_per_key=scales_per_key,
-        warp_heads=True,
-        block_heads=2 * WARPS,
-    ]
-    if block_heads == WARPS:
-        return KernelFit(Four.MIN_BLOCKS, Four.Program.STEP, block_heads)
-    if block_heads > WARPS:
-        return KernelFit(Eight.MIN_BLOCKS, Eight.Program.STEP, block_heads)
-    return KernelFit(One.MIN_BLOCKS, One.Program.BN)
-
-
 comptime SPLITS_VARIABLE = "MOKV_ATTENTION_SPLITS"
 
 
@@ -177,58 +149,52 @@ def _fixed_splits() raises -> Int:
     return splits
 
 
+@fieldwise_init
+struct KernelChoice(TrivialRegisterPassable):
+    """The kernels a call may launch, chosen from the device, the cache and
+    the variables before the plan says decode or prefill: whether they run
+    on tensor cores, the tensor-core prefill's products
+    (`_prefill_products`), the KV heads a tensor-core decode block takes
+    (`_decode_block_heads`), and whether an 8-bit cache's codes, one scale
+    per head row, are multiplied as they are in float16 (by the decode, and
+    by the prefill on warp products; warpgroup products widen them to
+    bfloat16)."""
+
+    var tensor_cores: Bool
+    var products: Int
+    var block_heads: Int
+    var float16_codes: Bool
+
+    @staticmethod
+    def of[
+        cache_t: KVCacheT, q_dtype: DType, //, D: Int, L: Launcher
+    ](launcher: L, args: AttentionArgs[cache_t, q_dtype]) raises -> Self:
+        """What this launcher, cache and `MOKV_*_KERNEL` call for (raising
+        where a variable names a kernel they cannot run)."""
+        var choice = Self(False, WARP_PRODUCTS, 1, False)
+        comptime if _on_tensor_cores[cache_t, q_dtype, D]():
+            choice.products = _prefill_products(launcher, is_quantized[cache_t.dtype]())
+            choice.tensor_cores = launcher.tensor_cores()
+            if choice.tensor_cores:
+                choice.block_heads = _decode_block_heads(args.k_cache.num_heads())
+            choice.float16_codes = is_quantized[cache_t.dtype]() and args.granularity == D
+        return choice
+
+
 def _run[
     cache_t: KVCacheT, q_dtype: DType, //, D: Int, L: Launcher
 ](mut launcher: L, var args: AttentionArgs[cache_t, q_dtype], bounds: BatchBounds) raises:
     """Plans the batch for the kernels this launcher runs, then launches
     them: decode or prefill, then the merge when the context is split."""
-    comptime MmaPrefill = MmaKernel[cache_t, D, L.LANES, False]
-    comptime WgmmaPrefill = MmaKernel[cache_t, D, L.LANES, False, True]
-    comptime BoxedPrefill = MmaKernel[cache_t, D, L.LANES, False, True, producer=True, boxes=True]
-    comptime Decode = DecodeKernel[cache_t, q_dtype, D]
-    comptime Prefill = AttentionKernel[
-        cache_t, q_dtype, D, _prefill_rows(D), 32 if D <= 128 else 16, 4 if D <= 128 else 2
-    ]
-    var mma = False
-    var products = WARP_PRODUCTS
-    var block_heads = 1
-    comptime if _on_tensor_cores[cache_t, q_dtype, D]():
-        products = _prefill_products(launcher, is_quantized[cache_t.dtype]())
-        mma = launcher.tensor_cores()
-        if mma:
-            block_heads = _decode_block_heads(args.k_cache.num_heads())
-    var prefill_rows = _prefill_rows(D)
-    var prefill = KernelFit(Prefill.MIN_BLOCKS, Prefill.BN)
-    var decode = KernelFit(Decode.MIN_BLOCKS, Decode.Program.BN)
-    if mma:
-        decode = _decode_fit[cache_t, D, L.LANES, False](block_heads)
-        comptime if is_quantized[cache_t.dtype]():
-            if args.granularity == D:
-                decode = _decode_fit[cache_t, D, L.LANES, True](block_heads)
-    if products != WARP_PRODUCTS:
-        # The producer-fed kernels have the same rows and blocks; the
-        # box-fed one's tiles are longer.
-        prefill_rows = WgmmaPrefill.Program.ROWS
-        prefill = KernelFit(BoxedPrefill.MIN_BLOCKS, BoxedPrefill.Program.BN) if (
-            products == BOX_FED_PRODUCTS
-        ) else KernelFit(WgmmaPrefill.MIN_BLOCKS, WgmmaPrefill.Program.BN)
-    elif mma:
-        prefill_rows = MmaPrefill.Program.ROWS
-        prefill = KernelFit(MmaPrefill.MIN_BLOCKS, MmaPrefill.Program.BN)
-        comptime if is_quantized[cache_t.dtype]():
-            if args.granularity == D:
-                # Float16 products of the codes (`_launch_mma`): their own blocks.
-                comptime F16Prefill = MmaKernel[cache_t, D, L.LANES, False, scales_per_key=True]
-                prefill = KernelFit(F16Prefill.MIN_BLOCKS, F16Prefill.Program.BN)
+    var choice = KernelChoice.of[D](launcher, args)
     var plan = plan_attention(
         args.k_cache.batch_size(),
         args.k_cache.num_heads(),
         args.group,
-        prefill_rows,
         bounds,
         launcher.multiprocessors(),
-        decode,
-        prefill,
+        _kernel[D](launcher, args, choice, decode=True, launch=False),
+        _kernel[D](launcher, args, choice, decode=False, launch=False),
         _fixed_splits(),
     )
     args.tokens_per_tile = plan.tokens_per_tile
@@ -236,19 +202,7 @@ def _run[
     args.splits = plan.splits
     if plan.splits > 1:
         args.partials = launcher.scratch(plan.splits * args.total_tokens * args.n_q_heads * (D + 2))
-    comptime if _on_tensor_cores[cache_t, q_dtype, D]():
-        if mma:
-            _launch_mma[D](
-                launcher,
-                rebind[AttentionArgs[cache_t, DType.bfloat16]](args),
-                plan.decode,
-                products,
-                block_heads,
-            )
-    if not mma and plan.decode:
-        launcher.launch(Decode(args))
-    elif not mma:
-        launcher.launch(Prefill(args))
+    _ = _kernel[D](launcher, args, choice, plan.decode, launch=True)
     if plan.splits > 1:
         launcher.launch(
             MergeKernel[q_dtype, D](
@@ -263,65 +217,118 @@ def _run[
         )
 
 
-def _launch_mma[
-    cache_t: KVCacheT, //, D: Int, L: Launcher
+def _kernel[
+    cache_t: KVCacheT, q_dtype: DType, L: Launcher, //, D: Int
+](
+    mut launcher: L,
+    args: AttentionArgs[cache_t, q_dtype],
+    choice: KernelChoice,
+    decode: Bool,
+    launch: Bool,
+) raises -> KernelFit:
+    """The kernel `choice` runs for a decode (or prefill) plan: what the
+    planner needs of it, and where `launch` it is launched on `args`. The
+    plan and the launch both come from here, so a plan is always cut for
+    the kernel that runs (the tenth GPU run's float8 decode was planned for
+    another's blocks per multiprocessor)."""
+    comptime if _on_tensor_cores[cache_t, q_dtype, D]():
+        if choice.tensor_cores:
+            var products_args = rebind[AttentionArgs[cache_t, DType.bfloat16]](args)
+            if decode:
+                comptime if is_quantized[cache_t.dtype]():
+                    if choice.float16_codes:
+                        return _mma_decode[D, True](launcher, products_args, choice, launch)
+                return _mma_decode[D, False](launcher, products_args, choice, launch)
+            return _mma_prefill[D](launcher, products_args, choice, launch)
+    if decode:
+        comptime Decode = DecodeKernel[cache_t, q_dtype, D]
+        if launch:
+            launcher.launch(Decode(args))
+        return Decode.FIT
+    comptime Prefill = AttentionKernel[
+        cache_t, q_dtype, D, _prefill_rows(D), 32 if D <= 128 else 16, 4 if D <= 128 else 2
+    ]
+    if launch:
+        launcher.launch(Prefill(args))
+    return Prefill.FIT
+
+
+def _mma_decode[
+    cache_t: KVCacheT, L: Launcher, //, D: Int, scales_per_key: Bool
 ](
     mut launcher: L,
     args: AttentionArgs[cache_t, DType.bfloat16],
-    decode: Bool,
-    products: Int,
-    block_heads: Int,
-) raises:
-    """The tensor-core kernel of the plan (`mma`): decode (one KV head a warp
-    where a block takes `block_heads` above 1), or prefill on the `products` `_prefill_products`
-    chose. An 8-bit cache with one scale per head row takes float16
-    products of its codes as they are, except on warpgroup products, which
-    widen them to bfloat16."""
-    comptime if is_quantized[cache_t.dtype]():
-        if args.granularity == D and (decode or products == WARP_PRODUCTS):
-            if decode and block_heads == WARPS:
-                launcher.launch(
-                    MmaKernel[cache_t, D, L.LANES, True, scales_per_key=True, warp_heads=True](args)
-                )
-            elif decode and block_heads > WARPS:
-                launcher.launch(
-                    MmaKernel[
-                        cache_t,
-                        D,
-                        L.LANES,
-                        True,
-                        scales_per_key=True,
-                        warp_heads=True,
-                        block_heads=2 * WARPS,
-                    ](args)
-                )
-            elif decode:
-                launcher.launch(MmaKernel[cache_t, D, L.LANES, True, scales_per_key=True](args))
-            else:
-                launcher.launch(MmaKernel[cache_t, D, L.LANES, False, scales_per_key=True](args))
-            return
-    if decode and block_heads == WARPS:
-        launcher.launch(MmaKernel[cache_t, D, L.LANES, True, warp_heads=True](args))
-    elif decode and block_heads > WARPS:
-        launcher.launch(
-            MmaKernel[cache_t, D, L.LANES, True, warp_heads=True, block_heads=2 * WARPS](args)
+    choice: KernelChoice,
+    launch: Bool,
+) raises -> KernelFit:
+    """`_kernel`'s tensor-core decode: one KV head a block, or one a warp
+    over `choice.block_heads` of them."""
+    if choice.block_heads == WARPS:
+        return _mma[D, True, scales_per_key=scales_per_key, warp_heads=True](launcher, args, launch)
+    if choice.block_heads > WARPS:
+        return _mma[D, True, scales_per_key=scales_per_key, warp_heads=True, block_heads=2 * WARPS](
+            launcher, args, launch
         )
-    elif decode:
-        launcher.launch(MmaKernel[cache_t, D, L.LANES, True](args))
-    elif products == WARPGROUP_PRODUCTS:
-        launcher.launch(MmaKernel[cache_t, D, L.LANES, False, True](args))
-    elif products == PRODUCER_FED_PRODUCTS:
-        comptime if not is_quantized[cache_t.dtype]():  # codes: refused when chosen
-            launcher.launch(MmaKernel[cache_t, D, L.LANES, False, True, producer=True](args))
-    elif products == BOX_FED_PRODUCTS:
-        comptime if not is_quantized[cache_t.dtype]():
-            var boxed = args
-            boxed.page_maps = launcher.page_maps(PageTensor.of(args.k_cache, args.v_cache))
-            launcher.launch(
-                MmaKernel[cache_t, D, L.LANES, False, True, producer=True, boxes=True](boxed)
-            )
+    return _mma[D, True, scales_per_key=scales_per_key](launcher, args, launch)
+
+
+def _mma_prefill[
+    cache_t: KVCacheT, L: Launcher, //, D: Int
+](
+    mut launcher: L,
+    args: AttentionArgs[cache_t, DType.bfloat16],
+    choice: KernelChoice,
+    launch: Bool,
+) raises -> KernelFit:
+    """`_kernel`'s tensor-core prefill, on the products `choice` names."""
+    if choice.products == WARP_PRODUCTS:
+        comptime if is_quantized[cache_t.dtype]():
+            if choice.float16_codes:
+                return _mma[D, False, scales_per_key=True](launcher, args, launch)
+        return _mma[D, False](launcher, args, launch)
+    if choice.products == WARPGROUP_PRODUCTS:
+        return _mma[D, False, True](launcher, args, launch)
+    comptime if is_quantized[cache_t.dtype]():
+        raise Error("the producer-fed prefills copy bfloat16 rows, not 8-bit codes")
     else:
-        launcher.launch(MmaKernel[cache_t, D, L.LANES, False](args))
+        if choice.products == PRODUCER_FED_PRODUCTS:
+            return _mma[D, False, True, producer=True](launcher, args, launch)
+        return _mma[D, False, True, producer=True, boxes=True](launcher, args, launch)
+
+
+def _mma[
+    cache_t: KVCacheT,
+    L: Launcher,
+    //,
+    D: Int,
+    decode: Bool,
+    warpgroup: Bool = False,
+    scales_per_key: Bool = False,
+    producer: Bool = False,
+    boxes: Bool = False,
+    warp_heads: Bool = False,
+    block_heads: Int = WARPS,
+](mut launcher: L, args: AttentionArgs[cache_t, DType.bfloat16], launch: Bool) raises -> KernelFit:
+    """The `MmaKernel` of these parameters: its fit, and where `launch` it
+    is launched (the box-fed prefill with its pages' tensor maps)."""
+    comptime Kernel = MmaKernel[
+        cache_t,
+        D,
+        L.LANES,
+        decode,
+        warpgroup,
+        scales_per_key,
+        producer,
+        boxes,
+        warp_heads,
+        block_heads,
+    ]
+    if launch:
+        var kernel_args = args
+        comptime if boxes:
+            kernel_args.page_maps = launcher.page_maps(PageTensor.of(args.k_cache, args.v_cache))
+        launcher.launch(Kernel(kernel_args))
+    return Kernel.FIT
 
 
 def attention_gpu[

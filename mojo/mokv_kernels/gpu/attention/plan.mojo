@@ -50,46 +50,52 @@ struct AttentionPlan(TrivialRegisterPassable):
 
 
 struct KernelFit(TrivialRegisterPassable):
-    """What the planner needs of a kernel: how many of its blocks one
-    multiprocessor holds at once, how many context positions a block reads
-    per tile (a split is whole tiles, `work.block_work`), and how many KV
-    heads a block takes."""
+    """What the planner needs of a kernel, as the kernel states it (its
+    `FIT`): how many of its blocks one multiprocessor holds at once, how
+    many context positions a block reads per tile (a split is whole tiles,
+    `work.block_work`), how many KV heads a block takes, and how many query
+    rows of one KV head a tile holds (`DECODE_ROWS` in decode)."""
 
     var blocks_per_multiprocessor: Int
     var tile_keys: Int
     var heads_per_block: Int
+    var query_rows: Int
 
     def __init__(
-        out self, blocks_per_multiprocessor: Int, tile_keys: Int, heads_per_block: Int = 1
+        out self,
+        blocks_per_multiprocessor: Int,
+        tile_keys: Int,
+        heads_per_block: Int = 1,
+        query_rows: Int = DECODE_ROWS,
     ):
         self.blocks_per_multiprocessor = blocks_per_multiprocessor
         self.tile_keys = tile_keys
         self.heads_per_block = heads_per_block
+        self.query_rows = query_rows
 
 
 def plan_attention(
     batch: Int,
     n_kv_heads: Int,
     group: Int,
-    prefill_rows: Int,
     bounds: BatchBounds,
     multiprocessors: Int,
     decode_kernel: KernelFit,
     prefill_kernel: KernelFit,
     fixed_splits: Int = 0,
 ) -> AttentionPlan:
-    """Picks the tile shape (decode, or prefill tiles of `prefill_rows`
-    query rows), then how many splits each context is cut into: the count
+    """Picks the tile shape (decode, or the prefill kernel's tiles of its
+    `query_rows`), then how many splits each context is cut into: the count
     that finishes soonest (`soonest_splits`) on `multiprocessors` times the
     blocks per multiprocessor of the kernel that runs, or `fixed_splits`
     when positive (tuning, `op`). No split shorter than `MIN_SPLIT_TOKENS`,
     nor more than `MAX_SPLITS`, nor more than a grid's y holds: it counts
     query tiles times splits (`work.attention_grid`)."""
     var max_new = max(bounds.max_new_tokens, 1)
-    var decode = max_new * group <= DECODE_ROWS
-    var tokens_per_tile = (DECODE_ROWS if decode else prefill_rows) // group
-    var query_tiles = ceildiv(max_new, tokens_per_tile)
+    var decode = max_new * group <= decode_kernel.query_rows
     var kernel = decode_kernel if decode else prefill_kernel
+    var tokens_per_tile = kernel.query_rows // group
+    var query_tiles = ceildiv(max_new, tokens_per_tile)
     var most = min(
         max(1, bounds.max_context // MIN_SPLIT_TOKENS),
         MAX_SPLITS,

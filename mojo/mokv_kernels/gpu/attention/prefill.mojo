@@ -15,6 +15,7 @@ from ...kv_quantization import is_quantized
 from ..codes import as_values, head_scales
 from ..block import BlockExecutor, BlockId, KernelT, ThreadProgram
 from .config import BLOCK_THREADS, NEG_INF, WARP, WARPS
+from .plan import KernelFit
 from .softmax import TileSoftmax
 from .work import (
     AttentionArgs,
@@ -272,6 +273,8 @@ struct AttentionKernel[cache_t: KVCacheT, q_dtype: DType, D: Int, BM: Int, BN: I
     comptime HEAD_DIM = Self.D
     comptime ELEMENT_BITS = bit_width_of[Self.cache_t.dtype]()
     comptime SHARED_BYTES = Self.Program.Tiles.FLOATS * 4
+    comptime FIT = KernelFit(Self.MIN_BLOCKS, Self.BN, query_rows=Self.BM)
+    """What the planner cuts work for (`.plan.KernelFit`)."""
 
     var args: AttentionArgs[Self.cache_t, Self.q_dtype]
 
