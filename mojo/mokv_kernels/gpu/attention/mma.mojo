@@ -161,6 +161,46 @@ comptime MMA_ROWS = 16
 """Rows of an m16n8k16 product's A: one warp's query rows."""
 
 
+def _stages(
+    D: Int,
+    decode: Bool,
+    pipelined: Bool,
+    boxes: Bool,
+    codes: Bool,
+    scales_per_key: Bool,
+    warp_heads: Bool,
+    block_heads: Int,
+) -> Int:
+    """Shared-memory stages of an `MmaThread`'s tiles: as many as its
+    blocks per multiprocessor (`mma_kernel.MmaKernel.MIN_BLOCKS`) leave
+    room for, since decode blocks wait on memory (the ninth GPU run's
+    profile of the bfloat16 decode: warps waiting on L1TEX for 56% of their
+    cycles) and more tiles in flight hide more of it."""
+    if pipelined:
+        # One block a multiprocessor: the tile whose values are multiplied,
+        # the next one whose keys are, and two tiles' copies in flight. The
+        # `boxes` kernel's 128-key tiles take three at head_dim 128 (224 KB
+        # with the queries: one tile's boxes in flight, as many bytes as two).
+        return 3 if boxes and D >= 128 else 4
+    if decode and codes:
+        # An 8-bit decode: codes widened in registers (`scales_per_key`,
+        # `MmaTiles.IN_REGISTERS`) are read from their stage, which is busy
+        # meanwhile: four stages, three in flight (three float8 blocks a
+        # multiprocessor at head_dim 128, 74 KB each; two int8). The tenth
+        # run timed the three-stage decode at bfloat16's tiles per second
+        # with half the bytes a tile. One KV head a warp in fours has a
+        # larger query tile: three at head_dim 128 (61 KB; four took 78).
+        # Codes widened in shared memory: three code stages in flight, as
+        # many bytes as two bfloat16 tiles.
+        if scales_per_key and not (warp_heads and D >= 128 and block_heads == WARPS):
+            return 4
+        return 3
+    # A block of eight KV heads, alone on its multiprocessor, takes the
+    # stages three blocks would: two bfloat16 tiles in flight (211 KB at
+    # head_dim 128). The rest keep two: one tile computed, one copied.
+    return 3 if block_heads > WARPS else 2
+
+
 struct MmaThread[
     cache_t: KVCacheT,
     D: Int,
@@ -250,33 +290,17 @@ struct MmaThread[
     took turns, each idle while the other ran). An 8-bit cache's next tile
     is not widened yet at that point: its one bfloat16 stage holds this
     tile."""
-    comptime STAGES = (3 if Self.boxes and Self.D >= 128 else 4) if Self.PIPELINED else (
-        (
-            4 if Self.scales_per_key
-            and not (Self.warp_heads and Self.D >= 128 and Self.block_heads == WARPS) else 3
-        ) if Self.decode
-        and is_quantized[Self.cache_t.dtype]() else (3 if Self.block_heads > WARPS else 2)
+    comptime STAGES = _stages(
+        Self.D,
+        Self.decode,
+        Self.PIPELINED,
+        Self.boxes,
+        is_quantized[Self.cache_t.dtype](),
+        Self.scales_per_key,
+        Self.warp_heads,
+        Self.block_heads,
     )
-    """Shared-memory stages (`mma_tiles`): four when `PIPELINED` (one block
-    per multiprocessor): the tile whose values are multiplied, the next
-    one whose keys are, and two tiles' copies in flight (three of the
-    `boxes` kernel's 128-key tiles at head_dim 128, 224 KB with the
-    queries: one tile's boxes in flight, as many bytes as two); for an 8-bit
-    decode, whose blocks wait on memory, three code stages widened in
-    shared memory (three tiles of codes in flight, as many bytes as two
-    bfloat16 tiles), or four where its codes are widened in registers
-    (`MmaTiles.IN_REGISTERS`: the stage read is busy, three in flight).
-    The tenth GPU run timed that decode with three stages at the bfloat16
-    decode's tiles per second with half the bytes a tile, and the ninth
-    run's profile of the bfloat16 decode had its warps waiting on memory
-    (L1TEX) for 56% of their cycles; four stages still fit three float8
-    blocks per multiprocessor at head_dim 128 (74 KB each) and two int8
-    blocks (`mma_kernel.MmaKernel.MIN_BLOCKS`); with `warp_heads`, whose
-    query tile is larger, three at head_dim 128 (61 KB; four took 78). A
-    block of eight KV heads (`block_heads` 8) is alone on its multiprocessor
-    (`mma_kernel.MmaKernel.MIN_BLOCKS`), so it takes the stages three blocks
-    would: three over bfloat16 (two tiles in flight, 211 KB at head_dim
-    128), four over 8-bit codes widened in registers."""
+    """Shared-memory stages of K/V tiles (`mma_tiles`; `_stages` says how many)."""
     comptime Softmax = RowSoftmax[
         Self.lanes, Self.NTILES, Self.DTILES, Self.ROW_HALVES, Self.scales_per_key, Self.PRODUCTS
     ]
