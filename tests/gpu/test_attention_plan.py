@@ -65,7 +65,16 @@ def test_benchmark_cases_take_the_splits_that_measured_fastest():
     assert (batch_1.splits, batch_32.splits, batch_128.splits, chunk.splits) == (47, 3, 1, 1)
 
 
-@pytest.mark.parametrize(("fixed", "expected"), [(1, 1), (5, 5), (200, 64), (30, 19)])
+def test_blocks_of_several_kv_heads_still_fill_the_device_at_batch_1():
+    """Batch 1 at 32k: blocks of four KV heads (two blocks a split) and of
+    eight (one, alone on its multiprocessor) take 121 splits, 242 and 121
+    blocks on an H200's 132 multiprocessors, where a cap of 64 splits left
+    the eight-head decode half the device (`MAX_SPLITS`)."""
+    four, eight = plans([CASES[9], CASES[12]])
+    assert (four.splits, eight.splits) == (121, 121)
+
+
+@pytest.mark.parametrize(("fixed", "expected"), [(1, 1), (5, 5), (200, 128), (30, 19)])
 def test_fixed_splits_are_taken_within_the_bounds(fixed, expected):
     """`MOKV_ATTENTION_SPLITS`: any positive count, at most one split per 256
     context tokens and `MAX_SPLITS` in all."""

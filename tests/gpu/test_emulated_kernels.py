@@ -23,6 +23,7 @@ from mokv_reference import bfloat16
 from mokv_reference import cache as ref
 from tests.support import attention_cases as cpu_attention
 from tests.support import store_gather as cpu_rows
+from tests.support.attention_plan import MAX_SPLITS
 from tests.support.emulation import Emulator, cache_meta, float32_bits
 from tests.support.gpu_cases import assert_attention_close, mixed_case, window_case
 
@@ -276,6 +277,18 @@ def test_fixed_splits(splits, dtype, emulator):
         scale = 1 / math.sqrt(batch.q.shape[2])
         out = emulate_attention(emulator, batch, 1, scale, splits=splits)
         assert_attention_close(out, batch, 1, scale)
+
+
+@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16], ids=lambda d: d.name)
+def test_a_context_splits_as_far_as_the_merge_takes(dtype, emulator):
+    """`MAX_SPLITS` (128) splits of one 32k context, each written by its
+    own block and read by its own thread of the merge."""
+    rng = np.random.default_rng(128)
+    b = cpu_attention.make_batch(rng, "paged", dtype, [(32767, 1)], 4, 1, 64, 64)
+    out = emulate_attention(emulator, b, 1, 0.125, splits="500")
+    assert_attention_close(out, b, 1, 0.125)
+    attention, merge = emulator.launches
+    assert (attention.grid_y, merge.name) == (MAX_SPLITS, "merge")
 
 
 def test_fixed_splits_change_the_plan(emulator):

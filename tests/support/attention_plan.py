@@ -15,7 +15,7 @@ from tests.support.mojo_programs import run_program
 
 PROGRAM = Path(__file__).parents[1] / "gpu" / "attention_plan.mojo"
 MIN_SPLIT_TOKENS = 256  # config.mojo
-MAX_SPLITS = 64
+MAX_SPLITS = 128
 BLOCK_OVERHEAD_TILES = 2  # plan.mojo
 MAX_GRID_YZ = 65535  # block.mojo
 DECODE_ROWS = 8

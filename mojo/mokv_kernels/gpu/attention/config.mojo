@@ -19,5 +19,8 @@ comptime QUANTIZED_CHUNK = 16
 granularity must be a multiple of, so a read shares one scale."""
 comptime MIN_SPLIT_TOKENS = 256
 """Fewest context tokens worth a split of their own."""
-comptime MAX_SPLITS = 64
-"""Most splits of one context: the merge reads one split per thread."""
+comptime MAX_SPLITS = 128
+"""Most splits of one context: the merge reads one split per thread (of
+128). As many as 128 let a decode whose blocks take four or eight KV heads
+fill an H200 at batch 1 (2 or 1 blocks a split); the default's blocks of
+one head take at most 49 splits there (`plan.soonest_splits`)."""
