@@ -1,7 +1,9 @@
 """`mokv.attention` on a GPU: the host checks shapes and heads, plans the
 grid from the batch summary (`plan`), and launches a decode or a prefill
 kernel (on tensor cores for bfloat16 where the device has them, `mma`), then
-the split-K merge when the context was split.
+the split-K merge when the context was split. One function (`_kernel`)
+hands the planner the fit of each kernel the call may launch and launches
+the one the plan names, so a plan is always cut for the kernel that runs.
 
 The tensor-core prefill over a bfloat16 cache takes Hopper's warpgroup
 products (`..warpgroup`) where the device has them, `mma.sync` per warp
