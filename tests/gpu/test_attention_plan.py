@@ -1,6 +1,6 @@
 """The GPU attention planner (`mojo/mokv_kernels/gpu/attention/plan.mojo`),
 run on the host as the op runs it (`attention_plan.mojo`), against a
-simulation of the grid it models: every block of a split context takes as
+simulation of the grid it models (`tests.support.attention_plan`): every block of a split context takes as
 long as its tiles plus a fixed overhead, `resident` blocks run at once and a
 free slot takes the next block. The planner must pick the split count whose grid finishes
 first, the fewest splits among equals, and the tile shape the batch needs."""
