@@ -7,17 +7,9 @@ first, the fewest splits among equals, and the tile shape the batch needs."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
-from tests.support.attention_plan import (
-    DECODE_ROWS,
-    MAX_GRID_YZ,
-    Case,
-    best_splits,
-    plans,
-)
+from tests.support.attention_plan import MAX_GRID_YZ, Case, modelled_plan, plans
 
 CASES = [
     # The benchmark's decode cases (Llama's 32/8 heads): batch 1 at 32k, 32 at 4k, 128 at 1k.
@@ -44,13 +36,7 @@ CASES = [
 
 def test_plans_cut_each_context_into_the_splits_that_finish_first():
     for case, plan in zip(CASES, plans(CASES), strict=True):
-        decode = case.max_new * case.group <= DECODE_ROWS
-        rows = DECODE_ROWS if decode else case.prefill_rows
-        assert (plan.decode, plan.tokens_per_tile) == (decode, rows // case.group), case
-        assert plan.query_tiles == math.ceil(case.max_new / plan.tokens_per_tile), case
-        heads = math.ceil(case.kv_heads / case.decode_heads) if decode else case.kv_heads
-        blocks = plan.query_tiles * heads * case.batch
-        assert plan.splits == best_splits(case, blocks, decode), case
+        assert plan == modelled_plan(case), case
 
 
 def test_benchmark_cases_take_the_splits_that_measured_fastest():

@@ -18,7 +18,7 @@ from max.dtype import DType
 from mokv_reference import bfloat16
 from mokv_reference import quant as ref
 from tests.support import kv_quantization_cases as cpu
-from tests.support.attention_plan import DECODE_ROWS, Case, best_splits
+from tests.support.attention_plan import Case, Plan, modelled_plan
 from tests.support.emulation import Emulator, cache_meta, float32_bits
 from tests.support.gpu_cases import QuantizedAttention
 
@@ -332,28 +332,25 @@ def test_splits_are_planned_for_the_kernel_that_runs(case, rows, kernel, widenin
     emulate_attention(emulator, case, 1, tensor_cores=True, rows=rows).assert_close(tensor_cores=True)
     launch = emulator.launches[0]
     assert launch.name == kernel
-    group = case[2]
-    new = max(n for _, n in rows)
-    decode = new * group <= DECODE_ROWS
-    query_tiles = math.ceil(new / ((DECODE_ROWS if decode else PREFILL_ROWS) // group))
-    blocks = query_tiles * KV_HEADS * len(rows)
 
-    def splits_for(blocks_per_multiprocessor: int) -> int:
-        plan = Case(
-            len(rows),
-            KV_HEADS,
-            group,
-            new,
-            max(c + n for c, n in rows),
-            multiprocessors=1,
-            decode_blocks=blocks_per_multiprocessor,
-            prefill_blocks=blocks_per_multiprocessor,
+    def plan_for(blocks_per_multiprocessor: int) -> Plan:
+        return modelled_plan(
+            Case(
+                len(rows),
+                KV_HEADS,
+                case[2],
+                max(n for _, n in rows),
+                max(c + n for c, n in rows),
+                multiprocessors=1,
+                decode_blocks=blocks_per_multiprocessor,
+                prefill_blocks=blocks_per_multiprocessor,
+                prefill_rows=PREFILL_ROWS,
+            )
         )
-        return best_splits(plan, blocks, decode)
 
-    expected = splits_for(launch.min_blocks)
-    assert splits_for(widening_blocks) != expected, "a case the widening kernel's fit would cut alike"
-    assert launch.grid_y == query_tiles * expected
+    expected = plan_for(launch.min_blocks)
+    assert plan_for(widening_blocks).splits != expected.splits, "a case the widening kernel's fit would cut alike"
+    assert launch.grid_y == expected.query_tiles * expected.splits
 
 
 @pytest.mark.parametrize(

@@ -93,3 +93,14 @@ def best_splits(case: Case, blocks: int, decode: bool) -> int:
         for s in range(1, most + 1)
     }
     return min(finish, key=lambda s: (finish[s], s))
+
+
+def modelled_plan(case: Case) -> Plan:
+    """The plan the grid model expects for `case`: the tile shape its batch
+    needs, and the fewest splits whose simulated grid finishes first."""
+    decode = case.max_new * case.group <= DECODE_ROWS
+    tokens_per_tile = (DECODE_ROWS if decode else case.prefill_rows) // case.group
+    query_tiles = math.ceil(case.max_new / tokens_per_tile)
+    heads = math.ceil(case.kv_heads / case.decode_heads) if decode else case.kv_heads
+    splits = best_splits(case, query_tiles * heads * case.batch, decode)
+    return Plan(decode, tokens_per_tile, query_tiles, splits)
