@@ -42,6 +42,8 @@ from ..pointers import BF16Ptr
 
 comptime WARP_LANES = 32
 comptime NOT_NVIDIA = "mma.sync and ldmatrix exist only on NVIDIA GPUs (Launcher.tensor_cores)"
+comptime MMA_ROWS = 16
+"""Rows of an m16n8k16 product's A and C: one warp's query rows."""
 comptime FragA = SIMD[DType.bfloat16, 8]
 """A thread's share of an m16n8k16 A operand (16 x 16 bfloat16)."""
 comptime FragB = SIMD[DType.bfloat16, 4]

@@ -94,29 +94,24 @@ The context is walked in tiles of `BN` = 64 keys (128 with `boxes`):
   columns are stored in that order (`MmaTiles.query_dim`); a lane's value
   fragment of an n-tile is one byte of each of four value rows, two rows'
   pair of n-tiles one byte permute, and the outputs' columns come out in
-  that order (`MmaTiles.output_dim`), put back when a warp saves its
-  state.
+  that order (`mma_outputs.output_dim`), put back as they are written;
+- masking only on tiles some row does not see whole (`mma_mask`);
+- the end: each warp writes its rows, or a decode block's warps combine
+  their states (`mma_outputs`).
 
-One barrier per tile (none with `producer`, above): after it, this tile's copies have landed in every
-thread and every warp is done with the previous tile, whose stage the next
-tile's copies then overwrite (an 8-bit cache's tiles widened in shared
-memory take a second one, after their codes are widened into the stage).
-One more after the first
-tiles' copies start: an 8-bit cache's first tile shares its address slot
-with the tile located next, so no thread may overwrite it while another
-still reads it. In decode these are warp barriers, not the block's: each
-warp locates, copies and reads only its own keys of a tile (`per_warp` in
-`mma_tiles`), so its four warps go through their tiles independently, one
-waiting on memory while another computes, until they combine their
-states. Masking (causal, sliding window, the block's context range, padding
-rows) happens only on tiles where some row does not see every key, behind a
-branch the whole block takes alike, against two 32-bit bounds per row found
-once per block: a tile every row sees whole costs no masking instructions at
-all (the eighth GPU run's profile found masking and its per-tile divisions a
-fifth of the prefill's instructions). Under the emulator a program is a whole
-warp (`..warp`)."""
+One barrier per tile (none with `producer`, above): after it, this tile's
+copies have landed in every thread and every warp is done with the previous
+tile, whose stage the next tile's copies then overwrite (an 8-bit cache's
+tiles widened in shared memory take a second one, after their codes are
+widened into the stage). One more after the first tiles' copies start: an
+8-bit cache's first tile shares its address slot with the tile located
+next, so no thread may overwrite it while another still reads it. In decode
+these are warp barriers, not the block's: each warp locates, copies and
+reads only its own keys of a tile (`per_warp` in `mma_tiles`), so its four
+warps go through their tiles independently, one waiting on memory while
+another computes, until they combine their states. Under the emulator a
+program is a whole warp (`..warp`)."""
 
-from std.math import exp2
 from std.memory import bitcast
 
 from ...pointers import BF16Ptr, F32Ptr
@@ -126,7 +121,7 @@ from ..block import ThreadProgram
 from ..codes import codes_as_float16
 from ..copy import wait_copies
 from ..mbarrier import BARRIER_BYTES
-from ..warp import FragA, FragB, Frags, each_lane, ld_matrix, mma, warp_barrier
+from ..warp import MMA_ROWS, FragA, FragB, Frags, each_lane, ld_matrix, mma, warp_barrier
 from ..warpgroup import (
     WARPGROUP_ROWS,
     WARPGROUP_WARPS,
@@ -140,11 +135,13 @@ from ..warpgroup import (
     wgmma_rs,
     wgmma_ss,
 )
-from .config import BLOCK_THREADS, DECODE_ROWS, NEG_INF, WARP, WARPS
+from .config import BLOCK_THREADS, DECODE_ROWS, WARP, WARPS
+from .mma_mask import VisibleKeys
+from .mma_outputs import MmaOutputs
 from .mma_softmax import RowSoftmax
 from .mma_tiles import KEYS, TILE_KEYS, VALUES, MmaTiles, value_log_scales
 from .producer import PRODUCER_THREADS, StageRing, TileProducer
-from .work import AttentionArgs, BlockWork, write_row_part
+from .work import AttentionArgs, BlockWork
 
 # Phases of a block (`MmaThread.step`).
 comptime LOAD_Q = 0
@@ -156,9 +153,6 @@ comptime COMBINE = 5
 comptime CONVERT_TILE = 6
 comptime FIRST_SCORES = 7
 comptime PRODUCE = 8
-
-comptime MMA_ROWS = 16
-"""Rows of an m16n8k16 product's A: one warp's query rows."""
 
 
 def _stages(
@@ -336,8 +330,8 @@ struct MmaThread[
     )
     comptime AHEAD = Self.Tiles.TILES_AHEAD
     """Tiles whose copies start before the block multiplies its first."""
-    comptime STATE_FLOATS = MMA_ROWS * Self.D + 2 * MMA_ROWS
-    """A decode warp's state: outputs `[16, D]`, then each row's max and sum."""
+    comptime Visible = VisibleKeys[Self.lanes, Self.ROW_HALVES, Self.NTILES, Self.STEP]
+    comptime Outputs = MmaOutputs[Self.D, Self.lanes, Self.ROW_HALVES, Self.Tiles.IN_REGISTERS]
 
     var args: AttentionArgs[Self.cache_t, DType.bfloat16]
     var work: BlockWork
@@ -347,14 +341,8 @@ struct MmaThread[
     var o: Frags[DType.float32, 4, Self.DTILES, Self.lanes]
     var softmax: Self.Softmax
     """Each lane's rows' running max and sum."""
-    var visible: Frags[DType.int32, 2, 2, Self.lanes]
-    """Each lane's two rows' first and last visible keys (positions; an
-    empty range for a padding row), found once per block: a tile that
-    needs masking then costs two compares per score, and one that does not
-    costs none."""
-    var unmasked: SIMD[DType.int32, 2]
-    """The keys every row of the block sees, first and last: a tile inside
-    them needs no masking."""
+    var visible: Self.Visible
+    """Which keys each lane's rows see (`..mma_mask`)."""
     var pages: Array[Int32, Self.lanes]
     """The page table entry of this thread's key (`MmaTiles.located_key`)
     of the next tile to locate, read a tile before it is used
@@ -382,7 +370,7 @@ struct MmaThread[
             Self.decode and Self.warpgroup
         ), "a warpgroup product spans the four warps' rows: prefill only"
         comptime assert (
-            WARPS * Self.STATE_FLOATS * 4 <= Self.Tiles.STAGES_BYTES
+            WARPS * Self.Outputs.STATE_FLOATS * 4 <= Self.Tiles.STAGES_BYTES
         ), "decode states fit the stages"
         comptime assert DECODE_ROWS <= 8, "a decode block's rows are each lane's first row"
         comptime assert not (
@@ -406,29 +394,7 @@ struct MmaThread[
         self.next_scores = Frags[DType.float32, 4, Self.NTILES, Self.lanes](0)
         self.last_weights = Self.Softmax.Weights(0)
         self.score_scales = Frags[DType.float32, 4, 1, Self.lanes](0)
-        var visible = Frags[DType.int32, 2, 2, Self.lanes](0)
-        var rows = work.rows(args.group)
-        for l in range(Self.lanes):
-            comptime for h in range(2):
-                var r = Self.lane_row(tid, l, h)
-                var keys = SIMD[DType.int32, 2](1, 0)
-                if r < rows:
-                    var position = work.position(r, args.group)
-                    keys = SIMD[DType.int32, 2](
-                        Int32(args.visible_start(position)), Int32(min(position, work.kv_end - 1))
-                    )
-                visible[h, l] = keys
-        self.visible = visible^
-        var last_position = work.position(max(rows, 1) - 1, args.group)
-        self.unmasked = SIMD[DType.int32, 2](
-            Int32(args.visible_start(last_position)),
-            Int32(min(work.first_position, work.kv_end - 1)),
-        )
-
-    @always_inline
-    def state(self, warp: Int) -> F32Ptr:
-        """Decode: where warp `warp` leaves its state."""
-        return self.tiles.stages().unsafe_offset(warp * Self.STATE_FLOATS)
+        self.visible = Self.Visible(args, work, Self.first_row(tid), tid % WARP)
 
     def lane(self, l: Int) -> Int:
         return self.tid % WARP + l
@@ -561,11 +527,23 @@ struct MmaThread[
                     self.group_values(weights, arg)
                     warpgroup_wait()
             comptime if Self.decode and not Self.warp_heads:
-                self.save_state()
+                Self.Outputs.save_state(
+                    Self.Outputs.state(self.tiles.stages(), self.warp()),
+                    self.tid % WARP,
+                    self.o,
+                    self.softmax,
+                )
             else:
-                self.write_rows()
+                Self.Outputs.write_rows(
+                    self.args,
+                    self.work,
+                    Self.first_row(self.tid),
+                    self.tid % WARP,
+                    self.o,
+                    self.softmax,
+                )
         else:
-            self.combine()
+            Self.Outputs.combine(self.args, self.work, self.tiles.stages(), self.tid)
 
     @always_inline
     def read_score_scales(mut self):
@@ -614,34 +592,11 @@ struct MmaThread[
             warp_barrier[Self.lanes]()
 
     @always_inline
-    def tile_fully_visible(self, kv_start: Int) -> Bool:
-        """Whether every query row of the block sees every key of the tile
-        at `kv_start` (then nothing needs masking)."""
-        var first = Int32(kv_start)
-        return first >= self.unmasked[0] and first + Int32(Self.STEP - 1) <= self.unmasked[1]
-
-    @always_inline
     def mask(self, kv_start: Int, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]):
-        """-inf in place of the scores of keys a row does not see (causal,
-        window, the block's context range; every key for a padding row).
-        Lane l's value e of score n-tile n is key `8 n + e` from the lane's
-        first column."""
-        for l in range(Self.lanes):
-            # Unsigned: a signed remainder takes sign corrections, and
-            # their 64-bit lane spilled the TMA-fed prefill at head_dim 128.
-            var column = (
-                Int32(kv_start + self.warp_position()) + Int32(UInt32(self.lane(l)) % 4) * 2
-            )
-            comptime for h in range(Self.ROW_HALVES):
-                var first = self.visible[h, l][0] - column
-                var last = self.visible[h, l][1] - column
-                comptime for n in range(Self.NTILES):
-                    var c = s[n, l]
-                    comptime for e in range(2):
-                        comptime local = Int32(n * 8 + e)
-                        if local < first or local > last:
-                            c[2 * h + e] = NEG_INF
-                    s[n, l] = c
+        """-inf in place of the scores of keys a row does not see, on a tile
+        some row does not see whole (`..mma_mask`)."""
+        if not self.visible.whole(kv_start):
+            self.visible.mask(kv_start + self.warp_position(), self.tid % WARP, s)
 
     @always_inline
     def scores(mut self, kv_start: Int) -> Frags[DType.float32, 4, Self.NTILES, Self.lanes]:
@@ -668,8 +623,7 @@ struct MmaThread[
             self.warp_scores(self.tiles.queries(), self.tiles.tile(kv_start, KEYS), s)
         comptime if Self.scales_per_key:
             self.times_key_scales(kv_start, s)
-        if not self.tile_fully_visible(kv_start):
-            self.mask(kv_start, s)
+        self.mask(kv_start, s)
         return s^
 
     @always_inline
@@ -843,7 +797,7 @@ struct MmaThread[
         fragments widened from the codes in registers: lane (g, t) reads
         bytes `g D/8 ..< (g + 1) D/8` of value rows 2t, 2t + 1, 2t + 8 and
         2t + 9, and output n-tile n takes byte n of each (the outputs'
-        columns in `MmaTiles.output_dim`'s order)."""
+        columns in `mma_outputs.output_dim`'s order)."""
         comptime BYTES = Self.D // 8
         var rows = Array[SIMD[DType.uint8, BYTES], 4 * Self.lanes](fill=0)
         for l in range(Self.lanes):
@@ -940,8 +894,7 @@ struct MmaThread[
             warpgroup_commit()
             self.pass_turn()
             warpgroup_wait_groups[1]()
-        if not self.tile_fully_visible(kv_start):
-            self.mask(kv_start, s)
+        self.mask(kv_start, s)
         var factors = self.softmax_tile[deferred=True](kv_start, s)
         comptime if not first:
             warpgroup_wait_groups[0]()
@@ -1007,99 +960,3 @@ struct MmaThread[
             Self.split_operands(b, b0, b1)
             self.o.set(2 * n2, mma[Self.lanes, Self.PRODUCTS](a, b0, self.o.get(2 * n2)))
             self.o.set(2 * n2 + 1, mma[Self.lanes, Self.PRODUCTS](a, b1, self.o.get(2 * n2 + 1)))
-
-    @always_inline
-    def write_rows(self):
-        """Prefill, and decode with `warp_heads`: normalised outputs, or
-        this split's state for the merge: each lane writes two dims of each
-        of its rows per n-tile (`IN_REGISTERS`: its values of every n-tile,
-        which `MmaTiles.output_dim` puts in two runs of contiguous dims)."""
-        var rows = self.work.rows(self.args.group)
-        comptime for h in range(Self.ROW_HALVES):
-            var sums = self.softmax.row_sums(h)
-            for l in range(Self.lanes):
-                var lane = self.lane(l)
-                var r = Self.lane_row(self.tid, l, h)
-                if r < rows:
-                    comptime if Self.Tiles.IN_REGISTERS:
-                        # Value e of every n-tile: dims (2 t + e) D/8 + n
-                        # (`MmaTiles.output_dim`), DTILES contiguous dims.
-                        comptime for e in range(2):
-                            var dims = SIMD[DType.float32, Self.DTILES](0)
-                            comptime for n in range(Self.DTILES):
-                                dims[n] = self.o[n, l][2 * h + e]
-                            write_row_part[Self.D, Self.DTILES](
-                                self.args,
-                                self.work,
-                                r,
-                                (2 * (lane % 4) + e) * Self.DTILES,
-                                dims,
-                                self.softmax.row_max[h, l][0],
-                                sums[l],
-                                lane % 4 == 0 and e == 0,
-                            )
-                    else:
-                        comptime for n in range(Self.DTILES):
-                            var acc = self.o[n, l]
-                            write_row_part[Self.D, 2](
-                                self.args,
-                                self.work,
-                                r,
-                                n * 8 + 2 * (lane % 4),
-                                SIMD[DType.float32, 2](acc[2 * h], acc[2 * h + 1]),
-                                self.softmax.row_max[h, l][0],
-                                sums[l],
-                                n == 0 and lane % 4 == 0,
-                            )
-
-    @always_inline
-    def save_state(self):
-        """Decode: the warp's outputs, maxima and sums into shared memory."""
-        var state = self.state(self.warp())
-        comptime for h in range(Self.ROW_HALVES):
-            var sums = self.softmax.row_sums(h)
-            for l in range(Self.lanes):
-                var lane = self.lane(l)
-                var r = lane // 4 + 8 * h
-                comptime for n in range(Self.DTILES):
-                    var acc = self.o[n, l]
-                    var column = n * 8 + 2 * (lane % 4)
-                    comptime if Self.Tiles.IN_REGISTERS:
-                        comptime for e in range(2):
-                            state[
-                                unsafe_offset=r * Self.D + Self.Tiles.output_dim(column + e)
-                            ] = acc[2 * h + e]
-                    else:
-                        state.unsafe_store(
-                            r * Self.D + column, SIMD[DType.float32, 2](acc[2 * h], acc[2 * h + 1])
-                        )
-                if lane % 4 == 0:
-                    state[unsafe_offset=MMA_ROWS * Self.D + r] = self.softmax.row_max[h, l][0]
-                    state[unsafe_offset=MMA_ROWS * Self.D + MMA_ROWS + r] = sums[l]
-
-    @always_inline
-    def combine(self):
-        """Decode: every thread combines the warps' states of a few groups
-        of 4 dims of a row, each warp's rescaled from its max to the common
-        one, and writes them (normalised, or the split's state)."""
-        comptime QUADS = Self.D // 4
-        var rows = self.work.rows(self.args.group)
-        for l in range(Self.lanes):
-            for u in range(self.tid + l, MMA_ROWS * QUADS, BLOCK_THREADS):
-                var r = u // QUADS
-                var d = u % QUADS * 4
-                if r >= rows:
-                    continue
-                var best = NEG_INF
-                comptime for w in range(WARPS):
-                    best = max(best, self.state(w)[unsafe_offset=MMA_ROWS * Self.D + r])
-                var acc = SIMD[DType.float32, 4](0)
-                var total: Float32 = 0
-                comptime for w in range(WARPS):
-                    var state = self.state(w)
-                    var own = state[unsafe_offset=MMA_ROWS * Self.D + r]
-                    if own != NEG_INF:
-                        var weight = exp2(own - best)
-                        acc += weight * state.unsafe_load[width=4](r * Self.D + d)
-                        total += weight * state[unsafe_offset=MMA_ROWS * Self.D + MMA_ROWS + r]
-                write_row_part[Self.D, 4](self.args, self.work, r, d, acc, best, total, d == 0)

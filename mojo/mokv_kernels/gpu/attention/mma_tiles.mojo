@@ -281,13 +281,6 @@ struct MmaTiles[
         var k = column % 16
         return k % 8 // 2 * (Self.D // 4) + 4 * k_step + k // 8 * 2 + k % 2
 
-    @staticmethod
-    def output_dim(column: Int) -> Int:
-        """`IN_REGISTERS`: the dim of the values (and outputs) in column
-        `column` of a value product: lane g reads bytes `g * D / 8 ..` of
-        each value row (`MmaThread.code_values`), one per n-tile."""
-        return column % 8 * (Self.D // 8) + column // 8
-
     @always_inline
     def queries(self) -> BF16Ptr:
         return self.smem()
