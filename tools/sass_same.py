@@ -9,8 +9,10 @@ memory, ...): kernels with one marker are paired by their code where they can be
 order an op instantiates them in may change), the rest in order. Each is compiled by
 ptxas and listed by nvdisasm, and two listings are the same when their instructions
 are, addresses and the symbol names Mojo mangles from a package's path aside. Prints
-the kernels that differ, those only in one build, and a count; exits 1 where a kernel
-of both builds differs.
+the kernels that differ, each with how (the same instructions on other registers or in
+another order, which is ptxas scheduling and allocating otherwise, or the opcodes one
+build has more of), those only in one build, and a count; exits 1 where a kernel of
+both builds differs.
 
 Needs ptxas and nvdisasm (`NVDISASM=path`, as `tools/sass_loops.py`).
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +33,9 @@ from sass_loops import INSTRUCTION, kernel_sass
 
 MANGLED = re.compile(r"\bmokv_kernels\w*")
 """A symbol Mojo names after the kernel package (its path and a hash enter it)."""
+NAMED = re.compile(r"\bU?[RPB]\d+\b|\.L_x_\d+")
+"""Names ptxas picks freely: numbered registers (general, predicate, barrier, uniform)
+and branch labels."""
 
 
 def instructions(listing: str) -> list[str]:
@@ -49,9 +55,41 @@ def kernels(ptx_modules: Iterable[str]) -> dict[tuple[str, int], str]:
     return found
 
 
+def opcode(instruction: str) -> str:
+    """An instruction's opcode, its guard (`@P0`) aside."""
+    words = instruction.split()
+    return words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+
+
+def free_choices_aside(instruction: str) -> str:
+    """An instruction with what ptxas picks freely blanked: its names (`NAMED`) and
+    operand-reuse flags."""
+    return NAMED.sub("_", instruction.replace(".reuse", ""))
+
+
+def how_they_differ(before: list[str], after: list[str]) -> str:
+    """How two listings of one kernel differ: only in what ptxas picks freely (registers,
+    order), or in the opcodes one has more of than the other."""
+    if Counter(map(free_choices_aside, before)) == Counter(map(free_choices_aside, after)):
+        return f"the same {len(before)} instructions, registers and order aside"
+    opcodes_before, opcodes_after = Counter(map(opcode, before)), Counter(map(opcode, after))
+    more = ", ".join(f"{name} +{n}" for name, n in sorted((opcodes_after - opcodes_before).items()))
+    fewer = ", ".join(f"{name} -{n}" for name, n in sorted((opcodes_before - opcodes_after).items()))
+    changes = "; ".join(part for part in (more, fewer) if part) or "the same opcodes, other operands"
+    return f"{len(before)} -> {len(after)} instructions: {changes}"
+
+
+@dataclass
+class Difference:
+    before: tuple[str, int]
+    after: tuple[str, int]
+    how: str
+    """`how_they_differ`."""
+
+
 @dataclass
 class Comparison:
-    differ: list[tuple[str, int]]
+    differ: list[Difference]
     only_before: list[tuple[str, int]]
     only_after: list[tuple[str, int]]
     same: int
@@ -76,7 +114,10 @@ def compare(
                 unpaired_after.remove(twin)
                 result.same += 1
         paired = min(len(unpaired_before), len(unpaired_after))
-        result.differ += unpaired_before[:paired]
+        result.differ += [
+            Difference(old, new, how_they_differ(code_before[old], code_after[new]))
+            for old, new in zip(unpaired_before[:paired], unpaired_after[:paired], strict=True)
+        ]
         result.only_before += unpaired_before[paired:]
         result.only_after += unpaired_after[paired:]
     return result
@@ -95,8 +136,8 @@ def main(argv: list[str]) -> int:
         return 2
     before, after = (kernels(m.decode() for m in modules(Path(path).read_bytes())) for path in argv)
     result = compare(before, after, kernel_sass)
-    for key in result.differ:
-        print(f"differs: {label(key)}")
+    for difference in result.differ:
+        print(f"differs: {label(difference.before)}: {difference.how}")
     for key in result.only_before:
         print(f"only before: {label(key)}")
     for key in result.only_after:

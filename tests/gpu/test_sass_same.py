@@ -47,7 +47,11 @@ def test_same_code_at_other_addresses_and_package_paths_is_the_same():
     }
     result = sass_same.compare(before, after, lambda code: listings[code.splitlines()[-1]])
     # "new" adds a NOP: it differs; the merge reads another register: it differs too.
-    assert [key[0].split()[2] for key in result.differ] == ["decode_mma", "merge"]
+    assert [d.before[0].split()[2] for d in result.differ] == ["decode_mma", "merge"]
+    assert [d.how for d in result.differ] == [
+        "3 -> 4 instructions: NOP +1",
+        "the same 2 instructions, registers and order aside",
+    ]
     assert [key[0].split()[2] for key in result.only_after] == ["decode_mma_heads"]
     listings["new"] = listing("HMMA.16816.F32.BF16 R20, R92, R96, RZ", "FADD R1, R2, R3", package="mokv_kernels_x_C3")
     listings["new-merge"] = listings["old-merge"]
@@ -62,4 +66,16 @@ def test_kernels_of_one_marker_built_in_another_order_are_the_same():
     listings = {name: listing(f"FADD R1, R2, R{i}") for i, name in enumerate("abcd")}
     result = sass_same.compare(before, after, lambda code: listings[code.splitlines()[-1]])
     assert result.same == 2
-    assert [key[1] for key in result.differ] == [2]
+    assert [(d.before[1], d.after[1]) for d in result.differ] == [(2, 2)]
+
+
+def test_a_difference_says_whether_only_registers_and_order_changed():
+    before = ["@P0 IMAD R4, R2, R3, RZ", "LDC.64 R30, c[0x0][0x380]", "@!P1 BRA `(.L_x_7)", "FADD R1, R30.reuse, R2"]
+    reordered = ["LDC.64 R24, c[0x0][0x380]", "@P2 IMAD R6, R2, R3, RZ", "FADD R1, R24, R2", "@!P3 BRA `(.L_x_9)"]
+    assert sass_same.how_they_differ(before, reordered) == "the same 4 instructions, registers and order aside"
+    # A constant, an opcode and a guard are not ptxas's free choices.
+    other_constant = [*reordered[:1], "@P2 IMAD R6, R2, R3, 0x4", *reordered[2:]]
+    assert sass_same.how_they_differ(before, other_constant) == "4 -> 4 instructions: the same opcodes, other operands"
+    assert sass_same.how_they_differ(before, [*before[:3], "FMUL R1, R30, R2", "FMUL R5, R6, R7"]) == (
+        "4 -> 5 instructions: FMUL +2; FADD -1"
+    )
