@@ -74,7 +74,7 @@ from mokv_examples.bench.timing import CopyProbe, GpuCopyProbe, time_alternately
 
 PREFILL_KERNEL = "MOKV_PREFILL_KERNEL"
 ATTENTION_SPLITS = "MOKV_ATTENTION_SPLITS"
-SPLIT_SWEEP = (1, 2, 3, 4, 6, 8, 16, 32, 64)
+SPLIT_SWEEP = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)
 """Split counts a GPU decode row is timed at beside the planner's (those
 the context allows: one split per 256 tokens at most)."""
 MIN_SPLIT_TOKENS = 256
