@@ -5,7 +5,7 @@ lines) and raw little-endian arrays `DIR/<name>.bin` written by
 
 from std.sys import size_of
 
-from mokv_kernels.gpu.warp import WARP_LANES
+from mokv_kernels.gpu.warp import WARP
 
 
 struct Call:
@@ -49,21 +49,21 @@ def bytes_ptr[dtype: DType](mut bytes: List[UInt8]) -> Pointer[Scalar[dtype], Mu
 
 def lane_values[
     dtype: DType, width: Int
-](mut bytes: List[UInt8]) -> Array[SIMD[dtype, width], WARP_LANES]:
+](mut bytes: List[UInt8]) -> Array[SIMD[dtype, width], WARP]:
     """Every lane's `width` values, lane-major."""
-    var values = Array[SIMD[dtype, width], WARP_LANES](fill=0)
+    var values = Array[SIMD[dtype, width], WARP](fill=0)
     var p = bytes_ptr[dtype](bytes)
-    for l in range(WARP_LANES):
+    for l in range(WARP):
         values[l] = p.unsafe_load[width=width](l * width)
     return values^
 
 
 def write_lane_values[
     dtype: DType, width: Int
-](call: Call, values: Array[SIMD[dtype, width], WARP_LANES]) raises:
+](call: Call, values: Array[SIMD[dtype, width], WARP]) raises:
     """Every lane's `width` values, lane-major, as the call's `out.bin`."""
-    var out = List[UInt8](length=WARP_LANES * width * size_of[Scalar[dtype]](), fill=0)
+    var out = List[UInt8](length=WARP * width * size_of[Scalar[dtype]](), fill=0)
     var p = bytes_ptr[dtype](out)
-    for l in range(WARP_LANES):
+    for l in range(WARP):
         p.unsafe_store(l * width, values[l])
     call.write("out", out)

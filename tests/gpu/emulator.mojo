@@ -44,7 +44,7 @@ from mokv_kernels.gpu.quantized import (
 from mokv_kernels.gpu.rows import gather_rows_gpu, store_kv_gpu
 from mokv_kernels.kv_quantization import codes_in, is_quantized
 from mokv_kernels.gpu.views import InputView, MutableView, OutputView, row_major
-from mokv_kernels.gpu.warp import WARP_LANES, FragA, Frags, ld_matrix, mma, shuffle_xor
+from mokv_kernels.gpu.warp import WARP, FragA, Frags, ld_matrix, mma, shuffle_xor
 
 from call_files import Call, bytes_ptr, lane_values, write_lane_values
 from warp_steps import WarpSteps, box_tensor, run_warp_step, start_boxes, wgmma_product
@@ -239,27 +239,27 @@ struct EmulatedSteps(WarpSteps):
         var b = lane_values[DType.bfloat16, 4](b_bytes)
         var c = lane_values[DType.float32, 4](c_bytes)
         if call.int("float16") != 0:
-            write_lane_values[DType.float32, 4](call, mma[WARP_LANES, DType.float16](a, b, c))
+            write_lane_values[DType.float32, 4](call, mma[WARP, DType.float16](a, b, c))
         else:
-            write_lane_values[DType.float32, 4](call, mma[WARP_LANES](a, b, c))
+            write_lane_values[DType.float32, 4](call, mma[WARP](a, b, c))
 
     def shuffle_xor(mut self, call: Call) raises:
         var values = call.read("values")
         write_lane_values[DType.float32, 1](
-            call, shuffle_xor[WARP_LANES](lane_values[DType.float32, 1](values), call.int("mask"))
+            call, shuffle_xor[WARP](lane_values[DType.float32, 1](values), call.int("mask"))
         )
 
     def ld_matrix[count: Int, transpose: Bool](mut self, call: Call) raises:
         var smem = call.read("smem")
         var rows_bytes = call.read("rows")
         var rows = bytes_ptr[DType.uint32](rows_bytes)
-        var addresses = Array[BF16Ptr, WARP_LANES](fill=bytes_ptr[DType.bfloat16](smem))
-        for l in range(WARP_LANES):
+        var addresses = Array[BF16Ptr, WARP](fill=bytes_ptr[DType.bfloat16](smem))
+        for l in range(WARP):
             addresses[l] = bytes_ptr[DType.bfloat16](smem).unsafe_offset(
                 Int(rows[unsafe_offset=l]) * 8
             )
         write_lane_values[DType.bfloat16, 2 * count](
-            call, ld_matrix[count, transpose, WARP_LANES](addresses)
+            call, ld_matrix[count, transpose, WARP](addresses)
         )
         _ = smem^
         _ = rows_bytes^
@@ -270,13 +270,13 @@ struct EmulatedSteps(WarpSteps):
         var b_tile = call.read("b_tile")
         var c_bytes = call.read("c")
         var c = lane_values[DType.float32, n // 2](c_bytes)
-        var d = Frags[DType.float32, 4, n // 8, WARP_LANES](0)
-        for l in range(WARP_LANES):
+        var d = Frags[DType.float32, 4, n // 8, WARP](0)
+        for l in range(WARP):
             comptime for i in range(n // 8):
                 d[i, l] = c[l].slice[4, offset=4 * i]()
         var a_shared = call.int("a_shared") == 1
         var a_bytes = List[UInt8]() if a_shared else call.read("a")
-        var a = Array[FragA, WARP_LANES](fill=0)
+        var a = Array[FragA, WARP](fill=0)
         if not a_shared:
             a = lane_values[DType.bfloat16, 8](a_bytes)
         wgmma_product[n](
@@ -289,8 +289,8 @@ struct EmulatedSteps(WarpSteps):
             call.int("k_step"),
             call.int("warp"),
         )
-        var out = Array[SIMD[DType.float32, n // 2], WARP_LANES](fill=0)
-        for l in range(WARP_LANES):
+        var out = Array[SIMD[DType.float32, n // 2], WARP](fill=0)
+        for l in range(WARP):
             comptime for i in range(n // 8):
                 out[l] = out[l].insert[offset=4 * i](d[i, l])
         write_lane_values[DType.float32, n // 2](call, out)
@@ -306,7 +306,7 @@ struct EmulatedSteps(WarpSteps):
             phases.arrive[1]()
         for _ in range(call.int("second")):
             phases.arrive[1]()
-        var out = Array[SIMD[DType.uint32, 2], WARP_LANES](
+        var out = Array[SIMD[DType.uint32, 2], WARP](
             fill=SIMD[DType.uint32, 2](
                 UInt32(1 if phases.is_complete(0) else 0), UInt32(1 if phases.is_complete(1) else 0)
             )

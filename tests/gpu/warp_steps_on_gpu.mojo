@@ -23,7 +23,7 @@ from mokv_kernels.gpu.copy import SharedMemory, shared_memory
 from mokv_kernels.gpu.block import GpuLauncher
 from mokv_kernels.gpu.mbarrier import BARRIER_BYTES, SharedBarrier
 from mokv_kernels.gpu.warp import (
-    WARP_LANES,
+    WARP,
     FragA,
     FragB,
     FragC,
@@ -109,7 +109,7 @@ def _mma[dtype: DType](ctx: DeviceContext, call: Call) raises:
     var a = _ptr(a_buffer)
     var b = _ptr(b_buffer)
     var c = _ptr(c_buffer)
-    var out = ctx.enqueue_create_buffer[DType.float32](WARP_LANES * 4)
+    var out = ctx.enqueue_create_buffer[DType.float32](WARP * 4)
     var d = _ptr(out)
 
     def run() {var a, var b, var c, var d}:
@@ -121,8 +121,8 @@ def _mma[dtype: DType](ctx: DeviceContext, call: Call) raises:
         )
         d.unsafe_store(4 * lane, result[0])
 
-    ctx.enqueue_function(run, grid_dim=1, block_dim=WARP_LANES)
-    _write_out(ctx, call, out, WARP_LANES * 4)
+    ctx.enqueue_function(run, grid_dim=1, block_dim=WARP)
+    _write_out(ctx, call, out, WARP * 4)
     _ = a_buffer^
     _ = b_buffer^
     _ = c_buffer^
@@ -131,7 +131,7 @@ def _mma[dtype: DType](ctx: DeviceContext, call: Call) raises:
 def _shuffle_xor(ctx: DeviceContext, call: Call) raises:
     var values_buffer = _input[DType.float32](ctx, call, "values")
     var values = _ptr(values_buffer)
-    var out = ctx.enqueue_create_buffer[DType.float32](WARP_LANES)
+    var out = ctx.enqueue_create_buffer[DType.float32](WARP)
     var d = _ptr(out)
     var mask = Int32(call.int("mask"))  # a kernel argument: a fixed-width integer
 
@@ -141,8 +141,8 @@ def _shuffle_xor(ctx: DeviceContext, call: Call) raises:
             Array[Float32, 1](fill=values[unsafe_offset=lane]), Int(mask)
         )[0]
 
-    ctx.enqueue_function(run, grid_dim=1, block_dim=WARP_LANES)
-    _write_out(ctx, call, out, WARP_LANES)
+    ctx.enqueue_function(run, grid_dim=1, block_dim=WARP)
+    _write_out(ctx, call, out, WARP)
     _ = values_buffer^
 
 
@@ -152,19 +152,19 @@ def _ld_matrix[count: Int, transpose: Bool](ctx: DeviceContext, call: Call) rais
     var rows_buffer = _input[DType.uint32](ctx, call, "rows")
     var smem = _ptr(smem_buffer)
     var rows = _ptr(rows_buffer)
-    var out = ctx.enqueue_create_buffer[DType.bfloat16](WARP_LANES * 2 * count)
+    var out = ctx.enqueue_create_buffer[DType.bfloat16](WARP * 2 * count)
     var d = _ptr(out)
 
     def run() {var smem, var rows, var d}:
         var lane = Int(thread_idx.x)
         var shared = _shared_bf16()
-        _fill_shared(shared, smem, SMEM, WARP_LANES)
+        _fill_shared(shared, smem, SMEM, WARP)
         var row = shared.unsafe_offset(Int(rows[unsafe_offset=lane]) * 8)
         var result = ld_matrix[count, transpose, 1](Array[BF16Ptr, 1](fill=row))
         d.unsafe_store(2 * count * lane, result[0])
 
-    ctx.enqueue_function(run, grid_dim=1, block_dim=WARP_LANES, shared_mem_bytes=SMEM * 2)
-    _write_out(ctx, call, out, WARP_LANES * 2 * count)
+    ctx.enqueue_function(run, grid_dim=1, block_dim=WARP, shared_mem_bytes=SMEM * 2)
+    _write_out(ctx, call, out, WARP * 2 * count)
     _ = smem_buffer^
     _ = rows_buffer^
 
@@ -174,14 +174,14 @@ def _wgmma[n: Int](ctx: DeviceContext, call: Call) raises:
     var a_tile_buffer = _input[DType.bfloat16](ctx, call, "a_tile")
     var b_tile_buffer = _input[DType.bfloat16](ctx, call, "b_tile")
     var c_buffer = _input[DType.float32](ctx, call, "c")
-    var a_buffer = ctx.enqueue_create_buffer[DType.bfloat16](WARP_LANES * 8)
+    var a_buffer = ctx.enqueue_create_buffer[DType.bfloat16](WARP * 8)
     if not a_shared:
         a_buffer = _input[DType.bfloat16](ctx, call, "a")
     var a_tile = _ptr(a_tile_buffer)
     var b_tile = _ptr(b_tile_buffer)
     var c = _ptr(c_buffer)
     var a = _ptr(a_buffer)
-    var out = ctx.enqueue_create_buffer[DType.float32](WARP_LANES * n // 2)
+    var out = ctx.enqueue_create_buffer[DType.float32](WARP * n // 2)
     var d = _ptr(out)
     var k_major = call.int("b_major") == 1
     var step = Int32(call.int("k_step"))  # kernel arguments: fixed-width integers
@@ -190,10 +190,10 @@ def _wgmma[n: Int](ctx: DeviceContext, call: Call) raises:
     def run() {
         var a_tile, var b_tile, var c, var a, var d, var a_shared, var k_major, var step, var warp
     }:
-        var lane = Int(thread_idx.x) % WARP_LANES
+        var lane = Int(thread_idx.x) % WARP
         var shared = _shared_bf16()
-        _fill_shared(shared, a_tile, TILE, 4 * WARP_LANES)
-        _fill_shared(shared.unsafe_offset(TILE), b_tile, TILE, 4 * WARP_LANES)
+        _fill_shared(shared, a_tile, TILE, 4 * WARP)
+        _fill_shared(shared.unsafe_offset(TILE), b_tile, TILE, 4 * WARP)
         var acc = Frags[DType.float32, 4, n // 8, 1](0)
         comptime for i in range(n // 8):
             acc[i, 0] = c.unsafe_load[width=4](lane * n // 2 + 4 * i)
@@ -202,12 +202,12 @@ def _wgmma[n: Int](ctx: DeviceContext, call: Call) raises:
         warpgroup_arrive()
         wgmma_product[n](shared, keys_or_values, fragment, acc, a_shared, k_major, Int(step), 0)
         warpgroup_wait()
-        if Int(thread_idx.x) // WARP_LANES == Int(warp):
+        if Int(thread_idx.x) // WARP == Int(warp):
             comptime for i in range(n // 8):
                 d.unsafe_store(lane * n // 2 + 4 * i, acc[i, 0])
 
-    ctx.enqueue_function(run, grid_dim=1, block_dim=4 * WARP_LANES, shared_mem_bytes=2 * TILE * 2)
-    _write_out(ctx, call, out, WARP_LANES * n // 2)
+    ctx.enqueue_function(run, grid_dim=1, block_dim=4 * WARP, shared_mem_bytes=2 * TILE * 2)
+    _write_out(ctx, call, out, WARP * n // 2)
     _ = a_tile_buffer^
     _ = b_tile_buffer^
     _ = c_buffer^
@@ -215,7 +215,7 @@ def _wgmma[n: Int](ctx: DeviceContext, call: Call) raises:
 
 
 def _mbarrier(ctx: DeviceContext, call: Call) raises:
-    var out = ctx.enqueue_create_buffer[DType.uint32](2 * WARP_LANES)
+    var out = ctx.enqueue_create_buffer[DType.uint32](2 * WARP)
     var d = _ptr(out)
     # Kernel arguments: fixed-width integers.
     var count = Int32(call.int("count"))
@@ -237,8 +237,8 @@ def _mbarrier(ctx: DeviceContext, call: Call) raises:
         d[unsafe_offset=2 * lane] = UInt32(1 if phases.is_complete(0) else 0)
         d[unsafe_offset=2 * lane + 1] = UInt32(1 if phases.is_complete(1) else 0)
 
-    ctx.enqueue_function(run, grid_dim=1, block_dim=WARP_LANES, shared_mem_bytes=BARRIER_BYTES)
-    _write_out(ctx, call, out, 2 * WARP_LANES)
+    ctx.enqueue_function(run, grid_dim=1, block_dim=WARP, shared_mem_bytes=BARRIER_BYTES)
+    _write_out(ctx, call, out, 2 * WARP)
 
 
 comptime BOX_POLLS = 1 << 22
@@ -264,7 +264,7 @@ def _box(ctx: DeviceContext, call: Call) raises:
         var shared = SharedMemory.of(shared_memory().unsafe_bitcast[UInt8]())
         var landed = SharedBarrier(shared, 4 * Int(words))
         var smem = shared.generic.unsafe_bitcast[UInt32]()
-        for i in range(lane, Int(words), WARP_LANES):
+        for i in range(lane, Int(words), WARP):
             smem[unsafe_offset=i] = 0xFFFFFFFF
         if lane == 0:
             landed.init(1)
@@ -280,13 +280,13 @@ def _box(ctx: DeviceContext, call: Call) raises:
                 done = True
                 break
         barrier()
-        for i in range(lane, Int(words), WARP_LANES):
+        for i in range(lane, Int(words), WARP):
             d[unsafe_offset=i] = smem[unsafe_offset=i]
         if lane == 0:
             d[unsafe_offset=Int(words)] = UInt32(1 if done else 0)
 
     ctx.enqueue_function(
-        run, grid_dim=1, block_dim=WARP_LANES, shared_mem_bytes=shared_bytes + BARRIER_BYTES
+        run, grid_dim=1, block_dim=WARP, shared_mem_bytes=shared_bytes + BARRIER_BYTES
     )
     _write_out(ctx, call, out, shared_bytes // 4 + 1)
     _ = tensor_buffer^

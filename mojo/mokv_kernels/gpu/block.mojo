@@ -44,7 +44,7 @@ from std.utils.static_tuple import StaticTuple
 from ..pointers import F32Ptr
 from .copy import shared_memory
 from .tensor_map import MAP_ALIGNMENT, MAPS_BYTES, PageMaps, PageTensor, describe_pages
-from .warp import WARP_LANES
+from .warp import WARP
 
 
 comptime DEFAULT_SHARED_BYTES = 48 * 1024
@@ -112,7 +112,7 @@ trait KernelT(TrivialRegisterPassable):
     registers, spilling if it must): 1 leaves it free to take up to 255."""
     comptime LANES: Int = 1
     """Threads one program stands for: 1, or under the emulator a whole
-    warp (`warp.WARP_LANES`) for a kernel with warp-collective steps, whose
+    warp (`warp.WARP`) for a kernel with warp-collective steps, whose
     registers are then every lane's (`warp`). On a GPU always 1."""
     comptime NAME: StaticString
     """What the kernel is, as `tools/check_gpu_build.sh --registers` reports
@@ -369,7 +369,7 @@ struct Emulator(Launcher):
     grid's x, y and z, so tests see which kernels an op chose and how it cut
     the work for them."""
 
-    comptime LANES = WARP_LANES
+    comptime LANES = WARP
 
     var scratch_buffers: List[List[Float32]]
     var num_multiprocessors: Int

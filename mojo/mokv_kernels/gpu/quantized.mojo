@@ -34,7 +34,7 @@ from ..kv_quantization import code_max, encode, is_quantized, widen, widened_uni
 from .block import BlockExecutor, BlockId, KernelT, Launcher
 from .codes import as_values
 from .rows import ROW_THREADS, EachThread, RowKernelBody, row_in_cache, row_of
-from .warp import WARP_LANES, shuffle_xor
+from .warp import WARP, shuffle_xor
 
 comptime W = 8
 """Elements a thread quantizes at once, in aligned vectors: the store takes
@@ -151,8 +151,8 @@ def quantize_fresh_block[
     warps); lanes past the last granule carry a zero."""
     comptime assert (
         GRANULE_LANES == 1 << GRANULE_STEPS
-        and WARP_LANES % GRANULE_LANES == 0
-        and ROW_THREADS % WARP_LANES == 0
+        and WARP % GRANULE_LANES == 0
+        and ROW_THREADS % WARP == 0
     ), "lane layout"
     comptime dtype = cache_t.dtype
     var table = cache.scales()

@@ -40,7 +40,9 @@ from std.sys.info import is_nvidia_gpu
 
 from ..pointers import BF16Ptr
 
-comptime WARP_LANES = 32
+comptime WARP = 32
+"""Threads (lanes) of an NVIDIA warp, the unit the kernels' row layouts are cut
+in: one program under the emulator."""
 comptime NOT_NVIDIA = "mma.sync and ldmatrix exist only on NVIDIA GPUs (Launcher.tensor_cores)"
 comptime MMA_ROWS = 16
 """Rows of an m16n8k16 product's A and C: one warp's query rows."""
@@ -58,7 +60,7 @@ comptime FragC = SIMD[DType.float32, 4]
 
 def check_lanes[lanes: Int]():
     """A program is one thread (on a GPU) or one warp (emulated)."""
-    comptime assert lanes == 1 or lanes == WARP_LANES, "a program is one thread or one warp"
+    comptime assert lanes == 1 or lanes == WARP, "a program is one thread or one warp"
 
 
 @always_inline
@@ -107,7 +109,7 @@ def ld_matrix[
             abort(NOT_NVIDIA)
     else:
         out = rebind[Array[SIMD[DType.bfloat16, 2 * count], lanes]](
-            _emulated_ld_matrix[count, transpose](rebind[Array[BF16Ptr, WARP_LANES]](rows))
+            _emulated_ld_matrix[count, transpose](rebind[Array[BF16Ptr, WARP]](rows))
         ).copy()
     return out^
 
@@ -134,9 +136,9 @@ def mma[
     else:
         d = rebind[Array[FragC, lanes]](
             _emulated_mma[dtype](
-                rebind[Array[FragA, WARP_LANES]](a),
-                rebind[Array[FragB, WARP_LANES]](b),
-                rebind[Array[FragC, WARP_LANES]](c),
+                rebind[Array[FragA, WARP]](a),
+                rebind[Array[FragB, WARP]](b),
+                rebind[Array[FragC, WARP]](c),
             )
         ).copy()
     return d^
@@ -145,11 +147,11 @@ def mma[
 @no_inline
 def _emulated_ld_matrix[
     count: Int, transpose: Bool
-](rows: Array[BF16Ptr, WARP_LANES]) -> Array[SIMD[DType.bfloat16, 2 * count], WARP_LANES]:
+](rows: Array[BF16Ptr, WARP]) -> Array[SIMD[DType.bfloat16, 2 * count], WARP]:
     """Every lane's `ld_matrix` result (a call, not inlined: the emulator's
     build would otherwise copy it into every step of every kernel)."""
-    var out = Array[SIMD[DType.bfloat16, 2 * count], WARP_LANES](fill=0)
-    for l in range(WARP_LANES):
+    var out = Array[SIMD[DType.bfloat16, 2 * count], WARP](fill=0)
+    for l in range(WARP):
         for i in range(count):
             for e in range(2):
                 if transpose:
@@ -162,13 +164,11 @@ def _emulated_ld_matrix[
 @no_inline
 def _emulated_mma[
     dtype: DType
-](a: Array[FragA, WARP_LANES], b: Array[FragB, WARP_LANES], c: Array[FragC, WARP_LANES]) -> Array[
-    FragC, WARP_LANES
-]:
+](a: Array[FragA, WARP], b: Array[FragB, WARP], c: Array[FragC, WARP]) -> Array[FragC, WARP]:
     """Every lane's `mma` result: each D element from the lanes and values
     that hold its row of A and its column of B."""
-    var d = Array[FragC, WARP_LANES](fill=0)
-    for l in range(WARP_LANES):
+    var d = Array[FragC, WARP](fill=0)
+    for l in range(WARP):
         var g = l // 4
         var t = l % 4
         for e in range(4):

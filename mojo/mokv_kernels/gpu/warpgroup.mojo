@@ -45,7 +45,7 @@ from std.sys._assembly import inlined_assembly
 from std.sys.info import is_nvidia_gpu
 
 from ..pointers import BF16Ptr
-from .warp import WARP_LANES, FragA, Frags, check_lanes
+from .warp import WARP, FragA, Frags, check_lanes
 
 comptime SWIZZLE_BYTES = 128
 """Bytes of a swizzled row: 64 bfloat16 columns."""

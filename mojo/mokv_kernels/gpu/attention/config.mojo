@@ -4,10 +4,10 @@ split over several blocks (split-K)."""
 
 from std.utils.numerics import neg_inf
 
+from ..warp import WARP
+
 comptime BLOCK_THREADS = 128
 """Threads of an attention block: four warps."""
-comptime WARP = 32
-"""Threads of an NVIDIA warp, the unit the kernels' row layouts are cut in."""
 comptime WARPS = BLOCK_THREADS // WARP
 comptime DECODE_ROWS = 8
 """Query rows of a decode block: one token times a GQA group of up to 8."""

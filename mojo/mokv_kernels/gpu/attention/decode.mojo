@@ -45,7 +45,8 @@ from ...pointers import CachePtr, F32Ptr, ScalePtr
 from ...kv_quantization import is_quantized
 from ..codes import as_values, head_scales
 from ..block import BlockExecutor, BlockId, KernelT, ThreadProgram
-from .config import BLOCK_THREADS, DECODE_ROWS, NEG_INF, QUANTIZED_CHUNK, WARP, WARPS
+from ..warp import WARP
+from .config import BLOCK_THREADS, DECODE_ROWS, NEG_INF, QUANTIZED_CHUNK, WARPS
 from .plan import KernelFit
 from .softmax import TileSoftmax
 from .work import (

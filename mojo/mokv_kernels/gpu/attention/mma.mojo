@@ -121,7 +121,7 @@ from ..block import ThreadProgram
 from ..codes import codes_as_float16
 from ..copy import wait_copies
 from ..mbarrier import BARRIER_BYTES
-from ..warp import MMA_ROWS, FragA, FragB, Frags, each_lane, ld_matrix, mma, warp_barrier
+from ..warp import MMA_ROWS, WARP, FragA, FragB, Frags, each_lane, ld_matrix, mma, warp_barrier
 from ..warpgroup import (
     WARPGROUP_ROWS,
     WARPGROUP_WARPS,
@@ -135,7 +135,7 @@ from ..warpgroup import (
     wgmma_rs,
     wgmma_ss,
 )
-from .config import BLOCK_THREADS, DECODE_ROWS, WARP, WARPS
+from .config import BLOCK_THREADS, DECODE_ROWS, WARPS
 from .mma_mask import VisibleKeys
 from .mma_outputs import MmaOutputs
 from .mma_softmax import RowSoftmax

@@ -20,7 +20,8 @@ from ...cache.traits import KVCacheT
 from ...pointers import F32Ptr
 from ..block import BlockExecutor, BlockId, KernelT
 from ..warpgroup import set_warpgroup_registers
-from .config import DECODE_ROWS, WARP, WARPS
+from ..warp import WARP
+from .config import DECODE_ROWS, WARPS
 from .mma import (
     COMBINE,
     COMPUTE_TILE,

@@ -57,8 +57,9 @@ from ..copy import SharedMemory, commit_copies, start_copy, zero_16
 from ..rows import row_in_table_page, table_page
 
 from ..warpgroup import SWIZZLE_ALIGNMENT, SWIZZLE_COLUMNS
+from ..warp import WARP
 
-from .config import DECODE_ROWS, QUANTIZED_CHUNK, WARP
+from .config import DECODE_ROWS, QUANTIZED_CHUNK
 from .work import AttentionArgs, BlockWork, row_offset
 
 comptime TILE_KEYS = 64

@@ -14,7 +14,8 @@ from ...cache.traits import KVCacheT
 from ...kv_quantization import is_quantized
 from ..codes import as_values, head_scales
 from ..block import BlockExecutor, BlockId, KernelT, ThreadProgram
-from .config import BLOCK_THREADS, NEG_INF, WARP, WARPS
+from ..warp import WARP
+from .config import BLOCK_THREADS, NEG_INF, WARPS
 from .plan import KernelFit
 from .softmax import TileSoftmax
 from .work import (

@@ -26,7 +26,7 @@ from ..mbarrier import BARRIER_BYTES, SharedBarrier
 from ..rows import table_page
 from ..tensor_map import CHUNK_ROWS, acquire_maps, start_box
 from ..warpgroup import SWIZZLE_BYTES, SWIZZLE_COLUMNS, WARPGROUP_WARPS, async_proxy_fence
-from .config import WARP
+from ..warp import WARP
 from .mma_tiles import KEYS, MmaTiles, ring_stage
 from .work import AttentionArgs, BlockWork
 
