@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ptx_registers import KERNEL, marker_label, modules
-from sass_loops import INSTRUCTION, kernel_sass
+from sass_loops import INSTRUCTION, kernel_sass, opcode
 
 MANGLED = re.compile(r"\bmokv_kernels\w*")
 """A symbol Mojo names after the kernel package (its path and a hash enter it)."""
@@ -53,12 +53,6 @@ def kernels(ptx_modules: Iterable[str]) -> dict[tuple[str, int], str]:
         n = sum(1 for key in found if key[0] == marker.group(0))
         found[(marker.group(0), n)] = ptx
     return found
-
-
-def opcode(instruction: str) -> str:
-    """An instruction's opcode, its guard (`@P0`) aside."""
-    words = instruction.split()
-    return words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
 
 
 def free_choices_aside(instruction: str) -> str:
