@@ -58,6 +58,14 @@ comptime FragC = SIMD[DType.float32, 4]
 """A thread's share of a C or D operand (16 x 8 float32)."""
 
 
+@always_inline
+def fragment_row(first_row: Int, lane: Int, h: Int) -> Int:
+    """The row of lane `lane`'s C fragment values `2 h` and `2 h + 1` (`g`,
+    or `g + 8`, in the layout above) in a tile where the product's rows start
+    at `first_row`."""
+    return first_row + lane // 4 + 8 * h
+
+
 def check_lanes[lanes: Int]():
     """A program is one thread (on a GPU) or one warp (emulated)."""
     comptime assert lanes == 1 or lanes == WARP, "a program is one thread or one warp"

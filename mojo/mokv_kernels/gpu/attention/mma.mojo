@@ -121,7 +121,18 @@ from ..block import ThreadProgram
 from ..codes import codes_as_float16
 from ..copy import wait_copies
 from ..mbarrier import BARRIER_BYTES
-from ..warp import MMA_ROWS, WARP, FragA, FragB, Frags, each_lane, ld_matrix, mma, warp_barrier
+from ..warp import (
+    MMA_ROWS,
+    WARP,
+    FragA,
+    FragB,
+    Frags,
+    each_lane,
+    ld_matrix,
+    mma,
+    warp_barrier,
+    fragment_row,
+)
 from ..warpgroup import (
     WARPGROUP_ROWS,
     WARPGROUP_WARPS,
@@ -416,7 +427,7 @@ struct MmaThread[
     def lane_row(tid: Int, l: Int, h: Int) -> Int:
         """The query row of lane `l`'s (of the program at thread `tid`)
         fragment values `2 h` and `2 h + 1` (`..warp`'s C layout)."""
-        return Self.first_row(tid) + (tid % WARP + l) // 4 + 8 * h
+        return fragment_row(Self.first_row(tid), tid % WARP + l, h)
 
     def warp_key(self) -> Int:
         """The warp's first key (row) of a tile."""

@@ -10,7 +10,7 @@ masking costs two compares per score, behind a branch the whole block
 takes alike."""
 
 from ...cache.traits import KVCacheT
-from ..warp import Frags
+from ..warp import Frags, fragment_row
 from .config import NEG_INF
 from .work import AttentionArgs, BlockWork
 
@@ -43,7 +43,7 @@ struct VisibleKeys[lanes: Int, ROW_HALVES: Int, NTILES: Int, STEP: Int](Copyable
         var real_rows = work.rows(args.group)
         for l in range(Self.lanes):
             comptime for h in range(2):
-                var r = first_row + (first_lane + l) // 4 + 8 * h
+                var r = fragment_row(first_row, first_lane + l, h)
                 var keys = SIMD[DType.int32, 2](1, 0)
                 if r < real_rows:
                     var position = work.position(r, args.group)

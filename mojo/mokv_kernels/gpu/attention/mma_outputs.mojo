@@ -14,7 +14,7 @@ from std.math import exp2
 
 from ...cache.traits import KVCacheT
 from ...pointers import F32Ptr
-from ..warp import MMA_ROWS, Frags
+from ..warp import MMA_ROWS, Frags, fragment_row
 from .config import BLOCK_THREADS, NEG_INF, WARPS
 from .mma_softmax import RowSoftmax
 from .work import AttentionArgs, BlockWork, write_row_part
@@ -62,7 +62,7 @@ struct MmaOutputs[D: Int, lanes: Int, ROW_HALVES: Int, in_registers: Bool]:
             var sums = softmax.row_sums(h)
             for l in range(Self.lanes):
                 var lane = first_lane + l
-                var r = first_row + lane // 4 + 8 * h
+                var r = fragment_row(first_row, lane, h)
                 if r < rows:
                     comptime if Self.in_registers:
                         # Value e of every n-tile: dims (2 t + e) D/8 + n
@@ -119,7 +119,7 @@ struct MmaOutputs[D: Int, lanes: Int, ROW_HALVES: Int, in_registers: Bool]:
             var sums = softmax.row_sums(h)
             for l in range(Self.lanes):
                 var lane = first_lane + l
-                var r = lane // 4 + 8 * h
+                var r = fragment_row(0, lane, h)
                 comptime for n in range(Self.DTILES):
                     var acc = o[n, l]
                     var column = n * 8 + 2 * (lane % 4)
