@@ -74,27 +74,23 @@ The context is walked in tiles of `BN` = 64 keys (128 with `boxes`):
   keeps four, so three are in flight); a
   key's page table entry is read one tile before its row is located, so
   the block never waits on that read (the copies wait on the address);
-- scores: query and K fragments from `ldmatrix` (the queries stay in
-  shared memory, read again per tile: registers go to the outputs); the
-  products are scaled by `scale * log2(e)` in float32 inside the softmax's
-  exponents (a row's max is taken before, one multiply-add per score), so
-  the queries stay exact (with `scales_per_key`, after the product, by that
-  times the row's power of two and each key's key scale);
+- scores (`mma_products`): query and K fragments from `ldmatrix` (the
+  queries stay in shared memory, read again per tile: registers go to the
+  outputs); the products are scaled by `scale * log2(e)` in float32 inside
+  the softmax's exponents (a row's max is taken before, one multiply-add
+  per score), so the queries stay exact (with `scales_per_key`, after the
+  product, by that times the row's power of two and each key's key scale);
 - online softmax in registers (`mma_softmax`): each lane holds two rows'
   scores (decode, with at most 8 rows, only the first's are real);
-- values: the probabilities (with `scales_per_key`, the weights: each times
-  its key's value scale) are rounded to bfloat16 (float16) in registers and
-  are the next product's A operand as they are, V fragments from the
-  transposed `ldmatrix`;
+- values (`mma_products`): the probabilities (with `scales_per_key`, the
+  weights: each times its key's value scale) are rounded to bfloat16
+  (float16) in registers and are the next product's A operand as they
+  are, V fragments from the transposed `ldmatrix`;
 - decode over an 8-bit cache with one scale per head row (`IN_REGISTERS`):
-  K and V fragments are the codes themselves, loaded 16 bytes at a time
-  from their code stage and converted in registers (a pair of float8 codes
-  per instruction), with no widened tile in shared memory: a lane's four
-  codes of a k-step are four consecutive dims of its key, and the queries'
-  columns are stored in that order (`MmaTiles.query_dim`); a lane's value
-  fragment of an n-tile is one byte of each of four value rows, two rows'
-  pair of n-tiles one byte permute, and the outputs' columns come out in
-  that order (`mma_outputs.output_dim`), put back as they are written;
+  K and V fragments are the codes themselves, widened in registers from
+  their code stage (`mma_products`), with no widened tile in shared
+  memory; the outputs' columns come out permuted
+  (`mma_outputs.output_dim`) and are put back as they are written;
 - masking only on tiles some row does not see whole (`mma_mask`);
 - the end: each warp writes its rows, or a decode block's warps combine
   their states (`mma_outputs`).
@@ -112,43 +108,24 @@ warps go through their tiles independently, one waiting on memory while
 another computes, until they combine their states. Under the emulator a
 program is a whole warp (`..warp`)."""
 
-from std.memory import bitcast
-
-from ...pointers import BF16Ptr, F32Ptr
+from ...pointers import F32Ptr
 from ...cache.traits import KVCacheT
 from ...kv_quantization import is_quantized
 from ..block import ThreadProgram
-from ..codes import codes_as_float16
 from ..copy import wait_copies
 from ..mbarrier import BARRIER_BYTES
-from ..warp import (
-    MMA_ROWS,
-    WARP,
-    FragA,
-    FragB,
-    Frags,
-    each_lane,
-    ld_matrix,
-    mma,
-    warp_barrier,
-    fragment_row,
-)
+from ..warp import MMA_ROWS, WARP, Frags, warp_barrier, fragment_row
 from ..warpgroup import (
-    WARPGROUP_ROWS,
     WARPGROUP_WARPS,
     async_proxy_fence,
-    k_slice,
-    mn_slice,
-    warpgroup_arrive,
     warpgroup_commit,
     warpgroup_wait,
     warpgroup_wait_groups,
-    wgmma_rs,
-    wgmma_ss,
 )
 from .config import BLOCK_THREADS, DECODE_ROWS, WARPS
 from .mma_mask import VisibleKeys
 from .mma_outputs import MmaOutputs
+from .mma_products import WarpProducts
 from .mma_softmax import RowSoftmax
 from .mma_tiles import KEYS, TILE_KEYS, VALUES, MmaTiles, value_log_scales
 from .producer import PRODUCER_THREADS, StageRing, TileProducer
@@ -343,6 +320,17 @@ struct MmaThread[
     """Tiles whose copies start before the block multiplies its first."""
     comptime Visible = VisibleKeys[Self.lanes, Self.ROW_HALVES, Self.NTILES, Self.STEP]
     comptime Outputs = MmaOutputs[Self.D, Self.lanes, Self.ROW_HALVES, Self.Tiles.IN_REGISTERS]
+    comptime Products = WarpProducts[
+        Self.cache_t.dtype,
+        Self.D,
+        Self.lanes,
+        Self.ROWS,
+        Self.BN,
+        Self.WARP_KEYS,
+        Self.PRODUCTS,
+        Self.decode,
+        Self.warp_heads,
+    ]
 
     var args: AttentionArgs[Self.cache_t, DType.bfloat16]
     var work: BlockWork
@@ -413,10 +401,6 @@ struct MmaThread[
     def warp(self) -> Int:
         return self.tid // WARP
 
-    def warp_row(self) -> Int:
-        """The warp's first row in the query tile."""
-        return Self.first_row(self.tid) + Self.Tiles.head_first_row(self.tid)
-
     @staticmethod
     def first_row(tid: Int) -> Int:
         """The first query row of thread `tid`'s warp: 0 in decode, whose
@@ -430,8 +414,8 @@ struct MmaThread[
         return fragment_row(Self.first_row(tid), tid % WARP + l, h)
 
     def warp_key(self) -> Int:
-        """The warp's first key (row) of a tile."""
-        return self.warp() * Self.WARP_KEYS if Self.decode else 0
+        """The warp's first key (row) of a tile (`WarpProducts.warp_key`)."""
+        return self.products().warp_key()
 
     def warp_position(self) -> Int:
         """Where the warp's first key lies from the tile's first position:
@@ -629,9 +613,11 @@ struct MmaThread[
             self.group_scores(kv_start, s)
             warpgroup_wait()
         elif Self.Tiles.IN_REGISTERS:
-            self.code_scores(kv_start, s)
+            self.products().code_scores(
+                self.tiles.queries(), self.tiles.code_tile(kv_start, KEYS), s
+            )
         else:
-            self.warp_scores(self.tiles.queries(), self.tiles.tile(kv_start, KEYS), s)
+            self.products().warp_scores(self.tiles.queries(), self.tiles.tile(kv_start, KEYS), s)
         comptime if Self.scales_per_key:
             self.times_key_scales(kv_start, s)
         self.mask(kv_start, s)
@@ -689,164 +675,21 @@ struct MmaThread[
         self.next_scores = s^
 
     @always_inline
+    def products(self) -> Self.Products:
+        """This warp's products (`..mma_products`)."""
+        return Self.Products(self.tid)
+
+    @always_inline
     def group_scores(self, kv_start: Int, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]):
         """Starts the warpgroup's Q Kᵀ of the tile at `kv_start` into `s`
-        (zeros): one `wgmma` per 16 dims; their results may be read after
-        `warpgroup_wait`."""
-        var keys = self.tiles.tile(kv_start, KEYS)
-        var queries = self.tiles.queries()
-        warpgroup_arrive()
-        var group_row = self.warp() // WARPGROUP_WARPS * WARPGROUP_ROWS
-        comptime for k in range(Self.KSTEPS):
-            wgmma_ss[Self.WARP_KEYS](
-                k_slice(queries, Self.ROWS, k, group_row),
-                k_slice(keys, Self.BN, k),
-                s,
-                self.warp() % WARPGROUP_WARPS,
-            )
+        (zeros), read after `warpgroup_wait`."""
+        self.products().group_scores(self.tiles.queries(), self.tiles.tile(kv_start, KEYS), s)
 
     @always_inline
-    def query_fragment(self, queries: BF16Ptr, k: Int) -> Array[FragA, Self.lanes]:
-        """The A fragment of the warp's query rows for k-step `k` (`ldmatrix`)."""
-        var rows = Array[BF16Ptr, Self.lanes](fill=queries)
-        for l in range(Self.lanes):
-            var lane = self.lane(l)
-            # `warp_heads`: rows 8 to 15 of the product are padding, whose
-            # weights the softmax zeroes: they read the real rows again.
-            var row = self.warp_row() + lane % (DECODE_ROWS if Self.warp_heads else 16)
-            rows[l] = queries.unsafe_offset(Self.Tiles.swizzled[Self.ROWS](row, 2 * k + lane // 16))
-        return ld_matrix[4, False, Self.lanes](rows)
-
-    @always_inline
-    def warp_scores(
-        self,
-        queries: BF16Ptr,
-        keys: BF16Ptr,
-        mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes],
-    ):
-        """Q Kᵀ of the warp's rows and keys as `mma.sync` products, query
-        and key fragments from `ldmatrix`."""
-        comptime for k in range(Self.KSTEPS):
-            var a = self.query_fragment(queries, k)
-            var rows = Array[BF16Ptr, Self.lanes](fill=keys)
-            comptime for n2 in range(Self.NTILES // 2):
-                for l in range(Self.lanes):
-                    var lane = self.lane(l)
-                    var key = self.warp_key() + n2 * 16 + lane // 16 * 8 + lane % 8
-                    rows[l] = keys.unsafe_offset(
-                        Self.Tiles.swizzled[Self.BN](key, 2 * k + lane // 8 % 2)
-                    )
-                var b = ld_matrix[4, False, Self.lanes](rows)
-                var b0 = Array[FragB, Self.lanes](fill=0)
-                var b1 = Array[FragB, Self.lanes](fill=0)
-                Self.split_operands(b, b0, b1)
-                s.set(2 * n2, mma[Self.lanes, Self.PRODUCTS](a, b0, s.get(2 * n2)))
-                s.set(2 * n2 + 1, mma[Self.lanes, Self.PRODUCTS](a, b1, s.get(2 * n2 + 1)))
-
-    @staticmethod
-    @always_inline
-    def split_operands(
-        b: Array[SIMD[DType.bfloat16, 8], Self.lanes],
-        mut first: Array[FragB, Self.lanes],
-        mut second: Array[FragB, Self.lanes],
-    ):
-        """The two B fragments of an `ldmatrix` of four matrices: its first
-        and last two matrices, two n-tiles' (or k-halves') operands."""
-
-        def halves(l: Int) {mut first, mut second, imm b}:
-            first[l] = b[l].slice[4, offset=0]()
-            second[l] = b[l].slice[4, offset=4]()
-
-        each_lane[Self.lanes](halves)
-
-    @staticmethod
-    @always_inline
-    def code_operand(codes: SIMD[DType.uint8, 4]) -> FragB:
-        """`IN_REGISTERS`: a B fragment of four codes' float16 values (bits
-        in bfloat16 registers, `..warp.FragB`)."""
-        return bitcast[DType.bfloat16, 4](
-            codes_as_float16[Self.cache_t.dtype, 4](bitcast[Self.cache_t.dtype, 4](codes))
-        )
-
-    @always_inline
-    def code_scores(self, kv_start: Int, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]):
-        """`IN_REGISTERS`: Q Kᵀ of the warp's rows and keys, query fragments
-        from `ldmatrix`, key fragments widened from the codes in registers:
-        lane (g, t) reads bytes `t D/4 ..< (t + 1) D/4` of key g of each
-        n-tile, four codes (a 32-bit word) per k-step, which
-        `MmaTiles.query_dim` orders the queries' columns for."""
-        comptime BYTES = Self.D // 4
-        var rows = Array[SIMD[DType.uint8, BYTES], Self.NTILES * Self.lanes](fill=0)
-        for l in range(Self.lanes):
-            var first = self.lane(l) % 4 * BYTES
-            comptime for n in range(Self.NTILES):
-                var key = self.warp_key() + 8 * n + self.lane(l) // 4
-                comptime if BYTES == 16:
-                    rows[n * Self.lanes + l] = rebind[SIMD[DType.uint8, BYTES]](
-                        self.tiles.codes[16](kv_start, KEYS, key, first)
-                    )
-                else:
-                    rows[n * Self.lanes + l] = rebind[SIMD[DType.uint8, BYTES]](
-                        self.tiles.codes[16](kv_start, KEYS, key, first).join(
-                            self.tiles.codes[16](kv_start, KEYS, key, first + 16)
-                        )
-                    )
-        comptime for k in range(Self.KSTEPS):
-            var a = self.query_fragment(self.tiles.queries(), k)
-            comptime for n in range(Self.NTILES):
-                var b = Array[FragB, Self.lanes](fill=0)
-
-                def widen(l: Int) {mut b, imm rows}:
-                    b[l] = Self.code_operand(rows[n * Self.lanes + l].slice[4, offset=4 * k]())
-
-                each_lane[Self.lanes](widen)
-                s.set(n, mma[Self.lanes, Self.PRODUCTS](a, b, s.get(n)))
-
-    @always_inline
-    def code_values(mut self, a: Array[FragA, Self.lanes], kv_start: Int, j: Int):
-        """`IN_REGISTERS`: P V over keys 16 j .. of the warp's share, value
-        fragments widened from the codes in registers: lane (g, t) reads
-        bytes `g D/8 ..< (g + 1) D/8` of value rows 2t, 2t + 1, 2t + 8 and
-        2t + 9, and output n-tile n takes byte n of each (the outputs'
-        columns in `mma_outputs.output_dim`'s order)."""
-        comptime BYTES = Self.D // 8
-        var rows = Array[SIMD[DType.uint8, BYTES], 4 * Self.lanes](fill=0)
-        for l in range(Self.lanes):
-            var lane = self.lane(l)
-            comptime for r in range(4):
-                var key = self.warp_key() + 16 * j + 2 * (lane % 4) + r % 2 + r // 2 * 8
-                rows[r * Self.lanes + l] = self.tiles.codes[BYTES](
-                    kv_start, VALUES, key, lane // 4 * BYTES
-                )
-        # Two n-tiles at a time: a 32-bit word of two rows' bytes n and n + 1
-        # is one byte permute, and converts to those n-tiles' float16 pairs.
-        comptime for n in range(0, Self.DTILES, 2):
-            var b0 = Array[FragB, Self.lanes](fill=0)
-            var b1 = Array[FragB, Self.lanes](fill=0)
-
-            def widen(l: Int) {mut b0, mut b1, imm rows}:
-                var first = Self.code_operand(
-                    SIMD[DType.uint8, 4](
-                        rows[l][n],
-                        rows[Self.lanes + l][n],
-                        rows[l][n + 1],
-                        rows[Self.lanes + l][n + 1],
-                    )
-                )
-                var second = Self.code_operand(
-                    SIMD[DType.uint8, 4](
-                        rows[2 * Self.lanes + l][n],
-                        rows[3 * Self.lanes + l][n],
-                        rows[2 * Self.lanes + l][n + 1],
-                        rows[3 * Self.lanes + l][n + 1],
-                    )
-                )
-                b0[l] = first.slice[2, offset=0]().join(second.slice[2, offset=0]())
-                b1[l] = first.slice[2, offset=2]().join(second.slice[2, offset=2]())
-
-            each_lane[Self.lanes](widen)
-            self.o.set(n, mma[Self.lanes, Self.PRODUCTS](a, b0, self.o.get(n)))
-            self.o.set(n + 1, mma[Self.lanes, Self.PRODUCTS](a, b1, self.o.get(n + 1)))
+    def group_values(mut self, p: Self.Softmax.Weights, kv_start: Int):
+        """Starts the warpgroup's P V of the tile at `kv_start` from its
+        weights `p` into the outputs, without waiting for it."""
+        self.products().group_values(p, self.tiles.tile(kv_start, VALUES), self.o)
 
     @always_inline
     def softmax_tile[
@@ -873,11 +716,13 @@ struct MmaThread[
             self.group_values(Self.Softmax.all_weights(s), kv_start)
             warpgroup_wait()
         elif Self.Tiles.IN_REGISTERS:
+            var values = self.tiles.code_tile(kv_start, VALUES)
             comptime for j in range(Self.WARP_KEYS // 16):
-                self.code_values(Self.Softmax.weights(s, j), kv_start, j)
+                self.products().code_values(Self.Softmax.weights(s, j), values, j, self.o)
         else:
+            var values = self.tiles.tile(kv_start, VALUES)
             comptime for j in range(Self.WARP_KEYS // 16):
-                self.warp_values(Self.Softmax.weights(s, j), kv_start, j)
+                self.products().warp_values(Self.Softmax.weights(s, j), values, j, self.o)
 
     @always_inline
     def produced_tile[first: Bool](mut self, kv_start: Int):
@@ -940,34 +785,3 @@ struct MmaThread[
         """`producer`: after issuing a tile's products, the other consumer
         warpgroup's turn (`take_turn`)."""
         self.ring().turn(1 - self.warp() // WARPGROUP_WARPS).arrive[Self.lanes]()
-
-    @always_inline
-    def group_values(mut self, p: Self.Softmax.Weights, kv_start: Int):
-        """`warpgroup`: starts the warpgroup's P V of the tile at `kv_start`
-        from its weights `p` (`group_weights`), into the outputs, without
-        waiting for it."""
-        var values = self.tiles.tile(kv_start, VALUES)
-        warpgroup_arrive()
-        comptime for j in range(Self.WARP_KEYS // 16):
-            wgmma_rs[Self.D](p.get(j), mn_slice[Self.BN](values, j), self.o)
-
-    @always_inline
-    def warp_values(mut self, a: Array[FragA, Self.lanes], kv_start: Int, j: Int):
-        """P V of the warp's rows over keys 16 j .. of its share of the
-        tile as `mma.sync` products, V fragments from the transposed
-        `ldmatrix`."""
-        var values = self.tiles.tile(kv_start, VALUES)
-        comptime for n2 in range(Self.DTILES // 2):
-            var rows = Array[BF16Ptr, Self.lanes](fill=values)
-            for l in range(Self.lanes):
-                var lane = self.lane(l)
-                var key = self.warp_key() + 16 * j + lane // 8 % 2 * 8 + lane % 8
-                rows[l] = values.unsafe_offset(
-                    Self.Tiles.swizzled[Self.BN](key, 2 * n2 + lane // 16)
-                )
-            var b = ld_matrix[4, True, Self.lanes](rows)
-            var b0 = Array[FragB, Self.lanes](fill=0)
-            var b1 = Array[FragB, Self.lanes](fill=0)
-            Self.split_operands(b, b0, b1)
-            self.o.set(2 * n2, mma[Self.lanes, Self.PRODUCTS](a, b0, self.o.get(2 * n2)))
-            self.o.set(2 * n2 + 1, mma[Self.lanes, Self.PRODUCTS](a, b1, self.o.get(2 * n2 + 1)))

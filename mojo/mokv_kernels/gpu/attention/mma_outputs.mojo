@@ -23,7 +23,7 @@ from .work import AttentionArgs, BlockWork, write_row_part
 def output_dim[D: Int](column: Int) -> Int:
     """`in_registers`: the dim of the values (and outputs) in column
     `column` of a value product: lane g reads bytes `g * D / 8 ..` of each
-    value row (`MmaThread.code_values`), one per n-tile."""
+    value row (`..mma_products.WarpProducts.code_values`), one per n-tile."""
     return column % 8 * (D // 8) + column // 8
 
 

@@ -38,7 +38,7 @@ code stage is free again once converted, so all
 of codes is half a bfloat16 tile's bytes, and the stages keep as many bytes
 in flight. A decode with one scale per head row (`IN_REGISTERS`) has no
 bfloat16 stage: its warps read their codes from the code stage into
-registers (`codes`), so that stage is busy while its tile is multiplied.
+registers (`code_tile`), so that stage is busy while its tile is multiplied.
 Code rows are XOR-swizzled in 16-byte chunks (`code_chunk`). No thread
 loads a scale from global memory while the block waits on it. Each key's
 key scales are looked up beside its row; its value scales lie a fixed
@@ -50,7 +50,7 @@ from std.sys import size_of
 
 from ...cache.traits import KVCacheT
 from ...kv_quantization import is_quantized
-from ...pointers import BF16Ptr, CachePtr, F32Ptr, ScalePtr
+from ...pointers import BF16Ptr, BytePtr, CachePtr, F32Ptr, ScalePtr
 
 from ..codes import as_values, codes_as_float16, head_scales_in_page
 from ..copy import SharedMemory, commit_copies, start_copy, zero_16
@@ -79,6 +79,24 @@ def value_log_scales[width: Int](scales: SIMD[DType.float32, width]) -> SIMD[DTy
     """What a key's log-weight adds for its value scale (`scales_per_key`,
     `..mma.MmaThread`): its base-2 log, `SMALLEST_VALUE_SCALE`'s at least."""
     return log2(max(scales, SMALLEST_VALUE_SCALE))
+
+
+def swizzled[rows: Int](row: Int, chunk: Int) -> Int:
+    """Element offset of chunk `chunk` (8 elements) of row `row` in a
+    swizzled bfloat16 tile of `rows` rows (the module docstring)."""
+    comptime chunks = SWIZZLE_COLUMNS // 8
+    return (chunk // chunks * rows + row) * SWIZZLE_COLUMNS + (chunk % chunks ^ row % 8) * 8
+
+
+def code_chunk[D: Int](key: Int, chunk: Int) -> Int:
+    """Bytes from a code tile's start to 16-byte chunk `chunk` of row
+    `key`: rows of `D` codes back to back (`128 // D` to a 128-byte line),
+    the eight chunks of each line XOR-swizzled by the line's first row
+    modulo 8, so that the chunks the lanes of a quarter warp read
+    (`..mma_products.WarpProducts.code_scores`: two neighbouring rows;
+    `code_values`: every other row) lie in distinct banks."""
+    var unit = key * (D // 16) + chunk
+    return 16 * (unit ^ (unit // 8 * (128 // D) % 8))
 
 
 @always_inline
@@ -123,7 +141,7 @@ struct MmaTiles[
     comptime IN_REGISTERS = Self.scales_per_key and Self.per_warp
     """A decode over an 8-bit cache with one scale per head row: each warp
     widens its own keys' codes in registers as its products take them
-    (`codes`, `MmaThread.code_scores`), so there is no bfloat16
+    (`code_tile`, `..mma_products`), so there is no bfloat16
     stage, no widening pass through shared memory and no second barrier
     per tile."""
     comptime WIDENED = Self.QUANTIZED and not Self.IN_REGISTERS
@@ -253,29 +271,12 @@ struct MmaTiles[
         )
 
     @staticmethod
-    def swizzled[rows: Int](row: Int, chunk: Int) -> Int:
-        """Element offset of chunk `chunk` (8 elements) of row `row` in a
-        `[rows, D]` tile."""
-        comptime chunks = SWIZZLE_COLUMNS // 8
-        return (chunk // chunks * rows + row) * SWIZZLE_COLUMNS + (chunk % chunks ^ row % 8) * 8
-
-    @staticmethod
-    def code_chunk(key: Int, chunk: Int) -> Int:
-        """Bytes from a code tile's start to 16-byte chunk `chunk` of row
-        `key`: rows back to back (`128 // D` to a 128-byte line), the eight
-        chunks of each line XOR-swizzled by the line's first row modulo 8,
-        so that the chunks the lanes of a quarter warp read
-        (`MmaThread.code_scores`: two neighbouring rows; `code_values`:
-        every other row) lie in distinct banks."""
-        var unit = key * (Self.D // 16) + chunk
-        return 16 * (unit ^ (unit // 8 * (128 // Self.D) % 8))
-
-    @staticmethod
     def query_dim(column: Int) -> Int:
         """`IN_REGISTERS`: the dim of the queries in column `column` of the
         query tile. Lane t of a score product reads bytes `t * D / 4 ..` of
-        its key's row, four codes per k-step (`MmaThread.code_scores`), which
-        the product takes as k-columns 2t, 2t + 1, 2t + 8, 2t + 9: the
+        its key's row, four codes per k-step
+        (`..mma_products.WarpProducts.code_scores`), which the product
+        takes as k-columns 2t, 2t + 1, 2t + 8, 2t + 9: the
         queries' columns are ordered alike, and a dot product does not
         depend on the order of its terms."""
         var k_step = column // 16
@@ -325,13 +326,10 @@ struct MmaTiles[
         return self.code_stage_offset(kv_start) + kind * Self.TILE
 
     @always_inline
-    def codes[
-        width: Int
-    ](self, kv_start: Int, kind: Int, key: Int, first: Int) -> SIMD[DType.uint8, width]:
-        """`IN_REGISTERS`: codes `first ..< first + width` (within one
-        16-byte chunk) of row `key` of the tile at `kv_start`, K or V."""
-        var at = self.copy_offset(kv_start, key, first, kind) + first % 16
-        return self.at[UInt8](at).unsafe_load[width=width, alignment=width](0)
+    def code_tile(self, kv_start: Int, kind: Int) -> BytePtr:
+        """`IN_REGISTERS`: the K (`kind` KEYS) or V codes `[BN, D]` of the
+        tile at `kv_start` (`code_chunk`), which the products read."""
+        return self.at[UInt8](self.codes_offset(kv_start, kind))
 
     @always_inline
     def scales_offset(self, kv_start: Int, kind: Int) -> Int:
@@ -405,7 +403,7 @@ struct MmaTiles[
             for u in range(tid % threads + l, Self.HEAD_ROWS * Self.CHUNKS, threads):
                 var r = u // Self.CHUNKS
                 var c = u % Self.CHUNKS
-                var to = self.smem().unsafe_offset(Self.swizzled[Self.ROWS](first + r, c))
+                var to = self.smem().unsafe_offset(swizzled[Self.ROWS](first + r, c))
                 if r < rows:
                     var offset = row_offset[Self.D](args, work, r) + c * 8
                     to.unsafe_store[alignment=16](
@@ -455,7 +453,7 @@ struct MmaTiles[
                     else:
                         chunk = queries.unsafe_load[width=8, alignment=16](c * 8)
                     halves = (chunk.cast[DType.float32]() * times).cast[DType.float16]()
-                self.smem().unsafe_offset(Self.swizzled[Self.ROWS](first_row + r, c)).unsafe_store[
+                self.smem().unsafe_offset(swizzled[Self.ROWS](first_row + r, c)).unsafe_store[
                     alignment=16
                 ](0, bitcast[DType.bfloat16, 8](halves))
             self.row_scales()[unsafe_offset=first_row + r] = bitcast[DType.float32](
@@ -604,9 +602,9 @@ struct MmaTiles[
         an 8-bit cache's codes `[BN, D]` (offsets, not pointers:
         `..copy.start_copy`)."""
         comptime if Self.QUANTIZED:
-            return self.codes_offset(kv_start, kind) + Self.code_chunk(key, first // 16)
+            return self.codes_offset(kv_start, kind) + code_chunk[Self.D](key, first // 16)
         else:
-            return self.tile_offset(kv_start, kind) + 2 * Self.swizzled[Self.BN](key, first // 8)
+            return self.tile_offset(kv_start, kind) + 2 * swizzled[Self.BN](key, first // 8)
 
     @always_inline
     def start_tile[lanes: Int](self, tid: Int, kv_start: Int, granularity: Int):
@@ -730,6 +728,6 @@ struct MmaTiles[
                         ]
                         values = as_values(codes, scale).cast[DType.bfloat16]()
                     comptime for half in range(Self.ELEMENTS_PER_COPY // 8):
-                        tile.unsafe_offset(
-                            Self.swizzled[Self.BN](key, first // 8 + half)
-                        ).unsafe_store[alignment=16](0, values.slice[8, offset=half * 8]())
+                        tile.unsafe_offset(swizzled[Self.BN](key, first // 8 + half)).unsafe_store[
+                            alignment=16
+                        ](0, values.slice[8, offset=half * 8]())
