@@ -395,11 +395,9 @@ struct MmaThread[
         self.score_scales = Frags[DType.float32, 4, 1, Self.lanes](0)
         self.visible = Self.Visible(args, work, Self.first_row(tid), tid % WARP)
 
-    def lane(self, l: Int) -> Int:
-        return self.tid % WARP + l
-
     def warp(self) -> Int:
-        return self.tid // WARP
+        """This program's warp (`WarpProducts.warp`)."""
+        return self.products().warp()
 
     @staticmethod
     def first_row(tid: Int) -> Int:
@@ -658,7 +656,7 @@ struct MmaThread[
         var scales = self.tiles.key_scales(kv_start, kind).unsafe_offset(self.warp_key())
         var pairs = Frags[DType.float32, 2, Self.NTILES, Self.lanes](0)
         for l in range(Self.lanes):
-            var column = 2 * (self.lane(l) % 4)
+            var column = 2 * (self.products().lane(l) % 4)
             comptime for n in range(Self.NTILES):
                 var pair = scales.unsafe_load[width=2, alignment=8](n * 8 + column)
                 comptime if Self.Tiles.IN_REGISTERS and kind == VALUES:

@@ -73,9 +73,11 @@ struct WarpProducts[
     """The program's first thread."""
 
     def lane(self, l: Int) -> Int:
+        """The lane of the program's `l`-th lane in its warp."""
         return self.tid % WARP + l
 
     def warp(self) -> Int:
+        """The warp, within the block."""
         return self.tid // WARP
 
     def warp_row(self) -> Int:
