@@ -4,6 +4,10 @@ context or run under a CPU emulator, warp-collective steps included (`warp`:
 tensor-core fragments, `ldmatrix`, shuffles). `rows` stores and gathers,
 `quantized` does so for 8-bit caches (`codes` reads their elements);
 `attention` is the attention package (plan, decode, prefill, tensor-core
-tiles, merge, op); `copy` starts asynchronous 16-byte copies. These paths
-compile for sm_90 and gfx942 (`tools/check_gpu_build.sh`) and run under the
-emulator in the tests (`tests/gpu/README.md`)."""
+tiles, merge, op). Hopper's building blocks: `warpgroup` (its warpgroup
+products, `wgmma`), `mbarrier` (barriers between warps that do different
+work) and `tensor_map` (rows copied by the tensor memory accelerator).
+`copy` starts asynchronous 16-byte copies; `views` lays op tensors over raw
+memory, so the compile check and the emulator call the ops' entry points.
+These paths compile for sm_90 and gfx942 (`tools/check_gpu_build.sh`) and
+run under the emulator in the tests (`tests/gpu/README.md`)."""

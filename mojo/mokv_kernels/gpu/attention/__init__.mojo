@@ -28,7 +28,11 @@ The package, one concept per module (as the CPU one):
 - `mma`: decode and prefill of bfloat16 and 8-bit caches on tensor cores,
   one thread's (under the emulator one warp's) program;
 - `mma_kernel`: their grid and the order a block runs that program's phases;
+- `mma_products`: a warp's Q Kᵀ and P V (`mma.sync`, over 8-bit codes in
+  registers, or a warpgroup's `wgmma`);
 - `mma_softmax`: their online softmax, in a warp's registers;
+- `mma_mask`: which keys each query row sees, found once per block;
+- `mma_outputs`: a block's end: rows written, or a decode's warps combined;
 - `mma_tiles`: their shared memory, and the copies that fill it;
 - `producer`: the producer warpgroup that feeds the Hopper prefill's
   tiles, and the barriers it hands them over by;
