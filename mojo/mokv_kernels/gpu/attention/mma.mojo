@@ -127,7 +127,7 @@ from .mma_mask import VisibleKeys
 from .mma_outputs import MmaOutputs
 from .mma_products import WarpProducts
 from .mma_softmax import RowSoftmax
-from .mma_tiles import KEYS, TILE_KEYS, VALUES, MmaTiles, value_log_scales
+from .mma_tiles import KEYS, TILE_KEYS, VALUES, MmaTiles, head_first_row, value_log_scales
 from .producer import PRODUCER_THREADS, StageRing, TileProducer
 from .work import AttentionArgs, BlockWork
 
@@ -393,23 +393,17 @@ struct MmaThread[
         self.next_scores = Frags[DType.float32, 4, Self.NTILES, Self.lanes](0)
         self.last_weights = Self.Softmax.Weights(0)
         self.score_scales = Frags[DType.float32, 4, 1, Self.lanes](0)
-        self.visible = Self.Visible(args, work, Self.first_row(tid), tid % WARP)
+        self.visible = Self.Visible(args, work, Self.Products.first_row(tid), tid % WARP)
 
     def warp(self) -> Int:
         """This program's warp (`WarpProducts.warp`)."""
         return self.products().warp()
 
     @staticmethod
-    def first_row(tid: Int) -> Int:
-        """The first query row of thread `tid`'s warp: 0 in decode, whose
-        warps share their rows."""
-        return 0 if Self.decode else tid // WARP * MMA_ROWS
-
-    @staticmethod
     def lane_row(tid: Int, l: Int, h: Int) -> Int:
         """The query row of lane `l`'s (of the program at thread `tid`)
         fragment values `2 h` and `2 h + 1` (`..warp`'s C layout)."""
-        return fragment_row(Self.first_row(tid), tid % WARP + l, h)
+        return fragment_row(Self.Products.first_row(tid), tid % WARP + l, h)
 
     def warp_key(self) -> Int:
         """The warp's first key (row) of a tile (`WarpProducts.warp_key`)."""
@@ -530,7 +524,7 @@ struct MmaThread[
                 Self.Outputs.write_rows(
                     self.args,
                     self.work,
-                    Self.first_row(self.tid),
+                    Self.Products.first_row(self.tid),
                     self.tid % WARP,
                     self.o,
                     self.softmax,
@@ -543,7 +537,7 @@ struct MmaThread[
         """`score_scales` from the rows' powers of two (`scales_per_key`)."""
         var row_scales = self.tiles.row_scales()
         for l in range(Self.lanes):
-            var head_rows = row_scales.unsafe_offset(Self.Tiles.head_first_row(self.tid))
+            var head_rows = row_scales.unsafe_offset(head_first_row[Self.warp_heads](self.tid))
             var first = head_rows[unsafe_offset=Self.lane_row(self.tid, l, 0)]
             var second: Float32
             comptime if Self.warp_heads:

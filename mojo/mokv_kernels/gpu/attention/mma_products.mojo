@@ -36,7 +36,7 @@ from ..warpgroup import (
     wgmma_ss,
 )
 from .config import DECODE_ROWS
-from .mma_tiles import code_chunk, swizzled
+from .mma_tiles import code_chunk, head_first_row, swizzled
 
 
 @fieldwise_init
@@ -80,16 +80,19 @@ struct WarpProducts[
         """The warp, within the block."""
         return self.tid // WARP
 
+    @staticmethod
+    def first_row(tid: Int) -> Int:
+        """The first query row of thread `tid`'s warp's products: 0 in
+        decode, whose warps share their rows."""
+        return 0 if Self.decode else tid // WARP * MMA_ROWS
+
     def warp_row(self) -> Int:
-        """The warp's first row in the query tile: its own `MMA_ROWS` in a
-        prefill; with `warp_heads` its head's `DECODE_ROWS`; else 0 (a
-        decode's warps share their rows). Computed from `tid` where it is
-        used, as `warp_key` is: held in fields, they made LLVM keep each
-        k-step's key addresses in registers across the tile loop, and the
-        `mma.sync` prefill spilled."""
-        comptime if Self.warp_heads:
-            return self.warp() * DECODE_ROWS
-        return 0 if Self.decode else self.warp() * MMA_ROWS
+        """The warp's first row in the query tile: its products' first row
+        plus, with `warp_heads`, its head's first. Computed from `tid` where
+        it is used, as `warp_key` is: held in fields, they made LLVM keep
+        each k-step's key addresses in registers across the tile loop, and
+        the `mma.sync` prefill spilled."""
+        return Self.first_row(self.tid) + head_first_row[Self.warp_heads](self.tid)
 
     def warp_key(self) -> Int:
         """The warp's first key (row) of a tile: in decode the ones it

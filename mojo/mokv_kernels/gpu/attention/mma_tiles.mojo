@@ -99,6 +99,13 @@ def code_chunk[D: Int](key: Int, chunk: Int) -> Int:
     return 16 * (unit ^ (unit // 8 * (128 // D) % 8))
 
 
+def head_first_row[warp_heads: Bool](thread: Int) -> Int:
+    """The query tile's row of `thread`'s KV head's first query row: with
+    `warp_heads` (each warp its own head's `DECODE_ROWS`) its warp's, else
+    0."""
+    return thread // WARP * DECODE_ROWS if warp_heads else 0
+
+
 @always_inline
 def ring_stage[BN: Int, stages: Int](first_key: Int, kv_start: Int) -> Int:
     """The stage of the tile at `kv_start` when tiles of `BN` keys from
@@ -398,7 +405,7 @@ struct MmaTiles[
             return
         comptime threads = WARP if Self.warp_heads else Self.THREADS
         var rows = work.rows(args.group)
-        var first = Self.head_first_row(tid)
+        var first = head_first_row[Self.warp_heads](tid)
         for l in range(lanes):
             for u in range(tid % threads + l, Self.HEAD_ROWS * Self.CHUNKS, threads):
                 var r = u // Self.CHUNKS
@@ -422,7 +429,7 @@ struct MmaTiles[
         chunk; `IN_REGISTERS`, its columns in `query_dim`'s order."""
         comptime threads = WARP if Self.warp_heads else Self.THREADS
         var rows = work.rows(args.group)
-        var first_row = Self.head_first_row(tid)
+        var first_row = head_first_row[Self.warp_heads](tid)
         for l in range(lanes):
             var r = tid % threads + l
             if r >= Self.HEAD_ROWS:
@@ -459,12 +466,6 @@ struct MmaTiles[
             self.row_scales()[unsafe_offset=first_row + r] = bitcast[DType.float32](
                 UInt32(127 - up) << 23
             )
-
-    @staticmethod
-    def head_first_row(thread: Int) -> Int:
-        """The query tile's row of `thread`'s KV head's first query row:
-        its warp's `HEAD_ROWS` with `warp_heads`, else 0."""
-        return thread // WARP * Self.HEAD_ROWS if Self.warp_heads else 0
 
     @staticmethod
     def key_position(key: Int) -> Int:
