@@ -134,10 +134,30 @@ def kernel_sass(ptx: str, ptxas: str = "ptxas") -> str:
         return subprocess.run([nvdisasm(), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
 
 
+HEADER = f"{'kernel':30} {'loop':>13} {'instr':>6} " + " ".join(f"{k:>5}" for k in (*KINDS, "other"))
+"""The column heads of `loop_rows`."""
+
+
+def loop_rows(label: str, sass: str, show_skips: bool) -> list[str]:
+    """A kernel's two largest loops, its tile loop first, a row each under
+    `HEADER`; with `show_skips`, the tile loop's skips after them."""
+    largest = tile_loop_first(loops(sass))[:2]
+    rows = []
+    for loop in largest:
+        kinds = loop.kinds()
+        cells = " ".join(f"{kinds[k]:>5}" for k in (*KINDS, "other"))
+        rows.append(f"{label:30} {loop.start:>#6x}-{loop.end:<#6x} {len(loop.opcodes):>6} {cells}")
+    for address, ops in largest[0].skips if show_skips and largest else []:
+        kinds = Loop(0, 0, ops, []).kinds()
+        what = ", ".join(f"{n} {k}" for k, n in kinds.most_common(3))
+        rows.append(f"{'':30}   skips {len(ops):>4} at {address:#x}: {what}")
+    return rows
+
+
 def main(argv: list[str]) -> int:
     show_skips = argv[:1] == ["--skips"]
     binary, *wanted = argv[1:] if show_skips else argv
-    print(f"{'kernel':30} {'loop':>13} {'instr':>6} " + " ".join(f"{k:>5}" for k in (*KINDS, "other")))
+    print(HEADER)
     seen = set()
     for ptx in (m.decode() for m in modules(Path(binary).read_bytes())):
         marker = KERNEL.search(ptx)
@@ -148,15 +168,8 @@ def main(argv: list[str]) -> int:
         seen.add(label)
         if wanted and not any(w in label for w in wanted):
             continue
-        largest = tile_loop_first(loops(kernel_sass(ptx)))[:2]
-        for loop in largest:
-            kinds = loop.kinds()
-            cells = " ".join(f"{kinds[k]:>5}" for k in (*KINDS, "other"))
-            print(f"{label:30} {loop.start:>#6x}-{loop.end:<#6x} {len(loop.opcodes):>6} {cells}")
-        for address, ops in largest[0].skips if show_skips and largest else []:
-            kinds = Loop(0, 0, ops, []).kinds()
-            what = ", ".join(f"{n} {k}" for k, n in kinds.most_common(3))
-            print(f"{'':30}   skips {len(ops):>4} at {address:#x}: {what}")
+        for row in loop_rows(label, kernel_sass(ptx), show_skips):
+            print(row)
     return 0
 
 

@@ -72,12 +72,37 @@ struct SharedOperand[k_major: Bool, lbo: Int, sbo: Int](TrivialRegisterPassable)
     var start: Int
     """Bytes from the tile to the slice's first element, before swizzling."""
 
+    comptime HIGH_WORD = UInt32(Self.sbo >> 4) | UInt32(1) << 30
+    """A descriptor's bits 32-63: the stride (bits 32-45) and the 128-byte
+    swizzle (mode 1, bits 62-63)."""
+    comptime LEADING = UInt32(Self.lbo >> 4) << 16
+    """A descriptor's leading byte offset field (bits 16-29)."""
+
     @always_inline
     def descriptor(self) -> WGMMADescriptor[DType.bfloat16]:
-        """The shared-memory matrix descriptor the instruction reads."""
+        """The shared-memory matrix descriptor the instruction reads, made
+        from the slice's address (`WGMMADescriptor.create`). For an operand
+        whose tile stays (the queries): LLVM computes its slices' descriptors
+        once, outside the tile loop."""
         return WGMMADescriptor[DType.bfloat16].create[
             Self.sbo >> 4, Self.lbo >> 4, TensorMapSwizzle.SWIZZLE_128B
         ](self.tile.unsafe_offset(self.start // 2).unsafe_address_space_cast[AddressSpace.SHARED]())
+
+    @always_inline
+    def advanced_descriptor(self) -> WGMMADescriptor[DType.bfloat16]:
+        """`descriptor`'s bits, made as the tile's low word advanced by the
+        slice's start, for an operand whose tile changes every tile (keys,
+        values): the slices of one tile then differ by one add of a
+        constant, where `create` masked each slice's address anew (the
+        `wgmma` prefills' tile loops 12 to 28 instructions shorter). Exact
+        while the tile's shared-memory address plus the start stays below
+        256 KB, as every shared address does, so the address field (bits
+        0-13, the address over 16) never carries. Not for the queries: a
+        base all their slices share was computed before the producer-fed
+        kernels' branch between roles and spilled across `setmaxnreg`."""
+        var tile = UInt32(Int(self.tile.unsafe_address_space_cast[AddressSpace.SHARED]()))
+        var low = ((tile & 0x3FFFF) >> 4 | Self.LEADING) + UInt32(self.start >> 4)
+        return WGMMADescriptor[DType.bfloat16](Int64(Self.HIGH_WORD) << 32 | Int64(low))
 
     def element(self, k: Int, mn: Int) -> Float32:
         """Element (k, mn) of the slice, found as the hardware finds it."""
@@ -163,7 +188,7 @@ def wgmma_ss[
                 a_type=DType.bfloat16,
                 b_type=DType.bfloat16,
                 layout_b="col" if b_major else "row",
-            ](a.descriptor(), b.descriptor(), _joined[n](d))
+            ](a.descriptor(), b.advanced_descriptor(), _joined[n](d))
             _split[n](acc, d)
         else:
             abort(NOT_HOPPER)
@@ -191,7 +216,7 @@ def wgmma_rs[
                 a_type=DType.bfloat16,
                 b_type=DType.bfloat16,
                 layout_b="col" if b_major else "row",
-            ](a[0], b.descriptor(), _joined[n](d))
+            ](a[0], b.advanced_descriptor(), _joined[n](d))
             _split[n](acc, d)
         else:
             abort(NOT_HOPPER)

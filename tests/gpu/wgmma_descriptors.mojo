@@ -1,0 +1,52 @@
+"""Checks `SharedOperand.advanced_descriptor` (a tile's descriptor advanced
+by a slice's start) against `SharedOperand.descriptor`
+(`WGMMADescriptor.create` of the slice's own address) bit for bit, for
+every slice the `wgmma` prefills take and every 1024-byte-aligned tile
+address whose tile fits Hopper's 227 KB of shared memory: prints one line
+per operand kind, `<kind> ok` or the first tile, step and both descriptors
+that differ (`tests/gpu/test_wgmma_descriptors.py`)."""
+
+from mokv_kernels.gpu.warpgroup import SWIZZLE_ALIGNMENT, K, k_slice, mn_slice
+from mokv_kernels.pointers import BF16Ptr
+
+comptime SHARED_BYTES = 227 * 1024
+"""Shared memory a Hopper block may take (`cudaDevAttrMaxSharedMemoryPerBlockOptin`)."""
+comptime DEPTH = 128
+"""Head dims of the widest tile (128): its K-major slices' steps."""
+
+
+def tiles_of(rows: Int) -> Int:
+    """Aligned addresses a `[rows, DEPTH]` tile may start at."""
+    return (SHARED_BYTES - rows * DEPTH * 2) // SWIZZLE_ALIGNMENT + 1
+
+
+def check_k_major(rows: Int, first_row: Int) -> String:
+    for t in range(tiles_of(rows)):
+        var tile = BF16Ptr(unsafe_from_address=t * SWIZZLE_ALIGNMENT)
+        for step in range(DEPTH // K):
+            var slice = k_slice(tile, rows, step, first_row)
+            var advanced = slice.advanced_descriptor().desc
+            var made = slice.descriptor().desc
+            if advanced != made:
+                return String(t"tile {t * SWIZZLE_ALIGNMENT} step {step}: {hex(advanced)} != {hex(made)}")
+    return "ok"
+
+
+def check_mn_major[rows: Int]() -> String:
+    for t in range(tiles_of(rows)):
+        var tile = BF16Ptr(unsafe_from_address=t * SWIZZLE_ALIGNMENT)
+        for step in range(rows // K):
+            var slice = mn_slice[rows](tile, step)
+            var advanced = slice.advanced_descriptor().desc
+            var made = slice.descriptor().desc
+            if advanced != made:
+                return String(t"tile {t * SWIZZLE_ALIGNMENT} step {step}: {hex(advanced)} != {hex(made)}")
+    return "ok"
+
+
+def main():
+    print("keys 64", check_k_major(64, 0))
+    print("keys 128", check_k_major(128, 0))
+    print("K-major 128 from row 64", check_k_major(128, 64))
+    print("values 64", check_mn_major[64]())
+    print("values 128", check_mn_major[128]())

@@ -1,0 +1,174 @@
+"""The tile loops of MAX's own attention kernels as compiled for an NVIDIA
+GPU, read as `sass_loops.py` reads mokv's: the reference's instructions per
+tile beside ours, without a GPU.
+
+MAX keeps the kernels a graph compiles in its cache (`MODULAR_CACHE_DIR`),
+each kernel module with its cubins. `tools/compile_gpu_graphs.py bench`
+compiles the quick benchmark's graphs for sm_90a, MAX's
+`flash_attention_ragged` among them, and `tools/gpu_warm_cache.sh` packs that
+cache (`.gpu-warm/modular.tar.gz`). This takes every cubin out of a cache
+directory or such an archive, keeps the kernels whose name holds a SUBSTRING
+(default `mha`), each once, and prints per kernel its threads a block and
+registers (its `.nv.info`), the register counts its warpgroups ask with
+`setmaxnreg`, and its tile loop's instructions by kind with the forward
+branches inside it that skip 16 or more (`sass_loops.py --skips`).
+
+Needs nvdisasm (`NVDISASM=path`, as `sass_loops.py`).
+
+Usage: python3 tools/max_kernel_loops.py CACHE [SUBSTRING ...]"""
+
+from __future__ import annotations
+
+import re
+import struct
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sass_loops import HEADER, loop_rows, nvdisasm
+
+ELF = b"\x7fELF"
+EM_CUDA = 190
+"""`e_machine` of an NVIDIA cubin."""
+EIATTR_MAX_THREADS = 0x05
+EIATTR_REGCOUNT = 0x2F
+EIFMT_SVAL = 0x04
+"""An `.nv.info` attribute with a sized value (the others hold none or two bytes)."""
+SETMAXNREG = re.compile(r"USETMAXREG\.(TRY_ALLOC|DEALLOC)\S*\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)")
+
+
+@dataclass(frozen=True)
+class Cubin:
+    name: str
+    threads: int
+    registers: int
+    data: bytes
+
+
+def elf_end(blob: bytes, at: int) -> int:
+    """Where the 64-bit ELF starting at `at` ends: past its last section or
+    header table."""
+    program_at, sections_at = struct.unpack_from("<QQ", blob, at + 0x20)
+    program_size, program_count, section_size, section_count = struct.unpack_from("<HHHH", blob, at + 0x36)
+    end = max(sections_at + section_size * section_count, program_at + program_size * program_count)
+    for i in range(section_count):
+        header = at + sections_at + i * section_size
+        kind = struct.unpack_from("<I", blob, header + 4)[0]
+        offset, size = struct.unpack_from("<QQ", blob, header + 0x18)
+        if kind != 8:  # SHT_NOBITS takes no bytes of the file
+            end = max(end, offset + size)
+    return at + end
+
+
+def sections(cubin: bytes) -> dict[str, bytes]:
+    """A cubin's sections by name."""
+    sections_at = struct.unpack_from("<Q", cubin, 0x28)[0]
+    section_size, section_count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def header(i: int) -> tuple[int, int, int]:
+        at = sections_at + i * section_size
+        name = struct.unpack_from("<I", cubin, at)[0]
+        offset, size = struct.unpack_from("<QQ", cubin, at + 0x18)
+        return name, offset, size
+
+    _, names_at, _ = header(names_index)
+    found = {}
+    for i in range(section_count):
+        name, offset, size = header(i)
+        label = cubin[names_at + name : cubin.index(b"\0", names_at + name)].decode()
+        found[label] = cubin[offset : offset + size]
+    return found
+
+
+def attributes(info: bytes) -> Iterator[tuple[int, bytes]]:
+    """An `.nv.info` section's (attribute, value) pairs."""
+    at = 0
+    while at + 4 <= len(info):
+        form, attribute, size = struct.unpack_from("<BBH", info, at)
+        if form == EIFMT_SVAL:
+            yield attribute, info[at + 4 : at + 4 + size]
+            at += 4 + size
+        else:
+            yield attribute, info[at + 2 : at + 4]
+            at += 4
+
+
+def described(cubin: bytes) -> Cubin | None:
+    """The kernel of a one-kernel cubin, with its threads and registers."""
+    found = sections(cubin)
+    names = [label.removeprefix(".text.") for label in found if label.startswith(".text.")]
+    if len(names) != 1:
+        return None
+    threads = registers = 0
+    for attribute, value in attributes(found.get(".nv.info." + names[0], b"")):
+        if attribute == EIATTR_MAX_THREADS:
+            x, y, z = struct.unpack("<III", value)
+            threads = x * y * z
+    for attribute, value in attributes(found.get(".nv.info", b"")):
+        if attribute == EIATTR_REGCOUNT:
+            registers = struct.unpack("<II", value)[1]
+    return Cubin(names[0], threads, registers, cubin)
+
+
+def cubins(blob: bytes) -> Iterator[bytes]:
+    """The NVIDIA cubins inside a file's bytes."""
+    at = blob.find(ELF)
+    while at >= 0:
+        if blob[at + 4] == 2 and struct.unpack_from("<H", blob, at + 18)[0] == EM_CUDA:
+            yield blob[at : elf_end(blob, at)]
+        at = blob.find(ELF, at + 4)
+
+
+def cache_files(cache: Path) -> Iterator[bytes]:
+    """The files of a cache directory or of a `.tar.gz` of one."""
+    if cache.is_dir():
+        yield from (path.read_bytes() for path in sorted(cache.rglob("*")) if path.is_file())
+        return
+    with tarfile.open(cache) as archive:
+        for member in archive:
+            if member.isfile():
+                yield archive.extractfile(member).read()
+
+
+def listing(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        return subprocess.run([nvdisasm(), "-c", file.name], capture_output=True, text=True, check=True).stdout
+
+
+def main(argv: list[str]) -> int:
+    cache, *wanted = argv
+    wanted = wanted or ["mha"]
+    seen: set[bytes] = set()
+    kernels = []
+    for blob in cache_files(Path(cache)):
+        for cubin in cubins(blob):
+            kernel = described(cubin)
+            if kernel and kernel.data not in seen and any(w in kernel.name for w in wanted):
+                seen.add(kernel.data)
+                kernels.append(kernel)
+    if not kernels:
+        print(f"no kernel named with {' or '.join(wanted)} in {cache}", file=sys.stderr)
+        return 1
+    for i, kernel in enumerate(sorted(kernels, key=lambda k: k.name)):
+        sass = listing(kernel.data)
+        asks = ", ".join(f"{kind.lower()} {int(count, 16)}" for kind, count in SETMAXNREG.findall(sass))
+        print(
+            f"#{i} {kernel.name}: {kernel.threads} threads, {kernel.registers} registers"
+            + (f", setmaxnreg {asks}" if asks else "")
+        )
+    print(HEADER)
+    for i, kernel in enumerate(sorted(kernels, key=lambda k: k.name)):
+        for row in loop_rows(f"#{i} {kernel.name[:26]}", listing(kernel.data), show_skips=True):
+            print(row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
