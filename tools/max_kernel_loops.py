@@ -44,6 +44,8 @@ SETMAXNREG = re.compile(r"USETMAXREG\.(TRY_ALLOC|DEALLOC)\S*\s+(?:U?P\w+,\s*)?(0
 
 @dataclass(frozen=True)
 class Cubin:
+    """One kernel's cubin and what its `.nv.info` says of it."""
+
     name: str
     threads: int
     registers: int
@@ -136,6 +138,7 @@ def cache_files(cache: Path) -> Iterator[bytes]:
 
 
 def listing(cubin: bytes) -> str:
+    """nvdisasm's listing of a cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
         file.flush()
@@ -156,16 +159,16 @@ def main(argv: list[str]) -> int:
     if not kernels:
         print(f"no kernel named with {' or '.join(wanted)} in {cache}", file=sys.stderr)
         return 1
-    for i, kernel in enumerate(sorted(kernels, key=lambda k: k.name)):
-        sass = listing(kernel.data)
+    listed = [(kernel, listing(kernel.data)) for kernel in sorted(kernels, key=lambda k: k.name)]
+    for i, (kernel, sass) in enumerate(listed):
         asks = ", ".join(f"{kind.lower()} {int(count, 16)}" for kind, count in SETMAXNREG.findall(sass))
         print(
             f"#{i} {kernel.name}: {kernel.threads} threads, {kernel.registers} registers"
             + (f", setmaxnreg {asks}" if asks else "")
         )
     print(HEADER)
-    for i, kernel in enumerate(sorted(kernels, key=lambda k: k.name)):
-        for row in loop_rows(f"#{i} {kernel.name[:26]}", listing(kernel.data), show_skips=True):
+    for i, (kernel, sass) in enumerate(listed):
+        for row in loop_rows(f"#{i} {kernel.name[:26]}", sass, show_skips=True):
             print(row)
     return 0
 
