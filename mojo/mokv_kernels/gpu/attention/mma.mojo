@@ -42,8 +42,8 @@ split and how they multiply:
   stage to the two multiplying warpgroups through shared-memory barriers
   (`..producer`: full when its copies have landed, empty when both
   warpgroups are done with it), so the consumers issue no copy and no
-  address arithmetic (538 instructions a tile at head_dim 128 where the
-  pipelined kernel issues 690) and wait at no block barrier between tiles:
+  address arithmetic (518 instructions a tile at head_dim 128 where the
+  pipelined kernel issues 670) and wait at no block barrier between tiles:
   each warpgroup runs as far ahead as its tiles have landed. `setmaxnreg`
   moves registers from the producer (56 a thread) to the consumers (224).
   The consumers keep FlashAttention-3's order within a warpgroup
