@@ -35,6 +35,8 @@ from sass_loops import HEADER, loop_rows, nvdisasm
 ELF = b"\x7fELF"
 EM_CUDA = 190
 """`e_machine` of an NVIDIA cubin."""
+SHT_NOBITS = 8
+"""A section that takes no bytes of the file."""
 EIATTR_MAX_THREADS = 0x05
 EIATTR_REGCOUNT = 0x2F
 EIFMT_SVAL = 0x04
@@ -52,38 +54,52 @@ class Cubin:
     data: bytes
 
 
+@dataclass(frozen=True)
+class Section:
+    """One section header of an ELF: its name's offset in the names
+    section, its type, and where its bytes lie from the ELF's start."""
+
+    name: int
+    kind: int
+    offset: int
+    size: int
+
+
+def section_headers(blob: bytes, at: int = 0) -> list[Section]:
+    """The section headers of the 64-bit ELF starting at `at`."""
+    sections_at = struct.unpack_from("<Q", blob, at + 0x28)[0]
+    section_size, section_count = struct.unpack_from("<HH", blob, at + 0x3A)
+    headers = []
+    for i in range(section_count):
+        header = at + sections_at + i * section_size
+        name, kind = struct.unpack_from("<II", blob, header)
+        offset, size = struct.unpack_from("<QQ", blob, header + 0x18)
+        headers.append(Section(name, kind, offset, size))
+    return headers
+
+
 def elf_end(blob: bytes, at: int) -> int:
     """Where the 64-bit ELF starting at `at` ends: past its last section or
     header table."""
     program_at, sections_at = struct.unpack_from("<QQ", blob, at + 0x20)
     program_size, program_count, section_size, section_count = struct.unpack_from("<HHHH", blob, at + 0x36)
     end = max(sections_at + section_size * section_count, program_at + program_size * program_count)
-    for i in range(section_count):
-        header = at + sections_at + i * section_size
-        kind = struct.unpack_from("<I", blob, header + 4)[0]
-        offset, size = struct.unpack_from("<QQ", blob, header + 0x18)
-        if kind != 8:  # SHT_NOBITS takes no bytes of the file
-            end = max(end, offset + size)
+    for section in section_headers(blob, at):
+        if section.kind != SHT_NOBITS:
+            end = max(end, section.offset + section.size)
     return at + end
 
 
 def sections(cubin: bytes) -> dict[str, bytes]:
     """A cubin's sections by name."""
-    sections_at = struct.unpack_from("<Q", cubin, 0x28)[0]
-    section_size, section_count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
-
-    def header(i: int) -> tuple[int, int, int]:
-        at = sections_at + i * section_size
-        name = struct.unpack_from("<I", cubin, at)[0]
-        offset, size = struct.unpack_from("<QQ", cubin, at + 0x18)
-        return name, offset, size
-
-    _, names_at, _ = header(names_index)
+    names_index = struct.unpack_from("<H", cubin, 0x3E)[0]
+    headers = section_headers(cubin)
+    names_at = headers[names_index].offset
     found = {}
-    for i in range(section_count):
-        name, offset, size = header(i)
-        label = cubin[names_at + name : cubin.index(b"\0", names_at + name)].decode()
-        found[label] = cubin[offset : offset + size]
+    for section in headers:
+        start = names_at + section.name
+        label = cubin[start : cubin.index(b"\0", start)].decode()
+        found[label] = cubin[section.offset : section.offset + section.size]
     return found
 
 
