@@ -6,7 +6,7 @@ address whose tile fits Hopper's 227 KB of shared memory: prints one line
 per operand kind, `<kind> ok` or the first tile, step and both descriptors
 that differ (`tests/gpu/test_wgmma_descriptors.py`)."""
 
-from mokv_kernels.gpu.warpgroup import SWIZZLE_ALIGNMENT, K, k_slice, mn_slice
+from mokv_kernels.gpu.warpgroup import SWIZZLE_ALIGNMENT, K, SharedOperand, k_slice, mn_slice
 from mokv_kernels.pointers import BF16Ptr
 
 comptime SHARED_BYTES = 227 * 1024
@@ -20,15 +20,25 @@ def tiles_of(rows: Int) -> Int:
     return (SHARED_BYTES - rows * DEPTH * 2) // SWIZZLE_ALIGNMENT + 1
 
 
+def mismatch[
+    k_major: Bool, lbo: Int, sbo: Int
+](slice: SharedOperand[k_major, lbo, sbo], step: Int) -> String:
+    """Empty where both descriptors of a slice agree, else where and how
+    they differ."""
+    var advanced = slice.advanced_descriptor().desc
+    var made = slice.descriptor().desc
+    if advanced == made:
+        return ""
+    return String(t"tile {Int(slice.tile)} step {step}: {hex(advanced)} != {hex(made)}")
+
+
 def check_k_major(rows: Int, first_row: Int) -> String:
     for t in range(tiles_of(rows)):
         var tile = BF16Ptr(unsafe_from_address=t * SWIZZLE_ALIGNMENT)
         for step in range(DEPTH // K):
-            var slice = k_slice(tile, rows, step, first_row)
-            var advanced = slice.advanced_descriptor().desc
-            var made = slice.descriptor().desc
-            if advanced != made:
-                return String(t"tile {t * SWIZZLE_ALIGNMENT} step {step}: {hex(advanced)} != {hex(made)}")
+            var differs = mismatch(k_slice(tile, rows, step, first_row), step)
+            if differs:
+                return differs
     return "ok"
 
 
@@ -36,11 +46,9 @@ def check_mn_major[rows: Int]() -> String:
     for t in range(tiles_of(rows)):
         var tile = BF16Ptr(unsafe_from_address=t * SWIZZLE_ALIGNMENT)
         for step in range(rows // K):
-            var slice = mn_slice[rows](tile, step)
-            var advanced = slice.advanced_descriptor().desc
-            var made = slice.descriptor().desc
-            if advanced != made:
-                return String(t"tile {t * SWIZZLE_ALIGNMENT} step {step}: {hex(advanced)} != {hex(made)}")
+            var differs = mismatch(mn_slice[rows](tile, step), step)
+            if differs:
+                return differs
     return "ok"
 
 
