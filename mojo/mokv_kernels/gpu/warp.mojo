@@ -33,6 +33,7 @@ test_warp_emulation.py` checks them against numpy on random fragments.
 from max.gpu import syncwarp
 from max.gpu.compute.mma import ld_matrix as hw_ld_matrix
 from max.gpu.compute.mma import mma as hw_mma
+from max.gpu.primitives.warp import shuffle_idx as hw_shuffle_idx
 from max.gpu.primitives.warp import shuffle_xor as hw_shuffle_xor
 from std.memory import AddressSpace, bitcast
 from std.os import abort
@@ -194,6 +195,20 @@ def _emulated_mma[
                 )
             d[l][e] = total
     return d^
+
+
+@always_inline
+def warp_uniform(value: Int) -> Int:
+    """`value`, which every lane of the warp holds alike, taken from lane 0
+    (`shfl.sync.idx`, 32 bits): a value ptxas always takes as the warp's.
+    ptxas computes on the warp's uniform datapath, once a warp, only what it
+    can tell is the warp's, and a `wgmma` reads its descriptors from uniform
+    registers: descriptors it computes per thread it copies in at each use
+    (`R2UR`). The emulator's lanes hold the value already."""
+    comptime if is_nvidia_gpu():
+        return Int(hw_shuffle_idx(UInt32(value), 0))
+    else:
+        return value
 
 
 @always_inline

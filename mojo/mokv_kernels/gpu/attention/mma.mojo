@@ -42,8 +42,8 @@ split and how they multiply:
   stage to the two multiplying warpgroups through shared-memory barriers
   (`..producer`: full when its copies have landed, empty when both
   warpgroups are done with it), so the consumers issue no copy and no
-  address arithmetic (518 instructions a tile at head_dim 128 where the
-  pipelined kernel issues 670) and wait at no block barrier between tiles:
+  address arithmetic (509 instructions a tile at head_dim 128 where the
+  pipelined kernel issues 665) and wait at no block barrier between tiles:
   each warpgroup runs as far ahead as its tiles have landed. `setmaxnreg`
   moves registers from the producer (56 a thread) to the consumers (224).
   The consumers keep FlashAttention-3's order within a warpgroup
@@ -114,7 +114,7 @@ from ...kv_quantization import is_quantized
 from ..block import ThreadProgram
 from ..copy import wait_copies
 from ..mbarrier import BARRIER_BYTES
-from ..warp import MMA_ROWS, WARP, Frags, warp_barrier, fragment_row
+from ..warp import MMA_ROWS, WARP, Frags, warp_barrier, warp_uniform, fragment_row
 from ..warpgroup import (
     WARPGROUP_WARPS,
     async_proxy_fence,
@@ -667,6 +667,17 @@ struct MmaThread[
         self.next_scores = s^
 
     @always_inline
+    def warp_tile(self, kv_start: Int) -> Int:
+        """`kv_start`, the tile every lane of the warp multiplies, as a
+        warp-uniform value: its distance from the block's first key taken
+        from lane 0 (`warp_uniform`). The tile's stage, its barriers and its
+        keys' and values' descriptors then come from the uniform datapath;
+        from the tile loop's own count ptxas computed them in every thread
+        and copied each descriptor into uniform registers, 2 to 19
+        instructions more a tile (docs/gpu-kernels.md)."""
+        return self.tiles.first_key + warp_uniform(kv_start - self.tiles.first_key)
+
+    @always_inline
     def products(self) -> Self.Products:
         """This warp's products (`..mma_products`)."""
         return Self.Products(self.tid)
@@ -698,8 +709,12 @@ struct MmaThread[
         return self.softmax.tile[deferred](s, log_scales, self.logit_scale(), self.o)
 
     @always_inline
-    def compute_tile(mut self, kv_start: Int):
-        """Scores, the online softmax and the values of the warp's keys."""
+    def compute_tile(mut self, tile_start: Int):
+        """Scores, the online softmax and the values of the warp's keys of
+        the tile at `tile_start`."""
+        var kv_start = tile_start
+        comptime if Self.PIPELINED:
+            kv_start = self.warp_tile(tile_start)
         var s = self.scores(kv_start)
         _ = self.softmax_tile[deferred=False](kv_start, s)
         comptime if Self.warpgroup:
@@ -717,8 +732,8 @@ struct MmaThread[
                 self.products().warp_values(Self.Softmax.weights(s, j), values, j, self.o)
 
     @always_inline
-    def produced_tile[first: Bool](mut self, kv_start: Int):
-        """`producer`: the tile at `kv_start` once it has landed, in
+    def produced_tile[first: Bool](mut self, tile_start: Int):
+        """`producer`: the tile at `tile_start` once it has landed, in
         FlashAttention-3's order within a warpgroup: its Q Kᵀ and the last
         tile's P V (`last_weights`; none for the block's `first`) issued
         together, this tile's softmax while that P V runs, then the outputs
@@ -727,6 +742,7 @@ struct MmaThread[
         exponentiate, as with `start_scores`, but one tile's scores are live
         where two were: room for the outputs, the scores and the weights of
         longer tiles."""
+        var kv_start = self.warp_tile(tile_start)
         var ring = self.ring()
         ring.full(kv_start).wait(ring.use(kv_start))
         self.take_turn(kv_start)
