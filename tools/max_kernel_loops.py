@@ -49,7 +49,8 @@ class Cubin:
     """One kernel's cubin and what its `.nv.info` says of it."""
 
     name: str
-    threads: int
+    threads: int | None
+    """Its most threads a block, where its `.nv.info` declares them."""
     registers: int
     data: bytes
 
@@ -122,7 +123,8 @@ def described(cubin: bytes) -> Cubin | None:
     names = [label.removeprefix(".text.") for label in found if label.startswith(".text.")]
     if len(names) != 1:
         return None
-    threads = registers = 0
+    threads = None
+    registers = 0
     for attribute, value in attributes(found.get(".nv.info." + names[0], b"")):
         if attribute == EIATTR_MAX_THREADS:
             x, y, z = struct.unpack("<III", value)
@@ -161,6 +163,13 @@ def listing(cubin: bytes) -> str:
         return subprocess.run([nvdisasm(), "-c", file.name], capture_output=True, text=True, check=True).stdout
 
 
+def summary(kernel: Cubin, sass: str) -> str:
+    """A kernel's name, threads, registers and `setmaxnreg` requests."""
+    threads = "threads not declared" if kernel.threads is None else f"{kernel.threads} threads"
+    asks = ", ".join(f"{kind.lower()} {int(count, 16)}" for kind, count in SETMAXNREG.findall(sass))
+    return f"{kernel.name}: {threads}, {kernel.registers} registers" + (f", setmaxnreg {asks}" if asks else "")
+
+
 def main(argv: list[str]) -> int:
     cache, *wanted = argv
     wanted = wanted or ["mha"]
@@ -177,11 +186,7 @@ def main(argv: list[str]) -> int:
         return 1
     listed = [(kernel, listing(kernel.data)) for kernel in sorted(kernels, key=lambda k: k.name)]
     for i, (kernel, sass) in enumerate(listed):
-        asks = ", ".join(f"{kind.lower()} {int(count, 16)}" for kind, count in SETMAXNREG.findall(sass))
-        print(
-            f"#{i} {kernel.name}: {kernel.threads} threads, {kernel.registers} registers"
-            + (f", setmaxnreg {asks}" if asks else "")
-        )
+        print(f"#{i} {summary(kernel, sass)}")
     print(HEADER)
     for i, (kernel, sass) in enumerate(listed):
         for row in loop_rows(f"#{i} {kernel.name[:26]}", sass, show_skips=True):
