@@ -43,7 +43,7 @@ split and how they multiply:
   (`..producer`: full when its copies have landed, empty when both
   warpgroups are done with it), so the consumers issue no copy and no
   address arithmetic (509 instructions a tile at head_dim 128 where the
-  pipelined kernel issues 665) and wait at no block barrier between tiles:
+  pipelined kernel issues 648) and wait at no block barrier between tiles:
   each warpgroup runs as far ahead as its tiles have landed. `setmaxnreg`
   moves registers from the producer (56 a thread) to the consumers (224).
   The consumers keep FlashAttention-3's order within a warpgroup
@@ -316,6 +316,15 @@ struct MmaThread[
     comptime SHARED_BYTES = Self.BARRIERS_AT + Self.Ring.BYTES if Self.producer else (
         Self.Tiles.SHARED_BYTES
     )
+    comptime UNIFORM_WARPS = 1 if Self.PIPELINED and not Self.producer else 0
+    """`uniform_warp`'s length. From a warp-uniform warp number ptxas computes
+    the pipelined kernel's eight query descriptors once a warp before its
+    tile loop (17 instructions fewer a tile at head_dim 128), where from the
+    thread's it keeps them per thread and copies each into uniform registers
+    at every product. The other kernels hold none: the producer-fed
+    consumers' descriptors ptxas would then compute again in every tile (42
+    more), and a field of every program cost the decodes, which keep theirs
+    in memory, up to 35 more and spilled four of them."""
     comptime AHEAD = Self.Tiles.TILES_AHEAD
     """Tiles whose copies start before the block multiplies its first."""
     comptime Visible = VisibleKeys[Self.lanes, Self.ROW_HALVES, Self.NTILES, Self.STEP]
@@ -336,6 +345,10 @@ struct MmaThread[
     var work: BlockWork
     var tid: Int
     """The program's first thread."""
+    var uniform_warp: Array[Int, Self.UNIFORM_WARPS]
+    """The pipelined kernel: the program's warp as a warp-uniform value
+    (`warp_uniform`), taken once, from which its Q Kᵀ finds its warpgroup's
+    query rows (`group_scores`)."""
     var tiles: Self.Tiles
     var o: Frags[DType.float32, 4, Self.DTILES, Self.lanes]
     var softmax: Self.Softmax
@@ -386,6 +399,10 @@ struct MmaThread[
         self.args = args
         self.work = work
         self.tid = tid
+        self.uniform_warp = Array[Int, Self.UNIFORM_WARPS](fill=0)
+        # Only there: a shuffle stays in the code even where nothing reads it.
+        comptime if Self.UNIFORM_WARPS == 1:
+            self.uniform_warp[0] = warp_uniform(tid // WARP)
         self.tiles = Self.Tiles.of(args, work, shared)
         self.o = Frags[DType.float32, 4, Self.DTILES, Self.lanes](0)
         self.softmax = Self.Softmax()
@@ -686,7 +703,10 @@ struct MmaThread[
     def group_scores(self, kv_start: Int, mut s: Frags[DType.float32, 4, Self.NTILES, Self.lanes]):
         """Starts the warpgroup's Q Kᵀ of the tile at `kv_start` into `s`
         (zeros), read after `warpgroup_wait`."""
-        self.products().group_scores(self.tiles.queries(), self.tiles.tile(kv_start, KEYS), s)
+        var warp = self.warp()
+        comptime if Self.UNIFORM_WARPS == 1:
+            warp = self.uniform_warp[0]
+        self.products().group_scores(self.tiles.queries(), self.tiles.tile(kv_start, KEYS), warp, s)
 
     @always_inline
     def group_values(mut self, p: Self.Softmax.Weights, kv_start: Int):

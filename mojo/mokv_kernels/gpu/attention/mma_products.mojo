@@ -262,12 +262,13 @@ struct WarpProducts[
             o.set(n + 1, mma[Self.lanes, Self.PRODUCTS](a, b1, o.get(n + 1)))
 
     @always_inline
-    def group_scores(self, queries: BF16Ptr, keys: BF16Ptr, mut s: Self.Scores):
+    def group_scores(self, queries: BF16Ptr, keys: BF16Ptr, warp: Int, mut s: Self.Scores):
         """Starts the warpgroup's Q Kᵀ of a tile into `s` (zeros): one
-        `wgmma` per 16 dims, its query rows the warpgroup's; their results
+        `wgmma` per 16 dims, its query rows those of `warp`'s warpgroup
+        (this warp, as `MmaThread.uniform_warp` may give it); their results
         may be read after `warpgroup_wait`."""
         warpgroup_arrive()
-        var group_row = self.warp() // WARPGROUP_WARPS * WARPGROUP_ROWS
+        var group_row = warp // WARPGROUP_WARPS * WARPGROUP_ROWS
         comptime for k in range(Self.KSTEPS):
             wgmma_ss[Self.WARP_KEYS](
                 k_slice(queries, Self.ROWS, k, group_row),
