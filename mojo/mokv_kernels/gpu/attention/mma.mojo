@@ -323,8 +323,8 @@ struct MmaThread[
     thread's it keeps them per thread and copies each into uniform registers
     at every product. The other kernels hold none: the producer-fed
     consumers' descriptors ptxas would then compute again in every tile (42
-    more), and a field of every program cost the decodes, which keep theirs
-    in memory, up to 35 more and spilled four of them."""
+    more), and a field of every program cost the `mma.sync` decodes up to
+    35 more and spilled four of them."""
     comptime AHEAD = Self.Tiles.TILES_AHEAD
     """Tiles whose copies start before the block multiplies its first."""
     comptime Visible = VisibleKeys[Self.lanes, Self.ROW_HALVES, Self.NTILES, Self.STEP]
