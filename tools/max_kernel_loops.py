@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import re
 import struct
-import subprocess
 import sys
 import tarfile
 import tempfile
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sass_loops import HEADER, loop_rows, nvdisasm
+from sass_loops import HEADER, disassemble, loop_rows
 
 ELF = b"\x7fELF"
 EM_CUDA = 190
@@ -160,7 +159,7 @@ def listing(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
         file.flush()
-        return subprocess.run([nvdisasm(), "-c", file.name], capture_output=True, text=True, check=True).stdout
+        return disassemble(Path(file.name))
 
 
 def summary(kernel: Cubin, sass: str) -> str:

@@ -125,13 +125,18 @@ def nvdisasm() -> str:
     return os.environ.get("NVDISASM", "nvdisasm")
 
 
+def disassemble(cubin: Path) -> str:
+    """nvdisasm's listing of the cubin at `cubin`."""
+    return subprocess.run([nvdisasm(), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
 def kernel_sass(ptx: str, ptxas: str = "ptxas") -> str:
     target = field(r"\.target (\S+)", ptx)
     with tempfile.TemporaryDirectory() as tmp:
         source, cubin = Path(tmp, "k.ptx"), Path(tmp, "k.cubin")
         source.write_text(ptx)
         subprocess.run([ptxas, f"-arch={target}", str(source), "-o", str(cubin)], check=True)
-        return subprocess.run([nvdisasm(), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+        return disassemble(cubin)
 
 
 HEADER = f"{'kernel':30} {'loop':>13} {'instr':>6} " + " ".join(f"{k:>5}" for k in (*KINDS, "other"))
