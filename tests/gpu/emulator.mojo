@@ -280,8 +280,8 @@ struct EmulatedSteps(WarpSteps):
         if not a_shared:
             a = lane_values[DType.bfloat16, 8](a_bytes)
         wgmma_product[n](
-            bytes_ptr[DType.bfloat16](a_tile),
-            bytes_ptr[DType.bfloat16](b_tile),
+            SharedMemory(bytes_ptr[DType.uint8](a_tile), 0),
+            SharedMemory(bytes_ptr[DType.uint8](b_tile), 0),
             a,
             d,
             a_shared,

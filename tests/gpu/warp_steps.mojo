@@ -3,7 +3,7 @@ the same way whether the emulator (`emulator.mojo`, a program per warp) or
 the GPU (`warp_steps_on_gpu.mojo`, a program per thread) runs it, and the
 warpgroup product a `wgmma` call describes."""
 
-from mokv_kernels.pointers import BF16Ptr
+from mokv_kernels.gpu.copy import SharedMemory
 from mokv_kernels.gpu.mbarrier import SharedBarrier
 from mokv_kernels.gpu.tensor_map import CHUNK_ROWS, SWIZZLE_BYTES, PageMaps, PageTensor, start_box
 from mokv_kernels.gpu.warp import FragA, Frags
@@ -89,8 +89,8 @@ def run_warp_step[S: WarpSteps](mut steps: S, call: Call) raises:
 def wgmma_product[
     n: Int, lanes: Int
 ](
-    a_tile: BF16Ptr,
-    b_tile: BF16Ptr,
+    a_tile: SharedMemory,
+    b_tile: SharedMemory,
     a: Array[FragA, lanes],
     mut d: Frags[DType.float32, 4, n // 8, lanes],
     a_shared: Bool,

@@ -198,9 +198,11 @@ def _wgmma[n: Int](ctx: DeviceContext, call: Call) raises:
         comptime for i in range(n // 8):
             acc[i, 0] = c.unsafe_load[width=4](lane * n // 2 + 4 * i)
         var fragment = Array[FragA, 1](fill=a.unsafe_load[width=8](8 * lane))
-        var keys_or_values = shared.unsafe_offset(TILE)
+        var tiles = SharedMemory.of(shared.unsafe_bitcast[UInt8]())
         warpgroup_arrive()
-        wgmma_product[n](shared, keys_or_values, fragment, acc, a_shared, k_major, Int(step), 0)
+        wgmma_product[n](
+            tiles, tiles.at(2 * TILE), fragment, acc, a_shared, k_major, Int(step), 0
+        )
         warpgroup_wait()
         if Int(thread_idx.x) // WARP == Int(warp):
             comptime for i in range(n // 8):

@@ -6,13 +6,19 @@ address whose tile fits Hopper's 227 KB of shared memory: prints one line
 per operand kind, `<kind> ok` or the first tile, step and both descriptors
 that differ (`tests/gpu/test_wgmma_descriptors.py`)."""
 
+from mokv_kernels.gpu.copy import SharedMemory
 from mokv_kernels.gpu.warpgroup import SWIZZLE_ALIGNMENT, K, SharedOperand, k_slice, mn_slice
-from mokv_kernels.pointers import BF16Ptr
+from mokv_kernels.pointers import BytePtr
 
 comptime SHARED_BYTES = 227 * 1024
 """Shared memory a Hopper block may take (`cudaDevAttrMaxSharedMemoryPerBlockOptin`)."""
 comptime DEPTH = 128
 """Head dims of the widest tile (128): its K-major slices' steps."""
+
+
+def tile_at(address: Int) -> SharedMemory:
+    """A tile at shared-memory address `address` (never read)."""
+    return SharedMemory(BytePtr(unsafe_from_address=address), UInt32(address))
 
 
 def tiles_of(rows: Int) -> Int:
@@ -29,12 +35,12 @@ def mismatch[
     var made = slice.descriptor().desc
     if advanced == made:
         return ""
-    return String(t"tile {Int(slice.tile)} step {step}: {hex(advanced)} != {hex(made)}")
+    return String(t"tile {slice.tile.address} step {step}: {hex(advanced)} != {hex(made)}")
 
 
 def check_k_major(rows: Int, first_row: Int) -> String:
     for t in range(tiles_of(rows)):
-        var tile = BF16Ptr(unsafe_from_address=t * SWIZZLE_ALIGNMENT)
+        var tile = tile_at(t * SWIZZLE_ALIGNMENT)
         for step in range(DEPTH // K):
             var differs = mismatch(k_slice(tile, rows, step, first_row), step)
             if differs:
@@ -44,7 +50,7 @@ def check_k_major(rows: Int, first_row: Int) -> String:
 
 def check_mn_major[rows: Int]() -> String:
     for t in range(tiles_of(rows)):
-        var tile = BF16Ptr(unsafe_from_address=t * SWIZZLE_ALIGNMENT)
+        var tile = tile_at(t * SWIZZLE_ALIGNMENT)
         for step in range(rows // K):
             var differs = mismatch(mn_slice[rows](tile, step), step)
             if differs:

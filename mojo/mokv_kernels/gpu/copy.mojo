@@ -32,9 +32,10 @@ def shared_memory() -> F32Ptr:
 
 @fieldwise_init
 struct SharedMemory(TrivialRegisterPassable):
-    """The block's shared memory as `start_copy` takes it: the generic
-    pointer kernels read it through (`shared_memory`), and on NVIDIA its
-    own 32-bit address, found once per block."""
+    """The block's shared memory, or a part of it from some byte on (`at`),
+    as `start_copy` and `wgmma` descriptors take it: the generic pointer
+    threads read it through (`shared_memory`), and on NVIDIA its own 32-bit
+    address, found once per block (0 elsewhere)."""
 
     var generic: BytePtr
     var address: UInt32
@@ -47,6 +48,11 @@ struct SharedMemory(TrivialRegisterPassable):
         comptime if is_nvidia_gpu():
             address = UInt32(Int(_dynamic_shared()))
         return Self(generic, address)
+
+    @always_inline
+    def at(self, offset: Int) -> Self:
+        """The shared memory from `offset` bytes on, both ways."""
+        return Self(self.generic.unsafe_offset(offset), self.address + UInt32(offset))
 
 
 @always_inline

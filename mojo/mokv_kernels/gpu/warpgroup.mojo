@@ -44,7 +44,7 @@ from std.os import abort
 from std.sys._assembly import inlined_assembly
 from std.sys.info import is_nvidia_gpu
 
-from ..pointers import BF16Ptr
+from .copy import SharedMemory
 from .warp import WARP, FragA, Frags, check_lanes
 
 comptime SWIZZLE_BYTES = 128
@@ -67,8 +67,12 @@ struct SharedOperand[k_major: Bool, lbo: Int, sbo: Int](TrivialRegisterPassable)
     `sbo` bytes apart; `lbo` unused, 16) or MN-major (its rows are K,
     8-row groups `sbo` bytes apart, 64-column blocks `lbo` bytes apart)."""
 
-    var tile: BF16Ptr
-    """The tile, 1024-byte aligned."""
+    var tile: SharedMemory
+    """The tile, 1024-byte aligned. Its descriptors are made of its 32-bit
+    address: from the generic pointer ptxas converted the address in every
+    thread (reading the shared window, `S2R SR_SWINHI`), and kept the
+    descriptors made of it in thread registers, copied into uniform ones at
+    every product. The emulator reads its elements through the pointer."""
     var start: Int
     """Bytes from the tile to the slice's first element, before swizzling."""
 
@@ -84,25 +88,29 @@ struct SharedOperand[k_major: Bool, lbo: Int, sbo: Int](TrivialRegisterPassable)
         from the slice's address (`WGMMADescriptor.create`). For an operand
         whose tile stays (the queries): LLVM computes its slices' descriptors
         once, outside the tile loop."""
+        var slice = Pointer[BFloat16, MutUntrackedOrigin, address_space=AddressSpace.SHARED](
+            unsafe_from_address=Int(self.tile.address) + self.start
+        )
         return WGMMADescriptor[DType.bfloat16].create[
             Self.sbo >> 4, Self.lbo >> 4, TensorMapSwizzle.SWIZZLE_128B
-        ](self.tile.unsafe_offset(self.start // 2).unsafe_address_space_cast[AddressSpace.SHARED]())
+        ](slice)
 
     @always_inline
     def advanced_descriptor(self) -> WGMMADescriptor[DType.bfloat16]:
-        """`descriptor`'s bits, made as the tile's low word advanced by the
+        """`descriptor`'s bits, made as the tile's descriptor advanced by the
         slice's start, for an operand whose tile changes every tile (keys,
-        values): the slices of one tile then differ by one add of a
-        constant, where `create` masked each slice's address anew (the
-        `wgmma` prefills' tile loops 12 to 28 instructions shorter). Exact
-        while the tile's shared-memory address plus the start stays below
-        256 KB, as every shared address does, so the address field (bits
-        0-13, the address over 16) never carries. Not for the queries: a
-        base all their slices share was computed before the producer-fed
-        kernels' branch between roles and spilled across `setmaxnreg`."""
-        var tile = UInt32(Int(self.tile.unsafe_address_space_cast[AddressSpace.SHARED]()))
-        var low = ((tile & 0x3FFFF) >> 4 | Self.LEADING) + UInt32(self.start >> 4)
-        return WGMMADescriptor[DType.bfloat16](Int64(Self.HIGH_WORD) << 32 | Int64(low))
+        values): the slices of one tile then differ by one 64-bit add of a
+        constant (`UIADD3.64` into each product's uniform registers, where
+        a low word joined to the high one took a move of each), where
+        `create` masked each slice's address anew. Exact while the tile's
+        shared-memory address plus the start stays below 256 KB, as every
+        shared address does, so the address field (bits 0-13, the address
+        over 16) never carries. Not for the queries: their descriptors from
+        one base took the producer-fed prefills 4 to 8 instructions more a
+        tile."""
+        var low = (self.tile.address & 0x3FFFF) >> 4 | Self.LEADING
+        var tile = Int64(Self.HIGH_WORD) << 32 | Int64(low)
+        return WGMMADescriptor[DType.bfloat16](tile + Int64(self.start >> 4))
 
     def element(self, k: Int, mn: Int) -> Float32:
         """Element (k, mn) of the slice, found as the hardware finds it."""
@@ -118,7 +126,9 @@ struct SharedOperand[k_major: Bool, lbo: Int, sbo: Int](TrivialRegisterPassable)
                 + k % 8 * SWIZZLE_BYTES
             )
         byte ^= (byte >> 7) % 8 << 4
-        return self.tile[unsafe_offset=byte // 2].cast[DType.float32]()
+        return self.tile.generic.unsafe_bitcast[BFloat16]()[unsafe_offset=byte // 2].cast[
+            DType.float32
+        ]()
 
 
 comptime KMajor = SharedOperand[True, 16, 8 * SWIZZLE_BYTES]
@@ -128,7 +138,7 @@ comptime MNMajor[rows: Int] = SharedOperand[False, rows * SWIZZLE_BYTES, 8 * SWI
 
 
 @always_inline
-def k_slice(tile: BF16Ptr, rows: Int, step: Int, first_row: Int = 0) -> KMajor:
+def k_slice(tile: SharedMemory, rows: Int, step: Int, first_row: Int = 0) -> KMajor:
     """The K-major slice of k-step `step` (columns 16 step ..) of a tile of
     `rows` rows, from row `first_row` (a multiple of 8) on."""
     comptime steps_per_block = SWIZZLE_COLUMNS // K
@@ -140,7 +150,7 @@ def k_slice(tile: BF16Ptr, rows: Int, step: Int, first_row: Int = 0) -> KMajor:
 
 
 @always_inline
-def mn_slice[rows: Int](tile: BF16Ptr, step: Int) -> MNMajor[rows]:
+def mn_slice[rows: Int](tile: SharedMemory, step: Int) -> MNMajor[rows]:
     """The MN-major slice of k-step `step` (rows 16 step ..) of a tile."""
     return MNMajor[rows](tile, step * K * SWIZZLE_BYTES)
 

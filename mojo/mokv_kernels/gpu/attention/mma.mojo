@@ -42,8 +42,8 @@ split and how they multiply:
   stage to the two multiplying warpgroups through shared-memory barriers
   (`..producer`: full when its copies have landed, empty when both
   warpgroups are done with it), so the consumers issue no copy and no
-  address arithmetic (509 instructions a tile at head_dim 128 where the
-  pipelined kernel issues 648) and wait at no block barrier between tiles:
+  address arithmetic (478 instructions a tile at head_dim 128 where the
+  pipelined kernel issues 621) and wait at no block barrier between tiles:
   each warpgroup runs as far ahead as its tiles have landed. `setmaxnreg`
   moves registers from the producer (56 a thread) to the consumers (224).
   The consumers keep FlashAttention-3's order within a warpgroup
@@ -316,15 +316,14 @@ struct MmaThread[
     comptime SHARED_BYTES = Self.BARRIERS_AT + Self.Ring.BYTES if Self.producer else (
         Self.Tiles.SHARED_BYTES
     )
-    comptime UNIFORM_WARPS = 1 if Self.PIPELINED and not Self.producer else 0
+    comptime UNIFORM_WARPS = 1 if Self.PIPELINED else 0
     """`uniform_warp`'s length. From a warp-uniform warp number ptxas computes
-    the pipelined kernel's eight query descriptors once a warp before its
-    tile loop (17 instructions fewer a tile at head_dim 128), where from the
-    thread's it keeps them per thread and copies each into uniform registers
-    at every product. The other kernels hold none: the producer-fed
-    consumers' descriptors ptxas would then compute again in every tile (42
-    more), and a field of every program cost the `mma.sync` decodes up to
-    35 more and spilled four of them."""
+    the `wgmma` prefills' eight query descriptors once a warp before their
+    tile loops (14 to 17 instructions fewer a tile at head_dim 128), where
+    from the thread's it keeps them per thread and copies each into uniform
+    registers at every product. The other kernels hold none: a field of
+    every program cost the `mma.sync` decodes up to 35 more and spilled
+    four of them."""
     comptime AHEAD = Self.Tiles.TILES_AHEAD
     """Tiles whose copies start before the block multiplies its first."""
     comptime Visible = VisibleKeys[Self.lanes, Self.ROW_HALVES, Self.NTILES, Self.STEP]
@@ -346,7 +345,7 @@ struct MmaThread[
     var tid: Int
     """The program's first thread."""
     var uniform_warp: Array[Int, Self.UNIFORM_WARPS]
-    """The pipelined kernel: the program's warp as a warp-uniform value
+    """The pipelined kernels: the program's warp as a warp-uniform value
     (`warp_uniform`), taken once, from which its Q Kᵀ finds its warpgroup's
     query rows (`group_scores`)."""
     var tiles: Self.Tiles
@@ -616,8 +615,9 @@ struct MmaThread[
             for l in range(Self.lanes):
                 comptime for n in range(Self.NTILES):
                     s[n, l] = self.next_scores[n, l] * self.args.scale_log2
-            if kv_start + Self.BN < self.work.kv_end:
-                self.start_scores(kv_start + Self.BN)
+            var next_start = self.next_tile(kv_start)
+            if next_start < self.work.kv_end:
+                self.start_scores(next_start)
         elif Self.warpgroup:
             self.group_scores(kv_start, s)
             warpgroup_wait()
@@ -695,6 +695,18 @@ struct MmaThread[
         return self.tiles.first_key + warp_uniform(kv_start - self.tiles.first_key)
 
     @always_inline
+    def next_tile(self, kv_start: Int) -> Int:
+        """The start of the tile after the one at `kv_start`, written as the
+        block's first key plus its distance from it: LLVM then folds that
+        tile's stage down to `warp_tile`'s lane-0 distance plus one tile, on
+        the uniform datapath. Written `kv_start + BN`, the first key's add
+        and subtraction stayed in thread registers, and so did the next
+        tile's key descriptors, copied into uniform ones at every product
+        (15 `R2UR` more a tile)."""
+        var first_key = self.tiles.first_key
+        return first_key + (kv_start - first_key + Self.BN)
+
+    @always_inline
     def products(self) -> Self.Products:
         """This warp's products (`..mma_products`)."""
         return Self.Products(self.tid)
@@ -706,13 +718,15 @@ struct MmaThread[
         var warp = self.warp()
         comptime if Self.UNIFORM_WARPS == 1:
             warp = self.uniform_warp[0]
-        self.products().group_scores(self.tiles.queries(), self.tiles.tile(kv_start, KEYS), warp, s)
+        self.products().group_scores(
+            self.tiles.query_memory(), self.tiles.tile_memory(kv_start, KEYS), warp, s
+        )
 
     @always_inline
     def group_values(mut self, p: Self.Softmax.Weights, kv_start: Int):
         """Starts the warpgroup's P V of the tile at `kv_start` from its
         weights `p` into the outputs, without waiting for it."""
-        self.products().group_values(p, self.tiles.tile(kv_start, VALUES), self.o)
+        self.products().group_values(p, self.tiles.tile_memory(kv_start, VALUES), self.o)
 
     @always_inline
     def softmax_tile[

@@ -25,6 +25,7 @@ from std.memory import bitcast
 
 from ...pointers import BF16Ptr, BytePtr
 from ..codes import codes_as_float16
+from ..copy import SharedMemory
 from ..warp import MMA_ROWS, WARP, FragA, FragB, Frags, each_lane, ld_matrix, mma
 from ..warpgroup import (
     WARPGROUP_ROWS,
@@ -262,7 +263,9 @@ struct WarpProducts[
             o.set(n + 1, mma[Self.lanes, Self.PRODUCTS](a, b1, o.get(n + 1)))
 
     @always_inline
-    def group_scores(self, queries: BF16Ptr, keys: BF16Ptr, warp: Int, mut s: Self.Scores):
+    def group_scores(
+        self, queries: SharedMemory, keys: SharedMemory, warp: Int, mut s: Self.Scores
+    ):
         """Starts the warpgroup's Q Kᵀ of a tile into `s` (zeros): one
         `wgmma` per 16 dims, its query rows those of `warp`'s warpgroup
         (this warp, as `MmaThread.uniform_warp` may give it); their results
@@ -278,7 +281,7 @@ struct WarpProducts[
             )
 
     @always_inline
-    def group_values(self, p: Self.Weights, values: BF16Ptr, mut o: Self.Outputs):
+    def group_values(self, p: Self.Weights, values: SharedMemory, mut o: Self.Outputs):
         """Starts the warpgroup's P V of a tile from its weights `p` into
         the outputs `o`, without waiting for it."""
         warpgroup_arrive()

@@ -295,6 +295,11 @@ struct MmaTiles[
         return self.smem()
 
     @always_inline
+    def query_memory(self) -> SharedMemory:
+        """`queries` with its shared-memory address, as `wgmma` takes it."""
+        return self.shared
+
+    @always_inline
     def stage(self, kv_start: Int) -> Int:
         """The stage of the tile at `kv_start`."""
         return ring_stage[Self.STEP, Self.stage_count](self.first_key, kv_start)
@@ -320,6 +325,11 @@ struct MmaTiles[
     def tile(self, kv_start: Int, kind: Int) -> BF16Ptr:
         """The bfloat16 K (`kind` KEYS) or V tile of the tile at `kv_start`."""
         return self.at[BFloat16](self.tile_offset(kv_start, kind))
+
+    @always_inline
+    def tile_memory(self, kv_start: Int, kind: Int) -> SharedMemory:
+        """`tile` with its shared-memory address, as `wgmma` takes it."""
+        return self.shared.at(self.tile_offset(kv_start, kind))
 
     @always_inline
     def code_stage_offset(self, kv_start: Int) -> Int:
