@@ -83,6 +83,32 @@ def start_copy[
 
 
 @always_inline
+def start_copy_or_zeros[
+    dtype: DType
+](source: CachePtr[dtype], shared: SharedMemory, offset: Int, present: Bool):
+    """`start_copy` of 16 bytes where `present`, else 16 zero bytes written
+    there (`source` not read): on NVIDIA one copy either way, whose source
+    size is 16 or 0 bytes (`cp.async`'s zero fill, CUTLASS's `ZFILL` copy),
+    where a copy and a store of zeros each under its own predicate took
+    both, and the addresses of both, in every tile loop that copies."""
+    comptime if is_nvidia_gpu():
+        inlined_assembly[
+            "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+            NoneType,
+            constraints="r,l,r,~{memory}",
+        ](
+            shared.address + UInt32(offset),
+            source.unsafe_address_space_cast[AddressSpace.GLOBAL](),
+            UInt32(16) if present else UInt32(0),
+        )
+    else:
+        if present:
+            start_copy[16](source, shared, offset)
+        else:
+            zero_16(shared.generic.unsafe_offset(offset).unsafe_bitcast[Scalar[dtype]]())
+
+
+@always_inline
 def zero_16[dtype: DType](dest: CachePtr[dtype]):
     """Writes 16 bytes of zeros at `dest` (16-byte aligned)."""
     comptime width = 16 // size_of[Scalar[dtype]]()
