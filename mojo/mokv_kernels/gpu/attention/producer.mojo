@@ -32,14 +32,17 @@ from .work import AttentionArgs, BlockWork
 
 comptime PRODUCER_THREADS = WARPGROUP_WARPS * WARP
 """The producer warpgroup's threads."""
-comptime PRODUCER_REGISTERS = 56
-"""Registers a producer thread keeps (`setmaxnreg`; 40 spilled)."""
-comptime CONSUMER_REGISTERS = 224
+comptime PRODUCER_REGISTERS = 64
+"""Registers a producer thread keeps (`setmaxnreg`; 40 spilled, and 56
+once its keys of a tile shared their page's address, `MmaTiles.
+start_tile_through_table`: 80 bytes over a continuous-batching cache at
+head_dim 128)."""
+comptime CONSUMER_REGISTERS = 216
 """Registers a consumer thread takes. `setmaxnreg.inc` waits until the
 block's pool holds them, and the pool holds only what `setmaxnreg.dec`
-released: the producer's 168 - 56 a thread are the consumers' 2 * (224 -
-168), no more (232 would need a producer of 40, whose setup values spilled
-at head_dim 128)."""
+released: the producer's 168 - 64 a thread cover the consumers' 2 * (216 -
+168), and 224 would need a producer of 56. The consumers' tile loops
+compile to the same instructions at 216 as at 224, with no spills."""
 
 comptime PRODUCER_LAG = 2
 """Without `boxes`: tiles the producer warpgroup starts before it hands a
