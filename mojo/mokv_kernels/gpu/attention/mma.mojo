@@ -43,9 +43,9 @@ split and how they multiply:
   (`..producer`: full when its copies have landed, empty when both
   warpgroups are done with it), so the consumers issue no copy and no
   address arithmetic (478 instructions a tile at head_dim 128 where the
-  pipelined kernel issues 621) and wait at no block barrier between tiles:
+  pipelined kernel issues 595) and wait at no block barrier between tiles:
   each warpgroup runs as far ahead as its tiles have landed. `setmaxnreg`
-  moves registers from the producer (56 a thread) to the consumers (224).
+  moves registers from the producer (64 a thread) to the consumers (216).
   The consumers keep FlashAttention-3's order within a warpgroup
   (`produced_tile`): a tile's Q Kᵀ and the last tile's P V are issued
   together and the tile's softmax runs while that P V does, so only one
