@@ -33,7 +33,7 @@ from mokv_kernels.cache.batch_summary import BatchSummary
 from mokv_kernels.cache.traits import KVCollectionT
 from mokv_kernels.gpu.attention.op import attention_gpu
 from mokv_kernels.gpu.block import Emulator
-from mokv_kernels.gpu.copy import SharedMemory
+from mokv_kernels.gpu.shared_memory import SharedMemory
 from mokv_kernels.gpu.mbarrier import BARRIER_BYTES, SharedBarrier
 from mokv_kernels.gpu.tensor_map import PageMaps
 from mokv_kernels.gpu.quantized import (

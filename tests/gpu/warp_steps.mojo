@@ -3,9 +3,10 @@ the same way whether the emulator (`emulator.mojo`, a program per warp) or
 the GPU (`warp_steps_on_gpu.mojo`, a program per thread) runs it, and the
 warpgroup product a `wgmma` call describes."""
 
-from mokv_kernels.gpu.copy import SharedMemory
+from mokv_kernels.gpu.shared_memory import SharedMemory
 from mokv_kernels.gpu.mbarrier import SharedBarrier
-from mokv_kernels.gpu.tensor_map import CHUNK_ROWS, SWIZZLE_BYTES, PageMaps, PageTensor, start_box
+from mokv_kernels.gpu.swizzle import SWIZZLE_BYTES
+from mokv_kernels.gpu.tensor_map import CHUNK_ROWS, PageMaps, PageTensor, start_box
 from mokv_kernels.gpu.warp import FragA, Frags
 from mokv_kernels.gpu.warpgroup import k_slice, mn_slice, wgmma_rs, wgmma_ss
 

@@ -19,7 +19,7 @@ from std.memory import AddressSpace
 from std.sys import argv, size_of
 
 from mokv_kernels.pointers import BF16Ptr, CachePtr
-from mokv_kernels.gpu.copy import SharedMemory, shared_memory
+from mokv_kernels.gpu.shared_memory import SharedMemory, shared_memory
 from mokv_kernels.gpu.block import GpuLauncher
 from mokv_kernels.gpu.mbarrier import BARRIER_BYTES, SharedBarrier
 from mokv_kernels.gpu.warp import (
@@ -34,12 +34,8 @@ from mokv_kernels.gpu.warp import (
     warp_barrier,
 )
 from mokv_kernels.gpu.tensor_map import acquire_maps
-from mokv_kernels.gpu.warpgroup import (
-    SWIZZLE_ALIGNMENT,
-    async_proxy_fence,
-    warpgroup_arrive,
-    warpgroup_wait,
-)
+from mokv_kernels.gpu.swizzle import SWIZZLE_ALIGNMENT
+from mokv_kernels.gpu.warpgroup import async_proxy_fence, warpgroup_arrive, warpgroup_wait
 
 from call_files import Call
 from warp_steps import (

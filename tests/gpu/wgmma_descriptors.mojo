@@ -6,8 +6,9 @@ address whose tile fits Hopper's 227 KB of shared memory: prints one line
 per operand kind, `<kind> ok` or the first tile, step and both descriptors
 that differ (`tests/gpu/test_wgmma_descriptors.py`)."""
 
-from mokv_kernels.gpu.copy import SharedMemory
-from mokv_kernels.gpu.warpgroup import SWIZZLE_ALIGNMENT, K, SharedOperand, k_slice, mn_slice
+from mokv_kernels.gpu.shared_memory import SharedMemory
+from mokv_kernels.gpu.swizzle import SWIZZLE_ALIGNMENT
+from mokv_kernels.gpu.warpgroup import K, SharedOperand, k_slice, mn_slice
 from mokv_kernels.pointers import BytePtr
 
 comptime SHARED_BYTES = 227 * 1024

@@ -7,7 +7,9 @@ tensor-core fragments, `ldmatrix`, shuffles). `rows` stores and gathers,
 tiles, merge, op). Hopper's building blocks: `warpgroup` (its warpgroup
 products, `wgmma`), `mbarrier` (barriers between warps that do different
 work) and `tensor_map` (rows copied by the tensor memory accelerator).
-`copy` starts asynchronous 16-byte copies; `views` lays op tensors over raw
+`shared_memory` is the block's shared memory, `swizzle` the layout of
+every tensor-core tile in it, and `copy` starts asynchronous 16-byte copies
+into it; `views` lays op tensors over raw
 memory, so the compile check and the emulator call the ops' entry points.
 These paths compile for sm_90 and gfx942 (`tools/check_gpu_build.sh`) and
 run under the emulator in the tests (`tests/gpu/README.md`)."""

@@ -42,7 +42,7 @@ from std.utils.numerics import nan
 from std.utils.static_tuple import StaticTuple
 
 from ..pointers import F32Ptr
-from .copy import shared_memory
+from .shared_memory import shared_memory
 from .tensor_map import MAP_ALIGNMENT, MAPS_BYTES, PageMaps, PageTensor, describe_pages
 from .warp import WARP
 

@@ -35,7 +35,7 @@ from std.sys.info import is_gpu, is_nvidia_gpu
 from std.sys._assembly import inlined_assembly
 
 from ..pointers import BytePtr
-from .copy import SharedMemory
+from .shared_memory import SharedMemory
 
 comptime BARRIER_BYTES = 24
 """Bytes a barrier takes in shared memory: the hardware's 8 (8-byte

@@ -37,7 +37,7 @@ from ..cache.traits import KVCacheT
 from ..pointers import BF16Ptr, BytePtr
 from .copy import zero_16
 from .mbarrier import SharedBarrier
-from .warpgroup import SWIZZLE_BYTES, SWIZZLE_COLUMNS
+from .swizzle import SWIZZLE_BYTES, SWIZZLE_COLUMNS
 
 comptime CHUNK_ROWS = 16
 """Rows of a chunk box: a quarter of a 64-key tile."""

@@ -10,10 +10,7 @@ registers, are read by the tensor cores from shared memory through a
 descriptor (`SharedOperand`), never through the threads' registers: a K/V
 tile is read once per warpgroup, not once per warp.
 
-Shared-memory operands use the 128-byte swizzle: a tile `[rows, D]` of
-bfloat16 is stored as D / 64 column blocks `[rows, 64]` of 128-byte rows,
-the 16-byte chunk c of row r at chunk `c ^ (r % 8)`, each block starting
-1024-byte aligned. The same tile is a K-major operand (its rows are M or N,
+Shared-memory operands use the 128-byte swizzle (`.swizzle`). The same tile is a K-major operand (its rows are M or N,
 its columns K: the queries as A, the keys as B of Q Kᵀ) or an MN-major one
 (its rows are K: the values as B of P V). Under the emulator an operand's
 elements are read through the PTX ISA's canonical layouts ("Shared Memory
@@ -44,14 +41,10 @@ from std.os import abort
 from std.sys._assembly import inlined_assembly
 from std.sys.info import is_nvidia_gpu
 
-from .copy import SharedMemory
+from .shared_memory import SharedMemory
+from .swizzle import SWIZZLE_BYTES, SWIZZLE_COLUMNS
 from .warp import WARP, FragA, Frags, check_lanes
 
-comptime SWIZZLE_BYTES = 128
-"""Bytes of a swizzled row: 64 bfloat16 columns."""
-comptime SWIZZLE_COLUMNS = 64
-comptime SWIZZLE_ALIGNMENT = 1024
-"""Where a swizzled tile must start: the 8 rows the pattern repeats over."""
 comptime NOT_HOPPER = "wgmma exists only on NVIDIA Hopper GPUs (Launcher.warpgroup_mma)"
 comptime WARPGROUP_ROWS = 64
 """Rows of a warpgroup product: 16 per warp."""

@@ -25,7 +25,8 @@ from std.memory import bitcast
 
 from ...pointers import BF16Ptr, BytePtr
 from ..codes import codes_as_float16
-from ..copy import SharedMemory
+from ..shared_memory import SharedMemory
+from ..swizzle import swizzled
 from ..warp import MMA_ROWS, WARP, FragA, FragB, Frags, each_lane, ld_matrix, mma
 from ..warpgroup import (
     WARPGROUP_ROWS,
@@ -37,7 +38,7 @@ from ..warpgroup import (
     wgmma_ss,
 )
 from .config import DECODE_ROWS
-from .mma_tiles import code_chunk, head_first_row, swizzled
+from .mma_tiles import code_chunk, head_first_row
 
 
 @fieldwise_init

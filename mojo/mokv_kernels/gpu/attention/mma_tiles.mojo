@@ -2,11 +2,10 @@
 queries and the K/V tiles get there.
 
 Layout: the block's queries `[ROWS, D]`, then `stage_count` pairs of K and V
-tiles `[BN, D]` (one pair for an 8-bit cache, below), each stored as
-`..warpgroup` lays out a swizzled tile (D / 64 column blocks of 128-byte
-rows, chunk c of row r at chunk `c ^ (r % 8)`: the eight rows one `ldmatrix`
-reads sit in distinct banks, and a `wgmma` reads the tile through a
-descriptor), then an 8-bit cache's code stages, then per stage the `BN` key
+tiles `[BN, D]` (one pair for an 8-bit cache, below), each a swizzled
+tile (`..swizzle`: D / 64 column blocks of 128-byte rows, chunk c of row r
+at chunk `c ^ (r % 8)`: the eight rows one `ldmatrix` reads sit in
+distinct banks, and a `wgmma` reads the tile through a descriptor), then an 8-bit cache's code stages, then per stage the `BN` key
 rows' addresses.
 
 K and V rows of a tile go through the page table row by row: one thread per
@@ -53,10 +52,11 @@ from ...kv_quantization import is_quantized
 from ...pointers import BF16Ptr, BytePtr, CachePtr, F32Ptr, ScalePtr
 
 from ..codes import as_values, codes_as_float16, head_scales_in_page
-from ..copy import SharedMemory, commit_copies, start_copy, start_copy_or_zeros, zero_16
+from ..copy import commit_copies, start_copy, start_copy_or_zeros, zero_16
 from ..rows import row_in_table_page, table_page
 
-from ..warpgroup import SWIZZLE_ALIGNMENT, SWIZZLE_COLUMNS
+from ..shared_memory import SharedMemory
+from ..swizzle import SWIZZLE_ALIGNMENT, SWIZZLE_COLUMNS, swizzled
 from ..warp import WARP
 
 from .config import DECODE_ROWS, QUANTIZED_CHUNK
@@ -79,13 +79,6 @@ def value_log_scales[width: Int](scales: SIMD[DType.float32, width]) -> SIMD[DTy
     """What a key's log-weight adds for its value scale (`scales_per_key`,
     `..mma.MmaThread`): its base-2 log, `SMALLEST_VALUE_SCALE`'s at least."""
     return log2(max(scales, SMALLEST_VALUE_SCALE))
-
-
-def swizzled[rows: Int](row: Int, chunk: Int) -> Int:
-    """Element offset of chunk `chunk` (8 elements) of row `row` in a
-    swizzled bfloat16 tile of `rows` rows (the module docstring)."""
-    comptime chunks = SWIZZLE_COLUMNS // 8
-    return (chunk // chunks * rows + row) * SWIZZLE_COLUMNS + (chunk % chunks ^ row % 8) * 8
 
 
 def code_chunk[D: Int](key: Int, chunk: Int) -> Int:

@@ -21,11 +21,13 @@ the consumers take them (`setmaxnreg`, `PRODUCER_REGISTERS` and
 `CONSUMER_REGISTERS`): the producer only addresses and starts copies."""
 
 from ...cache.traits import KVCacheT
-from ..copy import SharedMemory, commit_copies, wait_copies
+from ..copy import commit_copies, wait_copies
 from ..mbarrier import BARRIER_BYTES, SharedBarrier
 from ..rows import table_page
 from ..tensor_map import CHUNK_ROWS, acquire_maps, start_box
-from ..warpgroup import SWIZZLE_BYTES, SWIZZLE_COLUMNS, WARPGROUP_WARPS, async_proxy_fence
+from ..shared_memory import SharedMemory
+from ..swizzle import SWIZZLE_BYTES, SWIZZLE_COLUMNS
+from ..warpgroup import WARPGROUP_WARPS, async_proxy_fence
 from ..warp import WARP
 from .mma_tiles import KEYS, MmaTiles, ring_stage
 from .work import AttentionArgs, BlockWork
