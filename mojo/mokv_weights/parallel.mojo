@@ -18,6 +18,12 @@ only for items a helper has taken, never for a helper to start or to leave:
 when MAX runs independent ops at once on its workers, a helper may find no
 worker free until the ops are done, and waiting for helpers to leave, even
 briefly, slowed independent products down where a chain of them was not.
+
+So a helper may still be queued when `run_items` returns (it then takes no
+item and frees only the shared state), and the code that queued it must stay
+loaded until it has run: a graph's kernels stay loaded with their model, and
+the tests build their Mojo programs rather than JIT-run them (`mojo run` frees
+a program's code when `main` returns, and a late helper crashed there).
 """
 
 from std.atomic import Atomic
