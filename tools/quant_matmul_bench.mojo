@@ -5,7 +5,9 @@ graph (`mokv bench weights`), plus one wide Llama-8B-like shape. Each shape cycl
 through copies of its weights (at least 64 MB in all), so they stream from memory
 as a decode step's do; the best of `REPEATS` products is kept.
 
-Run: .venv/bin/mojo run -I mojo tools/quant_matmul_bench.mojo
+Run: .venv/bin/mojo build -I mojo tools/quant_matmul_bench.mojo -o /tmp/quant_matmul_bench
+&& /tmp/quant_matmul_bench (built, not `mojo run`: see `parallel.mojo` on helpers that
+outlive their call)
 """
 
 from std.math import ceildiv
