@@ -22,6 +22,10 @@ from pathlib import Path
 from mokv.kernels import kernel_sources_root, mojo_compiler
 
 
+def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, capture_output=True, text=True, env=dict(os.environ), timeout=600, check=False)
+
+
 def _failure(what: str, result: subprocess.CompletedProcess[str]) -> AssertionError:
     code = result.returncode
     ended = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
@@ -34,24 +38,10 @@ def run_program(program: Path, *args: object) -> str:
     not exit 0."""
     with tempfile.TemporaryDirectory(prefix="mokv-program-") as folder:
         binary = Path(folder) / program.stem
-        built = subprocess.run(
-            [mojo_compiler(), "build", "-I", str(kernel_sources_root()), str(program), "-o", str(binary)],
-            capture_output=True,
-            text=True,
-            env=dict(os.environ),
-            timeout=600,
-            check=False,
-        )
+        built = _run([mojo_compiler(), "build", "-I", str(kernel_sources_root()), str(program), "-o", str(binary)])
         if built.returncode != 0:
             raise _failure(f"building {program.name}", built)
-        result = subprocess.run(
-            [str(binary), *(str(a) for a in args)],
-            capture_output=True,
-            text=True,
-            env=dict(os.environ),
-            timeout=600,
-            check=False,
-        )
+        result = _run([str(binary), *(str(a) for a in args)])
     if result.returncode != 0:
         raise _failure(program.name, result)
     return result.stdout
