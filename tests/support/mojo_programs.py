@@ -2,14 +2,12 @@
 checkout's kernel sources: for code whose own results a Python test checks,
 such as the GPU planner, the code conversions or the CPU fork-join.
 
-Programs are built (`mojo build`) and then run, not JIT-run with `mojo run`:
-`mojo run` frees the program's code when `main` returns, while a helper that
-`parallel.run_items` queued may not have started yet (the caller never waits
-for its helpers to leave, by design), and such a helper then jumps into freed
-code (`parallel_items.mojo` crashed that way once in about 200 loaded runs).
-A built program keeps its code until the process ends, as a graph keeps its
-kernels' code while it is loaded. Building also tells a compiler error from a
-crash of the program."""
+Programs are built (`mojo build`) and the binary run, not JIT-run with
+`mojo run`, which frees the program's code when `main` returns: a helper that
+`parallel.run_items` left queued then jumps into freed code (`parallel.mojo`
+says why helpers may outlive their call). Each build has a Mojo compile cache
+of its own, as `emulation.build_harness`'s do: a build sharing the cache with
+MAX graphs compiling in another process once failed in CI."""
 
 from __future__ import annotations
 
@@ -22,8 +20,11 @@ from pathlib import Path
 from mokv.kernels import kernel_sources_root, mojo_compiler
 
 
-def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command, capture_output=True, text=True, env=dict(os.environ), timeout=600, check=False)
+def _run(command: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    """`command`'s result, in this process's environment with `env` added."""
+    return subprocess.run(
+        command, capture_output=True, text=True, env=dict(os.environ, **env), timeout=600, check=False
+    )
 
 
 def _failure(what: str, result: subprocess.CompletedProcess[str]) -> AssertionError:
@@ -38,7 +39,8 @@ def run_program(program: Path, *args: object) -> str:
     not exit 0."""
     with tempfile.TemporaryDirectory(prefix="mokv-program-") as folder:
         binary = Path(folder) / program.stem
-        built = _run([mojo_compiler(), "build", "-I", str(kernel_sources_root()), str(program), "-o", str(binary)])
+        build = [mojo_compiler(), "build", "-I", str(kernel_sources_root()), str(program), "-o", str(binary)]
+        built = _run(build, MODULAR_CACHE_DIR=str(Path(folder) / "cache"))
         if built.returncode != 0:
             raise _failure(f"building {program.name}", built)
         result = _run([str(binary), *(str(a) for a in args)])
